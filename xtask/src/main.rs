@@ -1,0 +1,144 @@
+//! kvatlas's task runner: `cargo xtask <task>`.
+//!
+//! - `ci`: everything CI checks (fmt, clippy, tests, docs, tidy, quick bench);
+//! - `tidy`: the workspace's layering rules, read from `cargo metadata`;
+//! - `bench [--quick] [args…]`: the trace-replay harness; `bench micro`: criterion benches.
+
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <task>
+
+tasks:
+  ci                 fmt --check, clippy -D warnings, tests, docs -D warnings, tidy, bench --quick
+  tidy               check the crate layering (see docs/ARCHITECTURE.md)
+  bench [ARGS…]      run the trace-replay benchmark suite (ARGS go to kvatlas-bench; --quick = smoke run)
+  bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
+";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((task, rest)) = args.split_first() else {
+        eprint!("{USAGE}");
+        bail!("no task given");
+    };
+    match task.as_str() {
+        "ci" => ci(),
+        "tidy" => tidy::run(&workspace_root()),
+        "bench" => bench(rest),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => {
+            eprint!("{USAGE}");
+            bail!("unknown task `{other}`")
+        }
+    }
+}
+
+/// The workspace root (the parent of this crate's directory).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+/// Runs a command, failing with its description if it exits non-zero.
+fn run(mut cmd: Command, what: &str) -> Result<()> {
+    eprintln!("\n==> {what}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start: {what}"))?;
+    if !status.success() {
+        bail!("failed: {what} ({status})");
+    }
+    Ok(())
+}
+
+fn ci() -> Result<()> {
+    let mut fmt = cargo();
+    fmt.args(["fmt", "--all", "--", "--check"]);
+    run(fmt, "cargo fmt --check")?;
+
+    let mut clippy = cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run(
+        clippy,
+        "cargo clippy --workspace --all-targets -- -D warnings",
+    )?;
+
+    let mut test = cargo();
+    test.args(["test", "--workspace", "--locked"]);
+    run(test, "cargo test --workspace")?;
+
+    let mut no_default = cargo();
+    no_default.args([
+        "test",
+        "-p",
+        "kvatlas-hash",
+        "--no-default-features",
+        "--locked",
+    ]);
+    run(
+        no_default,
+        "cargo test -p kvatlas-hash --no-default-features",
+    )?;
+
+    let mut doc = cargo();
+    doc.args(["doc", "--workspace", "--no-deps", "--locked"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(doc, "cargo doc --workspace --no-deps (warnings denied)")?;
+
+    eprintln!("\n==> cargo xtask tidy");
+    tidy::run(&workspace_root())?;
+
+    bench(&["--quick".to_string()])?;
+    eprintln!("\nci: all checks passed");
+    Ok(())
+}
+
+fn bench(args: &[String]) -> Result<()> {
+    if args.first().map(String::as_str) == Some("micro") {
+        let mut cmd = cargo();
+        cmd.args(["bench", "-p", "kvatlas-bench", "--locked"])
+            .args(&args[1..]);
+        return run(
+            cmd,
+            "cargo bench -p kvatlas-bench (criterion micro-benchmarks)",
+        );
+    }
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--locked",
+        "-p",
+        "kvatlas-bench",
+        "--bin",
+        "kvatlas-bench",
+        "--",
+    ])
+    .args(args);
+    run(cmd, &format!("kvatlas-bench {}", args.join(" ")))
+}

@@ -1,0 +1,392 @@
+//! `cargo xtask tidy`: mechanical checks of the architecture invariants in
+//! `docs/ARCHITECTURE.md`, read from `cargo metadata`.
+//!
+//! Rules:
+//! 1. `kvatlas-hash` has no internal dependency and no normal dependency beyond `xxhash-rust`
+//!    and an optional `serde`.
+//! 2. Internal crates only depend downwards: hash ← index ← events ← server.
+//! 3. `kvatlas-index` and `kvatlas-events` never reach tokio, tonic, prost or hyper, directly or
+//!    transitively, through normal dependencies.
+//! 4. Nothing depends on `kvatlas-bench` or `xtask` (of any dependency kind).
+//! 5. Every Rust source file under `crates/` opens with a `//!` module doc.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+/// A dependency edge as the rules see it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Edge {
+    pub(crate) from: String,
+    pub(crate) to: String,
+    /// `normal`, `dev` or `build`.
+    pub(crate) kind: String,
+    pub(crate) optional: bool,
+}
+
+/// The facts the rules need: the workspace's own packages, their declared dependencies, and the
+/// resolved graph of normal dependencies (package name → names it depends on).
+#[derive(Debug, Default)]
+pub(crate) struct Graph {
+    pub(crate) members: BTreeSet<String>,
+    pub(crate) declared: Vec<Edge>,
+    pub(crate) resolved_normal: BTreeMap<String, BTreeSet<String>>,
+}
+
+/// Internal crates each internal crate may depend on (normal or dev), bottom to top.
+const ALLOWED_INTERNAL: &[(&str, &[&str])] = &[
+    ("kvatlas-hash", &[]),
+    ("kvatlas-index", &["kvatlas-hash"]),
+    ("kvatlas-events", &["kvatlas-hash", "kvatlas-index"]),
+    (
+        "kvatlas-server",
+        &["kvatlas-hash", "kvatlas-index", "kvatlas-events"],
+    ),
+    (
+        "kvatlas-bench",
+        &[
+            "kvatlas-hash",
+            "kvatlas-index",
+            "kvatlas-events",
+            "kvatlas-server",
+        ],
+    ),
+    ("xtask", &[]),
+];
+
+const HASH_ALLOWED_EXTERNAL: &[&str] = &["xxhash-rust"];
+const HASH_OPTIONAL_EXTERNAL: &[&str] = &["serde"];
+const SANS_RUNTIME: &[&str] = &["kvatlas-index", "kvatlas-events"];
+const RUNTIME_CRATES: &[&str] = &["tokio", "tonic", "prost", "hyper"];
+const LEAVES: &[&str] = &["kvatlas-bench", "xtask"];
+
+pub(crate) fn run(root: &Path) -> Result<()> {
+    let graph = load_graph(root)?;
+    let mut violations = check_layering(&graph);
+    violations.extend(check_module_docs(&root.join("crates"))?);
+    if violations.is_empty() {
+        eprintln!(
+            "tidy: layering and module docs OK ({} workspace crates)",
+            graph.members.len()
+        );
+        return Ok(());
+    }
+    for violation in &violations {
+        eprintln!("tidy: {violation}");
+    }
+    bail!("tidy found {} violation(s)", violations.len())
+}
+
+/// Checks rules 1–4 and returns one message per forbidden edge.
+pub(crate) fn check_layering(graph: &Graph) -> Vec<String> {
+    let mut violations = Vec::new();
+    let allowed: BTreeMap<&str, &[&str]> = ALLOWED_INTERNAL.iter().copied().collect();
+
+    for edge in &graph.declared {
+        let internal_target = graph.members.contains(&edge.to);
+        if LEAVES.contains(&edge.to.as_str()) {
+            violations.push(format!(
+                "forbidden edge {} -> {} ({}): nothing may depend on {}",
+                edge.from, edge.to, edge.kind, edge.to
+            ));
+            continue;
+        }
+        if internal_target && edge.kind != "build" {
+            let ok = allowed
+                .get(edge.from.as_str())
+                .is_some_and(|list| list.contains(&edge.to.as_str()));
+            if !ok {
+                violations.push(format!(
+                    "forbidden edge {} -> {} ({}): internal crates depend only downwards \
+                     (hash <- index <- events <- server)",
+                    edge.from, edge.to, edge.kind
+                ));
+            }
+        }
+        if edge.from == "kvatlas-hash" && edge.kind == "normal" && !internal_target {
+            let plain = HASH_ALLOWED_EXTERNAL.contains(&edge.to.as_str());
+            let optional = edge.optional && HASH_OPTIONAL_EXTERNAL.contains(&edge.to.as_str());
+            if !plain && !optional {
+                violations.push(format!(
+                    "forbidden edge kvatlas-hash -> {}: the hash crate may only depend on \
+                     xxhash-rust (and an optional serde)",
+                    edge.to
+                ));
+            }
+        }
+    }
+
+    for krate in SANS_RUNTIME {
+        for (runtime, path) in reachable(&graph.resolved_normal, krate, RUNTIME_CRATES) {
+            violations.push(format!(
+                "forbidden edge {krate} -> {runtime} (via {}): {krate} must not depend on \
+                 tokio, tonic, prost or hyper",
+                path.join(" -> ")
+            ));
+        }
+    }
+    violations
+}
+
+/// For each banned name reachable from `start`, one dependency path to it.
+fn reachable(
+    graph: &BTreeMap<String, BTreeSet<String>>,
+    start: &str,
+    banned: &[&str],
+) -> Vec<(String, Vec<String>)> {
+    let mut found = Vec::new();
+    let mut seen = BTreeSet::new();
+    let mut queue = std::collections::VecDeque::from([vec![start.to_string()]]);
+    while let Some(path) = queue.pop_front() {
+        let Some(last) = path.last() else { continue };
+        if !seen.insert(last.clone()) {
+            continue;
+        }
+        if path.len() > 1 && banned.contains(&last.as_str()) {
+            found.push((last.clone(), path.clone()));
+            continue;
+        }
+        for next in graph.get(last).into_iter().flatten() {
+            let mut longer = path.clone();
+            longer.push(next.clone());
+            queue.push_back(longer);
+        }
+    }
+    found
+}
+
+fn load_graph(root: &Path) -> Result<Graph> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let output = Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .current_dir(root)
+        .output()
+        .context("running cargo metadata")?;
+    if !output.status.success() {
+        bail!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let metadata: Value =
+        serde_json::from_slice(&output.stdout).context("parsing cargo metadata")?;
+    graph_from_metadata(&metadata)
+}
+
+fn graph_from_metadata(metadata: &Value) -> Result<Graph> {
+    let str_of = |v: &Value, key: &str| v.get(key).and_then(Value::as_str).map(str::to_string);
+    let members: BTreeSet<String> = metadata["workspace_members"]
+        .as_array()
+        .context("workspace_members")?
+        .iter()
+        .filter_map(Value::as_str)
+        .map(str::to_string)
+        .collect();
+    let packages = metadata["packages"].as_array().context("packages")?;
+    let id_to_name: BTreeMap<String, String> = packages
+        .iter()
+        .filter_map(|p| Some((str_of(p, "id")?, str_of(p, "name")?)))
+        .collect();
+
+    let mut graph = Graph::default();
+    for package in packages {
+        let (Some(id), Some(name)) = (str_of(package, "id"), str_of(package, "name")) else {
+            continue;
+        };
+        if !members.contains(&id) {
+            continue;
+        }
+        graph.members.insert(name.clone());
+        for dep in package["dependencies"].as_array().into_iter().flatten() {
+            graph.declared.push(Edge {
+                from: name.clone(),
+                to: str_of(dep, "name").unwrap_or_default(),
+                kind: str_of(dep, "kind").unwrap_or_else(|| "normal".into()),
+                optional: dep["optional"].as_bool().unwrap_or(false),
+            });
+        }
+    }
+    for node in metadata["resolve"]["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        let Some(name) = str_of(node, "id").and_then(|id| id_to_name.get(&id).cloned()) else {
+            continue;
+        };
+        let deps = graph.resolved_normal.entry(name).or_default();
+        for dep in node["deps"].as_array().into_iter().flatten() {
+            let normal = dep["dep_kinds"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|k| k["kind"].is_null());
+            if let (true, Some(target)) = (
+                normal,
+                str_of(dep, "pkg").and_then(|id| id_to_name.get(&id).cloned()),
+            ) {
+                deps.insert(target);
+            }
+        }
+    }
+    Ok(graph)
+}
+
+/// Rule 5: every `.rs` file under `dir` starts with a `//!` doc comment.
+fn check_module_docs(dir: &Path) -> Result<Vec<String>> {
+    let mut violations = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        for entry in
+            std::fs::read_dir(&path).with_context(|| format!("reading {}", path.display()))?
+        {
+            let path = entry?.path();
+            if path.is_dir() {
+                if path
+                    .file_name()
+                    .is_some_and(|n| n != "target" && n != "generated")
+                {
+                    stack.push(path);
+                }
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path)?;
+                if !text.trim_start().starts_with("//!") {
+                    violations.push(format!(
+                        "{} does not open with a `//!` module doc",
+                        path.display()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(violations)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edge(from: &str, to: &str, kind: &str, optional: bool) -> Edge {
+        Edge {
+            from: from.into(),
+            to: to.into(),
+            kind: kind.into(),
+            optional,
+        }
+    }
+
+    fn clean_graph() -> Graph {
+        let mut graph = Graph {
+            members: [
+                "kvatlas-hash",
+                "kvatlas-index",
+                "kvatlas-events",
+                "kvatlas-bench",
+                "xtask",
+            ]
+            .map(String::from)
+            .into(),
+            declared: vec![
+                edge("kvatlas-hash", "xxhash-rust", "normal", false),
+                edge("kvatlas-hash", "serde", "normal", true),
+                edge("kvatlas-hash", "proptest", "dev", false),
+                edge("kvatlas-index", "kvatlas-hash", "normal", false),
+                edge("kvatlas-events", "kvatlas-index", "normal", false),
+                edge("kvatlas-bench", "kvatlas-index", "normal", false),
+            ],
+            ..Graph::default()
+        };
+        for (from, to) in [
+            ("kvatlas-hash", "xxhash-rust"),
+            ("kvatlas-index", "kvatlas-hash"),
+            ("kvatlas-index", "dashmap"),
+            ("kvatlas-events", "kvatlas-index"),
+            ("kvatlas-bench", "tokio"),
+        ] {
+            graph
+                .resolved_normal
+                .entry(from.into())
+                .or_default()
+                .insert(to.into());
+        }
+        graph
+    }
+
+    #[test]
+    fn clean_graph_passes() {
+        assert_eq!(check_layering(&clean_graph()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn catches_a_runtime_reached_transitively_from_the_index() {
+        let mut graph = clean_graph();
+        graph
+            .resolved_normal
+            .entry("dashmap".into())
+            .or_default()
+            .insert("tokio".into());
+        let violations = check_layering(&graph);
+        assert_eq!(violations.len(), 2, "{violations:?}"); // index and events (through index)
+        assert!(
+            violations[0].contains("forbidden edge kvatlas-index -> tokio"),
+            "{violations:?}"
+        );
+        assert!(
+            violations[0].contains("kvatlas-index -> dashmap -> tokio"),
+            "{violations:?}"
+        );
+    }
+
+    #[test]
+    fn catches_an_upward_internal_edge_and_a_dependency_on_the_bench_crate() {
+        let mut graph = clean_graph();
+        graph
+            .declared
+            .push(edge("kvatlas-index", "kvatlas-events", "normal", false));
+        graph
+            .declared
+            .push(edge("kvatlas-events", "kvatlas-bench", "dev", false));
+        let violations = check_layering(&graph);
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.starts_with("forbidden edge kvatlas-index -> kvatlas-events"))
+        );
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.starts_with("forbidden edge kvatlas-events -> kvatlas-bench (dev)"))
+        );
+    }
+
+    #[test]
+    fn catches_an_extra_dependency_of_the_hash_crate() {
+        let mut graph = clean_graph();
+        graph
+            .declared
+            .push(edge("kvatlas-hash", "bytemuck", "normal", false));
+        graph
+            .declared
+            .push(edge("kvatlas-hash", "xxhash-rust", "normal", true)); // optional is fine
+        let violations = check_layering(&graph);
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        assert!(violations[0].starts_with("forbidden edge kvatlas-hash -> bytemuck"));
+    }
+
+    #[test]
+    fn serde_must_stay_optional_in_the_hash_crate() {
+        let mut graph = clean_graph();
+        graph
+            .declared
+            .push(edge("kvatlas-hash", "serde", "normal", false));
+        let violations = check_layering(&graph);
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.starts_with("forbidden edge kvatlas-hash -> serde"))
+        );
+    }
+}
