@@ -1,0 +1,93 @@
+//! The traits every index backend implements.
+
+use kvatlas_hash::LocalBlockHash;
+
+use crate::model::{ApplyReport, IndexStats, MatchOptions, Matches, Mutation};
+use crate::snapshot::Snapshot;
+
+/// An index owned by one thread at a time (`&mut self` writes, `&self` reads).
+///
+/// Contract (the same for every backend, enforced by the differential tests against
+/// [`crate::ReferenceIndex`]): after any sequence of mutations, `find_matches` returns for each
+/// worker rank the exact scores defined in `docs/index.md`, and `apply` reports every anomaly.
+pub trait KvIndex: Send {
+    /// Applies one worker rank's mutation (mutations of one rank must arrive in its order).
+    fn apply(&mut self, mutation: &Mutation) -> ApplyReport;
+
+    /// Drops every block of every rank of `worker_id`.
+    fn remove_worker(&mut self, worker_id: u64) -> ApplyReport;
+
+    /// Drops everything.
+    fn clear(&mut self);
+
+    /// For each worker rank, how many leading blocks of `query` (local hashes) it holds.
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches;
+
+    /// A consistent cut of the whole index.
+    fn snapshot(&self) -> Snapshot;
+
+    /// Replaces the contents with a snapshot's.
+    fn restore(&mut self, snapshot: &Snapshot);
+
+    /// Occupancy and memory figures.
+    fn stats(&self) -> IndexStats;
+}
+
+/// An index that many threads use at once: reads run concurrently with writes.
+///
+/// Writers must not apply two mutations of the same worker rank concurrently (a sticky front that
+/// routes each rank to one writer thread guarantees it); doing so is memory-safe but may interleave them.
+/// Read guarantee: a `find_matches` never credits a worker rank with a prefix that rank did not
+/// hold at some moment during the call.
+pub trait SharedKvIndex: Send + Sync {
+    /// Applies one worker rank's mutation.
+    fn apply(&self, mutation: &Mutation) -> ApplyReport;
+
+    /// Drops every block of every rank of `worker_id`.
+    fn remove_worker(&self, worker_id: u64) -> ApplyReport;
+
+    /// Drops everything.
+    fn clear(&self);
+
+    /// For each worker rank, how many leading blocks of `query` it holds.
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches;
+
+    /// A consistent cut of the whole index.
+    fn snapshot(&self) -> Snapshot;
+
+    /// Replaces the contents with a snapshot's.
+    fn restore(&self, snapshot: &Snapshot);
+
+    /// Occupancy and memory figures.
+    fn stats(&self) -> IndexStats;
+}
+
+impl<T: SharedKvIndex> KvIndex for T {
+    fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
+        SharedKvIndex::apply(self, mutation)
+    }
+
+    fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
+        SharedKvIndex::remove_worker(self, worker_id)
+    }
+
+    fn clear(&mut self) {
+        SharedKvIndex::clear(self)
+    }
+
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
+        SharedKvIndex::find_matches(self, query, options)
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        SharedKvIndex::snapshot(self)
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) {
+        SharedKvIndex::restore(self, snapshot)
+    }
+
+    fn stats(&self) -> IndexStats {
+        SharedKvIndex::stats(self)
+    }
+}

@@ -1,0 +1,29 @@
+//! kvatlas's KV-block index: which worker rank holds which KV block on which tier, and for a
+//! query (a prompt's local block hashes) how many leading blocks each rank holds.
+//!
+//! Exactness is the contract, under every order of events engines produce (holes from head-first
+//! eviction, duplicates, unknown removes, unknown parents, clears, different engine hashes for the
+//! same tokens); `docs/index.md` defines the scores. Every backend implements [`KvIndex`] (or
+//! [`SharedKvIndex`] for concurrent use) and is tested against [`ReferenceIndex`], the naive
+//! model.
+//!
+//! This crate is pure data structures: no sockets, files, clocks or async runtime.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod backend;
+mod ledger;
+mod model;
+mod radix;
+mod reference;
+mod snapshot;
+
+pub use backend::{KvIndex, SharedKvIndex};
+pub use model::{
+    ApplyReport, ExternalBlockHash, IndexStats, MatchOptions, Matches, Mutation, StoredBlock, Tier,
+    TierSet, Worker, WorkerBlocks, WorkerMatch,
+};
+pub use radix::RadixTree;
+pub use reference::ReferenceIndex;
+pub use snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};

@@ -1,0 +1,342 @@
+//! `RadixTree`: the single-threaded tree of the Flash Indexer story (section 4), made exact.
+//!
+//! One node per local-hash path from the root; children keyed by local hash; each node lists the
+//! worker ranks with a rooted block there and how many at each level. A query walks the tree
+//! from the root, dropping each worker at the first node where it is not a member: `O(D × W)`.
+
+use std::collections::BTreeMap;
+
+use kvatlas_hash::LocalBlockHash;
+use rustc_hash::FxHashMap;
+
+use crate::backend::KvIndex;
+use crate::ledger::{Ledger, Membership};
+use crate::model::{
+    ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerBlocks,
+    WorkerMatch,
+};
+use crate::snapshot::{Snapshot, WorkerSnapshot};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct Member {
+    worker: Worker,
+    /// Rooted blocks of this worker at the node, per level.
+    counts: [u32; LEVELS],
+}
+
+impl Member {
+    /// The best (lowest) level with a rooted block, if any.
+    fn best_level(&self) -> Option<usize> {
+        self.counts.iter().position(|&c| c > 0)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    local: LocalBlockHash,
+    parent: u32,
+    children: FxHashMap<LocalBlockHash, u32>,
+    members: Vec<Member>,
+}
+
+/// Node storage shared by all workers' ledgers.
+#[derive(Debug, Clone, Default)]
+struct Arena {
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    roots: FxHashMap<LocalBlockHash, u32>,
+}
+
+impl Arena {
+    fn children_of(&mut self, parent: u32) -> &mut FxHashMap<LocalBlockHash, u32> {
+        if parent == NIL {
+            &mut self.roots
+        } else {
+            &mut self.nodes[parent as usize].children
+        }
+    }
+
+    /// Frees `node` and then its ancestors while they have neither members nor children.
+    fn collect(&mut self, mut node: u32) {
+        while node != NIL {
+            let n = &self.nodes[node as usize];
+            if !n.members.is_empty() || !n.children.is_empty() {
+                return;
+            }
+            let (parent, local) = (n.parent, n.local);
+            self.children_of(parent).remove(&local);
+            self.nodes[node as usize].children = FxHashMap::default();
+            self.free.push(node);
+            node = parent;
+        }
+    }
+
+    fn heap_bytes(&self) -> u64 {
+        let child_entry = std::mem::size_of::<(LocalBlockHash, u32)>() + 1;
+        let per_node: usize = self
+            .nodes
+            .iter()
+            .map(|n| {
+                n.children.capacity() * child_entry
+                    + n.members.capacity() * std::mem::size_of::<Member>()
+            })
+            .sum();
+        (self.nodes.capacity() * std::mem::size_of::<Node>()
+            + per_node
+            + self.roots.capacity() * child_entry
+            + self.free.capacity() * 4) as u64
+    }
+}
+
+struct Sink<'a> {
+    arena: &'a mut Arena,
+    worker: Worker,
+}
+
+impl Membership for Sink<'_> {
+    type Node = u32;
+
+    fn child(&mut self, parent: Option<u32>, local: LocalBlockHash) -> u32 {
+        let parent = parent.unwrap_or(NIL);
+        if let Some(&node) = self.arena.children_of(parent).get(&local) {
+            return node;
+        }
+        let node = Node {
+            local,
+            parent,
+            children: FxHashMap::default(),
+            members: Vec::new(),
+        };
+        let id = match self.arena.free.pop() {
+            Some(id) => {
+                self.arena.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.arena.nodes.push(node);
+                (self.arena.nodes.len() - 1) as u32
+            }
+        };
+        self.arena.children_of(parent).insert(local, id);
+        id
+    }
+
+    fn add(&mut self, node: u32, level: Level) {
+        let members = &mut self.arena.nodes[node as usize].members;
+        match members.iter_mut().find(|m| m.worker == self.worker) {
+            Some(m) => m.counts[level as usize] += 1,
+            None => {
+                let mut counts = [0; LEVELS];
+                counts[level as usize] = 1;
+                members.push(Member {
+                    worker: self.worker,
+                    counts,
+                });
+            }
+        }
+    }
+
+    fn remove(&mut self, node: u32, level: Level) {
+        let members = &mut self.arena.nodes[node as usize].members;
+        if let Some(i) = members.iter().position(|m| m.worker == self.worker) {
+            members[i].counts[level as usize] -= 1;
+            if members[i].counts.iter().all(|&c| c == 0) {
+                members.swap_remove(i);
+            }
+        }
+        self.arena.collect(node);
+    }
+}
+
+/// The exact single-threaded radix tree (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct RadixTree {
+    arena: Arena,
+    ledgers: BTreeMap<Worker, Ledger<u32>>,
+}
+
+impl RadixTree {
+    /// An empty tree.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn clear_worker(&mut self, worker: Worker) -> u64 {
+        match self.ledgers.remove(&worker) {
+            Some(mut ledger) => ledger.clear(&mut Sink {
+                arena: &mut self.arena,
+                worker,
+            }),
+            None => 0,
+        }
+    }
+}
+
+impl KvIndex for RadixTree {
+    fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        let worker = mutation.worker();
+        match mutation {
+            Mutation::Stored {
+                tier,
+                parent,
+                blocks,
+                ..
+            } => {
+                let ledger = self.ledgers.entry(worker).or_default();
+                ledger.store(
+                    &mut Sink {
+                        arena: &mut self.arena,
+                        worker,
+                    },
+                    *tier,
+                    *parent,
+                    blocks,
+                    &mut report,
+                );
+            }
+            Mutation::Removed { tier, blocks, .. } => {
+                let ledger = self.ledgers.entry(worker).or_default();
+                ledger.remove(
+                    &mut Sink {
+                        arena: &mut self.arena,
+                        worker,
+                    },
+                    *tier,
+                    blocks,
+                    &mut report,
+                );
+            }
+            Mutation::Cleared { .. } => report.cleared += self.clear_worker(worker),
+        }
+        if self.ledgers.get(&worker).is_some_and(|l| l.len() == 0) {
+            self.ledgers.remove(&worker);
+        }
+        report
+    }
+
+    fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
+        let ranks: Vec<Worker> = self
+            .ledgers
+            .keys()
+            .filter(|w| w.worker_id == worker_id)
+            .copied()
+            .collect();
+        let mut report = ApplyReport::default();
+        for worker in ranks {
+            report.cleared += self.clear_worker(worker);
+        }
+        report
+    }
+
+    fn clear(&mut self) {
+        *self = Self::default();
+    }
+
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
+        // Per active worker: its matched depth at each level, and the levels still matching.
+        let mut active: Vec<(Worker, [u32; LEVELS], usize)> = Vec::new();
+        let mut done: Vec<WorkerMatch> = Vec::new();
+        let mut children = &self.arena.roots;
+        for (position, local) in query.iter().enumerate() {
+            let Some(&node) = children.get(local) else {
+                break;
+            };
+            let node = &self.arena.nodes[node as usize];
+            if position == 0 {
+                for m in &node.members {
+                    if let Some(best) = m.best_level() {
+                        active.push((m.worker, [0; LEVELS], best));
+                    }
+                }
+            }
+            let depth = position as u32 + 1;
+            active.retain_mut(|(worker, scores, best)| {
+                // Levels at or above the worker's best level at this node still match.
+                let here = node
+                    .members
+                    .iter()
+                    .find(|m| m.worker == *worker)
+                    .and_then(Member::best_level);
+                match here {
+                    Some(level) => {
+                        *best = (*best).max(level);
+                        for score in &mut scores[*best..] {
+                            *score = depth;
+                        }
+                        true
+                    }
+                    None => {
+                        done.push(WorkerMatch {
+                            worker: *worker,
+                            device: scores[0],
+                            host: scores[1],
+                            disk: scores[2],
+                        });
+                        false
+                    }
+                }
+            });
+            if active.is_empty() {
+                break;
+            }
+            children = &node.children;
+        }
+        done.extend(active.into_iter().map(|(worker, s, _)| WorkerMatch {
+            worker,
+            device: s[0],
+            host: s[1],
+            disk: s[2],
+        }));
+        let mut matches = Matches { workers: done };
+        matches.finish(options);
+        matches
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let workers = self
+            .ledgers
+            .iter()
+            .map(|(worker, ledger)| WorkerSnapshot {
+                worker: *worker,
+                blocks: ledger.snapshot(),
+            })
+            .filter(|w| !w.blocks.is_empty())
+            .collect();
+        Snapshot { workers }
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) {
+        self.clear();
+        for w in &snapshot.workers {
+            let ledger = self.ledgers.entry(w.worker).or_default();
+            let mut sink = Sink {
+                arena: &mut self.arena,
+                worker: w.worker,
+            };
+            for block in &w.blocks {
+                ledger.restore(&mut sink, block);
+            }
+        }
+        self.ledgers.retain(|_, l| l.len() > 0);
+    }
+
+    fn stats(&self) -> IndexStats {
+        let workers: Vec<WorkerBlocks> = self
+            .ledgers
+            .iter()
+            .map(|(worker, ledger)| WorkerBlocks {
+                worker: *worker,
+                per_tier: ledger.per_tier(),
+            })
+            .collect();
+        IndexStats {
+            memberships: workers.iter().flat_map(|w| w.per_tier).sum(),
+            heap_bytes: self.arena.heap_bytes()
+                + self.ledgers.values().map(Ledger::heap_bytes).sum::<u64>(),
+            workers,
+        }
+    }
+}

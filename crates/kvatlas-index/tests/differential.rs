@@ -1,0 +1,176 @@
+//! Differential property tests: every backend against the reference model, after every step of
+//! random multi-worker event sequences (holes, duplicates, conflicts, unknown parents and removes,
+//! cycles, clears, worker removal, non-uniform engine hashes), on queries, apply reports,
+//! snapshots and stats.
+
+use kvatlas_hash::LocalBlockHash;
+use kvatlas_index::{
+    ExternalBlockHash, KvIndex, MatchOptions, Mutation, RadixTree, ReferenceIndex, StoredBlock,
+    Tier, Worker,
+};
+use proptest::prelude::*;
+
+/// Small alphabets so that paths, engine hashes and local hashes collide often.
+const EXTERNALS: u64 = 14;
+const LOCALS: u64 = 3;
+const WORKERS: [Worker; 3] = [Worker::new(0, 0), Worker::new(0, 1), Worker::new(1, 0)];
+
+#[derive(Debug, Clone)]
+enum Op {
+    Apply(Mutation),
+    RemoveWorker(u64),
+}
+
+fn tier() -> impl Strategy<Value = Tier> {
+    prop_oneof![4 => Just(Tier::Device), 1 => Just(Tier::Host), 1 => Just(Tier::Disk), 1 => Just(Tier::External)]
+}
+
+fn worker() -> impl Strategy<Value = Worker> {
+    prop::sample::select(WORKERS.to_vec())
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let store = (
+        worker(),
+        tier(),
+        prop::option::weighted(0.7, 0..EXTERNALS),
+        prop::collection::vec((0..EXTERNALS, 0..LOCALS), 1..5),
+    )
+        .prop_map(|(worker, tier, parent, blocks)| {
+            Op::Apply(Mutation::Stored {
+                worker,
+                tier,
+                parent: parent.map(ExternalBlockHash::new),
+                blocks: blocks
+                    .into_iter()
+                    .map(|(e, l)| StoredBlock {
+                        external: ExternalBlockHash::new(e),
+                        local: LocalBlockHash::new(l),
+                    })
+                    .collect(),
+            })
+        });
+    let remove = (worker(), tier(), prop::collection::vec(0..EXTERNALS, 1..4)).prop_map(
+        |(worker, tier, hashes)| {
+            Op::Apply(Mutation::Removed {
+                worker,
+                tier,
+                blocks: hashes.into_iter().map(ExternalBlockHash::new).collect(),
+            })
+        },
+    );
+    prop_oneof![
+        10 => store,
+        5 => remove,
+        1 => worker().prop_map(|worker| Op::Apply(Mutation::Cleared { worker })),
+        1 => (0u64..2).prop_map(Op::RemoveWorker),
+    ]
+}
+
+/// Every query of length 0..=4 over the local alphabet.
+fn all_queries() -> Vec<Vec<LocalBlockHash>> {
+    let mut queries = vec![vec![]];
+    let mut frontier = vec![vec![]];
+    for _ in 0..4 {
+        let mut next = Vec::new();
+        for q in &frontier {
+            for l in 0..LOCALS {
+                let mut longer: Vec<LocalBlockHash> = q.clone();
+                longer.push(LocalBlockHash::new(l));
+                next.push(longer);
+            }
+        }
+        queries.extend(next.iter().cloned());
+        frontier = next;
+    }
+    queries
+}
+
+fn options() -> [MatchOptions; 4] {
+    [
+        MatchOptions {
+            tiered: true,
+            ..MatchOptions::default()
+        },
+        MatchOptions::default(),
+        MatchOptions {
+            early_exit: true,
+            ..MatchOptions::default()
+        },
+        MatchOptions {
+            tiered: true,
+            top_k: Some(1),
+            ..MatchOptions::default()
+        },
+    ]
+}
+
+fn assert_same_answers(
+    backend: &dyn KvIndex,
+    oracle: &ReferenceIndex,
+    queries: &[Vec<LocalBlockHash>],
+    context: &str,
+) {
+    for query in queries {
+        for options in options() {
+            let want = oracle.find_matches(query, &options);
+            let got = backend.find_matches(query, &options);
+            assert_eq!(got, want, "{context}: query {query:?}, options {options:?}");
+        }
+    }
+}
+
+fn run_differential(make: fn() -> Box<dyn KvIndex>, ops: &[Op]) {
+    let queries = all_queries();
+    let mut backend = make();
+    let mut oracle = ReferenceIndex::new();
+    for (step, op) in ops.iter().enumerate() {
+        let (got, want) = match op {
+            Op::Apply(m) => (backend.apply(m), oracle.apply(m)),
+            Op::RemoveWorker(id) => (backend.remove_worker(*id), oracle.remove_worker(*id)),
+        };
+        let context = format!("step {step} ({op:?})");
+        assert_eq!(got, want, "{context}: apply report");
+        assert_same_answers(backend.as_ref(), &oracle, &queries, &context);
+        assert_eq!(
+            backend.stats().workers,
+            oracle.stats().workers,
+            "{context}: block counts"
+        );
+    }
+    // Snapshots are backend-independent and restore to identical answers and behaviour.
+    let snapshot = backend.snapshot();
+    assert_eq!(snapshot, oracle.snapshot(), "snapshot");
+    let mut restored = make();
+    restored.restore(&snapshot);
+    assert_same_answers(restored.as_ref(), &oracle, &queries, "after restore");
+    assert_eq!(
+        restored.snapshot(),
+        snapshot,
+        "snapshot of the restored index"
+    );
+    for op in ops.iter().take(12) {
+        if let Op::Apply(m) = op {
+            assert_eq!(
+                restored.apply(m),
+                oracle.apply(m),
+                "restored index reacts like the oracle to {m:?}"
+            );
+        }
+    }
+    assert_same_answers(
+        restored.as_ref(),
+        &oracle,
+        &queries,
+        "after restore and more mutations",
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn radix_tree_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
+        run_differential(|| Box::new(RadixTree::new()), &ops);
+    }
+}
