@@ -62,32 +62,37 @@ pub trait SharedKvIndex: Send + Sync {
     fn stats(&self) -> IndexStats;
 }
 
-impl<T: SharedKvIndex> KvIndex for T {
+/// A [`SharedKvIndex`] used through the single-owner [`KvIndex`] interface (for code that drives
+/// every backend the same way, such as the differential tests and the bench harness).
+#[derive(Debug, Default)]
+pub struct Exclusive<T>(pub T);
+
+impl<T: SharedKvIndex> KvIndex for Exclusive<T> {
     fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
-        SharedKvIndex::apply(self, mutation)
+        self.0.apply(mutation)
     }
 
     fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
-        SharedKvIndex::remove_worker(self, worker_id)
+        self.0.remove_worker(worker_id)
     }
 
     fn clear(&mut self) {
-        SharedKvIndex::clear(self)
+        self.0.clear()
     }
 
     fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
-        SharedKvIndex::find_matches(self, query, options)
+        self.0.find_matches(query, options)
     }
 
     fn snapshot(&self) -> Snapshot {
-        SharedKvIndex::snapshot(self)
+        self.0.snapshot()
     }
 
     fn restore(&mut self, snapshot: &Snapshot) {
-        SharedKvIndex::restore(self, snapshot)
+        self.0.restore(snapshot)
     }
 
     fn stats(&self) -> IndexStats {
-        SharedKvIndex::stats(self)
+        self.0.stats()
     }
 }

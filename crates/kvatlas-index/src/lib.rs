@@ -14,16 +14,20 @@
 
 mod backend;
 mod ledger;
+mod locked;
 mod model;
+mod pool;
 mod radix;
 mod reference;
 mod snapshot;
 
-pub use backend::{KvIndex, SharedKvIndex};
+pub use backend::{Exclusive, KvIndex, SharedKvIndex};
+pub use locked::Locked;
 pub use model::{
     ApplyReport, ExternalBlockHash, IndexStats, MatchOptions, Matches, Mutation, StoredBlock, Tier,
     TierSet, Worker, WorkerBlocks, WorkerMatch,
 };
+pub use pool::{EnqueueError, ThreadPool};
 pub use radix::RadixTree;
 pub use reference::ReferenceIndex;
 pub use snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};

@@ -1,0 +1,205 @@
+//! `ThreadPool`: the sticky-routing write front of the Flash Indexer story (section 5), with
+//! bounded queues.
+//!
+//! Each worker rank's mutations always go to the same writer thread (chosen by hashing the rank),
+//! so one rank's mutations are applied in order and never concurrently; different ranks' are
+//! applied in parallel by different threads. Reads do not go through the pool: `find_matches`
+//! runs inline on the caller's thread against the shared index.
+//!
+//! Queues are bounded: [`ThreadPool::enqueue`] blocks when the rank's lane is full (backpressure
+//! to the producer) and [`ThreadPool::try_enqueue`] hands the mutation back instead — memory never
+//! grows without bound. [`ThreadPool::flush`] is a barrier: it returns once every mutation
+//! enqueued before it has been applied, with the accumulated [`ApplyReport`].
+
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
+use kvatlas_hash::LocalBlockHash;
+use parking_lot::Mutex;
+use rustc_hash::FxBuildHasher;
+
+use crate::backend::SharedKvIndex;
+use crate::model::{ApplyReport, MatchOptions, Matches, Mutation, Worker};
+
+enum Task {
+    Apply(Mutation),
+    Flush(Sender<()>),
+}
+
+/// Why a mutation was not enqueued; the mutation is handed back.
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    /// The rank's lane is full: the index is not keeping up.
+    #[error("the writer lane of {:?} is full", .0.worker())]
+    Full(Mutation),
+    /// The pool's threads have stopped (a writer panicked).
+    #[error("the writer pool has stopped")]
+    Stopped(Mutation),
+}
+
+/// A pool of writer threads in front of a [`SharedKvIndex`] (see the module docs).
+#[derive(Debug)]
+pub struct ThreadPool<I: SharedKvIndex + 'static> {
+    index: Arc<I>,
+    lanes: Vec<Sender<Task>>,
+    threads: Vec<JoinHandle<()>>,
+    reports: Arc<Mutex<ApplyReport>>,
+}
+
+impl std::fmt::Debug for Task {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Task::Apply(m) => f.debug_tuple("Apply").field(m).finish(),
+            Task::Flush(_) => f.write_str("Flush"),
+        }
+    }
+}
+
+impl<I: SharedKvIndex + 'static> ThreadPool<I> {
+    /// Starts `threads` writer threads (at least 1), each with a queue of `queue_capacity`
+    /// mutations (at least 1).
+    ///
+    /// # Errors
+    /// The OS error if a writer thread cannot be started (threads already started are stopped).
+    pub fn new(index: I, threads: usize, queue_capacity: usize) -> std::io::Result<Self> {
+        let index = Arc::new(index);
+        let reports = Arc::new(Mutex::new(ApplyReport::default()));
+        let mut lanes = Vec::new();
+        let mut handles = Vec::new();
+        for lane in 0..threads.max(1) {
+            let (sender, receiver) = bounded(queue_capacity.max(1));
+            let (index, reports) = (Arc::clone(&index), Arc::clone(&reports));
+            let handle = std::thread::Builder::new()
+                .name(format!("kvatlas-writer-{lane}"))
+                .spawn(move || writer_loop(&*index, &receiver, &reports));
+            match handle {
+                Ok(handle) => {
+                    lanes.push(sender);
+                    handles.push(handle);
+                }
+                Err(error) => {
+                    // Dropping the senders stops the threads already started.
+                    drop(lanes);
+                    for handle in handles {
+                        let _ = handle.join();
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        Ok(Self {
+            index,
+            lanes,
+            threads: handles,
+            reports,
+        })
+    }
+
+    /// The shared index (for reads, stats and snapshots).
+    pub fn index(&self) -> &I {
+        &self.index
+    }
+
+    /// Number of writer threads.
+    pub fn threads(&self) -> usize {
+        self.lanes.len()
+    }
+
+    fn lane(&self, worker: Worker) -> &Sender<Task> {
+        let hash = FxBuildHasher.hash_one(worker);
+        &self.lanes[(hash % self.lanes.len() as u64) as usize]
+    }
+
+    /// Enqueues a mutation on its rank's lane, waiting while the lane is full.
+    ///
+    /// # Errors
+    /// [`EnqueueError::Stopped`] if the writer threads have stopped.
+    pub fn enqueue(&self, mutation: Mutation) -> Result<(), EnqueueError> {
+        self.lane(mutation.worker())
+            .send(Task::Apply(mutation))
+            .map_err(|e| match e.0 {
+                Task::Apply(m) => EnqueueError::Stopped(m),
+                Task::Flush(_) => unreachable_flush(),
+            })
+    }
+
+    /// Enqueues a mutation if its lane has room.
+    ///
+    /// # Errors
+    /// [`EnqueueError::Full`] when the lane is full, [`EnqueueError::Stopped`] if the writers
+    /// stopped; the mutation is handed back either way.
+    pub fn try_enqueue(&self, mutation: Mutation) -> Result<(), EnqueueError> {
+        self.lane(mutation.worker())
+            .try_send(Task::Apply(mutation))
+            .map_err(|e| match e {
+                TrySendError::Full(Task::Apply(m)) => EnqueueError::Full(m),
+                TrySendError::Disconnected(Task::Apply(m)) => EnqueueError::Stopped(m),
+                TrySendError::Full(Task::Flush(_)) | TrySendError::Disconnected(Task::Flush(_)) => {
+                    unreachable_flush()
+                }
+            })
+    }
+
+    /// Waits until every mutation enqueued before this call has been applied; returns the
+    /// reports accumulated since the previous flush.
+    pub fn flush(&self) -> ApplyReport {
+        let acks: Vec<_> = self
+            .lanes
+            .iter()
+            .filter_map(|lane| {
+                let (ack, done) = bounded(1);
+                lane.send(Task::Flush(ack)).ok().map(|()| done)
+            })
+            .collect();
+        for done in acks {
+            // A disconnected ack means that writer stopped; nothing more will come from it.
+            let _ = done.recv();
+        }
+        std::mem::take(&mut *self.reports.lock())
+    }
+
+    /// Drops every rank of `worker_id`, after everything enqueued before the call.
+    pub fn remove_worker(&self, worker_id: u64) -> ApplyReport {
+        let mut report = self.flush();
+        report.merge(&self.index.remove_worker(worker_id));
+        report
+    }
+
+    /// Reads inline on the caller's thread.
+    pub fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
+        self.index.find_matches(query, options)
+    }
+}
+
+fn unreachable_flush() -> ! {
+    unreachable!("only Task::Apply is sent by enqueue")
+}
+
+fn writer_loop<I: SharedKvIndex>(
+    index: &I,
+    receiver: &Receiver<Task>,
+    reports: &Mutex<ApplyReport>,
+) {
+    let mut pending = ApplyReport::default();
+    for task in receiver {
+        match task {
+            Task::Apply(mutation) => pending.merge(&index.apply(&mutation)),
+            Task::Flush(ack) => {
+                reports.lock().merge(&std::mem::take(&mut pending));
+                let _ = ack.send(());
+            }
+        }
+    }
+    reports.lock().merge(&pending);
+}
+
+impl<I: SharedKvIndex + 'static> Drop for ThreadPool<I> {
+    fn drop(&mut self) {
+        self.lanes.clear();
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}

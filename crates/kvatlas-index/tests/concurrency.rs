@@ -1,0 +1,232 @@
+//! Concurrency: the read guarantee under concurrent writers, and the thread-pool front.
+//!
+//! Read guarantee (`SharedKvIndex`): a `find_matches` never credits a worker rank with a prefix it
+//! did not hold at some moment during the call. Writers apply scripted streams (holes from
+//! head-first eviction, re-stores, tail removals; the two workers use different engine hashes for
+//! the same tokens) and publish how many mutations they have applied; readers check every answer
+//! against the scores the reference model gives after each of those mutations.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kvatlas_hash::LocalBlockHash;
+use kvatlas_index::{
+    EnqueueError, ExternalBlockHash, KvIndex, Locked, MatchOptions, Mutation, RadixTree,
+    ReferenceIndex, SharedKvIndex, StoredBlock, ThreadPool, Tier, Worker,
+};
+
+const CHAIN: u64 = 48;
+
+fn local(i: u64) -> LocalBlockHash {
+    LocalBlockHash::new(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x55)
+}
+
+fn external(worker: Worker, i: u64) -> ExternalBlockHash {
+    // Non-uniform engine hashes: each worker names the same tokens differently.
+    ExternalBlockHash::new(worker.worker_id * 1_000_000 + i)
+}
+
+fn store(worker: Worker, from: u64, to: u64) -> Mutation {
+    Mutation::Stored {
+        worker,
+        tier: Tier::Device,
+        parent: from.checked_sub(1).map(|p| external(worker, p)),
+        blocks: (from..to)
+            .map(|i| StoredBlock {
+                external: external(worker, i),
+                local: local(i),
+            })
+            .collect(),
+    }
+}
+
+fn remove(worker: Worker, blocks: impl Iterator<Item = u64>) -> Mutation {
+    Mutation::Removed {
+        worker,
+        tier: Tier::Device,
+        blocks: blocks.map(|i| external(worker, i)).collect(),
+    }
+}
+
+/// A deterministic script of mutations for one worker, and its score after each prefix of it.
+fn script(worker: Worker, seed: u64, steps: usize) -> (Vec<Mutation>, Vec<u32>) {
+    let mut state = seed;
+    let mut next = move |bound: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % bound
+    };
+    let mut mutations = Vec::new();
+    for _ in 0..steps {
+        let m = match next(5) {
+            0 | 1 => {
+                let from = next(CHAIN);
+                store(worker, from, (from + 1 + next(16)).min(CHAIN))
+            }
+            2 => store(worker, 0, CHAIN),
+            3 => remove(worker, std::iter::once(next(CHAIN))), // a hole anywhere
+            _ => {
+                let from = next(CHAIN);
+                remove(worker, from..CHAIN) // tail-first eviction
+            }
+        };
+        mutations.push(m);
+    }
+    let query: Vec<LocalBlockHash> = (0..CHAIN).map(local).collect();
+    let mut oracle = ReferenceIndex::new();
+    let mut scores = vec![0];
+    for m in &mutations {
+        oracle.apply(m);
+        scores.push(
+            oracle
+                .find_matches(&query, &MatchOptions::default())
+                .device_score(worker),
+        );
+    }
+    (mutations, scores)
+}
+
+fn check_read_guarantee<I: SharedKvIndex + 'static>(index: Arc<I>) {
+    let workers = [Worker::new(1, 0), Worker::new(2, 0)];
+    let scripts: Vec<_> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| script(*w, 7 + i as u64, 4000))
+        .collect();
+    let progress: Arc<[AtomicUsize; 2]> = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let query: Arc<Vec<LocalBlockHash>> = Arc::new((0..CHAIN).map(local).collect());
+
+    std::thread::scope(|scope| {
+        for (w, (mutations, _)) in scripts.iter().enumerate() {
+            let (index, progress) = (Arc::clone(&index), Arc::clone(&progress));
+            scope.spawn(move || {
+                for m in mutations {
+                    index.apply(m);
+                    progress[w].fetch_add(1, Ordering::Release);
+                }
+            });
+        }
+        for _ in 0..2 {
+            let (index, progress, query, scripts) = (
+                Arc::clone(&index),
+                Arc::clone(&progress),
+                Arc::clone(&query),
+                &scripts,
+            );
+            scope.spawn(move || {
+                let mut checked = 0;
+                while checked < 3000 {
+                    let before = [progress[0].load(Ordering::Acquire), progress[1].load(Ordering::Acquire)];
+                    let matches = index.find_matches(&query, &MatchOptions::default());
+                    let after = [progress[0].load(Ordering::Acquire), progress[1].load(Ordering::Acquire)];
+                    for (w, worker) in workers.iter().enumerate() {
+                        let scores = &scripts[w].1;
+                        // States during the call: after `before` mutations up to after `after + 1`
+                        // (the next one may have completed before its counter was bumped).
+                        let window = &scores[before[w]..=(after[w] + 1).min(scores.len() - 1)];
+                        let got = matches.device_score(*worker);
+                        let (lo, hi) = (window.iter().min().copied().unwrap_or(0), window.iter().max().copied().unwrap_or(0));
+                        assert!(lo <= got && got <= hi, "worker {worker:?} scored {got}, held between {lo} and {hi} during the call");
+                    }
+                    checked += 1;
+                }
+            });
+        }
+    });
+
+    // At rest, the answer is exact.
+    let matches = index.find_matches(&query, &MatchOptions::default());
+    for (w, worker) in workers.iter().enumerate() {
+        assert_eq!(
+            matches.device_score(*worker),
+            *scripts[w].1.last().unwrap_or(&0)
+        );
+    }
+}
+
+#[test]
+fn locked_radix_tree_keeps_the_read_guarantee() {
+    check_read_guarantee(Arc::new(Locked::new(RadixTree::new())));
+}
+
+#[test]
+fn thread_pool_applies_each_rank_in_order_and_flushes() -> std::io::Result<()> {
+    let pool = ThreadPool::new(Locked::new(RadixTree::new()), 3, 8)?;
+    let mut oracle = ReferenceIndex::new();
+    let mut expected = kvatlas_index::ApplyReport::default();
+    for w in 0..6u64 {
+        let worker = Worker::new(w, (w % 2) as u32);
+        let (mutations, _) = script(worker, w, 300);
+        for m in mutations {
+            expected.merge(&oracle.apply(&m));
+            pool.enqueue(m)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+    }
+    assert_eq!(pool.flush(), expected, "reports accumulated across lanes");
+    assert_eq!(
+        SharedKvIndex::snapshot(pool.index()),
+        oracle.snapshot(),
+        "same state as applying in order"
+    );
+
+    let removed = pool.remove_worker(3);
+    assert_eq!(removed, oracle.remove_worker(3));
+    assert_eq!(SharedKvIndex::snapshot(pool.index()), oracle.snapshot());
+    Ok(())
+}
+
+#[test]
+fn thread_pool_queues_are_bounded() -> std::io::Result<()> {
+    // One lane with room for one mutation; a writer blocked on a held write lock cannot drain it.
+    struct Gate(Locked<RadixTree>, parking_lot::Mutex<()>);
+    impl SharedKvIndex for Gate {
+        fn apply(&self, m: &Mutation) -> kvatlas_index::ApplyReport {
+            let _open = self.1.lock();
+            self.0.apply(m)
+        }
+        fn remove_worker(&self, id: u64) -> kvatlas_index::ApplyReport {
+            self.0.remove_worker(id)
+        }
+        fn clear(&self) {
+            self.0.clear()
+        }
+        fn find_matches(&self, q: &[LocalBlockHash], o: &MatchOptions) -> kvatlas_index::Matches {
+            SharedKvIndex::find_matches(&self.0, q, o)
+        }
+        fn snapshot(&self) -> kvatlas_index::Snapshot {
+            SharedKvIndex::snapshot(&self.0)
+        }
+        fn restore(&self, s: &kvatlas_index::Snapshot) {
+            self.0.restore(s)
+        }
+        fn stats(&self) -> kvatlas_index::IndexStats {
+            SharedKvIndex::stats(&self.0)
+        }
+    }
+    let pool = ThreadPool::new(
+        Gate(Locked::new(RadixTree::new()), parking_lot::Mutex::new(())),
+        1,
+        1,
+    )?;
+    let worker = Worker::new(9, 0);
+    let held = pool.index().1.lock();
+    let mut full = 0;
+    for i in 0..10 {
+        match pool.try_enqueue(store(worker, i, i + 1)) {
+            Ok(()) => {}
+            Err(EnqueueError::Full(m)) => {
+                assert_eq!(m.worker(), worker, "the mutation is handed back");
+                full += 1;
+            }
+            Err(EnqueueError::Stopped(_)) => panic!("writers stopped"),
+        }
+    }
+    // At most one mutation in the writer's hands and one in the queue.
+    assert!(full >= 8, "only {full} of 10 enqueues were refused");
+    drop(held);
+    let report = pool.flush();
+    assert_eq!(report.stored as usize, 10 - full);
+    Ok(())
+}
