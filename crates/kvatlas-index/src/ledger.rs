@@ -192,11 +192,33 @@ impl<N: Copy> Ledger<N> {
     }
 
     /// Drops every block; returns the number of (block, tier) memberships that ended.
+    ///
+    /// Memberships are removed children first, keeping the backend's view prefix-closed.
     pub(crate) fn clear<M: Membership<Node = N>>(&mut self, sink: &mut M) -> u64 {
         let mut ended = 0;
+        // Pre-order over the rooted forest (rooted blocks whose parent is not a rooted block are
+        // exactly the first blocks of sequences), then remove in reverse.
+        let mut order = Vec::new();
         for &slot in self.by_hash.values() {
             let s = &self.slots[slot as usize];
             ended += u64::from(s.tiers.bits().count_ones());
+            if s.node.is_some() && !s.has_parent {
+                order.push(slot);
+            }
+        }
+        let mut next = 0;
+        while next < order.len() {
+            let mut child = self.slots[order[next] as usize].first_child;
+            next += 1;
+            while child != NIL {
+                if self.slots[child as usize].node.is_some() {
+                    order.push(child);
+                }
+                child = self.slots[child as usize].next_sibling;
+            }
+        }
+        for &slot in order.iter().rev() {
+            let s = &self.slots[slot as usize];
             if let Some(node) = s.node {
                 sink.remove(node, s.level);
             }
@@ -352,44 +374,70 @@ impl<N: Copy> Ledger<N> {
     }
 
     /// Recomputes `slot`'s level and, when it changed, its membership and its descendants'.
+    ///
+    /// Within one call every change goes the same way (a child's level is the max of its own and
+    /// its parent's). Improvements are applied parents first and worsenings children first, so
+    /// the backend's rooted membership stays prefix-closed at *every* call it receives, not just
+    /// between mutations — backends may store coverage as prefix lengths.
     fn propagate<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32) {
-        let mut stack = vec![slot];
-        while let Some(slot) = stack.pop() {
-            let wanted = self.wanted_level(slot);
-            let s = &self.slots[slot as usize];
-            if wanted == s.level {
-                continue;
-            }
-            let (old_level, old_node) = (s.level, s.node);
-            // Add the new membership before removing the old one, so the backend never sees the
-            // node empty (and free it) in between.
-            let node = if wanted == UNROOTED {
-                None
-            } else {
-                let node = match old_node {
-                    Some(node) => node,
-                    None => {
-                        let parent_node = match self.slots[slot as usize].parent_slot {
-                            NIL => None,
-                            parent => self.slots[parent as usize].node,
-                        };
-                        sink.child(parent_node, self.slots[slot as usize].local)
-                    }
-                };
-                sink.add(node, wanted);
-                Some(node)
-            };
-            if let Some(old) = old_node {
-                sink.remove(old, old_level);
-            }
-            let s = &mut self.slots[slot as usize];
-            s.level = wanted;
-            s.node = node;
-            let mut child = s.first_child;
+        let wanted = self.wanted_level(slot);
+        let old = self.slots[slot as usize].level;
+        if wanted == old {
+            return;
+        }
+        // Pre-order list of (slot, new level) for the subtree part whose level changes.
+        let mut changes = vec![(slot, wanted)];
+        let mut next = 0;
+        while next < changes.len() {
+            let (parent, parent_level) = changes[next];
+            next += 1;
+            let mut child = self.slots[parent as usize].first_child;
             while child != NIL {
-                stack.push(child);
-                child = self.slots[child as usize].next_sibling;
+                let c = &self.slots[child as usize];
+                let level = c.tiers.best_level().max(parent_level);
+                if level != c.level {
+                    changes.push((child, level));
+                }
+                child = c.next_sibling;
             }
         }
+        if wanted < old {
+            for (slot, level) in changes {
+                self.set_level(sink, slot, level);
+            }
+        } else {
+            for (slot, level) in changes.into_iter().rev() {
+                self.set_level(sink, slot, level);
+            }
+        }
+    }
+
+    /// Moves one block to `level`, adding the new membership before removing the old one so the
+    /// backend never sees the node empty (and frees it) in between.
+    fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32, level: Level) {
+        let s = &self.slots[slot as usize];
+        let (old_level, old_node) = (s.level, s.node);
+        let node = if level == UNROOTED {
+            None
+        } else {
+            let node = match old_node {
+                Some(node) => node,
+                None => {
+                    let parent_node = match s.parent_slot {
+                        NIL => None,
+                        parent => self.slots[parent as usize].node,
+                    };
+                    sink.child(parent_node, s.local)
+                }
+            };
+            sink.add(node, level);
+            Some(node)
+        };
+        if let Some(old) = old_node {
+            sink.remove(old, old_level);
+        }
+        let s = &mut self.slots[slot as usize];
+        s.level = level;
+        s.node = node;
     }
 }

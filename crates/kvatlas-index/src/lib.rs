@@ -12,15 +12,19 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod atlas;
 mod backend;
 mod ledger;
 mod locked;
 mod model;
 mod pool;
+mod positional;
+mod positional_tree;
 mod radix;
 mod reference;
 mod snapshot;
 
+pub use atlas::Atlas;
 pub use backend::{Exclusive, KvIndex, SharedKvIndex};
 pub use locked::Locked;
 pub use model::{
@@ -28,6 +32,8 @@ pub use model::{
     TierSet, Worker, WorkerBlocks, WorkerMatch,
 };
 pub use pool::{EnqueueError, ThreadPool};
+pub use positional::PositionalIndexer;
+pub use positional_tree::PositionalRadixTree;
 pub use radix::RadixTree;
 pub use reference::ReferenceIndex;
 pub use snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};

@@ -5,8 +5,8 @@
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    ExternalBlockHash, KvIndex, MatchOptions, Mutation, RadixTree, ReferenceIndex, StoredBlock,
-    Tier, Worker,
+    ExternalBlockHash, KvIndex, MatchOptions, Mutation, PositionalIndexer, RadixTree,
+    ReferenceIndex, StoredBlock, Tier, Worker,
 };
 use proptest::prelude::*;
 
@@ -172,5 +172,23 @@ proptest! {
     #[test]
     fn radix_tree_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
         run_differential(|| Box::new(RadixTree::new()), &ops);
+    }
+
+    #[test]
+    fn positional_indexer_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
+        // Small jumps so that the short queries (up to 4 blocks) exercise jumps and the binary
+        // search inside skipped ranges; 32 is the default (a single probe at the query's end).
+        run_differential(|| Box::new(PositionalIndexer::with_jump(1)), &ops);
+        run_differential(|| Box::new(PositionalIndexer::with_jump(2)), &ops);
+        run_differential(|| Box::new(PositionalIndexer::with_jump(32)), &ops);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn atlas_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
+        run_differential(|| Box::new(kvatlas_index::Atlas::new()), &ops);
     }
 }

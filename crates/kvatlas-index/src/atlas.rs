@@ -1,0 +1,655 @@
+//! `Atlas`: kvatlas's default backend — a compressed radix tree whose edges are contiguous runs of
+//! local hashes and whose per-edge worker coverage is a prefix length per tier level.
+//!
+//! # Structure
+//!
+//! - An **edge** holds a run of local hashes (`locals`), one per block position, stored
+//!   contiguously; a query compares a whole run with one slice comparison.
+//! - A **branch** can leave an edge at any offset: the child edge is registered under
+//!   `(edge, offset, first local)` in one hash map, and its first block is an alternative to
+//!   `locals[offset]` (or extends the edge when `offset == len`). Edges are never split, so node
+//!   handles `(edge, offset)` stay valid as long as the block they name is held; a path that
+//!   extends an edge's last block is appended in place.
+//! - A **cover** says which prefix of an edge a worker rank holds at each level:
+//!   `bounds[l]` = number of leading blocks of the edge held at level ≤ `l` (device 0, host 1,
+//!   any tier 2). This is exact because the ledger keeps rooted membership prefix-closed at every
+//!   call; multiplicity above one (two rooted blocks of one rank at the same path, possible with
+//!   non-uniform engine hashes) is kept in a side table.
+//! - Covers are kept sorted by worker rank, so the answer comes out sorted without a sort.
+//!
+//! # Query
+//!
+//! Walk edges from the root: compare the query with the edge's run (`m` = common length), and for
+//! each cover still alive set `score[l] = depth + min(bounds[l], m)`; a level stays alive only if
+//! `bounds[l] >= m`. Continue at the child `(edge, m, query[depth + m])`. The work is one slice
+//! comparison plus one pass over the covers per edge visited — nothing per position.
+//!
+//! # Memory
+//!
+//! An edge is truncated when its tail is covered by no rank and carries no branch, and freed when
+//! nothing remains, so memory follows the live state rather than the churn.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use kvatlas_hash::LocalBlockHash;
+use rustc_hash::FxHashMap;
+
+use crate::backend::KvIndex;
+use crate::ledger::{Ledger, Membership};
+use crate::model::{
+    ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerBlocks,
+    WorkerMatch,
+};
+use crate::snapshot::{Snapshot, WorkerSnapshot};
+
+const NIL: u32 = u32::MAX;
+
+/// A block position: `(edge, offset in the edge)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct NodeRef {
+    edge: u32,
+    offset: u32,
+}
+
+/// Which prefix of an edge a worker rank holds, per cumulative level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cover {
+    slot: u32,
+    /// `bounds[0] <= bounds[1] <= bounds[2]`, and `bounds[2] > 0` (empty covers are dropped).
+    bounds: [u32; LEVELS],
+}
+
+#[derive(Debug, Clone, Default)]
+struct Edge {
+    locals: Vec<LocalBlockHash>,
+    /// Query position of `locals[0]`.
+    depth: u32,
+    /// Parent edge (`NIL` for an edge starting at position 0).
+    parent: u32,
+    /// Offset in the parent where this edge branches off (its first block's position there).
+    attach: u32,
+    /// Number of child edges.
+    children: u32,
+    /// Largest offset a child ever branched off at; the run is never truncated below it.
+    max_child_offset: u32,
+    /// Sorted by worker rank (see `Atlas::slot_workers`).
+    covers: Vec<Cover>,
+}
+
+/// Worker-rank slots and the edges, shared by all ledgers.
+#[derive(Debug, Clone, Default)]
+struct Forest {
+    edges: Vec<Edge>,
+    free_edges: Vec<u32>,
+    roots: FxHashMap<LocalBlockHash, u32>,
+    /// `(edge, offset, first local of the child)` → child edge.
+    branches: FxHashMap<(u32, u32, LocalBlockHash), u32>,
+    /// Explicit per-level counts where one rank has more than one rooted block at a position.
+    multiple: FxHashMap<(NodeRef, u32), [u32; LEVELS]>,
+    /// Slot → worker rank (for ordering covers).
+    slot_workers: Vec<Worker>,
+}
+
+impl Forest {
+    fn new_edge(&mut self, edge: Edge) -> u32 {
+        match self.free_edges.pop() {
+            Some(id) => {
+                self.edges[id as usize] = edge;
+                id
+            }
+            None => {
+                self.edges.push(edge);
+                (self.edges.len() - 1) as u32
+            }
+        }
+    }
+
+    /// The cover of `slot` on `edge`, as an index into `covers`, or where to insert it.
+    fn find_cover(&self, edge: u32, slot: u32) -> Result<usize, usize> {
+        let worker = self.slot_workers[slot as usize];
+        let slot_workers = &self.slot_workers;
+        self.edges[edge as usize]
+            .covers
+            .binary_search_by(|c| slot_workers[c.slot as usize].cmp(&worker))
+    }
+
+    /// Per-level counts of `slot`'s rooted blocks at `node`.
+    fn counts(&self, node: NodeRef, slot: u32) -> [u32; LEVELS] {
+        if !self.multiple.is_empty()
+            && let Some(counts) = self.multiple.get(&(node, slot))
+        {
+            return *counts;
+        }
+        let mut counts = [0; LEVELS];
+        if let Ok(i) = self.find_cover(node.edge, slot) {
+            let bounds = self.edges[node.edge as usize].covers[i].bounds;
+            if let Some(level) = bounds.iter().position(|&b| node.offset < b) {
+                counts[level] = 1;
+            }
+        }
+        counts
+    }
+
+    /// Sets `slot`'s counts at `node`, updating the cover's bounds (prefix-closed by the ledger's
+    /// guarantee) and the multiplicity table.
+    fn set_counts(
+        &mut self,
+        node: NodeRef,
+        slot: u32,
+        before: [u32; LEVELS],
+        after: [u32; LEVELS],
+    ) {
+        if after.iter().sum::<u32>() > 1 {
+            self.multiple.insert((node, slot), after);
+        } else if !self.multiple.is_empty() {
+            self.multiple.remove(&(node, slot));
+        }
+        let mut bounds = match self.find_cover(node.edge, slot) {
+            Ok(i) => self.edges[node.edge as usize].covers[i].bounds,
+            Err(_) => [0; LEVELS],
+        };
+        let (mut held_before, mut held_after) = (0, 0);
+        for level in 0..LEVELS {
+            held_before += before[level];
+            held_after += after[level];
+            match (held_before > 0, held_after > 0) {
+                // Gained at this level: the position was the frontier of the prefix.
+                (false, true) => {
+                    debug_assert_eq!(bounds[level], node.offset, "gain off the frontier");
+                    bounds[level] = node.offset + 1;
+                }
+                // Lost at this level: it was the last position held at this level.
+                (true, false) => {
+                    debug_assert_eq!(bounds[level], node.offset + 1, "loss inside the prefix");
+                    bounds[level] = node.offset;
+                }
+                _ => {}
+            }
+        }
+        match self.find_cover(node.edge, slot) {
+            Ok(i) if bounds[LEVELS - 1] == 0 => {
+                self.edges[node.edge as usize].covers.remove(i);
+            }
+            Ok(i) => self.edges[node.edge as usize].covers[i].bounds = bounds,
+            Err(i) if bounds[LEVELS - 1] > 0 => {
+                self.edges[node.edge as usize]
+                    .covers
+                    .insert(i, Cover { slot, bounds });
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Truncates `edge`'s unused tail and frees it, then its ancestors, when nothing remains.
+    fn collect(&mut self, mut edge: u32) {
+        while edge != NIL {
+            let e = &mut self.edges[edge as usize];
+            if e.children == 0 {
+                e.max_child_offset = 0;
+            }
+            let covered = e
+                .covers
+                .iter()
+                .map(|c| c.bounds[LEVELS - 1])
+                .max()
+                .unwrap_or(0);
+            let keep = covered.max(e.max_child_offset) as usize;
+            if keep > 0 || e.children > 0 {
+                if keep < e.locals.len() {
+                    e.locals.truncate(keep.max(1));
+                    if e.locals.capacity() > 2 * e.locals.len() + 8 {
+                        e.locals.shrink_to_fit();
+                    }
+                }
+                return;
+            }
+            let (parent, attach, first) = (e.parent, e.attach, e.locals.first().copied());
+            *e = Edge::default();
+            self.free_edges.push(edge);
+            if let Some(first) = first {
+                if parent == NIL {
+                    self.roots.remove(&first);
+                } else {
+                    self.branches.remove(&(parent, attach, first));
+                    self.edges[parent as usize].children -= 1;
+                }
+            }
+            edge = parent;
+        }
+    }
+
+    /// Number of edges in use (for leak tests).
+    #[cfg(test)]
+    fn live_edges(&self) -> usize {
+        self.edges.len() - self.free_edges.len()
+    }
+
+    fn heap_bytes(&self) -> u64 {
+        let per_edge: usize = self
+            .edges
+            .iter()
+            .map(|e| e.locals.capacity() * 8 + e.covers.capacity() * std::mem::size_of::<Cover>())
+            .sum();
+        let branch_entry = std::mem::size_of::<((u32, u32, LocalBlockHash), u32)>() + 1;
+        let root_entry = std::mem::size_of::<(LocalBlockHash, u32)>() + 1;
+        let multiple_entry = std::mem::size_of::<((NodeRef, u32), [u32; LEVELS])>() + 1;
+        (self.edges.capacity() * std::mem::size_of::<Edge>()
+            + per_edge
+            + self.branches.capacity() * branch_entry
+            + self.roots.capacity() * root_entry
+            + self.multiple.capacity() * multiple_entry
+            + self.free_edges.capacity() * 4
+            + self.slot_workers.capacity() * std::mem::size_of::<Worker>()) as u64
+    }
+}
+
+struct Sink<'a> {
+    forest: &'a mut Forest,
+    slot: u32,
+}
+
+impl Membership for Sink<'_> {
+    type Node = NodeRef;
+
+    fn child(&mut self, parent: Option<NodeRef>, local: LocalBlockHash) -> NodeRef {
+        let forest = &mut *self.forest;
+        let Some(parent) = parent else {
+            if let Some(&edge) = forest.roots.get(&local) {
+                return NodeRef { edge, offset: 0 };
+            }
+            let edge = forest.new_edge(Edge {
+                locals: vec![local],
+                parent: NIL,
+                ..Edge::default()
+            });
+            forest.roots.insert(local, edge);
+            return NodeRef { edge, offset: 0 };
+        };
+        let target = parent.offset + 1;
+        let e = &forest.edges[parent.edge as usize];
+        let (depth, len) = (e.depth + target, e.locals.len());
+        if e.locals.get(target as usize) == Some(&local) {
+            return NodeRef {
+                edge: parent.edge,
+                offset: target,
+            };
+        }
+        if let Some(&edge) = forest.branches.get(&(parent.edge, target, local)) {
+            return NodeRef { edge, offset: 0 };
+        }
+        if target as usize == len {
+            // The path extends the edge's last block: append in place.
+            forest.edges[parent.edge as usize].locals.push(local);
+            return NodeRef {
+                edge: parent.edge,
+                offset: target,
+            };
+        }
+        let edge = forest.new_edge(Edge {
+            locals: vec![local],
+            depth,
+            parent: parent.edge,
+            attach: target,
+            ..Edge::default()
+        });
+        forest.branches.insert((parent.edge, target, local), edge);
+        let p = &mut forest.edges[parent.edge as usize];
+        p.children += 1;
+        p.max_child_offset = p.max_child_offset.max(target);
+        NodeRef { edge, offset: 0 }
+    }
+
+    fn add(&mut self, node: NodeRef, level: Level) {
+        let before = self.forest.counts(node, self.slot);
+        let mut after = before;
+        after[level as usize] += 1;
+        self.forest.set_counts(node, self.slot, before, after);
+    }
+
+    fn remove(&mut self, node: NodeRef, level: Level) {
+        let before = self.forest.counts(node, self.slot);
+        let mut after = before;
+        // The ledger only removes memberships it added; saturate rather than underflow.
+        after[level as usize] = after[level as usize].saturating_sub(1);
+        self.forest.set_counts(node, self.slot, before, after);
+        self.forest.collect(node.edge);
+    }
+}
+
+/// Per-query scratch, reused across queries on the same thread.
+#[derive(Default)]
+struct Scratch {
+    /// Per slot: the levels still matching (bit `l`), and the scores so far.
+    alive: Vec<u8>,
+    scores: Vec<[u32; LEVELS]>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// kvatlas's default backend (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct Atlas {
+    forest: Forest,
+    ledgers: BTreeMap<Worker, (u32, Ledger<NodeRef>)>,
+    /// Slots of ranks that left, for reuse.
+    free_slots: Vec<u32>,
+}
+
+impl Atlas {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn slot_and_ledger(&mut self, worker: Worker) -> (u32, &mut Ledger<NodeRef>, &mut Forest) {
+        let forest = &mut self.forest;
+        let free_slots = &mut self.free_slots;
+        let (slot, ledger) = self.ledgers.entry(worker).or_insert_with(|| {
+            let slot = match free_slots.pop() {
+                Some(slot) => {
+                    forest.slot_workers[slot as usize] = worker;
+                    slot
+                }
+                None => {
+                    forest.slot_workers.push(worker);
+                    (forest.slot_workers.len() - 1) as u32
+                }
+            };
+            (slot, Ledger::default())
+        });
+        (*slot, ledger, forest)
+    }
+
+    fn release_if_empty(&mut self, worker: Worker) {
+        if let Some((slot, ledger)) = self.ledgers.get(&worker)
+            && ledger.len() == 0
+        {
+            self.free_slots.push(*slot);
+            self.ledgers.remove(&worker);
+        }
+    }
+
+    fn clear_worker(&mut self, worker: Worker) -> u64 {
+        let Some((slot, ledger)) = self.ledgers.get_mut(&worker) else {
+            return 0;
+        };
+        let ended = ledger.clear(&mut Sink {
+            forest: &mut self.forest,
+            slot: *slot,
+        });
+        self.release_if_empty(worker);
+        ended
+    }
+
+    /// The walk described in the module docs; fills `out` with every rank's exact scores.
+    fn walk(&self, query: &[LocalBlockHash], tiered: bool, out: &mut Vec<WorkerMatch>) {
+        let forest = &self.forest;
+        let Some(first) = query.first() else { return };
+        let Some(&root) = forest.roots.get(first) else {
+            return;
+        };
+        // Levels followed: only the device level unless the tiered view is wanted.
+        let tracked: u8 = if tiered { 0b111 } else { 0b001 };
+        SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            let Scratch { alive, scores } = &mut *scratch;
+            if alive.len() < forest.slot_workers.len() {
+                alive.resize(forest.slot_workers.len(), 0);
+                scores.resize(forest.slot_workers.len(), [0; LEVELS]);
+            }
+            let root_covers = &forest.edges[root as usize].covers;
+            for cover in root_covers {
+                alive[cover.slot as usize] = tracked;
+                scores[cover.slot as usize] = [0; LEVELS];
+            }
+            let mut edge = root;
+            loop {
+                let e = &forest.edges[edge as usize];
+                let depth = e.depth as usize;
+                let span = e.locals.len().min(query.len() - depth);
+                let m = common_prefix(&e.locals[..span], &query[depth..depth + span]) as u32;
+                let continues = depth + (m as usize) < query.len();
+                let mut any_alive = false;
+                for cover in &e.covers {
+                    let state = &mut alive[cover.slot as usize];
+                    if *state == 0 {
+                        continue;
+                    }
+                    let score = &mut scores[cover.slot as usize];
+                    let mut next = 0u8;
+                    for (level, (bound, score)) in
+                        cover.bounds.iter().zip(score.iter_mut()).enumerate()
+                    {
+                        if *state & (1 << level) != 0 {
+                            *score = e.depth + (*bound).min(m);
+                            if *bound >= m && continues {
+                                next |= 1 << level;
+                            }
+                        }
+                    }
+                    *state = next;
+                    any_alive |= next != 0;
+                }
+                if !any_alive {
+                    break;
+                }
+                let at = depth + m as usize;
+                match forest.branches.get(&(edge, m, query[at])) {
+                    Some(&child) => edge = child,
+                    None => break,
+                }
+            }
+            // Every rank with a match covers the root edge; its covers are sorted by rank.
+            out.reserve(root_covers.len());
+            for cover in root_covers {
+                let slot = cover.slot as usize;
+                let [device, host, disk] = scores[slot];
+                alive[slot] = 0;
+                if tiered {
+                    if disk > 0 {
+                        out.push(WorkerMatch {
+                            worker: forest.slot_workers[slot],
+                            device,
+                            host,
+                            disk,
+                        });
+                    }
+                } else if device > 0 {
+                    out.push(WorkerMatch {
+                        worker: forest.slot_workers[slot],
+                        device,
+                        host: device,
+                        disk: device,
+                    });
+                }
+            }
+        });
+    }
+}
+
+/// Length of the common prefix of two equally long runs.
+#[inline]
+fn common_prefix(a: &[LocalBlockHash], b: &[LocalBlockHash]) -> usize {
+    // Compare in chunks so the common all-equal case runs as wide comparisons.
+    const CHUNK: usize = 16;
+    let mut done = 0;
+    for (x, y) in a.chunks(CHUNK).zip(b.chunks(CHUNK)) {
+        if x == y {
+            done += x.len();
+        } else {
+            return done + x.iter().zip(y).take_while(|(p, q)| p == q).count();
+        }
+    }
+    done
+}
+
+impl KvIndex for Atlas {
+    fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        let worker = mutation.worker();
+        match mutation {
+            Mutation::Stored {
+                tier,
+                parent,
+                blocks,
+                ..
+            } => {
+                let (slot, ledger, forest) = self.slot_and_ledger(worker);
+                ledger.store(
+                    &mut Sink { forest, slot },
+                    *tier,
+                    *parent,
+                    blocks,
+                    &mut report,
+                );
+            }
+            Mutation::Removed { tier, blocks, .. } => {
+                let (slot, ledger, forest) = self.slot_and_ledger(worker);
+                ledger.remove(&mut Sink { forest, slot }, *tier, blocks, &mut report);
+            }
+            Mutation::Cleared { .. } => report.cleared += self.clear_worker(worker),
+        }
+        self.release_if_empty(worker);
+        report
+    }
+
+    fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
+        let ranks: Vec<Worker> = self
+            .ledgers
+            .keys()
+            .filter(|w| w.worker_id == worker_id)
+            .copied()
+            .collect();
+        let mut report = ApplyReport::default();
+        for worker in ranks {
+            report.cleared += self.clear_worker(worker);
+        }
+        report
+    }
+
+    fn clear(&mut self) {
+        *self = Self::default();
+    }
+
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
+        let mut matches = Matches::default();
+        self.walk(query, options.tiered, &mut matches.workers);
+        if options.early_exit || options.top_k.is_some() {
+            matches.finish(options);
+        }
+        matches
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let workers = self
+            .ledgers
+            .iter()
+            .map(|(worker, (_, ledger))| WorkerSnapshot {
+                worker: *worker,
+                blocks: ledger.snapshot(),
+            })
+            .filter(|w| !w.blocks.is_empty())
+            .collect();
+        Snapshot { workers }
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) {
+        self.clear();
+        for w in &snapshot.workers {
+            let (slot, ledger, forest) = self.slot_and_ledger(w.worker);
+            let mut sink = Sink { forest, slot };
+            for block in &w.blocks {
+                ledger.restore(&mut sink, block);
+            }
+            self.release_if_empty(w.worker);
+        }
+    }
+
+    fn stats(&self) -> IndexStats {
+        let workers: Vec<WorkerBlocks> = self
+            .ledgers
+            .iter()
+            .map(|(worker, (_, ledger))| WorkerBlocks {
+                worker: *worker,
+                per_tier: ledger.per_tier(),
+            })
+            .collect();
+        IndexStats {
+            memberships: workers.iter().flat_map(|w| w.per_tier).sum(),
+            heap_bytes: self.forest.heap_bytes()
+                + self
+                    .ledgers
+                    .values()
+                    .map(|(_, l)| l.heap_bytes())
+                    .sum::<u64>(),
+            workers,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ExternalBlockHash, StoredBlock, Tier};
+
+    /// After every rank leaves, nothing of the forest is left in use, whatever the history.
+    #[test]
+    fn the_forest_empties_when_every_rank_leaves() {
+        let mut atlas = Atlas::new();
+        let mut state = 0x1234_5678_u64;
+        let mut next = |bound: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) % bound
+        };
+        for round in 0..400u64 {
+            let worker = Worker::new(next(4), 0);
+            let tier = Tier::ALL[next(4) as usize];
+            let mutation = if next(3) > 0 {
+                let blocks = (0..1 + next(6))
+                    .map(|_| {
+                        let id = next(40);
+                        StoredBlock {
+                            external: ExternalBlockHash::new(id),
+                            local: LocalBlockHash::new(id % 7),
+                        }
+                    })
+                    .collect();
+                let parent = (next(4) > 0).then(|| ExternalBlockHash::new(next(40)));
+                Mutation::Stored {
+                    worker,
+                    tier,
+                    parent,
+                    blocks,
+                }
+            } else {
+                let blocks = (0..1 + next(5))
+                    .map(|_| ExternalBlockHash::new(next(40)))
+                    .collect();
+                Mutation::Removed {
+                    worker,
+                    tier,
+                    blocks,
+                }
+            };
+            atlas.apply(&mutation);
+            if round % 100 == 99 {
+                for id in 0..4 {
+                    atlas.remove_worker(id);
+                }
+                assert_eq!(
+                    atlas.forest.live_edges(),
+                    0,
+                    "edges leaked after round {round}"
+                );
+                assert!(atlas.forest.roots.is_empty() && atlas.forest.branches.is_empty());
+                assert!(atlas.forest.multiple.is_empty());
+                assert!(atlas.ledgers.is_empty());
+            }
+        }
+    }
+}
