@@ -107,6 +107,8 @@ pub struct EngineConfig {
 /// One request as the router sees it, with what the index must answer and the events it causes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Query {
+    /// The request's trace arrival time in milliseconds (the open-loop replay rescales it).
+    pub timestamp_ms: u64,
     /// The worker the request was assigned to.
     pub worker: u32,
     /// The request's local hashes (the `find_matches` query).
@@ -157,6 +159,11 @@ pub struct Stream {
     pub stats: StreamStats,
     /// [`ScoreDigest`] of the oracle scores (equals a correct index's digest).
     pub oracle_digest: u64,
+    /// Per worker id (`0..workers`), the external hashes its cache holds when the stream ends,
+    /// sorted: the final state a correct index must hold.
+    pub final_caches: Vec<Vec<ExternalBlockHash>>,
+    /// [`membership_digest`] of `final_caches`.
+    pub final_state_digest: u64,
 }
 
 impl Stream {
@@ -164,6 +171,36 @@ impl Stream {
     pub fn event_blocks(&self) -> u64 {
         self.stats.blocks_stored + self.stats.blocks_removed
     }
+
+    /// One `Removed` (device tier) per worker with a non-empty cache, emptying it: appended to
+    /// the stream, they leave an empty index (the "drain" of peer-baseline.md's Workload C).
+    pub fn drain_events(&self) -> Vec<Mutation> {
+        self.final_caches
+            .iter()
+            .enumerate()
+            .filter(|(_, blocks)| !blocks.is_empty())
+            .map(|(w, blocks)| Mutation::Removed {
+                worker: Worker::new(w as u64, 0),
+                tier: Tier::Device,
+                blocks: blocks.clone(),
+            })
+            .collect()
+    }
+}
+
+/// An order-independent digest of a set of `(worker id, dp rank, external hash)` memberships:
+/// the wrapping sum of a mix of each triple. Equal sets give equal digests whatever the order.
+pub fn membership_digest<'a>(
+    memberships: impl IntoIterator<Item = (Worker, &'a ExternalBlockHash)>,
+) -> u64 {
+    memberships
+        .into_iter()
+        .fold(0u64, |acc, (worker, external)| {
+            let mixed = splitmix64(
+                splitmix64(worker.worker_id ^ (u64::from(worker.dp_rank) << 48)) ^ external.get(),
+            );
+            acc.wrapping_add(mixed)
+        })
 }
 
 /// An order-dependent digest of `(query index, worker, score)` triples.
@@ -454,6 +491,7 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
         debug_assert!(cache.len() <= config.capacity);
 
         queries.push(Query {
+            timestamp_ms: request.timestamp,
             worker: w,
             locals,
             oracle,
@@ -461,12 +499,32 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
         });
     }
     stats.final_memberships = caches.iter().map(|c| c.len() as u64).sum();
+    let final_caches: Vec<Vec<ExternalBlockHash>> = caches
+        .iter()
+        .map(|cache| {
+            let mut blocks: Vec<ExternalBlockHash> = cache
+                .index
+                .keys()
+                .map(|&k| ExternalBlockHash::new(k))
+                .collect();
+            blocks.sort_unstable();
+            blocks
+        })
+        .collect();
+    let final_state_digest = membership_digest(
+        final_caches
+            .iter()
+            .enumerate()
+            .flat_map(|(w, blocks)| blocks.iter().map(move |b| (Worker::new(w as u64, 0), b))),
+    );
     Stream {
         config: *config,
         queries,
         events,
         stats,
         oracle_digest: digest.get(),
+        final_caches,
+        final_state_digest,
     }
 }
 

@@ -2,9 +2,16 @@
 //! harness behind `cargo xtask bench` lives here. Nothing depends on this crate.
 //!
 //! The harness: [`trace`] loads a Mooncake trace, [`engine`] runs it through deterministic mock
-//! engines (per-worker LRU caches) into a stream of queries, oracle scores and KV events, and
-//! [`replay`] replays that stream against each index backend.
+//! engines (per-worker LRU caches) into a stream of queries, oracle scores and KV events;
+//! [`replay`] replays that stream against each index backend exactly (interleaved, every query
+//! checked), [`openloop`] replays it deadline-driven through the concurrent write front and sweeps
+//! the offered load; [`synthetic`] and [`concurrent`] are peer-baseline.md's Workloads B and C;
+//! [`plot`] draws the sweep and latency CDF.
 
+pub mod concurrent;
 pub mod engine;
+pub mod openloop;
+pub mod plot;
 pub mod replay;
+pub mod synthetic;
 pub mod trace;

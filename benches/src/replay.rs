@@ -4,9 +4,13 @@
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use kvatlas_index::{KvIndex, MatchOptions, Mutation, RadixTree, ReferenceIndex};
+use kvatlas_hash::LocalBlockHash;
+use kvatlas_index::{
+    ApplyReport, IndexStats, KvIndex, MatchOptions, Matches, Mutation, RadixTree, ReferenceIndex,
+    Snapshot,
+};
 
-use crate::engine::{ScoreDigest, Stream};
+use crate::engine::{ScoreDigest, Stream, membership_digest};
 
 /// A backend the harness can construct by name.
 #[derive(Debug, Clone, Copy)]
@@ -16,7 +20,59 @@ pub struct Backend {
     /// Whether it runs by default (`false` for slow oracles, which only suit tiny runs).
     pub default: bool,
     /// Builds an empty index.
-    pub make: fn() -> Box<dyn KvIndex>,
+    pub make: fn() -> Box<dyn KvIndex + Sync>,
+}
+
+/// A registry backend as a concrete [`KvIndex`] + [`Sync`] type, so it can sit behind
+/// [`kvatlas_index::Locked`] and [`kvatlas_index::ThreadPool`] (the concurrent front).
+pub struct Boxed(pub Box<dyn KvIndex + Sync>);
+
+impl std::fmt::Debug for Boxed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Boxed(dyn KvIndex)")
+    }
+}
+
+impl KvIndex for Boxed {
+    fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
+        self.0.apply(mutation)
+    }
+
+    fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
+        self.0.remove_worker(worker_id)
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
+        self.0.find_matches(query, options)
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        self.0.snapshot()
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) {
+        self.0.restore(snapshot);
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.0.stats()
+    }
+}
+
+/// `(memberships, membership digest)` of a snapshot's held blocks (compare with
+/// [`Stream::final_state_digest`]).
+pub fn snapshot_state(snapshot: &Snapshot) -> (u64, u64) {
+    let digest = membership_digest(
+        snapshot
+            .workers
+            .iter()
+            .flat_map(|w| w.blocks.iter().map(move |b| (w.worker, &b.external))),
+    );
+    (snapshot.blocks() as u64, digest)
 }
 
 /// Every backend the harness knows, in reporting order. Add a backend with one line here.
@@ -44,7 +100,7 @@ pub const BACKENDS: &[Backend] = &[
 ];
 
 /// A fresh, empty index of the backend called `name`, or `None` if there is no such backend.
-pub fn backend(name: &str) -> Option<Box<dyn KvIndex>> {
+pub fn backend(name: &str) -> Option<Box<dyn KvIndex + Sync>> {
     BACKENDS.iter().find(|b| b.name == name).map(|b| (b.make)())
 }
 
@@ -78,7 +134,8 @@ pub struct Latency {
 }
 
 impl Latency {
-    fn of(histogram: &Histogram<u64>) -> Self {
+    /// The summary of a histogram (an empty one gives zeros).
+    pub fn of(histogram: &Histogram<u64>) -> Self {
         Self {
             p50_ns: histogram.value_at_quantile(0.5),
             p99_ns: histogram.value_at_quantile(0.99),
@@ -132,12 +189,15 @@ pub struct ReplayResult {
     pub bytes_per_membership: f64,
     /// Anomalies the index reported while applying the stream (expected 0: the stream is clean).
     pub anomalies: u64,
+    /// Whether the index's final snapshot holds exactly the engines' final caches.
+    pub state_matches: bool,
 }
 
 impl ReplayResult {
-    /// Whether every check passed (scores, digest, final membership count).
+    /// Whether every check passed (scores, digest, final membership count and state).
     pub fn is_correct(&self) -> bool {
         self.mismatches == 0
+            && self.state_matches
             && self.digest_matches_oracle
             && self.memberships == self.expected_memberships
             && self.replay_memberships == self.expected_memberships
@@ -229,6 +289,8 @@ pub fn run(name: &str, stream: &Stream, event_passes: usize) -> Option<ReplayRes
         apply_time += start.elapsed();
     }
     let replay_memberships = index.stats().memberships;
+    let state_matches = snapshot_state(&index.snapshot())
+        == (stream.stats.final_memberships, stream.final_state_digest);
     drop(index);
 
     let mut pass_secs = Vec::new();
@@ -270,6 +332,7 @@ pub fn run(name: &str, stream: &Stream, event_passes: usize) -> Option<ReplayRes
         expected_memberships: expected,
         bytes_per_membership: stats.heap_bytes as f64 / stats.memberships.max(1) as f64,
         anomalies,
+        state_matches,
     })
 }
 

@@ -15,7 +15,7 @@ const USAGE: &str = "\
 usage: cargo xtask <task>
 
 tasks:
-  ci                 fmt --check, clippy -D warnings, tests, docs -D warnings, tidy, bench --quick
+  ci                 fmt --check, clippy -D warnings, tests, loom model, docs -D warnings, tidy, bench --quick
   tidy               check the crate layering (see docs/ARCHITECTURE.md)
   bench [ARGS…]      run the trace-replay benchmark suite (ARGS go to kvatlas-bench; --quick = smoke run)
   bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
@@ -92,17 +92,30 @@ fn ci() -> Result<()> {
     test.args(["test", "--workspace", "--locked"]);
     run(test, "cargo test --workspace")?;
 
-    let mut no_default = cargo();
-    no_default.args([
-        "test",
-        "-p",
-        "kvatlas-hash",
-        "--no-default-features",
-        "--locked",
-    ]);
+    // The hash crate's default feature set is empty (so the workspace run above is its
+    // no-default-features build); its optional serde support must build and pass too.
+    let mut all_features = cargo();
+    all_features.args(["test", "-p", "kvatlas-hash", "--all-features", "--locked"]);
+    run(all_features, "cargo test -p kvatlas-hash --all-features")?;
+
+    // Loom model of the concurrent front's synchronization (its own target dir: `--cfg loom`
+    // rebuilds every dependency and must not evict the main build).
+    let mut model = cargo();
+    model
+        .args([
+            "test",
+            "-p",
+            "kvatlas-index",
+            "--release",
+            "--locked",
+            "--test",
+            "loom",
+        ])
+        .env("RUSTFLAGS", "--cfg loom")
+        .env("CARGO_TARGET_DIR", workspace_root().join("target/loom"));
     run(
-        no_default,
-        "cargo test -p kvatlas-hash --no-default-features",
+        model,
+        "loom model of the concurrent front (RUSTFLAGS=--cfg loom)",
     )?;
 
     let mut doc = cargo();

@@ -36,7 +36,7 @@ use kvatlas_hash::LocalBlockHash;
 use rustc_hash::FxHashMap;
 
 use crate::backend::KvIndex;
-use crate::ledger::{Ledger, Membership};
+use crate::ledger::{Ledger, Membership, NodeBits};
 use crate::model::{
     ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerBlocks,
     WorkerMatch,
@@ -50,6 +50,19 @@ const NIL: u32 = u32::MAX;
 pub(crate) struct NodeRef {
     edge: u32,
     offset: u32,
+}
+
+impl NodeBits for NodeRef {
+    fn to_bits(self) -> u64 {
+        (u64::from(self.edge) << 32) | u64::from(self.offset)
+    }
+
+    fn from_bits(bits: u64) -> Self {
+        Self {
+            edge: (bits >> 32) as u32,
+            offset: bits as u32,
+        }
+    }
 }
 
 /// Which prefix of an edge a worker rank holds, per cumulative level.
@@ -106,7 +119,15 @@ impl Forest {
     }
 
     /// The cover of `slot` on `edge`, as an index into `covers`, or where to insert it.
+    #[inline]
     fn find_cover(&self, edge: u32, slot: u32) -> Result<usize, usize> {
+        let covers = &self.edges[edge as usize].covers;
+        if covers.len() <= 8 {
+            // Most edges have a few covers: compare slots directly, no indirection.
+            if let Some(i) = covers.iter().position(|c| c.slot == slot) {
+                return Ok(i);
+            }
+        }
         let worker = self.slot_workers[slot as usize];
         let slot_workers = &self.slot_workers;
         self.edges[edge as usize]
@@ -114,41 +135,39 @@ impl Forest {
             .binary_search_by(|c| slot_workers[c.slot as usize].cmp(&worker))
     }
 
-    /// Per-level counts of `slot`'s rooted blocks at `node`.
-    fn counts(&self, node: NodeRef, slot: u32) -> [u32; LEVELS] {
-        if !self.multiple.is_empty()
-            && let Some(counts) = self.multiple.get(&(node, slot))
-        {
-            return *counts;
-        }
-        let mut counts = [0; LEVELS];
-        if let Ok(i) = self.find_cover(node.edge, slot) {
-            let bounds = self.edges[node.edge as usize].covers[i].bounds;
-            if let Some(level) = bounds.iter().position(|&b| node.offset < b) {
-                counts[level] = 1;
-            }
-        }
-        counts
-    }
-
-    /// Sets `slot`'s counts at `node`, updating the cover's bounds (prefix-closed by the ledger's
-    /// guarantee) and the multiplicity table.
-    fn set_counts(
-        &mut self,
-        node: NodeRef,
-        slot: u32,
-        before: [u32; LEVELS],
-        after: [u32; LEVELS],
-    ) {
-        if after.iter().sum::<u32>() > 1 {
-            self.multiple.insert((node, slot), after);
-        } else if !self.multiple.is_empty() {
-            self.multiple.remove(&(node, slot));
-        }
-        let mut bounds = match self.find_cover(node.edge, slot) {
+    /// Adds `delta` (+1 or -1) rooted blocks of `slot` at `node` on `level`, keeping the cover's
+    /// bounds (prefix-closed by the ledger's guarantee) and the multiplicity table exact.
+    fn update(&mut self, node: NodeRef, slot: u32, level: Level, add: bool) {
+        let found = self.find_cover(node.edge, slot);
+        let mut bounds = match found {
             Ok(i) => self.edges[node.edge as usize].covers[i].bounds,
             Err(_) => [0; LEVELS],
         };
+        let explicit = if self.multiple.is_empty() {
+            None
+        } else {
+            self.multiple.get(&(node, slot)).copied()
+        };
+        let before = explicit.unwrap_or_else(|| {
+            let mut counts = [0; LEVELS];
+            if let Some(l) = bounds.iter().position(|&b| node.offset < b) {
+                counts[l] = 1;
+            }
+            counts
+        });
+        let mut after = before;
+        let count = &mut after[level as usize];
+        // The ledger only removes memberships it added; saturate rather than underflow.
+        *count = if add {
+            *count + 1
+        } else {
+            count.saturating_sub(1)
+        };
+        if after.iter().sum::<u32>() > 1 {
+            self.multiple.insert((node, slot), after);
+        } else if explicit.is_some() {
+            self.multiple.remove(&(node, slot));
+        }
         let (mut held_before, mut held_after) = (0, 0);
         for level in 0..LEVELS {
             held_before += before[level];
@@ -167,16 +186,13 @@ impl Forest {
                 _ => {}
             }
         }
-        match self.find_cover(node.edge, slot) {
+        let covers = &mut self.edges[node.edge as usize].covers;
+        match found {
             Ok(i) if bounds[LEVELS - 1] == 0 => {
-                self.edges[node.edge as usize].covers.remove(i);
+                covers.remove(i);
             }
-            Ok(i) => self.edges[node.edge as usize].covers[i].bounds = bounds,
-            Err(i) if bounds[LEVELS - 1] > 0 => {
-                self.edges[node.edge as usize]
-                    .covers
-                    .insert(i, Cover { slot, bounds });
-            }
+            Ok(i) => covers[i].bounds = bounds,
+            Err(i) if bounds[LEVELS - 1] > 0 => covers.insert(i, Cover { slot, bounds }),
             Err(_) => {}
         }
     }
@@ -300,19 +316,16 @@ impl Membership for Sink<'_> {
         NodeRef { edge, offset: 0 }
     }
 
+    fn local(&self, node: NodeRef) -> LocalBlockHash {
+        self.forest.edges[node.edge as usize].locals[node.offset as usize]
+    }
+
     fn add(&mut self, node: NodeRef, level: Level) {
-        let before = self.forest.counts(node, self.slot);
-        let mut after = before;
-        after[level as usize] += 1;
-        self.forest.set_counts(node, self.slot, before, after);
+        self.forest.update(node, self.slot, level, true);
     }
 
     fn remove(&mut self, node: NodeRef, level: Level) {
-        let before = self.forest.counts(node, self.slot);
-        let mut after = before;
-        // The ledger only removes memberships it added; saturate rather than underflow.
-        after[level as usize] = after[level as usize].saturating_sub(1);
-        self.forest.set_counts(node, self.slot, before, after);
+        self.forest.update(node, self.slot, level, false);
         self.forest.collect(node.edge);
     }
 }
@@ -320,13 +333,39 @@ impl Membership for Sink<'_> {
 /// Per-query scratch, reused across queries on the same thread.
 #[derive(Default)]
 struct Scratch {
-    /// Per slot: the levels still matching (bit `l`), and the scores so far.
-    alive: Vec<u8>,
-    scores: Vec<[u32; LEVELS]>,
+    /// Per cover of the root edge (in cover order): the scores so far and the levels still
+    /// matching (bit `l`).
+    states: Vec<([u32; LEVELS], u8)>,
+    /// Slot → index into `states`; written only for ranks that continue past the root edge, and
+    /// read only for covers of deeper edges (which, by prefix closure, are exactly such ranks).
+    index_of_slot: Vec<u32>,
 }
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Scores of one cover on an edge whose run matched the query for `m` blocks; returns the
+/// levels (among `alive`) that continue past the edge.
+#[inline(always)]
+fn score_cover(
+    cover: &Cover,
+    depth: u32,
+    m: u32,
+    continues: bool,
+    alive: u8,
+    score: &mut [u32; LEVELS],
+) -> u8 {
+    let mut next = 0u8;
+    for (level, (bound, score)) in cover.bounds.iter().zip(score.iter_mut()).enumerate() {
+        if alive & (1 << level) != 0 {
+            *score = depth + (*bound).min(m);
+            if *bound >= m && continues {
+                next |= 1 << level;
+            }
+        }
+    }
+    next
 }
 
 /// kvatlas's default backend (see the module docs).
@@ -395,74 +434,73 @@ impl Atlas {
         let tracked: u8 = if tiered { 0b111 } else { 0b001 };
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
-            let Scratch { alive, scores } = &mut *scratch;
-            if alive.len() < forest.slot_workers.len() {
-                alive.resize(forest.slot_workers.len(), 0);
-                scores.resize(forest.slot_workers.len(), [0; LEVELS]);
+            let Scratch {
+                states,
+                index_of_slot,
+            } = &mut *scratch;
+            if index_of_slot.len() < forest.slot_workers.len() {
+                index_of_slot.resize(forest.slot_workers.len(), 0);
             }
-            let root_covers = &forest.edges[root as usize].covers;
-            for cover in root_covers {
-                alive[cover.slot as usize] = tracked;
-                scores[cover.slot as usize] = [0; LEVELS];
+            // The root edge: every rank with a match covers it, so its covers (sorted by rank)
+            // are the answer's rows, scored in one sequential pass.
+            let e = &forest.edges[root as usize];
+            let span = e.locals.len().min(query.len());
+            let m = common_prefix(&e.locals[..span], &query[..span]) as u32;
+            let continues = (m as usize) < query.len();
+            states.clear();
+            let mut any_alive = false;
+            for (i, cover) in e.covers.iter().enumerate() {
+                let mut score = [0; LEVELS];
+                let next = score_cover(cover, 0, m, continues, tracked, &mut score);
+                states.push((score, next));
+                if next != 0 {
+                    index_of_slot[cover.slot as usize] = i as u32;
+                    any_alive = true;
+                }
             }
+            // Deeper edges: only ranks that continued past the root edge can cover them.
             let mut edge = root;
-            loop {
+            let mut matched = m;
+            while any_alive {
+                let at = forest.edges[edge as usize].depth as usize + matched as usize;
+                let Some(&child) = forest.branches.get(&(edge, matched, query[at])) else {
+                    break;
+                };
+                edge = child;
                 let e = &forest.edges[edge as usize];
                 let depth = e.depth as usize;
                 let span = e.locals.len().min(query.len() - depth);
-                let m = common_prefix(&e.locals[..span], &query[depth..depth + span]) as u32;
-                let continues = depth + (m as usize) < query.len();
-                let mut any_alive = false;
+                matched = common_prefix(&e.locals[..span], &query[depth..depth + span]) as u32;
+                let continues = depth + (matched as usize) < query.len();
+                any_alive = false;
                 for cover in &e.covers {
-                    let state = &mut alive[cover.slot as usize];
-                    if *state == 0 {
-                        continue;
+                    let (score, state) = &mut states[index_of_slot[cover.slot as usize] as usize];
+                    if *state != 0 {
+                        *state = score_cover(cover, e.depth, matched, continues, *state, score);
+                        any_alive |= *state != 0;
                     }
-                    let score = &mut scores[cover.slot as usize];
-                    let mut next = 0u8;
-                    for (level, (bound, score)) in
-                        cover.bounds.iter().zip(score.iter_mut()).enumerate()
-                    {
-                        if *state & (1 << level) != 0 {
-                            *score = e.depth + (*bound).min(m);
-                            if *bound >= m && continues {
-                                next |= 1 << level;
-                            }
-                        }
-                    }
-                    *state = next;
-                    any_alive |= next != 0;
-                }
-                if !any_alive {
-                    break;
-                }
-                let at = depth + m as usize;
-                match forest.branches.get(&(edge, m, query[at])) {
-                    Some(&child) => edge = child,
-                    None => break,
                 }
             }
-            // Every rank with a match covers the root edge; its covers are sorted by rank.
-            out.reserve(root_covers.len());
-            for cover in root_covers {
-                let slot = cover.slot as usize;
-                let [device, host, disk] = scores[slot];
-                alive[slot] = 0;
+            out.reserve(states.len());
+            for (cover, ([device, host, disk], _)) in
+                forest.edges[root as usize].covers.iter().zip(states.iter())
+            {
+                let worker = forest.slot_workers[cover.slot as usize];
                 if tiered {
-                    if disk > 0 {
+                    if *disk > 0 {
                         out.push(WorkerMatch {
-                            worker: forest.slot_workers[slot],
-                            device,
-                            host,
-                            disk,
+                            worker,
+                            device: *device,
+                            host: *host,
+                            disk: *disk,
                         });
                     }
-                } else if device > 0 {
+                } else if *device > 0 {
                     out.push(WorkerMatch {
-                        worker: forest.slot_workers[slot],
-                        device,
-                        host: device,
-                        disk: device,
+                        worker,
+                        device: *device,
+                        host: *device,
+                        disk: *device,
                     });
                 }
             }
@@ -549,7 +587,9 @@ impl KvIndex for Atlas {
             .iter()
             .map(|(worker, (_, ledger))| WorkerSnapshot {
                 worker: *worker,
-                blocks: ledger.snapshot(),
+                blocks: ledger.snapshot(|node: NodeRef| {
+                    self.forest.edges[node.edge as usize].locals[node.offset as usize]
+                }),
             })
             .filter(|w| !w.blocks.is_empty())
             .collect();

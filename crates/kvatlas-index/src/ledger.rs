@@ -6,30 +6,61 @@
 //! every mutation into changes of **rooted membership** — "this worker now has one more (or one
 //! fewer) rooted block at level `l` at the node for local path P" — through the [`Membership`]
 //! trait. Rooted membership is prefix-closed along every path (a rooted block's parent is rooted
-//! at the same or a lower level), so a backend that stores exactly these counts answers
-//! `find_matches` exactly, and may jump or binary-search along a query.
+//! at the same or a lower level), and the ledger keeps it prefix-closed at *every* call it makes,
+//! so a backend may store coverage as prefix lengths, stop a worker at its first miss, or jump and
+//! binary-search along a query, and still answer exactly.
 //!
 //! Invariants (checked by the differential tests against [`crate::ReferenceIndex`]):
 //! - `level(b) = max(best_level(tiers(b)), level(parent(b)))`, with `level = 0, 1, 2` for
 //!   device / host / disk-or-external, a root's parent counting as level 0, and an unheld parent
 //!   making `b` [`UNROOTED`];
 //! - a block has a node (and exactly one membership, at its level) iff it is rooted;
-//! - `children(b)` lists exactly the held blocks whose parent hash is `b`'s hash; held blocks
-//!   whose parent is not held are listed under that hash in `dangling`.
+//! - the children list of `b` holds exactly the held blocks whose parent hash is `b`'s hash;
+//!   held blocks whose parent is not held are listed under that hash in `dangling`.
+//!
+//! Memory: a block costs one 32-byte slot plus a 4-byte entry of a hash table of slot indices.
+//! A rooted block keeps its node handle (the backend knows the node's local hash); an unrooted
+//! one keeps its local hash in the same word. A parent hash is the parent slot's own hash, except
+//! for dangling blocks, whose missing parent's hash is kept in a side table.
 
+use std::hash::BuildHasher;
+use std::marker::PhantomData;
+
+use hashbrown::HashTable;
 use kvatlas_hash::LocalBlockHash;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::model::{ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED};
 use crate::snapshot::SnapshotBlock;
 
+/// A backend's node handle, storable in one `u64`.
+pub(crate) trait NodeBits: Copy {
+    /// The handle as bits.
+    fn to_bits(self) -> u64;
+    /// The handle back from [`NodeBits::to_bits`].
+    fn from_bits(bits: u64) -> Self;
+}
+
+impl NodeBits for u32 {
+    fn to_bits(self) -> u64 {
+        u64::from(self)
+    }
+
+    fn from_bits(bits: u64) -> Self {
+        bits as u32
+    }
+}
+
 /// How a backend records rooted membership for one worker rank.
 pub(crate) trait Membership {
     /// The backend's handle of a node (a local-hash path from the root).
-    type Node: Copy;
+    type Node: NodeBits;
 
     /// The node for `local` under `parent` (`None` = a first block), created if needed.
     fn child(&mut self, parent: Option<Self::Node>, local: LocalBlockHash) -> Self::Node;
+
+    /// The local hash of the node's last block.
+    fn local(&self, node: Self::Node) -> LocalBlockHash;
 
     /// One more rooted block of this worker at `node`, at `level`.
     fn add(&mut self, node: Self::Node, level: Level);
@@ -41,49 +72,62 @@ pub(crate) trait Membership {
 
 /// Marks "no slot" in the intrusive lists.
 const NIL: u32 = u32::MAX;
+/// `Slot::flags`: the block has a parent.
+const HAS_PARENT: u8 = 1;
+/// `Slot::flags`: the slot is on the free list.
+const FREED: u8 = 2;
 
-#[derive(Debug, Clone)]
-struct Slot<N> {
+#[derive(Debug, Clone, Copy)]
+struct Slot {
     external: ExternalBlockHash,
-    local: LocalBlockHash,
-    /// The parent's engine hash; meaningful only if `has_parent`.
-    parent: ExternalBlockHash,
-    has_parent: bool,
-    tiers: TierSet,
-    level: Level,
+    /// Rooted: the node handle's bits. Unrooted: the local hash.
+    payload: u64,
     /// The parent's slot when the parent is held, else `NIL`.
     parent_slot: u32,
     first_child: u32,
     next_sibling: u32,
-    prev_sibling: u32,
-    /// Set iff the block is rooted.
-    node: Option<N>,
+    tiers: TierSet,
+    level: Level,
+    flags: u8,
 }
 
 /// One worker rank's blocks and chains.
 #[derive(Debug, Clone)]
 pub(crate) struct Ledger<N> {
-    by_hash: FxHashMap<ExternalBlockHash, u32>,
-    slots: Vec<Slot<N>>,
+    /// Slot indices, hashed by the slot's external hash.
+    table: HashTable<u32>,
+    slots: Vec<Slot>,
     free: Vec<u32>,
     /// Held blocks whose parent is not held, by that parent's hash.
     dangling: FxHashMap<ExternalBlockHash, Vec<u32>>,
+    /// For each such block, its parent's hash.
+    dangling_parent: FxHashMap<u32, ExternalBlockHash>,
+    /// Reused by `propagate`.
+    scratch: Vec<(u32, Level)>,
     per_tier: [u64; 4],
+    node: PhantomData<N>,
 }
 
 impl<N> Default for Ledger<N> {
     fn default() -> Self {
         Self {
-            by_hash: FxHashMap::default(),
+            table: HashTable::new(),
             slots: Vec::new(),
             free: Vec::new(),
             dangling: FxHashMap::default(),
+            dangling_parent: FxHashMap::default(),
+            scratch: Vec::new(),
             per_tier: [0; 4],
+            node: PhantomData,
         }
     }
 }
 
-impl<N: Copy> Ledger<N> {
+fn hash_of(external: ExternalBlockHash) -> u64 {
+    FxBuildHasher.hash_one(external.get())
+}
+
+impl<N: NodeBits> Ledger<N> {
     /// Blocks held per tier.
     pub(crate) fn per_tier(&self) -> [u64; 4] {
         self.per_tier
@@ -91,17 +135,82 @@ impl<N: Copy> Ledger<N> {
 
     /// Number of held blocks (any tier).
     pub(crate) fn len(&self) -> usize {
-        self.by_hash.len()
+        self.table.len()
     }
 
     /// Approximate heap bytes of this ledger.
     pub(crate) fn heap_bytes(&self) -> u64 {
-        let map_entry = std::mem::size_of::<(ExternalBlockHash, u32)>() + 1;
-        let dangling: usize = self.dangling.values().map(|v| v.capacity() * 4 + 32).sum();
-        (self.by_hash.capacity() * map_entry
-            + self.slots.capacity() * std::mem::size_of::<Slot<N>>()
+        let dangling: usize = self
+            .dangling
+            .values()
+            .map(|v| v.capacity() * 4 + 40)
+            .sum::<usize>()
+            + self.dangling_parent.capacity() * 17;
+        (self.table.capacity() * 5
+            + self.slots.capacity() * std::mem::size_of::<Slot>()
             + self.free.capacity() * 4
+            + self.scratch.capacity() * 8
             + dangling) as u64
+    }
+
+    /// Debug builds: every children list is acyclic and consistent with `parent_slot`, and
+    /// every dangling block is listed under its parent's hash.
+    #[cfg(debug_assertions)]
+    fn check_links(&self) {
+        for &slot in &self.table {
+            let s = &self.slots[slot as usize];
+            assert!(
+                s.flags & FREED == 0,
+                "slot {slot} is in the table but freed"
+            );
+            let mut child = s.first_child;
+            let mut steps = 0;
+            while child != NIL {
+                assert_eq!(
+                    self.slots[child as usize].parent_slot, slot,
+                    "child {child} of {slot}"
+                );
+                child = self.slots[child as usize].next_sibling;
+                steps += 1;
+                assert!(steps <= self.slots.len(), "cycle in the children of {slot}");
+            }
+            if s.parent_slot == NIL && s.flags & HAS_PARENT != 0 {
+                let parent = self.dangling_parent.get(&slot).copied();
+                assert!(
+                    parent.is_some(),
+                    "dangling slot {slot} has no recorded parent"
+                );
+            }
+        }
+    }
+
+    fn find(&self, external: ExternalBlockHash) -> Option<u32> {
+        let slots = &self.slots;
+        self.table
+            .find(hash_of(external), |&i| {
+                slots[i as usize].external == external
+            })
+            .copied()
+    }
+
+    fn local_of<M: Membership<Node = N>>(&self, sink: &M, slot: u32) -> LocalBlockHash {
+        let s = &self.slots[slot as usize];
+        if s.level == UNROOTED {
+            LocalBlockHash::new(s.payload)
+        } else {
+            sink.local(N::from_bits(s.payload))
+        }
+    }
+
+    fn parent_of(&self, slot: u32) -> Option<ExternalBlockHash> {
+        let s = &self.slots[slot as usize];
+        if s.flags & HAS_PARENT == 0 {
+            None
+        } else if s.parent_slot != NIL {
+            Some(self.slots[s.parent_slot as usize].external)
+        } else {
+            self.dangling_parent.get(&slot).copied()
+        }
     }
 
     /// Applies a stored run.
@@ -115,25 +224,22 @@ impl<N: Copy> Ledger<N> {
     ) {
         if let Some(parent) = parent
             && !blocks.is_empty()
-            && !self.by_hash.contains_key(&parent)
+            && self.find(parent).is_none()
         {
             report.unknown_parents += 1;
         }
         let mut previous = parent;
         for block in blocks {
-            match self.by_hash.get(&block.external).copied() {
+            match self.find(block.external) {
                 Some(slot) => {
-                    let existing = &self.slots[slot as usize];
-                    let same_parent = match previous {
-                        Some(p) => existing.has_parent && existing.parent == p,
-                        None => !existing.has_parent,
-                    };
-                    if existing.local != block.local || !same_parent {
+                    let tiers = self.slots[slot as usize].tiers;
+                    if self.local_of(sink, slot) != block.local || self.parent_of(slot) != previous
+                    {
                         report.conflicting_stores += 1;
-                    } else if existing.tiers.contains(tier) {
+                    } else if tiers.contains(tier) {
                         report.duplicate_stores += 1;
                     } else {
-                        self.slots[slot as usize].tiers = existing.tiers.with(tier);
+                        self.slots[slot as usize].tiers = tiers.with(tier);
                         self.per_tier[tier.index()] += 1;
                         report.stored += 1;
                         self.propagate(sink, slot);
@@ -152,17 +258,25 @@ impl<N: Copy> Ledger<N> {
             }
             previous = Some(block.external);
         }
+        #[cfg(debug_assertions)]
+        self.check_links();
     }
 
     /// Restores one block from a snapshot (any order; dangling parents allowed).
     pub(crate) fn restore<M: Membership<Node = N>>(&mut self, sink: &mut M, block: &SnapshotBlock) {
-        if block.tiers.is_empty() || self.by_hash.contains_key(&block.external) {
+        if block.tiers.is_empty() || self.find(block.external).is_some() {
             return;
         }
         self.insert(sink, block.external, block.local, block.parent, block.tiers);
     }
 
     /// Applies a removal on one tier.
+    ///
+    /// One `Removed` is applied as a whole (readers never see part of a mutation through
+    /// [`crate::Locked`]), so it runs in three passes: drop the tier from every named block; then
+    /// recompute levels (a head-first list unroots the chain once, from its top); then free the
+    /// blocks held on no tier, children before parents, so a removed chain never passes through
+    /// the dangling table.
     pub(crate) fn remove<M: Membership<Node = N>>(
         &mut self,
         sink: &mut M,
@@ -170,8 +284,9 @@ impl<N: Copy> Ledger<N> {
         blocks: &[ExternalBlockHash],
         report: &mut ApplyReport,
     ) {
+        let mut touched = Vec::with_capacity(blocks.len().min(4096));
         for hash in blocks {
-            let Some(slot) = self.by_hash.get(hash).copied() else {
+            let Some(slot) = self.find(*hash) else {
                 report.unknown_removes += 1;
                 continue;
             };
@@ -182,13 +297,38 @@ impl<N: Copy> Ledger<N> {
             }
             report.removed += 1;
             self.per_tier[tier.index()] -= 1;
-            let remaining = tiers.without(tier);
-            self.slots[slot as usize].tiers = remaining;
+            self.slots[slot as usize].tiers = tiers.without(tier);
+            touched.push(slot);
+        }
+        for &slot in &touched {
             self.propagate(sink, slot);
-            if remaining.is_empty() {
-                self.delete(slot);
+        }
+        let mut stack = Vec::new();
+        for &slot in &touched {
+            if self.slots[slot as usize].tiers.is_empty()
+                && self.slots[slot as usize].flags & FREED == 0
+            {
+                stack.push((slot, false));
+            }
+            // Depth-first: a block is freed after its emptied children (second visit).
+            while let Some((slot, children_done)) = stack.pop() {
+                if children_done {
+                    self.delete(slot);
+                    continue;
+                }
+                stack.push((slot, true));
+                let mut child = self.slots[slot as usize].first_child;
+                while child != NIL {
+                    let c = &self.slots[child as usize];
+                    if c.tiers.is_empty() && c.flags & FREED == 0 {
+                        stack.push((child, false));
+                    }
+                    child = c.next_sibling;
+                }
             }
         }
+        #[cfg(debug_assertions)]
+        self.check_links();
     }
 
     /// Drops every block; returns the number of (block, tier) memberships that ended.
@@ -196,13 +336,13 @@ impl<N: Copy> Ledger<N> {
     /// Memberships are removed children first, keeping the backend's view prefix-closed.
     pub(crate) fn clear<M: Membership<Node = N>>(&mut self, sink: &mut M) -> u64 {
         let mut ended = 0;
-        // Pre-order over the rooted forest (rooted blocks whose parent is not a rooted block are
-        // exactly the first blocks of sequences), then remove in reverse.
+        // Pre-order over the rooted forest (rooted blocks without a parent start it), then
+        // remove in reverse.
         let mut order = Vec::new();
-        for &slot in self.by_hash.values() {
+        for &slot in &self.table {
             let s = &self.slots[slot as usize];
             ended += u64::from(s.tiers.bits().count_ones());
-            if s.node.is_some() && !s.has_parent {
+            if s.level != UNROOTED && s.flags & HAS_PARENT == 0 {
                 order.push(slot);
             }
         }
@@ -211,7 +351,7 @@ impl<N: Copy> Ledger<N> {
             let mut child = self.slots[order[next] as usize].first_child;
             next += 1;
             while child != NIL {
-                if self.slots[child as usize].node.is_some() {
+                if self.slots[child as usize].level != UNROOTED {
                     order.push(child);
                 }
                 child = self.slots[child as usize].next_sibling;
@@ -219,25 +359,28 @@ impl<N: Copy> Ledger<N> {
         }
         for &slot in order.iter().rev() {
             let s = &self.slots[slot as usize];
-            if let Some(node) = s.node {
-                sink.remove(node, s.level);
-            }
+            sink.remove(N::from_bits(s.payload), s.level);
         }
         *self = Self::default();
         ended
     }
 
-    /// Every held block, for a snapshot.
-    pub(crate) fn snapshot(&self) -> Vec<SnapshotBlock> {
+    /// Every held block, for a snapshot; `local` gives a node's local hash.
+    pub(crate) fn snapshot(&self, local: impl Fn(N) -> LocalBlockHash) -> Vec<SnapshotBlock> {
         let mut blocks: Vec<SnapshotBlock> = self
-            .by_hash
-            .values()
+            .table
+            .iter()
             .map(|&slot| {
                 let s = &self.slots[slot as usize];
+                let local = if s.level == UNROOTED {
+                    LocalBlockHash::new(s.payload)
+                } else {
+                    local(N::from_bits(s.payload))
+                };
                 SnapshotBlock {
                     external: s.external,
-                    local: s.local,
-                    parent: s.has_parent.then_some(s.parent),
+                    local,
+                    parent: self.parent_of(slot),
                     tiers: s.tiers,
                 }
             })
@@ -256,16 +399,13 @@ impl<N: Copy> Ledger<N> {
     ) {
         let slot = Slot {
             external,
-            local,
-            parent: parent.unwrap_or(ExternalBlockHash::new(0)),
-            has_parent: parent.is_some(),
-            tiers,
-            level: UNROOTED,
+            payload: local.get(),
             parent_slot: NIL,
             first_child: NIL,
             next_sibling: NIL,
-            prev_sibling: NIL,
-            node: None,
+            tiers,
+            level: UNROOTED,
+            flags: if parent.is_some() { HAS_PARENT } else { 0 },
         };
         let index = match self.free.pop() {
             Some(index) => {
@@ -277,22 +417,33 @@ impl<N: Copy> Ledger<N> {
                 (self.slots.len() - 1) as u32
             }
         };
-        self.by_hash.insert(external, index);
+        let slots = &self.slots;
+        self.table.insert_unique(hash_of(external), index, |&i| {
+            hash_of(slots[i as usize].external)
+        });
         for tier in tiers.iter() {
             self.per_tier[tier.index()] += 1;
         }
         if let Some(parent) = parent {
-            match self.by_hash.get(&parent).copied() {
+            match self.find(parent) {
                 Some(parent_slot) if parent_slot != index => self.link(parent_slot, index),
-                _ => self.dangling.entry(parent).or_default().push(index),
+                _ => {
+                    self.dangling.entry(parent).or_default().push(index);
+                    self.dangling_parent.insert(index, parent);
+                }
             }
         }
         // Blocks stored earlier whose parent is this block now hang under it.
-        if let Some(children) = self.dangling.remove(&external) {
+        if !self.dangling.is_empty()
+            && let Some(children) = self.dangling.remove(&external)
+        {
             for child in children {
-                if child != index {
-                    self.link(index, child);
+                if child == index {
+                    // A block naming itself as parent can never be reached; keep it aside.
+                    continue;
                 }
+                self.dangling_parent.remove(&child);
+                self.link(index, child);
             }
         }
         self.propagate(sink, index);
@@ -300,63 +451,69 @@ impl<N: Copy> Ledger<N> {
 
     /// Unlinks and frees a block that is held on no tier (already unrooted by `propagate`).
     fn delete(&mut self, slot: u32) {
-        let s = self.slots[slot as usize].clone();
-        debug_assert!(s.node.is_none() && s.tiers.is_empty());
+        let s = self.slots[slot as usize];
+        debug_assert!(s.level == UNROOTED && s.tiers.is_empty());
         // Its children now wait for this hash to be stored again.
         let mut child = s.first_child;
         while child != NIL {
-            let next = self.slots[child as usize].next_sibling;
             let c = &mut self.slots[child as usize];
+            let next = c.next_sibling;
             c.parent_slot = NIL;
             c.next_sibling = NIL;
-            c.prev_sibling = NIL;
             self.dangling.entry(s.external).or_default().push(child);
+            self.dangling_parent.insert(child, s.external);
             child = next;
         }
         if s.parent_slot != NIL {
             self.unlink(slot);
-        } else if s.has_parent
-            && let Some(waiting) = self.dangling.get_mut(&s.parent)
+        } else if s.flags & HAS_PARENT != 0
+            && let Some(parent) = self.dangling_parent.remove(&slot)
+            && let Some(waiting) = self.dangling.get_mut(&parent)
         {
             waiting.retain(|&c| c != slot);
             if waiting.is_empty() {
-                self.dangling.remove(&s.parent);
+                self.dangling.remove(&parent);
             }
         }
-        self.by_hash.remove(&s.external);
+        let slots = &self.slots;
+        if let Ok(entry) = self.table.find_entry(hash_of(s.external), |&i| {
+            slots[i as usize].external == s.external
+        }) {
+            entry.remove();
+        }
+        self.slots[slot as usize].flags |= FREED;
         self.free.push(slot);
     }
 
     fn link(&mut self, parent: u32, child: u32) {
         let head = self.slots[parent as usize].first_child;
-        {
-            let c = &mut self.slots[child as usize];
-            c.parent_slot = parent;
-            c.prev_sibling = NIL;
-            c.next_sibling = head;
-        }
-        if head != NIL {
-            self.slots[head as usize].prev_sibling = child;
-        }
+        let c = &mut self.slots[child as usize];
+        c.parent_slot = parent;
+        c.next_sibling = head;
         self.slots[parent as usize].first_child = child;
     }
 
+    /// Removes `child` from its parent's children list (siblings are few: a linear walk).
     fn unlink(&mut self, child: u32) {
-        let (parent, prev, next) = {
+        let (parent, next) = {
             let c = &self.slots[child as usize];
-            (c.parent_slot, c.prev_sibling, c.next_sibling)
+            (c.parent_slot, c.next_sibling)
         };
-        if prev != NIL {
-            self.slots[prev as usize].next_sibling = next;
-        } else {
+        if self.slots[parent as usize].first_child == child {
             self.slots[parent as usize].first_child = next;
-        }
-        if next != NIL {
-            self.slots[next as usize].prev_sibling = prev;
+        } else {
+            let mut previous = self.slots[parent as usize].first_child;
+            while previous != NIL {
+                let after = self.slots[previous as usize].next_sibling;
+                if after == child {
+                    self.slots[previous as usize].next_sibling = next;
+                    break;
+                }
+                previous = after;
+            }
         }
         let c = &mut self.slots[child as usize];
         c.parent_slot = NIL;
-        c.prev_sibling = NIL;
         c.next_sibling = NIL;
     }
 
@@ -364,7 +521,7 @@ impl<N: Copy> Ledger<N> {
     fn wanted_level(&self, slot: u32) -> Level {
         let s = &self.slots[slot as usize];
         let own = s.tiers.best_level();
-        if !s.has_parent {
+        if s.flags & HAS_PARENT == 0 {
             return own;
         }
         if s.parent_slot == NIL {
@@ -385,8 +542,15 @@ impl<N: Copy> Ledger<N> {
         if wanted == old {
             return;
         }
+        if self.slots[slot as usize].first_child == NIL {
+            // The common case (a leaf): nothing below to cascade to.
+            self.set_level(sink, slot, wanted);
+            return;
+        }
         // Pre-order list of (slot, new level) for the subtree part whose level changes.
-        let mut changes = vec![(slot, wanted)];
+        let mut changes = std::mem::take(&mut self.scratch);
+        changes.clear();
+        changes.push((slot, wanted));
         let mut next = 0;
         while next < changes.len() {
             let (parent, parent_level) = changes[next];
@@ -402,42 +566,49 @@ impl<N: Copy> Ledger<N> {
             }
         }
         if wanted < old {
-            for (slot, level) in changes {
+            for &(slot, level) in &changes {
                 self.set_level(sink, slot, level);
             }
         } else {
-            for (slot, level) in changes.into_iter().rev() {
+            for &(slot, level) in changes.iter().rev() {
                 self.set_level(sink, slot, level);
             }
         }
+        self.scratch = changes;
     }
 
     /// Moves one block to `level`, adding the new membership before removing the old one so the
     /// backend never sees the node empty (and frees it) in between.
     fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32, level: Level) {
-        let s = &self.slots[slot as usize];
-        let (old_level, old_node) = (s.level, s.node);
-        let node = if level == UNROOTED {
-            None
-        } else {
-            let node = match old_node {
-                Some(node) => node,
-                None => {
-                    let parent_node = match s.parent_slot {
-                        NIL => None,
-                        parent => self.slots[parent as usize].node,
-                    };
-                    sink.child(parent_node, s.local)
-                }
-            };
-            sink.add(node, level);
-            Some(node)
+        let s = self.slots[slot as usize];
+        let old_node = (s.level != UNROOTED).then(|| N::from_bits(s.payload));
+        let payload = match (old_node, level == UNROOTED) {
+            // Stays rooted, at another level: same node.
+            (Some(node), false) => {
+                sink.add(node, level);
+                sink.remove(node, s.level);
+                node.to_bits()
+            }
+            // Leaves the rooted forest: keep its local hash (read before the node may go).
+            (Some(node), true) => {
+                let local = sink.local(node);
+                sink.remove(node, s.level);
+                local.get()
+            }
+            // Joins the rooted forest under its (rooted) parent.
+            (None, false) => {
+                let parent_node = match s.parent_slot {
+                    NIL => None,
+                    parent => Some(N::from_bits(self.slots[parent as usize].payload)),
+                };
+                let node = sink.child(parent_node, LocalBlockHash::new(s.payload));
+                sink.add(node, level);
+                node.to_bits()
+            }
+            (None, true) => s.payload,
         };
-        if let Some(old) = old_node {
-            sink.remove(old, old_level);
-        }
         let s = &mut self.slots[slot as usize];
         s.level = level;
-        s.node = node;
+        s.payload = payload;
     }
 }

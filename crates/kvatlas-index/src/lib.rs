@@ -15,6 +15,7 @@
 mod atlas;
 mod backend;
 mod ledger;
+mod left_right;
 mod locked;
 mod model;
 mod pool;
@@ -23,9 +24,11 @@ mod positional_tree;
 mod radix;
 mod reference;
 mod snapshot;
+mod sync;
 
 pub use atlas::Atlas;
 pub use backend::{Exclusive, KvIndex, SharedKvIndex};
+pub use left_right::LeftRight;
 pub use locked::Locked;
 pub use model::{
     ApplyReport, ExternalBlockHash, IndexStats, MatchOptions, Matches, Mutation, StoredBlock, Tier,

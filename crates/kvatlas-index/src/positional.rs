@@ -233,6 +233,10 @@ impl Membership for Sink<'_> {
         id
     }
 
+    fn local(&self, node: u32) -> LocalBlockHash {
+        self.arena.nodes[node as usize].local
+    }
+
     fn add(&mut self, node: u32, level: Level) {
         let members = &mut self.arena.nodes[node as usize].members;
         match members.binary_search_by_key(&self.worker, |m| m.worker) {
@@ -552,7 +556,7 @@ impl KvIndex for PositionalIndexer {
             .iter()
             .map(|(worker, ledger)| WorkerSnapshot {
                 worker: *worker,
-                blocks: ledger.snapshot(),
+                blocks: ledger.snapshot(|node: u32| self.arena.nodes[node as usize].local),
             })
             .filter(|w| !w.blocks.is_empty())
             .collect();

@@ -123,6 +123,10 @@ impl Membership for Sink<'_> {
         id
     }
 
+    fn local(&self, node: u32) -> LocalBlockHash {
+        self.arena.nodes[node as usize].local
+    }
+
     fn add(&mut self, node: u32, level: Level) {
         let members = &mut self.arena.nodes[node as usize].members;
         match members.iter_mut().find(|m| m.worker == self.worker) {
@@ -301,7 +305,7 @@ impl KvIndex for RadixTree {
             .iter()
             .map(|(worker, ledger)| WorkerSnapshot {
                 worker: *worker,
-                blocks: ledger.snapshot(),
+                blocks: ledger.snapshot(|node: u32| self.arena.nodes[node as usize].local),
             })
             .filter(|w| !w.blocks.is_empty())
             .collect();

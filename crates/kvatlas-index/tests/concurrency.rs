@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    EnqueueError, ExternalBlockHash, KvIndex, Locked, MatchOptions, Mutation, RadixTree,
-    ReferenceIndex, SharedKvIndex, StoredBlock, ThreadPool, Tier, Worker,
+    Atlas, EnqueueError, ExternalBlockHash, KvIndex, LeftRight, Locked, MatchOptions, Mutation,
+    RadixTree, ReferenceIndex, SharedKvIndex, StoredBlock, ThreadPool, Tier, Worker,
 };
 
 const CHAIN: u64 = 48;
@@ -148,6 +148,16 @@ fn check_read_guarantee<I: SharedKvIndex + 'static>(index: Arc<I>) {
 #[test]
 fn locked_radix_tree_keeps_the_read_guarantee() {
     check_read_guarantee(Arc::new(Locked::new(RadixTree::new())));
+}
+
+#[test]
+fn left_right_atlas_keeps_the_read_guarantee() {
+    check_read_guarantee(Arc::new(LeftRight::new(Atlas::new(), Atlas::new())));
+}
+
+#[test]
+fn locked_atlas_keeps_the_read_guarantee() {
+    check_read_guarantee(Arc::new(Locked::new(Atlas::new())));
 }
 
 #[test]

@@ -192,3 +192,18 @@ proptest! {
         run_differential(|| Box::new(kvatlas_index::Atlas::new()), &ops);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The concurrent fronts answer like the oracle too (both left-right copies receive every
+    /// mutation; `Exclusive` drives a `SharedKvIndex` through `KvIndex`).
+    #[test]
+    fn concurrent_fronts_match_reference(ops in prop::collection::vec(op(), 1..40)) {
+        run_differential(
+            || Box::new(kvatlas_index::Exclusive(kvatlas_index::LeftRight::new(kvatlas_index::Atlas::new(), kvatlas_index::Atlas::new()))),
+            &ops,
+        );
+        run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::Locked::new(RadixTree::new()))), &ops);
+    }
+}

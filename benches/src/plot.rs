@@ -1,0 +1,337 @@
+//! Plots of open-loop sweeps (SVG and PNG, with plotters): achieved vs offered throughput with
+//! p99 latency on a second axis, and latency CDFs.
+//!
+//! Text is laid out (both formats) and rasterized (PNG) with a TrueType font read at run time:
+//! `$KVATLAS_BENCH_FONT`, else DejaVu Sans or Liberation Sans from the usual system paths
+//! (Debian's `fonts-dejavu-core`). Without a font, plots are skipped with a warning.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::{Result, anyhow};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::openloop::{Cdf, OpenLoopResult};
+
+const SIZE: (u32, u32) = (1100, 700);
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+];
+
+/// Registers a sans-serif font once (plotters needs its metrics for both backends and its glyphs
+/// for PNGs); whether one is available.
+fn font() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    *READY.get_or_init(|| {
+        let candidates = std::env::var_os("KVATLAS_BENCH_FONT")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain(FONT_PATHS.iter().map(PathBuf::from));
+        for path in candidates {
+            if let Ok(bytes) = std::fs::read(&path) {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        eprintln!("warning: no TrueType font found (set KVATLAS_BENCH_FONT); plots are skipped");
+        false
+    })
+}
+
+/// A series colour (a qualitative palette readable on white).
+fn colour(i: usize) -> RGBColor {
+    const PALETTE: [RGBColor; 6] = [
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+        RGBColor(255, 127, 14),
+        RGBColor(23, 190, 207),
+    ];
+    PALETTE[i % PALETTE.len()]
+}
+
+type Area<'a, DB> = DrawingArea<DB, Shift>;
+
+fn err<E: std::fmt::Display>(error: E) -> anyhow::Error {
+    anyhow!("plotting: {error}")
+}
+
+/// Renders a drawing function to `stem.svg` and (if a font is available) `stem.png`.
+macro_rules! render_both {
+    ($stem:expr, $body:ident, $($arg:expr),*) => {{
+        let stem: &Path = $stem;
+        let mut written = Vec::new();
+        // Both backends lay text out with the font's metrics: without one, no plot.
+        if font() {
+            let svg = stem.with_extension("svg");
+            {
+                let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
+                $body(&root, $($arg),*)?;
+                root.present().map_err(err)?;
+            }
+            written.push(svg);
+            let png = stem.with_extension("png");
+            {
+                let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
+                $body(&root, $($arg),*)?;
+                root.present().map_err(err)?;
+            }
+            written.push(png);
+        }
+        Ok::<Vec<PathBuf>, anyhow::Error>(written)
+    }};
+}
+
+fn log_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (mut lo, mut hi) = (f64::MAX, f64::MIN);
+    for v in values.filter(|v| v.is_finite() && *v > 0.0) {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    if lo > hi {
+        return (1.0, 10.0);
+    }
+    (lo / 1.5, hi * 1.5)
+}
+
+fn draw_sweep<DB: DrawingBackend>(
+    root: &Area<'_, DB>,
+    title: &str,
+    runs: &[OpenLoopResult],
+    backends: &[String],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(err)?;
+    let (x_lo, x_hi) = log_range(runs.iter().map(|r| r.offered_ops_per_s));
+    let (y_lo, y_hi) = log_range(
+        runs.iter()
+            .flat_map(|r| [r.achieved_ops_per_s, r.offered_ops_per_s]),
+    );
+    let (p_lo, p_hi) = log_range(runs.iter().map(|r| r.latency.p99_ns as f64 / 1e3));
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(56)
+        .y_label_area_size(90)
+        .right_y_label_area_size(90)
+        .build_cartesian_2d((x_lo..x_hi).log_scale(), (y_lo..y_hi).log_scale())
+        .map_err(err)?
+        .set_secondary_coord((x_lo..x_hi).log_scale(), (p_lo..p_hi).log_scale());
+    chart
+        .configure_mesh()
+        .x_desc("offered ops/s (queries + events)")
+        .y_desc("achieved ops/s")
+        .x_labels(8)
+        .y_labels(8)
+        .x_label_formatter(&|v| si(*v))
+        .y_label_formatter(&|v| si(*v))
+        .label_style(("sans-serif", 16))
+        .axis_desc_style(("sans-serif", 18))
+        .draw()
+        .map_err(err)?;
+    chart
+        .configure_secondary_axes()
+        .y_desc("p99 latency from deadline (dashed)")
+        .y_labels(8)
+        .y_label_formatter(&|v| micros(*v))
+        .label_style(("sans-serif", 16))
+        .axis_desc_style(("sans-serif", 18))
+        .draw()
+        .map_err(err)?;
+    // The ideal: achieved = offered.
+    chart
+        .draw_series(LineSeries::new(
+            [(x_lo, x_lo), (x_hi, x_hi)],
+            ShapeStyle::from(&BLACK.mix(0.3)).stroke_width(1),
+        ))
+        .map_err(err)?
+        .label("achieved = offered")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.3)));
+    for (i, name) in backends.iter().enumerate() {
+        let mut points: Vec<&OpenLoopResult> = runs.iter().filter(|r| &r.backend == name).collect();
+        points.sort_by(|a, b| a.offered_ops_per_s.total_cmp(&b.offered_ops_per_s));
+        let c = colour(i);
+        chart
+            .draw_series(LineSeries::new(
+                points
+                    .iter()
+                    .map(|r| (r.offered_ops_per_s, r.achieved_ops_per_s)),
+                c.stroke_width(3),
+            ))
+            .map_err(err)?
+            .label(format!("{name}: achieved (filled = kept up)"))
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(3)));
+        chart
+            .draw_series(points.iter().map(|r| {
+                let style = if r.kept_up {
+                    c.filled()
+                } else {
+                    c.stroke_width(2)
+                };
+                Circle::new((r.offered_ops_per_s, r.achieved_ops_per_s), 6, style)
+            }))
+            .map_err(err)?;
+        chart
+            .draw_secondary_series(DashedLineSeries::new(
+                points
+                    .iter()
+                    .map(|r| (r.offered_ops_per_s, r.latency.p99_ns as f64 / 1e3)),
+                8,
+                5,
+                c.stroke_width(2),
+            ))
+            .map_err(err)?
+            .label(format!("{name}: p99 (dashed, right axis)"))
+            .legend(move |(x, y)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new([(0, 0), (7, 0)], c.stroke_width(2))
+                    + PathElement::new([(12, 0), (19, 0)], c.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font(("sans-serif", 16))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.4))
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+fn draw_cdf<DB: DrawingBackend>(
+    root: &Area<'_, DB>,
+    title: &str,
+    curves: &[(String, Cdf)],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(err)?;
+    let (x_lo, x_hi) = log_range(
+        curves
+            .iter()
+            .flat_map(|(_, c)| c.iter().map(|&(_, ns)| ns as f64 / 1e3)),
+    );
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(56)
+        .y_label_area_size(70)
+        .build_cartesian_2d((x_lo..x_hi).log_scale(), 0.0..1.0)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("latency from deadline to completion")
+        .y_desc("fraction of queries")
+        .x_labels(8)
+        .x_label_formatter(&|v| micros(*v))
+        .label_style(("sans-serif", 16))
+        .axis_desc_style(("sans-serif", 18))
+        .draw()
+        .map_err(err)?;
+    for (i, (label, cdf)) in curves.iter().enumerate() {
+        let c = colour(i);
+        chart
+            .draw_series(LineSeries::new(
+                cdf.iter().map(|&(q, ns)| ((ns as f64 / 1e3).max(x_lo), q)),
+                c.stroke_width(3),
+            ))
+            .map_err(err)?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .label_font(("sans-serif", 16))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.4))
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+/// A duration given in µs as `250 µs`, `2.5 ms`, `1.2 s`.
+fn micros(v: f64) -> String {
+    if v >= 1e6 {
+        format!("{} s", trim(v / 1e6))
+    } else if v >= 1e3 {
+        format!("{} ms", trim(v / 1e3))
+    } else {
+        format!("{} µs", trim(v))
+    }
+}
+
+fn trim(v: f64) -> String {
+    if v >= 10.0 || (v - v.round()).abs() < 0.05 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+/// `1.5k`, `2M`-style labels.
+fn si(v: f64) -> String {
+    let (scaled, unit) = if v >= 1e9 {
+        (v / 1e9, "G")
+    } else if v >= 1e6 {
+        (v / 1e6, "M")
+    } else if v >= 1e3 {
+        (v / 1e3, "k")
+    } else {
+        (v, "")
+    };
+    if scaled >= 10.0 || (scaled - scaled.round()).abs() < 0.05 {
+        format!("{scaled:.0}{unit}")
+    } else {
+        format!("{scaled:.1}{unit}")
+    }
+}
+
+/// Writes `stem.svg` and `stem.png`: achieved vs offered ops/s per backend (filled markers = kept
+/// up), p99 (dashed) on the right axis. Returns the files written.
+///
+/// # Errors
+/// If a file cannot be written.
+pub fn sweep(stem: &Path, title: &str, runs: &[OpenLoopResult]) -> Result<Vec<PathBuf>> {
+    let mut backends: Vec<String> = Vec::new();
+    for r in runs {
+        if !backends.contains(&r.backend) {
+            backends.push(r.backend.clone());
+        }
+    }
+    render_both!(stem, draw_sweep, title, runs, &backends)
+}
+
+/// Writes `stem.svg` and `stem.png`: one latency CDF per labelled curve. Returns the files.
+///
+/// # Errors
+/// If a file cannot be written.
+pub fn cdf(stem: &Path, title: &str, curves: &[(String, Cdf)]) -> Result<Vec<PathBuf>> {
+    render_both!(stem, draw_cdf, title, curves)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn si_labels() {
+        assert_eq!(si(1500.0), "1.5k");
+        assert_eq!(si(2_000_000.0), "2M");
+        assert_eq!(si(25_000.0), "25k");
+        assert_eq!(si(3.0), "3");
+        assert_eq!(micros(2500.0), "2.5 ms");
+        assert_eq!(micros(40.0), "40 µs");
+    }
+}

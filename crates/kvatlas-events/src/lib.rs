@@ -1,0 +1,57 @@
+//! kvatlas's KV-event ingestion core: from an engine's msgpack batches to index mutations.
+//!
+//! vLLM and SGLang publish their KV-cache changes as numbered msgpack batches over ZMQ
+//! (`docs/events.md`, and `wire-formats.md` in the shared reference for the exact bytes). This
+//! crate is the part of ingestion that needs no sockets:
+//!
+//! | Module | Does |
+//! |---|---|
+//! | [`decode`] | payload bytes → [`EventBatch`]: every layout and version (positional arrays, tagged maps, 2/3-element and map batches), tolerantly — a bad event is skipped and counted, never the batch |
+//! | [`convert`] | [`EventBatch`] → [`kvatlas_index::Mutation`]s for a registered [`Source`]: medium → tier, group/kind/locality filters, block-size checks, local hashes recomputed from tokens with `kvatlas-hash` (LoRA and salt mixed in as a router query does) |
+//! | [`sequence`] | per-source ordering: gaps → replay requests, duplicates, restarts and incomplete replays → resync; a sans-IO state machine in the style of `quinn-proto` |
+//! | [`frames`] | the ZMQ multipart layouts of live messages and replay replies |
+//! | [`counters`] | [`Reason`] and [`DropCounters`]: every dropped event is counted by reason |
+//!
+//! ```
+//! use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
+//! use kvatlas_hash::BlockSize;
+//! use kvatlas_index::Mutation;
+//!
+//! // `[ts, [["AllBlocksCleared"]], 0]`
+//! let payload = b"\x93\xcb\x41\xda\xc0\x97\x99\x4e\x46\x9a\x91\x91\xb0AllBlocksCleared\x00";
+//! let converter = Converter::new(Source {
+//!     worker_id: 7,
+//!     dp_rank: 0,
+//!     block_size: BlockSize::new(16)?,
+//!     engine: EngineKind::Vllm,
+//! });
+//! let (mut mutations, mut drops) = (Vec::new(), DropCounters::new());
+//! converter.ingest(payload, &mut mutations, &mut drops)?;
+//! assert!(matches!(mutations[..], [Mutation::Cleared { .. }]));
+//! assert_eq!(drops.total(), 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! What this crate is not: it opens no sockets, spawns no threads, reads no clock and owns no
+//! index. The ZMQ transport, the bounded per-worker queues and the listener API sit on top of
+//! it; it never depends on tokio, tonic, prost or hyper (checked by `cargo xtask tidy`).
+//! Nothing in it panics on wire input, and memory stays proportional to the input (length
+//! headers never drive allocations beyond [`decode::MAX_PREALLOC_BYTES`] bytes each).
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod convert;
+pub mod counters;
+pub mod decode;
+pub mod frames;
+pub mod sequence;
+
+pub use convert::{Converter, EngineKind, Source, tier_for_medium};
+pub use counters::{DropCounters, Reason};
+pub use decode::{
+    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, SaltSource, SkippedEvent,
+    decode_batch,
+};
+pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, decode_replay_reply};
+pub use sequence::{Action, ReplayId, ResyncReason, SequenceCounters, Sequencer, SequencerConfig};

@@ -1,0 +1,400 @@
+//! Per-source sequencing: ordering, gap replay, duplicates and restarts, as a sans-IO state
+//! machine ([`Sequencer`]).
+//!
+//! The engine numbers its batches `0, 1, 2, …` per publisher process (wire-formats §1–§2). The
+//! sequencer turns the live stream, plus whatever a replay request returns, into an in-order
+//! stream of batches to apply, and tells the caller when the worker's state can no longer be
+//! trusted ([`Action::Resync`]: clear the worker, then keep applying).
+//!
+//! It performs no I/O and reads no clock: the caller feeds inputs with the `handle_*` methods
+//! and drains [`Action`]s with [`Sequencer::poll_action`], like `quinn-proto`. Timeouts (a replay
+//! endpoint that never answers) are the caller's: call [`Sequencer::handle_replay_failed`].
+
+use std::collections::{BTreeMap, VecDeque};
+
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Identifies one replay request, so answers to an abandoned request are ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ReplayId(u64);
+
+impl ReplayId {
+    /// The raw id (increasing per sequencer).
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Why the worker's state had to be rebuilt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ResyncReason {
+    /// The live sequence went backwards with new content: the engine restarted.
+    Restart,
+    /// A replay started later than requested or skipped batches (the engine's ring no longer
+    /// held them).
+    ReplayIncomplete,
+    /// The caller reported the replay as failed (no replay endpoint, timeout, error).
+    ReplayFailed,
+    /// More live batches arrived during a replay than the buffer holds.
+    BufferOverflow,
+}
+
+/// What the caller must do next, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action<P> {
+    /// Decode and apply this batch (batches come out in sequence order).
+    Apply {
+        /// The batch's sequence number.
+        seq: u64,
+        /// The payload, as fed in.
+        payload: P,
+    },
+    /// Ask the engine's replay endpoint for batches `from..to` (send `from` as the start
+    /// sequence; read until the end marker), feeding each reply to
+    /// [`Sequencer::handle_replay_batch`] and the end marker to
+    /// [`Sequencer::handle_replay_end`].
+    Replay {
+        /// The request's id, to pass back with its answers.
+        id: ReplayId,
+        /// First missing sequence number (inclusive).
+        from: u64,
+        /// First sequence number already buffered (exclusive end of the hole).
+        to: u64,
+    },
+    /// Batches were lost for good or the engine restarted: drop every block of the worker (all
+    /// tiers), then keep applying the batches that follow.
+    Resync {
+        /// Why.
+        reason: ResyncReason,
+    },
+}
+
+/// Tuning of a [`Sequencer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SequencerConfig {
+    /// Live batches buffered while a replay is outstanding; one more forces a
+    /// [`ResyncReason::BufferOverflow`].
+    pub max_buffered: usize,
+    /// Applied batches remembered (sequence and content fingerprint) to tell a duplicate from
+    /// a restart.
+    pub recent_window: usize,
+}
+
+impl Default for SequencerConfig {
+    fn default() -> Self {
+        Self {
+            max_buffered: 1024,
+            recent_window: 1024,
+        }
+    }
+}
+
+/// What a sequencer has seen (monotonic counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SequenceCounters {
+    /// Batches handed out with [`Action::Apply`].
+    pub applied: u64,
+    /// Of those, batches that came from a replay.
+    pub applied_from_replay: u64,
+    /// Replays requested (gaps and late joins).
+    pub replays_requested: u64,
+    /// Of those, requested because the first live batch was not 0.
+    pub late_joins: u64,
+    /// Batches dropped as duplicates of an applied or buffered batch.
+    pub duplicates: u64,
+    /// Engine restarts detected.
+    pub restarts: u64,
+    /// Resyncs, for any reason (restarts included).
+    pub resyncs: u64,
+    /// Resyncs because a replay came back incomplete or failed.
+    pub replay_resyncs: u64,
+    /// Resyncs because the live buffer overflowed.
+    pub overflow_resyncs: u64,
+    /// Replay answers for a request no longer outstanding (ignored).
+    pub stale_replay_frames: u64,
+    /// The most live batches buffered at once.
+    pub max_buffered: u64,
+}
+
+#[derive(Debug)]
+struct Buffered<P> {
+    payload: P,
+    fingerprint: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Outstanding {
+    id: ReplayId,
+    from: u64,
+    to: u64,
+    answered: bool,
+}
+
+/// The sequencing state of one source (one engine publisher).
+///
+/// Call protocol:
+/// - inputs: [`handle_live`](Self::handle_live) for each live `(seq, payload)`;
+///   [`handle_replay_batch`](Self::handle_replay_batch),
+///   [`handle_replay_end`](Self::handle_replay_end) and
+///   [`handle_replay_failed`](Self::handle_replay_failed) for the answers to an
+///   [`Action::Replay`];
+/// - outputs: [`poll_action`](Self::poll_action) until `None` after each input.
+///
+/// Rules (`docs/events.md` has the full state machine):
+/// - the first live batch with `seq > 0` (late join) → replay `0..seq`;
+/// - `seq == next` → apply; `seq > next` → buffer and replay `next..seq` (one replay at a time);
+/// - a batch at or below what was applied or buffered, with the same content → duplicate,
+///   dropped; a live batch at or below the last live one with other content → restart: resync
+///   and start over from it;
+/// - a replay that starts late, skips batches or fails → resync, then continue with what is
+///   there (the worker is rebuilt from the events that follow);
+/// - more than [`SequencerConfig::max_buffered`] buffered live batches → resync, flush them.
+///
+/// `P` is the payload type (`Vec<u8>`, `bytes::Bytes`, ...); it is fingerprinted (XXH3) to tell
+/// duplicates from restarts and is never decoded here.
+#[derive(Debug)]
+pub struct Sequencer<P> {
+    config: SequencerConfig,
+    /// The next sequence number to apply.
+    next: u64,
+    /// The highest live sequence number of the current engine incarnation.
+    last_live: Option<u64>,
+    /// Out-of-order batches waiting for the hole before them to fill.
+    pending: BTreeMap<u64, Buffered<P>>,
+    replay: Option<Outstanding>,
+    next_replay_id: u64,
+    /// `(seq, fingerprint)` of the last applied batches.
+    recent: VecDeque<(u64, u64)>,
+    actions: VecDeque<Action<P>>,
+    counters: SequenceCounters,
+}
+
+impl<P: AsRef<[u8]>> Default for Sequencer<P> {
+    fn default() -> Self {
+        Self::new(SequencerConfig::default())
+    }
+}
+
+impl<P: AsRef<[u8]>> Sequencer<P> {
+    /// A sequencer that has seen nothing yet.
+    pub fn new(config: SequencerConfig) -> Self {
+        Self {
+            config,
+            next: 0,
+            last_live: None,
+            pending: BTreeMap::new(),
+            replay: None,
+            next_replay_id: 0,
+            recent: VecDeque::new(),
+            actions: VecDeque::new(),
+            counters: SequenceCounters::default(),
+        }
+    }
+
+    /// The next action to take, if any.
+    pub fn poll_action(&mut self) -> Option<Action<P>> {
+        self.actions.pop_front()
+    }
+
+    /// The counters so far.
+    pub fn counters(&self) -> &SequenceCounters {
+        &self.counters
+    }
+
+    /// The next sequence number the sequencer will apply.
+    pub fn next_seq(&self) -> u64 {
+        self.next
+    }
+
+    /// The outstanding replay request, if any, as `(id, from, to)`.
+    pub fn outstanding_replay(&self) -> Option<(ReplayId, u64, u64)> {
+        self.replay.map(|r| (r.id, r.from, r.to))
+    }
+
+    /// Live batches currently buffered.
+    pub fn buffered(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// A batch received on the live (PUB/SUB) stream.
+    pub fn handle_live(&mut self, seq: u64, payload: P) {
+        let fingerprint = xxh3_64(payload.as_ref());
+        if self.last_live.is_some_and(|last| seq <= last) {
+            if self.is_duplicate(seq, fingerprint) {
+                self.counters.duplicates += 1;
+                return;
+            }
+            // The live stream only moves forward within one publisher process.
+            self.counters.restarts += 1;
+            self.resync(ResyncReason::Restart);
+            self.pending.clear();
+            self.replay = None;
+            self.recent.clear();
+            self.next = 0;
+            self.last_live = None;
+        }
+        let first = self.last_live.is_none();
+        self.last_live = Some(seq);
+        if first && seq > self.next {
+            self.counters.late_joins += 1;
+        }
+        self.accept(seq, payload, fingerprint, false);
+        self.request_replay_if_needed();
+    }
+
+    /// One batch of the answer to replay `id`.
+    pub fn handle_replay_batch(&mut self, id: ReplayId, seq: u64, payload: P) {
+        let Some(replay) = self.replay.as_mut().filter(|r| r.id == id) else {
+            self.counters.stale_replay_frames += 1;
+            return;
+        };
+        let first = !replay.answered;
+        replay.answered = true;
+        if (first && seq > replay.from) || (seq > self.next && seq < replay.to) {
+            // The engine's ring no longer holds `next..seq`.
+            self.skip_to(seq, ResyncReason::ReplayIncomplete);
+        }
+        let fingerprint = xxh3_64(payload.as_ref());
+        self.accept(seq, payload, fingerprint, true);
+    }
+
+    /// The end marker of replay `id`.
+    pub fn handle_replay_end(&mut self, id: ReplayId) {
+        let Some(replay) = self.replay.filter(|r| r.id == id) else {
+            self.counters.stale_replay_frames += 1;
+            return;
+        };
+        self.replay = None;
+        if self.next < replay.to {
+            self.skip_to(replay.to, ResyncReason::ReplayIncomplete);
+        }
+        self.request_replay_if_needed();
+    }
+
+    /// Replay `id` failed or timed out (or the source has no replay endpoint).
+    pub fn handle_replay_failed(&mut self, id: ReplayId) {
+        let Some(replay) = self.replay.filter(|r| r.id == id) else {
+            self.counters.stale_replay_frames += 1;
+            return;
+        };
+        self.replay = None;
+        self.skip_to(replay.to.max(self.next), ResyncReason::ReplayFailed);
+        self.request_replay_if_needed();
+    }
+
+    /// Whether `(seq, fingerprint)` is a batch already applied (recently) or buffered.
+    fn is_duplicate(&self, seq: u64, fingerprint: u64) -> bool {
+        self.recent
+            .iter()
+            .any(|&(s, f)| s == seq && f == fingerprint)
+            || self
+                .pending
+                .get(&seq)
+                .is_some_and(|b| b.fingerprint == fingerprint)
+    }
+
+    /// Applies `seq` if it is next, buffers it if it is ahead, drops it if it is behind.
+    fn accept(&mut self, seq: u64, payload: P, fingerprint: u64, from_replay: bool) {
+        if seq < self.next || self.pending.contains_key(&seq) {
+            self.counters.duplicates += 1;
+            return;
+        }
+        if seq == self.next {
+            self.apply(seq, payload, fingerprint, from_replay);
+            self.drain_contiguous();
+            return;
+        }
+        if self.pending.len() >= self.config.max_buffered {
+            self.counters.overflow_resyncs += 1;
+            self.replay = None;
+            self.skip_to(seq, ResyncReason::BufferOverflow);
+            self.apply(seq, payload, fingerprint, from_replay);
+            self.drain_contiguous();
+            return;
+        }
+        self.pending.insert(
+            seq,
+            Buffered {
+                payload,
+                fingerprint,
+            },
+        );
+        let buffered = self.pending.len() as u64;
+        self.counters.max_buffered = self.counters.max_buffered.max(buffered);
+    }
+
+    /// Gives up on everything before `seq`: emits a resync, applies the buffered batches below
+    /// `seq` in order (holes accepted), and makes `seq` the next to apply.
+    fn skip_to(&mut self, seq: u64, reason: ResyncReason) {
+        if matches!(
+            reason,
+            ResyncReason::ReplayIncomplete | ResyncReason::ReplayFailed
+        ) {
+            self.counters.replay_resyncs += 1;
+        }
+        self.resync(reason);
+        while let Some(entry) = self.pending.first_entry() {
+            if *entry.key() >= seq {
+                break;
+            }
+            let (s, b) = entry.remove_entry();
+            self.apply(s, b.payload, b.fingerprint, false);
+        }
+        self.next = self.next.max(seq);
+        self.drain_contiguous();
+    }
+
+    fn resync(&mut self, reason: ResyncReason) {
+        self.counters.resyncs += 1;
+        self.actions.push_back(Action::Resync { reason });
+    }
+
+    fn drain_contiguous(&mut self) {
+        while let Some(entry) = self.pending.first_entry() {
+            if *entry.key() != self.next {
+                break;
+            }
+            let (seq, b) = entry.remove_entry();
+            self.apply(seq, b.payload, b.fingerprint, false);
+        }
+    }
+
+    fn apply(&mut self, seq: u64, payload: P, fingerprint: u64, from_replay: bool) {
+        self.counters.applied += 1;
+        if from_replay {
+            self.counters.applied_from_replay += 1;
+        }
+        if self.config.recent_window > 0 {
+            if self.recent.len() >= self.config.recent_window {
+                self.recent.pop_front();
+            }
+            self.recent.push_back((seq, fingerprint));
+        }
+        self.next = seq.saturating_add(1);
+        self.actions.push_back(Action::Apply { seq, payload });
+    }
+
+    /// With batches buffered behind a hole and no replay outstanding, asks for the hole.
+    fn request_replay_if_needed(&mut self) {
+        if self.replay.is_some() {
+            return;
+        }
+        let Some(&to) = self.pending.keys().next() else {
+            return;
+        };
+        let id = ReplayId(self.next_replay_id);
+        self.next_replay_id += 1;
+        self.counters.replays_requested += 1;
+        self.replay = Some(Outstanding {
+            id,
+            from: self.next,
+            to,
+            answered: false,
+        });
+        self.actions.push_back(Action::Replay {
+            id,
+            from: self.next,
+            to,
+        });
+    }
+}

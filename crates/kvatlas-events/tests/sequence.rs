@@ -1,0 +1,372 @@
+//! The per-source sequencing state machine: contiguous streams, gaps healed by replay, late
+//! joins, duplicates, restarts, incomplete or failed replays and buffer overflow.
+
+use kvatlas_events::{Action, ReplayId, ResyncReason, Sequencer, SequencerConfig};
+
+/// An action without its payload (payloads are checked separately).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum A {
+    Apply(u64),
+    Replay(u64, u64),
+    Resync(ResyncReason),
+}
+
+use A::{Apply, Replay, Resync};
+
+fn payload(incarnation: u32, seq: u64) -> Vec<u8> {
+    format!("engine-{incarnation}-batch-{seq}").into_bytes()
+}
+
+/// A sequencer plus the payload check: every applied payload must be the one fed for its seq.
+struct Harness {
+    seq: Sequencer<Vec<u8>>,
+    incarnation: u32,
+}
+
+impl Harness {
+    fn new() -> Self {
+        Self::with(SequencerConfig::default())
+    }
+
+    fn with(config: SequencerConfig) -> Self {
+        Self {
+            seq: Sequencer::new(config),
+            incarnation: 0,
+        }
+    }
+
+    fn drain(&mut self) -> Vec<A> {
+        let mut out = Vec::new();
+        while let Some(action) = self.seq.poll_action() {
+            out.push(match action {
+                Action::Apply { seq, payload: p } => {
+                    assert_eq!(
+                        p,
+                        payload(self.incarnation, seq),
+                        "payload of applied seq {seq}"
+                    );
+                    Apply(seq)
+                }
+                Action::Replay { from, to, .. } => Replay(from, to),
+                Action::Resync { reason } => Resync(reason),
+            });
+        }
+        out
+    }
+
+    fn live(&mut self, seqs: impl IntoIterator<Item = u64>) -> Vec<A> {
+        for s in seqs {
+            self.seq.handle_live(s, payload(self.incarnation, s));
+        }
+        self.drain()
+    }
+
+    fn replay_id(&self) -> ReplayId {
+        self.seq
+            .outstanding_replay()
+            .expect("a replay is outstanding")
+            .0
+    }
+
+    fn replay(&mut self, seqs: impl IntoIterator<Item = u64>, end: bool) -> Vec<A> {
+        let id = self.replay_id();
+        for s in seqs {
+            self.seq
+                .handle_replay_batch(id, s, payload(self.incarnation, s));
+        }
+        if end {
+            self.seq.handle_replay_end(id);
+        }
+        self.drain()
+    }
+}
+
+#[test]
+fn contiguous_stream_is_applied_in_order() {
+    let mut h = Harness::new();
+    assert_eq!(h.live(0..4), vec![Apply(0), Apply(1), Apply(2), Apply(3)]);
+    assert_eq!(h.seq.next_seq(), 4);
+    assert_eq!(h.seq.counters().applied, 4);
+    assert_eq!(h.seq.counters().replays_requested, 0);
+}
+
+#[test]
+fn a_gap_is_replayed_and_buffered_live_batches_follow_in_order() {
+    let mut h = Harness::new();
+    assert_eq!(h.live(0..2), vec![Apply(0), Apply(1)]);
+    assert_eq!(h.live([4]), vec![Replay(2, 4)]);
+    assert_eq!(h.live([5, 6]), vec![], "buffered while the replay runs");
+    assert_eq!(h.seq.buffered(), 3);
+    // The ring answers from 2 and also repeats what we buffered.
+    assert_eq!(
+        h.replay(2..7, true),
+        vec![Apply(2), Apply(3), Apply(4), Apply(5), Apply(6)]
+    );
+    assert_eq!(h.live([7]), vec![Apply(7)]);
+    let c = h.seq.counters();
+    assert_eq!((c.applied, c.applied_from_replay), (8, 2));
+    assert_eq!((c.duplicates, c.resyncs, c.max_buffered), (3, 0, 3));
+}
+
+#[test]
+fn a_replay_that_runs_ahead_of_live_makes_later_live_copies_duplicates() {
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([2]), vec![Replay(1, 2)]);
+    assert_eq!(
+        h.replay(1..5, true),
+        vec![Apply(1), Apply(2), Apply(3), Apply(4)]
+    );
+    assert_eq!(h.live([3, 4, 5]), vec![Apply(5)]);
+    assert_eq!(h.seq.counters().duplicates, 3);
+}
+
+#[test]
+fn duplicates_are_dropped_and_counted() {
+    let mut h = Harness::new();
+    h.live(0..3);
+    assert_eq!(h.live([2, 1]), vec![]);
+    assert_eq!(h.seq.counters().duplicates, 2);
+    assert_eq!(h.seq.counters().restarts, 0);
+    // Duplicate of a buffered batch during a replay.
+    assert_eq!(h.live([5]), vec![Replay(3, 5)]);
+    assert_eq!(h.live([5]), vec![]);
+    assert_eq!(h.seq.counters().duplicates, 3);
+}
+
+#[test]
+fn a_backwards_sequence_with_new_content_is_a_restart() {
+    let mut h = Harness::new();
+    h.live(0..5);
+    h.incarnation = 1;
+    assert_eq!(
+        h.live([0, 1]),
+        vec![Resync(ResyncReason::Restart), Apply(0), Apply(1)]
+    );
+    assert_eq!(h.seq.counters().restarts, 1);
+    // A restart noticed late (the new engine is already at 2): resync, then replay from 0.
+    h.incarnation = 2;
+    assert_eq!(
+        h.live([1]),
+        vec![Resync(ResyncReason::Restart), Replay(0, 1)]
+    );
+    assert_eq!(h.replay([0], true), vec![Apply(0), Apply(1)]);
+}
+
+#[test]
+fn a_restart_during_a_replay_abandons_it() {
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([3]), vec![Replay(1, 3)]);
+    let stale = h.replay_id();
+    h.incarnation = 1;
+    assert_eq!(h.live([0]), vec![Resync(ResyncReason::Restart), Apply(0)]);
+    h.seq.handle_replay_batch(stale, 1, payload(0, 1));
+    h.seq.handle_replay_end(stale);
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(h.seq.counters().stale_replay_frames, 2);
+}
+
+#[test]
+fn a_late_join_replays_from_zero() {
+    let mut h = Harness::new();
+    assert_eq!(h.live([3]), vec![Replay(0, 3)]);
+    assert_eq!(h.live([4]), vec![]);
+    assert_eq!(
+        h.replay(0..3, true),
+        vec![Apply(0), Apply(1), Apply(2), Apply(3), Apply(4)]
+    );
+    assert_eq!(h.seq.counters().late_joins, 1);
+    assert_eq!(h.seq.counters().resyncs, 0);
+}
+
+#[test]
+fn a_replay_that_starts_late_resyncs_then_continues() {
+    let mut h = Harness::new();
+    assert_eq!(h.live([5]), vec![Replay(0, 5)]);
+    // The ring only holds 3.. any more.
+    assert_eq!(
+        h.replay(3..5, true),
+        vec![
+            Resync(ResyncReason::ReplayIncomplete),
+            Apply(3),
+            Apply(4),
+            Apply(5)
+        ]
+    );
+    assert_eq!(h.seq.counters().replay_resyncs, 1);
+}
+
+#[test]
+fn a_replay_with_a_hole_or_nothing_resyncs() {
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([6]), vec![Replay(1, 6)]);
+    assert_eq!(
+        h.replay([1, 2, 4, 5], true),
+        vec![
+            Apply(1),
+            Apply(2),
+            Resync(ResyncReason::ReplayIncomplete),
+            Apply(4),
+            Apply(5),
+            Apply(6)
+        ]
+    );
+    // An empty answer: resync and go on with what is buffered.
+    assert_eq!(h.live([9, 10]), vec![Replay(7, 9)]);
+    assert_eq!(
+        h.replay([], true),
+        vec![Resync(ResyncReason::ReplayIncomplete), Apply(9), Apply(10)]
+    );
+}
+
+#[test]
+fn a_failed_replay_resyncs() {
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([2, 3]), vec![Replay(1, 2)]);
+    let id = h.replay_id();
+    h.seq.handle_replay_failed(id);
+    assert_eq!(
+        h.drain(),
+        vec![Resync(ResyncReason::ReplayFailed), Apply(2), Apply(3)]
+    );
+    h.seq.handle_replay_failed(id);
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(h.seq.counters().stale_replay_frames, 1);
+}
+
+#[test]
+fn a_new_gap_during_a_replay_is_requested_after_it() {
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([2, 3, 6]), vec![Replay(1, 2)]);
+    assert_eq!(
+        h.replay([1], true),
+        vec![Apply(1), Apply(2), Apply(3), Replay(4, 6)]
+    );
+    assert_eq!(h.replay([4, 5], true), vec![Apply(4), Apply(5), Apply(6)]);
+    assert_eq!(h.seq.counters().replays_requested, 2);
+}
+
+#[test]
+fn buffer_overflow_resyncs_and_flushes() {
+    let mut h = Harness::with(SequencerConfig {
+        max_buffered: 4,
+        recent_window: 16,
+    });
+    h.live([0]);
+    assert_eq!(h.live(2..6), vec![Replay(1, 2)]);
+    assert_eq!(h.seq.buffered(), 4);
+    assert_eq!(
+        h.live([6, 7]),
+        vec![
+            Resync(ResyncReason::BufferOverflow),
+            Apply(2),
+            Apply(3),
+            Apply(4),
+            Apply(5),
+            Apply(6),
+            Apply(7)
+        ]
+    );
+    assert_eq!(h.seq.buffered(), 0);
+    assert_eq!(h.seq.outstanding_replay(), None);
+    assert_eq!(h.seq.counters().overflow_resyncs, 1);
+}
+
+#[test]
+fn memory_stays_bounded_under_a_stream_of_gaps() {
+    let mut h = Harness::with(SequencerConfig {
+        max_buffered: 8,
+        recent_window: 8,
+    });
+    h.live([0]);
+    // Every other batch lost and the replay endpoint never answers.
+    for s in (2..10_000).step_by(2) {
+        h.live([s]);
+        assert!(h.seq.buffered() <= 8);
+    }
+    assert!(h.seq.counters().overflow_resyncs > 0);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Live(u64, bool),
+    ReplayBatch(u64, bool),
+    ReplayEnd,
+    ReplayFailed,
+    StaleEnd(u64),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0u64..40, any::<bool>()).prop_map(|(s, b)| Op::Live(s, b)),
+        3 => (0u64..40, any::<bool>()).prop_map(|(s, b)| Op::ReplayBatch(s, b)),
+        1 => Just(Op::ReplayEnd),
+        1 => Just(Op::ReplayFailed),
+        1 => (0u64..5).prop_map(Op::StaleEnd),
+    ]
+}
+
+proptest::proptest! {
+    /// Whatever arrives, in whatever order: applied sequence numbers strictly increase except
+    /// across a restart resync, the buffer stays within its bound, at most one replay is
+    /// outstanding, and every applied payload is one that was fed for that sequence number.
+    #[test]
+    fn random_inputs_keep_the_invariants(ops in proptest::collection::vec(op(), 0..200)) {
+        let config = SequencerConfig { max_buffered: 6, recent_window: 8 };
+        let mut seq: Sequencer<Vec<u8>> = Sequencer::new(config);
+        let mut last_applied: Option<u64> = None;
+        let mut seen: Vec<ReplayId> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Live(s, alt) => seq.handle_live(s, payload(u32::from(alt), s)),
+                Op::ReplayBatch(s, alt) => {
+                    if let Some((id, _, _)) = seq.outstanding_replay() {
+                        seq.handle_replay_batch(id, s, payload(u32::from(alt), s));
+                    }
+                }
+                Op::ReplayEnd => {
+                    if let Some((id, _, _)) = seq.outstanding_replay() {
+                        seq.handle_replay_end(id);
+                    }
+                }
+                Op::ReplayFailed => {
+                    if let Some((id, _, _)) = seq.outstanding_replay() {
+                        seq.handle_replay_failed(id);
+                    }
+                }
+                Op::StaleEnd(i) => {
+                    // An end marker for some earlier request (possibly the current one).
+                    if !seen.is_empty() {
+                        let id = seen[(i as usize) % seen.len()];
+                        seq.handle_replay_end(id);
+                    }
+                }
+            }
+            if let Some((id, _, _)) = seq.outstanding_replay()
+                && seen.last() != Some(&id)
+            {
+                seen.push(id);
+            }
+            proptest::prop_assert!(seq.buffered() <= config.max_buffered);
+            while let Some(action) = seq.poll_action() {
+                match action {
+                    Action::Apply { seq: s, payload: p } => {
+                        if let Some(last) = last_applied {
+                            proptest::prop_assert!(s > last, "applied {s} after {last}");
+                        }
+                        proptest::prop_assert!(p == payload(0, s) || p == payload(1, s));
+                        last_applied = Some(s);
+                    }
+                    Action::Resync { reason: ResyncReason::Restart } => last_applied = None,
+                    Action::Resync { .. } => {}
+                    Action::Replay { from, to, .. } => proptest::prop_assert!(from < to),
+                }
+            }
+        }
+    }
+}
