@@ -280,15 +280,7 @@ mod tests {
     fn a_short_concurrent_run_ends_in_the_expected_states() {
         let mut trace = load_trace(&default_trace_path()).expect("shared trace present");
         trace.truncate(300);
-        let stream = generate(
-            &trace,
-            &EngineConfig {
-                workers: 8,
-                capacity: 64,
-                eviction: Eviction::LeafFirst,
-                seed: 42,
-            },
-        );
+        let stream = generate(&trace, &EngineConfig::new(8, 64, Eviction::LeafFirst, 42));
         let config = ConcurrentConfig {
             phase_ms: 60,
             flush_every: 64,

@@ -5,10 +5,14 @@
 //! This is Workload A of `shared/reference/peer-baseline.md`: one trace `hash_id` is one index
 //! block, `local = LocalBlockHash(splitmix64(hash_id))`, external (engine) hashes are the
 //! kvatlas [`SequenceHash`] chain of the request's path, and each request goes to a uniformly
-//! random worker (a seeded [`SplitMix64`] stream; not cache-aware).
+//! random worker (a seeded [`SplitMix64`] stream; not cache-aware) or, with [`Routing::KvAware`],
+//! to the worker with the best score (see [`Router`]).
 //!
 //! Per request, in order:
-//! 1. the oracle: for every worker, the number of leading request blocks in its cache;
+//! 1. the oracle: for every worker, the number of leading request blocks in its cache (exactly
+//!    the device scores a correct index answers; KV-aware routing decides on these, so the stream
+//!    does not depend on the backend under test — the replay checks that the backend's answers,
+//!    and the routing decisions they imply, are the same);
 //! 2. if the assigned worker must evict to fit the blocks it lacks: one `Removed` (device tier)
 //!    with the evicted external hashes, least recently used first (the request's own held
 //!    blocks are never evicted);
@@ -91,6 +95,33 @@ impl Eviction {
     }
 }
 
+/// How requests are assigned to workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Routing {
+    /// A uniformly random worker (seeded; peer-baseline.md's Workload A).
+    Random,
+    /// The worker with the best device score for the request (KV-aware), within a load bound.
+    KvAware,
+}
+
+impl Routing {
+    /// Both modes, in reporting order.
+    pub const ALL: [Routing; 2] = [Routing::Random, Routing::KvAware];
+
+    /// The CLI spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Routing::Random => "random",
+            Routing::KvAware => "kv-aware",
+        }
+    }
+}
+
+/// The default load bound of KV-aware routing: a worker may take a request only if its assigned
+/// requests then stay within 125 % of the mean (rounded up).
+pub const DEFAULT_LOAD_BOUND_PERCENT: u32 = 125;
+
 /// How the mock engines are set up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct EngineConfig {
@@ -102,6 +133,109 @@ pub struct EngineConfig {
     pub eviction: Eviction,
     /// Seed of the request-to-worker assignment.
     pub seed: u64,
+    /// How requests are assigned to workers.
+    pub routing: Routing,
+    /// KV-aware routing only: a worker is eligible for request `q` (0-based) only if its assigned
+    /// requests, this one included, stay within `⌈load_bound_percent × (q + 1) / (100 × workers)⌉`;
+    /// 0 = unbounded. Must be 0 or at least 100 (then some worker is always eligible).
+    pub load_bound_percent: u32,
+}
+
+impl EngineConfig {
+    /// `workers` workers with `capacity` blocks each, random routing with `seed`.
+    pub const fn new(workers: u32, capacity: usize, eviction: Eviction, seed: u64) -> Self {
+        Self {
+            workers,
+            capacity,
+            eviction,
+            seed,
+            routing: Routing::Random,
+            load_bound_percent: DEFAULT_LOAD_BOUND_PERCENT,
+        }
+    }
+
+    /// The same configuration with `routing`.
+    pub const fn with_routing(self, routing: Routing) -> Self {
+        Self { routing, ..self }
+    }
+}
+
+/// The request-to-worker assignment, replayable: [`generate`] routes with the engines' exact
+/// scores, and the replay re-routes every query with the backend's answers to check that
+/// kvatlas's own `find_matches` makes the same decisions.
+///
+/// - [`Routing::Random`]: one [`SplitMix64::below`] draw per request (scores ignored).
+/// - [`Routing::KvAware`]: among the workers within the load bound (see
+///   [`EngineConfig::load_bound_percent`]; load = requests assigned so far), the one with the
+///   highest device score; ties go to the lowest load, then the lowest worker id. Without a
+///   bound, the trace's nearly universal first block would send every request to one worker.
+#[derive(Debug, Clone)]
+pub struct Router {
+    routing: Routing,
+    bound_percent: u64,
+    rng: SplitMix64,
+    loads: Vec<u64>,
+    assigned: u64,
+}
+
+impl Router {
+    /// A router for `config`, before any request.
+    pub fn new(config: &EngineConfig) -> Self {
+        Self {
+            routing: config.routing,
+            bound_percent: u64::from(config.load_bound_percent),
+            rng: SplitMix64::new(config.seed),
+            loads: vec![0; config.workers as usize],
+            assigned: 0,
+        }
+    }
+
+    /// Requests assigned to each worker so far.
+    pub fn loads(&self) -> &[u64] {
+        &self.loads
+    }
+
+    /// Assigns the next request, given its non-zero device scores as `(worker id, score)` sorted
+    /// by worker id, and returns the worker.
+    pub fn route(&mut self, scores: &[(u32, u32)]) -> u32 {
+        let workers = self.loads.len() as u32;
+        let chosen = match self.routing {
+            Routing::Random => self.rng.below(workers),
+            Routing::KvAware => {
+                let bound = (self.bound_percent > 0).then(|| {
+                    let scaled = self.bound_percent * (self.assigned + 1);
+                    let per = 100 * u64::from(workers);
+                    scaled.div_ceil(per).max(1)
+                });
+                let mut scores = scores.iter().peekable();
+                let mut best: Option<(u32, u64, u32)> = None; // (score, load, worker)
+                for w in 0..workers {
+                    while scores.next_if(|&&(sw, _)| sw < w).is_some() {}
+                    let score = scores.next_if(|&&(sw, _)| sw == w).map_or(0, |&(_, s)| s);
+                    let load = self.loads[w as usize];
+                    if bound.is_some_and(|b| load + 1 > b) {
+                        continue;
+                    }
+                    // Higher score, then lower load; a later worker never wins a full tie.
+                    if best.is_none_or(|(bs, bl, _)| score > bs || (score == bs && load < bl)) {
+                        best = Some((score, load, w));
+                    }
+                }
+                // Unreachable with a bound ≥ 100 %; fall back to the least-loaded worker.
+                best.map_or_else(
+                    || {
+                        (0..workers)
+                            .min_by_key(|&w| self.loads[w as usize])
+                            .unwrap_or(0)
+                    },
+                    |(_, _, w)| w,
+                )
+            }
+        };
+        self.loads[chosen as usize] += 1;
+        self.assigned += 1;
+        chosen
+    }
 }
 
 /// One request as the router sees it, with what the index must answer and the events it causes.
@@ -144,6 +278,16 @@ pub struct StreamStats {
     pub queries_hit: u64,
     /// Sum of the assigned workers' oracle scores (blocks reused).
     pub assigned_hit_blocks: u64,
+    /// The most requests any one worker was assigned (balance: the mean is requests / workers).
+    pub max_worker_requests: u64,
+}
+
+impl StreamStats {
+    /// The cache hit rate of the routing: blocks found (as a cached prefix) in the assigned
+    /// worker's cache / blocks requested (0 for an empty stream).
+    pub fn hit_rate(&self) -> f64 {
+        self.assigned_hit_blocks as f64 / self.query_blocks.max(1) as f64
+    }
 }
 
 /// A generated, replayable stream: queries interleaved with their events.
@@ -363,14 +507,18 @@ impl Lru {
 /// Deterministic: the same trace and configuration always give the same stream.
 ///
 /// # Panics
-/// If `config.workers` is 0 or `config.capacity` is 0.
+/// If `config.workers` or `config.capacity` is 0, or `config.load_bound_percent` is in `1..100`.
 pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
     assert!(
         config.workers > 0 && config.capacity > 0,
         "need workers and capacity"
     );
     let mut caches: Vec<Lru> = (0..config.workers).map(|_| Lru::new()).collect();
-    let mut rng = SplitMix64::new(config.seed);
+    assert!(
+        config.load_bound_percent == 0 || config.load_bound_percent >= 100,
+        "the load bound must be 0 (none) or at least 100 %"
+    );
+    let mut router = Router::new(config);
     let mut queries = Vec::with_capacity(trace.len());
     let mut events = Vec::new();
     let mut stats = StreamStats::default();
@@ -409,7 +557,7 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
             stats.queries_hit += 1;
         }
 
-        let w = rng.below(config.workers);
+        let w = router.route(&oracle);
         let worker = Worker::new(u64::from(w), 0);
         let cache = &mut caches[w as usize];
         stats.assigned_hit_blocks += oracle
@@ -499,6 +647,7 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
         });
     }
     stats.final_memberships = caches.iter().map(|c| c.len() as u64).sum();
+    stats.max_worker_requests = router.loads().iter().copied().max().unwrap_or(0);
     let final_caches: Vec<Vec<ExternalBlockHash>> = caches
         .iter()
         .map(|cache| {
@@ -576,12 +725,7 @@ mod tests {
     #[test]
     fn one_worker_stores_only_what_it_lacks_and_evicts_leaves() {
         let trace = [request(&[0, 1, 2]), request(&[0, 1, 3]), request(&[0, 4])];
-        let config = EngineConfig {
-            workers: 1,
-            capacity: 4,
-            eviction: Eviction::LeafFirst,
-            seed: 1,
-        };
+        let config = EngineConfig::new(1, 4, Eviction::LeafFirst, 1);
         let stream = generate(&trace, &config);
         let q = &stream.queries;
         assert_eq!(q[1].oracle, vec![(0, 2)]);
@@ -616,12 +760,7 @@ mod tests {
             request(&[20, 21]),
             request(&[10, 11, 12, 13, 14]),
         ];
-        let config = EngineConfig {
-            workers: 1,
-            capacity: 5,
-            eviction: Eviction::HeadFirst,
-            seed: 7,
-        };
+        let config = EngineConfig::new(1, 5, Eviction::HeadFirst, 7);
         let stream = generate(&trace, &config);
         let q = &stream.queries;
         assert_eq!(q[2].oracle, vec![]);
@@ -635,5 +774,91 @@ mod tests {
             .collect();
         assert_eq!(stored, vec![(None, 2)]);
         assert_eq!(stream.stats.requests_with_holes, 1);
+    }
+
+    #[test]
+    fn kv_aware_routing_follows_the_cached_prefix_while_it_is_held() {
+        // Two workers of 3 blocks. r0 → w0 (all tied, lowest id); r1 (no overlap) → w1 (lower
+        // load); r2 extends r1 → w1 (score 2); r3 shares r0's prefix → w0 (score 2); r4 (new)
+        // → w0 (loads tied 2:2, lowest id), evicting r0's blocks; r5 repeats r0, which nobody
+        // holds any more → w1 (lower load).
+        let trace = [
+            request(&[1, 2, 3]),
+            request(&[10, 11]),
+            request(&[10, 11, 12]),
+            request(&[1, 2]),
+            request(&[20, 21, 22]),
+            request(&[1, 2, 3]),
+        ];
+        let config = EngineConfig::new(2, 3, Eviction::LeafFirst, 9).with_routing(Routing::KvAware);
+        let stream = generate(&trace, &config);
+        let workers: Vec<u32> = stream.queries.iter().map(|q| q.worker).collect();
+        assert_eq!(workers, [0, 1, 1, 0, 0, 1]);
+        assert_eq!(stream.queries[2].oracle, vec![(1, 2)]);
+        assert_eq!(stream.queries[3].oracle, vec![(0, 2)]);
+        assert_eq!(stream.queries[5].oracle, vec![]);
+        // Hits: 2 (r2) + 2 (r3) of 16 requested blocks.
+        assert_eq!(stream.stats.assigned_hit_blocks, 4);
+        assert_eq!(stream.stats.query_blocks, 16);
+        assert!((stream.stats.hit_rate() - 0.25).abs() < 1e-12);
+        assert_eq!(stream.stats.max_worker_requests, 3);
+        // Deterministic, and independent of the seed (no random draw).
+        let again = generate(&trace, &EngineConfig { seed: 10, ..config });
+        assert_eq!(again.queries, stream.queries);
+        assert_eq!(again.events, stream.events);
+    }
+
+    #[test]
+    fn the_load_bound_keeps_a_shared_first_block_from_collapsing_onto_one_worker() {
+        // Every request starts with block 0, as nearly every request of the shared trace does.
+        let trace: Vec<TraceRequest> = (0..400u64).map(|i| request(&[0, 1000 + i])).collect();
+        let bounded =
+            EngineConfig::new(4, 64, Eviction::LeafFirst, 1).with_routing(Routing::KvAware);
+        let stream = generate(&trace, &bounded);
+        // ⌈1.25 × 400 / 4⌉ = 125.
+        assert!(
+            stream.stats.max_worker_requests <= 125,
+            "{:?}",
+            stream.stats
+        );
+        assert!(stream.queries.iter().skip(4).all(|q| !q.oracle.is_empty()));
+        // Every request after the first on each worker reuses block 0.
+        assert_eq!(stream.stats.assigned_hit_blocks, 400 - 4);
+        let unbounded = generate(
+            &trace,
+            &EngineConfig {
+                load_bound_percent: 0,
+                ..bounded
+            },
+        );
+        assert_eq!(unbounded.stats.max_worker_requests, 400);
+        // Random routing reuses block 0 too, but spreads requests without looking.
+        let random = generate(&trace, &EngineConfig::new(4, 64, Eviction::LeafFirst, 1));
+        assert!(random.stats.max_worker_requests < 150);
+    }
+
+    #[test]
+    fn the_router_replays_its_decisions_from_the_same_scores() {
+        let config =
+            EngineConfig::new(8, 16, Eviction::LeafFirst, 3).with_routing(Routing::KvAware);
+        let trace: Vec<TraceRequest> = (0..200u64)
+            .map(|i| request(&[i % 7, 100 + i % 13, 1000 + i]))
+            .collect();
+        let stream = generate(&trace, &config);
+        let mut router = Router::new(&config);
+        for q in &stream.queries {
+            assert_eq!(router.route(&q.oracle), q.worker);
+        }
+        for routing in Routing::ALL {
+            let config = config.with_routing(routing);
+            let stream = generate(&trace, &config);
+            let mut router = Router::new(&config);
+            assert!(
+                stream
+                    .queries
+                    .iter()
+                    .all(|q| router.route(&q.oracle) == q.worker)
+            );
+        }
     }
 }

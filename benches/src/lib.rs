@@ -1,13 +1,16 @@
 //! kvatlas benchmarks: criterion micro-benchmarks live in `benches/` and the trace-replay
 //! harness behind `cargo xtask bench` lives here. Nothing depends on this crate.
 //!
-//! The harness: [`trace`] loads a Mooncake trace, [`engine`] runs it through deterministic mock
-//! engines (per-worker LRU caches) into a stream of queries, oracle scores and KV events;
+//! The harness: [`trace`] loads a Mooncake trace (and applies the trace-length and duplication
+//! factors), [`engine`] runs it through deterministic mock engines (per-worker LRU caches, random
+//! or KV-aware routing) into a stream of queries, oracle scores and KV events;
 //! [`replay`] replays that stream against each index backend exactly (interleaved, every query
 //! checked), [`openloop`] replays it deadline-driven through the concurrent write front and sweeps
-//! the offered load; [`synthetic`] and [`concurrent`] are peer-baseline.md's Workloads B and C;
+//! the offered load; [`synthetic`], [`concurrent`] and [`clear`] are peer-baseline.md's
+//! Workloads B, C and D;
 //! [`plot`] draws the sweep and latency CDF.
 
+pub mod clear;
 pub mod concurrent;
 pub mod engine;
 pub mod openloop;

@@ -575,15 +575,7 @@ mod tests {
                 hash_ids: (0..(4 + i % 7)).map(|b| (i % 5) * 100 + b).collect(),
             })
             .collect();
-        generate(
-            &trace,
-            &EngineConfig {
-                workers: 4,
-                capacity: 12,
-                eviction: Eviction::LeafFirst,
-                seed: 3,
-            },
-        )
+        generate(&trace, &EngineConfig::new(4, 12, Eviction::LeafFirst, 3))
     }
 
     #[test]

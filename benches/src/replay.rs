@@ -1,5 +1,6 @@
 //! Replaying a mock-engine [`Stream`] against an index backend: interleaved queries and events
-//! with every query checked against the oracle, then an events-only throughput pass.
+//! with every query checked against the oracle (and, for KV-aware streams, every routing decision
+//! re-made from the backend's answers), then an events-only throughput pass.
 
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,7 @@ use kvatlas_index::{
     Snapshot,
 };
 
-use crate::engine::{ScoreDigest, Stream, membership_digest};
+use crate::engine::{Router, ScoreDigest, Stream, membership_digest};
 
 /// A backend the harness can construct by name.
 #[derive(Debug, Clone, Copy)]
@@ -173,6 +174,9 @@ pub struct ReplayResult {
     pub mismatches: u64,
     /// Queries with at least one mismatching worker.
     pub mismatched_queries: u64,
+    /// Queries the stream's [`Router`], fed this backend's device scores, would have sent to a
+    /// different worker than the stream did (must be 0; for random routing it always is).
+    pub routing_disagreements: u64,
     /// Digest of the index's non-zero `(query, worker, device score)` answers.
     pub digest: u64,
     /// Whether `digest` equals the oracle's digest.
@@ -197,6 +201,7 @@ impl ReplayResult {
     /// Whether every check passed (scores, digest, final membership count and state).
     pub fn is_correct(&self) -> bool {
         self.mismatches == 0
+            && self.routing_disagreements == 0
             && self.state_matches
             && self.digest_matches_oracle
             && self.memberships == self.expected_memberships
@@ -271,6 +276,9 @@ pub fn run(name: &str, stream: &Stream, event_passes: usize) -> Option<ReplayRes
     let mut apply_time = Duration::ZERO;
     let mut digest = ScoreDigest::default();
     let (mut mismatches, mut mismatched_queries, mut anomalies) = (0u64, 0u64, 0u64);
+    let mut router = Router::new(&stream.config);
+    let mut routing_disagreements = 0u64;
+    let mut scores: Vec<(u32, u32)> = Vec::new();
 
     for (q, query) in stream.queries.iter().enumerate() {
         let start = Instant::now();
@@ -281,6 +289,16 @@ pub fn run(name: &str, stream: &Stream, event_passes: usize) -> Option<ReplayRes
         let bad = check(q, &matches, &query.oracle, &mut digest);
         mismatches += bad;
         mismatched_queries += u64::from(bad > 0);
+        // Route as a KV-aware router would with this answer (untimed).
+        scores.clear();
+        scores.extend(
+            matches
+                .workers
+                .iter()
+                .filter(|m| m.device > 0 && m.worker.dp_rank == 0)
+                .filter_map(|m| Some((u32::try_from(m.worker.worker_id).ok()?, m.device))),
+        );
+        routing_disagreements += u64::from(router.route(&scores) != query.worker);
         drop(matches);
 
         let events = &stream.events[query.events.clone()];
@@ -324,6 +342,7 @@ pub fn run(name: &str, stream: &Stream, event_passes: usize) -> Option<ReplayRes
         event_pass_secs: pass_secs,
         mismatches,
         mismatched_queries,
+        routing_disagreements,
         digest: digest.get(),
         digest_matches_oracle: digest.get() == stream.oracle_digest,
         heap_bytes: stats.heap_bytes,
@@ -339,7 +358,7 @@ pub fn run(name: &str, stream: &Stream, event_passes: usize) -> Option<ReplayRes
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{EngineConfig, Eviction, generate};
+    use crate::engine::{EngineConfig, Eviction, Routing, generate};
     use crate::trace::{TraceRequest, default_trace_path, load_trace};
 
     fn slice(n: usize) -> Vec<TraceRequest> {
@@ -350,21 +369,11 @@ mod tests {
 
     fn config(eviction: Eviction) -> EngineConfig {
         // Small caches (shorter than the longest requests) so eviction is heavy.
-        EngineConfig {
-            workers: 4,
-            capacity: 96,
-            eviction,
-            seed: 42,
-        }
+        EngineConfig::new(4, 96, eviction, 42)
     }
 
     fn one_worker(eviction: Eviction) -> EngineConfig {
-        EngineConfig {
-            workers: 1,
-            capacity: 64,
-            eviction,
-            seed: 42,
-        }
+        EngineConfig::new(1, 64, eviction, 42)
     }
 
     #[test]
@@ -382,6 +391,7 @@ mod tests {
             let result = run(name, stream, 1).expect("registered");
             let what = format!("{name} {:?}: {result:?}", stream.config);
             assert_eq!(result.mismatches, 0, "{what}");
+            assert_eq!(result.routing_disagreements, 0, "{what}");
             assert!(result.is_correct(), "{what}");
             assert_eq!(result.anomalies, 0, "{what}");
             assert_eq!(result.digest, stream.oracle_digest, "{what}");
@@ -403,6 +413,50 @@ mod tests {
     }
 
     #[test]
+    fn kv_aware_streams_are_exact_and_every_routing_decision_is_reproduced() {
+        let trace = slice(1_500);
+        for eviction in Eviction::ALL {
+            let random = generate(&trace, &config(eviction));
+            let aware = generate(&trace, &config(eviction).with_routing(Routing::KvAware));
+            assert_ne!(aware.queries, random.queries);
+            // Routing by score reuses more of the assigned worker's cache than random routing.
+            assert!(
+                aware.stats.hit_rate() > random.stats.hit_rate(),
+                "{eviction:?}: {} vs {}",
+                aware.stats.hit_rate(),
+                random.stats.hit_rate()
+            );
+            assert_backends_agree_with_oracle(&aware);
+            assert_eq!(
+                run("atlas", &aware, 1)
+                    .expect("registered")
+                    .routing_disagreements,
+                0
+            );
+        }
+    }
+
+    #[test]
+    fn a_lost_event_misroutes_a_kv_aware_stream() {
+        let trace = slice(300);
+        let mut stream = generate(
+            &trace,
+            &config(Eviction::LeafFirst).with_routing(Routing::KvAware),
+        );
+        let lost = stream.queries[0].events.start;
+        let worker = stream.events[lost].worker();
+        stream.events[lost] = Mutation::Removed {
+            worker,
+            tier: kvatlas_index::Tier::Device,
+            blocks: Vec::new(),
+        };
+        let result = run("radix", &stream, 1).expect("registered");
+        assert!(result.mismatches > 0);
+        assert!(result.routing_disagreements > 0);
+        assert!(!result.is_correct());
+    }
+
+    #[test]
     fn the_oracle_agrees_with_the_reference_index_across_a_hole() {
         // One worker, capacity 6: request 1 evicts the head (10, 11) of request 0; request 2 holds
         // 12..14 after the hole, stores 10, 11 (no parent) and 15 (under 14) as two runs; request
@@ -419,15 +473,7 @@ mod tests {
             request(&[10, 11, 12, 13, 14, 15]),
             request(&[10, 11, 12, 13, 14, 15]),
         ];
-        let stream = generate(
-            &trace,
-            &EngineConfig {
-                workers: 1,
-                capacity: 6,
-                eviction: Eviction::HeadFirst,
-                seed: 0,
-            },
-        );
+        let stream = generate(&trace, &EngineConfig::new(1, 6, Eviction::HeadFirst, 0));
         assert_eq!(stream.stats.requests_with_holes, 1);
         assert_eq!(stream.queries[2].oracle, vec![]);
         assert_eq!(stream.queries[3].oracle, vec![(0, 6)]);

@@ -2,13 +2,18 @@
 //!
 //! Presets (peer-baseline.md's workloads, so figures are comparable with the Dynamo baseline):
 //! - `conversation` (Workload A): the Mooncake conversation trace through deterministic mock
-//!   engines (one LRU prefix cache per worker, leaf-first and head-first eviction), replayed
+//!   engines (one LRU prefix cache per worker, leaf-first and head-first eviction, random or
+//!   KV-aware routing — by default random in both eviction modes plus KV-aware leaf-first), replayed
 //!   (a) interleaved, every query checked against the engines' oracle, and (b) open loop against
 //!   the concurrent write front, once or as a sweep of offered loads (threshold throughput);
 //! - `synthetic` (Workload B): 1024 sequences × 1024 blocks, hit / partial / miss lookups and
 //!   remove + store cycles, checked against the construction;
 //! - `concurrent` (Workload C): one writer and one reader, alone and at once;
-//! - `suite` (default): all three, the open loop as a sweep.
+//! - `clear` (Workload D): replay the events, then one `Cleared` per worker, 3 rounds;
+//! - `suite` (default): all four, the open loop as a sweep.
+//!
+//! `--trace-length-factor` and `--duplication-factor` transform the trace (after `--requests`)
+//! before the mock engines, as Dynamo's `mooncake_bench` does.
 //!
 //! Markdown tables go to stdout, progress to stderr (hidden when it is not a terminal), results to
 //! `--json`, plots to `--plot-dir`. Exits non-zero if any correctness check fails; an open-loop
@@ -21,21 +26,24 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvatlas_bench::clear::{self, ClearResult};
 use kvatlas_bench::concurrent::{self, ConcurrentConfig, ConcurrentResult};
-use kvatlas_bench::engine::{EngineConfig, Eviction, Stream, StreamStats, generate};
+use kvatlas_bench::engine::{
+    DEFAULT_LOAD_BOUND_PERCENT, EngineConfig, Eviction, Routing, Stream, StreamStats, generate,
+};
 use kvatlas_bench::openloop::{
     FrontKind, KEEP_UP_FACTOR, OpenLoopConfig, OpenLoopResult, P99_JUMP, SweepSummary,
     run_open_loop, summarize, sweep_windows,
 };
 use kvatlas_bench::replay::{ReplayResult, backend_names, default_backends, run};
 use kvatlas_bench::synthetic::{self, SyntheticConfig, SyntheticResult};
-use kvatlas_bench::trace::{default_trace_path, load_trace};
+use kvatlas_bench::trace::{default_trace_path, duplicate, load_trace, scale_length};
 use kvatlas_bench::{openloop, plot};
 
 /// Which workloads to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Preset {
-    /// Conversation + synthetic + concurrent (the open loop as a sweep).
+    /// Conversation + synthetic + concurrent + clear (the open loop as a sweep).
     Suite,
     /// Workload A: the Mooncake conversation trace through mock engines.
     Conversation,
@@ -43,6 +51,8 @@ enum Preset {
     Synthetic,
     /// Workload C: one writer and one reader at once.
     Concurrent,
+    /// Workload D: replay the events, then one `Cleared` per worker (3 rounds).
+    Clear,
 }
 
 /// How the conversation preset replays its stream.
@@ -82,7 +92,24 @@ struct Args {
     /// Eviction order of the mock engines (default: both, one table each).
     #[arg(long, value_enum)]
     eviction: Option<Eviction>,
-    /// Replay only the first N requests (default: all; 2,000 with --quick).
+    /// Request routing of the conversation preset (default: random with each eviction order,
+    /// plus kv-aware with leaf-first eviction).
+    #[arg(long, value_enum)]
+    routing: Option<Routing>,
+    /// KV-aware routing: a worker takes a request only if its request count then stays within
+    /// this percentage of the mean (rounded up); 0 = unbounded (then the trace's shared first
+    /// block sends every request to one worker).
+    #[arg(long, default_value_t = DEFAULT_LOAD_BOUND_PERCENT)]
+    load_bound_percent: u32,
+    /// Split every trace hash id into k ids (h → h*k … h*k+k-1): k times the blocks per request.
+    #[arg(long, default_value_t = 1)]
+    trace_length_factor: u64,
+    /// Replay d disjoint copies of the trace (ids offset by (max id + 1) × copy), interleaved by
+    /// timestamp.
+    #[arg(long, visible_alias = "trace-duplication-factor", default_value_t = 1)]
+    duplication_factor: u64,
+    /// Replay only the first N trace requests, before the length and duplication factors
+    /// (default: all; 2,000 with --quick).
     #[arg(long)]
     requests: Option<usize>,
     /// Events-only passes per backend in the interleaved mode (median reported).
@@ -125,6 +152,9 @@ struct Args {
     /// Open loop: spin (instead of sleeping) this long before each deadline (µs).
     #[arg(long, default_value_t = 200)]
     spin_us: u64,
+    /// Clear preset: rounds of (replay, clear all) on one index.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Concurrent preset: length of each phase (ms; default 3000, 300 with --quick).
     #[arg(long)]
     phase_ms: Option<u64>,
@@ -151,6 +181,8 @@ struct Args {
 struct ConfigRun {
     config: EngineConfig,
     stream: StreamStats,
+    /// `stream.hit_rate()`: blocks found in the assigned worker's cache / blocks requested.
+    hit_rate: f64,
     events: u64,
     oracle_digest: u64,
     generate_secs: f64,
@@ -164,9 +196,12 @@ struct ConfigRun {
 struct Report {
     trace: String,
     requests: usize,
+    trace_length_factor: u64,
+    duplication_factor: u64,
     conversation: Vec<ConfigRun>,
     synthetic: Option<(SyntheticConfig, Vec<SyntheticResult>)>,
     concurrent: Option<(ConcurrentConfig, Vec<ConcurrentResult>)>,
+    clear: Option<(EngineConfig, Vec<ClearResult>)>,
 }
 
 /// Prints to stdout without tearing the progress bar.
@@ -194,22 +229,39 @@ fn si(v: f64) -> String {
     }
 }
 
+fn routing_text(c: &EngineConfig) -> String {
+    match c.routing {
+        Routing::Random => format!("routing=random seed={}", c.seed),
+        Routing::KvAware if c.load_bound_percent == 0 => "routing=kv-aware (unbounded)".into(),
+        Routing::KvAware => format!(
+            "routing=kv-aware (load ≤ {} % of mean)",
+            c.load_bound_percent
+        ),
+    }
+}
+
 fn stream_text(stream: &Stream, generate_secs: f64) -> String {
     let s = &stream.stats;
     let c = &stream.config;
     format!(
-        "\n### Conversation (Workload A): W={} C={} eviction={} seed={}\n\n\
-         Stream ({:.2} s to generate): {} requests ({} hit some worker, {} blocks), {} events \
+        "\n### Conversation (Workload A): W={} C={} eviction={} {}\n\n\
+         Stream ({:.2} s to generate): {} requests ({} hit some worker, {} blocks; **cache hit \
+         rate {:.2} %** = {} blocks found in the assigned worker's cache / blocks requested; busiest \
+         worker {} requests, mean {:.0}), {} events \
          ({} Stored / {} Removed; {} blocks stored, {} removed), {} evictions leaving a \
          cached child, {} requests with holes, {} final (worker, block) pairs, oracle digest {:016x}.",
         c.workers,
         c.capacity,
         c.eviction.name(),
-        c.seed,
+        routing_text(c),
         generate_secs,
         stream.queries.len(),
         s.queries_hit,
         s.query_blocks,
+        s.hit_rate() * 100.0,
+        s.assigned_hit_blocks,
+        s.max_worker_requests,
+        stream.queries.len() as f64 / f64::from(c.workers),
         stream.events.len(),
         s.stored_events,
         s.removed_events,
@@ -224,12 +276,12 @@ fn stream_text(stream: &Stream, generate_secs: f64) -> String {
 
 const INTERLEAVED_HEADER: &str = "\n#### Interleaved replay (exact, oracle-checked)\n\n\
     | backend | requests | events | events/s | blocks/s | find p50 | p99 | p99.9 | max \
-    | find/s (1/mean) | mismatches | state | heap MB | B/membership | digest |\n\
-    |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+    | find/s (1/mean) | mismatches | misrouted | state | heap MB | B/membership | digest |\n\
+    |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 fn interleaved_row(r: &ReplayResult) -> String {
     format!(
-        "| {} | {} | {} | {:.0}k | {:.2}M | {} | {} | {} | {} | {:.0}k | {} | {} | {:.1} | {:.0} | {:016x} |",
+        "| {} | {} | {} | {:.0}k | {:.2}M | {} | {} | {} | {} | {:.0}k | {} | {} | {} | {:.1} | {:.0} | {:016x} |",
         r.backend,
         r.requests,
         r.events,
@@ -241,6 +293,7 @@ fn interleaved_row(r: &ReplayResult) -> String {
         us(r.find.max_ns),
         r.find_per_s / 1e3,
         r.mismatches,
+        r.routing_disagreements,
         if r.state_matches { "ok" } else { "WRONG" },
         r.heap_bytes as f64 / 1e6,
         r.bytes_per_membership,
@@ -403,6 +456,46 @@ fn concurrent_text(
     text
 }
 
+fn clear_text(stream: &Stream, results: &[ClearResult]) -> String {
+    let rounds = results.first().map_or(0, |r| r.replay_ms.len());
+    let mut text = format!(
+        "\n### Clear (Workload D): W={} C={} {} stream ({} events, {} final memberships); per \
+         round on one index: replay the events, then one `Cleared` per worker; {rounds} rounds, \
+         median (min–max) ms\n\n\
+         | backend | replay ms | clear-all ms | per `Cleared` µs | after clear-all |\n\
+         |---|---|---|---|---|",
+        stream.config.workers,
+        stream.config.capacity,
+        stream.config.eviction.name(),
+        stream.events.len(),
+        stream.stats.final_memberships,
+    );
+    let spread = |values: &[f64], median: f64| {
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(0.0, f64::max);
+        format!("{median:.2} ({min:.2}–{max:.2})")
+    };
+    for r in results {
+        let _ = write!(
+            text,
+            "\n| {} | {} | {} | {:.1} | {} |",
+            r.backend,
+            spread(&r.replay_ms, r.replay_ms_median),
+            spread(&r.clear_all_ms, r.clear_all_ms_median),
+            r.clear_all_ms_median * 1e3 / f64::from(r.workers.max(1)),
+            if r.is_correct() {
+                "empty (0 memberships, 0 answers)".to_string()
+            } else {
+                format!(
+                    "**WRONG**: {:?} memberships, {} answers",
+                    r.memberships_after_clear, r.answers_after_clear
+                )
+            },
+        );
+    }
+    text
+}
+
 fn progress(total: u64) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     bar.set_style(
@@ -437,6 +530,10 @@ fn main() -> Result<()> {
     let run_conversation = suite || args.preset == Preset::Conversation;
     let run_synthetic = suite || args.preset == Preset::Synthetic;
     let run_concurrent = suite || args.preset == Preset::Concurrent;
+    let run_clear = suite || args.preset == Preset::Clear;
+    if args.load_bound_percent != 0 && args.load_bound_percent < 100 {
+        bail!("--load-bound-percent must be 0 (unbounded) or at least 100");
+    }
     let interleaved = args.mode != Mode::OpenLoop;
     let open_loop = args.mode != Mode::Interleaved;
     let sweep = suite || args.sweep;
@@ -454,7 +551,20 @@ fn main() -> Result<()> {
     } else {
         vec![Duration::from_secs_f64(args.window_ms.max(0.0) / 1e3)]
     };
-    let modes: Vec<Eviction> = args.eviction.map_or(Eviction::ALL.to_vec(), |e| vec![e]);
+    let evictions: Vec<Eviction> = args.eviction.map_or(Eviction::ALL.to_vec(), |e| vec![e]);
+    let engine = |eviction, routing| EngineConfig {
+        load_bound_percent: args.load_bound_percent,
+        ..EngineConfig::new(workers, args.capacity, eviction, args.seed).with_routing(routing)
+    };
+    // Conversation configurations: the chosen routing with each eviction order; by default random
+    // routing with each, plus KV-aware routing with the first (leaf-first unless chosen).
+    let mut configs: Vec<EngineConfig> = evictions
+        .iter()
+        .map(|&e| engine(e, args.routing.unwrap_or(Routing::Random)))
+        .collect();
+    if args.routing.is_none() {
+        configs.push(engine(evictions[0], Routing::KvAware));
+    }
     let limit = args.requests.or(if quick { Some(2_000) } else { None });
     let synthetic_config = SyntheticConfig {
         sequences: args.sequences.unwrap_or(if quick { 256 } else { 1024 }),
@@ -490,12 +600,12 @@ fn main() -> Result<()> {
     let mut units = 0u64;
     if run_conversation {
         let per_mode = u64::from(interleaved) + if open_loop { windows.len() as u64 } else { 0 };
-        units += modes.len() as u64 * n * per_mode;
+        units += configs.len() as u64 * n * per_mode;
     }
-    units += n * (u64::from(run_synthetic) + u64::from(run_concurrent));
+    units += n * (u64::from(run_synthetic) + u64::from(run_concurrent) + u64::from(run_clear));
     let bar = progress(units);
 
-    let needs_trace = run_conversation || run_concurrent;
+    let needs_trace = run_conversation || run_concurrent || run_clear;
     let path = args.trace.clone().unwrap_or_else(default_trace_path);
     let mut trace = if needs_trace {
         load_trace(&path)?
@@ -505,10 +615,13 @@ fn main() -> Result<()> {
     if let Some(limit) = limit {
         trace.truncate(limit);
     }
+    let trace_requests = trace.len();
+    scale_length(&mut trace, args.trace_length_factor)?;
+    let trace = duplicate(trace, args.duplication_factor)?;
     out(
         &bar,
         &format!(
-            "## kvatlas-bench ({}; trace {}, {} requests; backends {})\n\n\
+            "## kvatlas-bench ({}; trace {}, {} requests{}; backends {})\n\n\
              Machine: 2 shared vCPUs — other processes (builds) may run at the same time: \
              figures are noisy, compare medians of repeated runs.",
             if quick { "quick" } else { "standard" },
@@ -517,6 +630,14 @@ fn main() -> Result<()> {
                 |n| n.to_string_lossy().into()
             ),
             trace.len(),
+            if args.trace_length_factor > 1 || args.duplication_factor > 1 {
+                format!(
+                    " = {trace_requests} × duplication factor {}, trace-length factor {}",
+                    args.duplication_factor, args.trace_length_factor
+                )
+            } else {
+                String::new()
+            },
             backends.join(", ")
         ),
     );
@@ -524,6 +645,8 @@ fn main() -> Result<()> {
     let mut report = Report {
         trace: path.display().to_string(),
         requests: trace.len(),
+        trace_length_factor: args.trace_length_factor,
+        duplication_factor: args.duplication_factor,
         ..Report::default()
     };
     let mut failures = Vec::new();
@@ -535,18 +658,15 @@ fn main() -> Result<()> {
                 &format!(
                     "\nInterleaved: events/s and blocks/s from an events-only pass on a fresh \
                      index (median of {}); find: one thread, timer cost included; heap: \
-                     `stats().heap_bytes`; state = the final snapshot equals the engines' caches.",
+                     `stats().heap_bytes`; state = the final snapshot equals the engines' caches; \
+                     misrouted = queries the router, fed the backend's answer, would send to another \
+                     worker than the stream did (KV-aware routing; must be 0).",
                     args.passes.max(1)
                 ),
             );
         }
-        for &eviction in &modes {
-            let config = EngineConfig {
-                workers,
-                capacity: args.capacity,
-                eviction,
-                seed: args.seed,
-            };
+        for &config in &configs {
+            let label = format!("{} {}", config.eviction.name(), config.routing.name());
             let start = Instant::now();
             let stream = generate(&trace, &config);
             let generate_secs = start.elapsed().as_secs_f64();
@@ -555,19 +675,20 @@ fn main() -> Result<()> {
             if interleaved {
                 out(&bar, INTERLEAVED_HEADER);
                 for name in &backends {
-                    bar.set_message(format!("{} interleaved {name}", eviction.name()));
+                    bar.set_message(format!("{label} interleaved {name}"));
                     let result = run(name, &stream, args.passes)
                         .with_context(|| format!("backend `{name}` vanished"))?;
                     bar.inc(1);
                     out(&bar, &interleaved_row(&result));
                     if !result.is_correct() {
                         failures.push(format!(
-                            "{name} ({}) interleaved: {} mismatching (query, worker) scores in {} \
-                             queries, digest {:016x} vs oracle {:016x}, memberships {} / {} vs {}, \
+                            "{name} ({label}) interleaved: {} mismatching (query, worker) scores \
+                             in {} queries, {} routing decisions differing from the oracle's, \
+                             digest {:016x} vs oracle {:016x}, memberships {} / {} vs {}, \
                              final state {}",
-                            eviction.name(),
                             result.mismatches,
                             result.mismatched_queries,
+                            result.routing_disagreements,
                             result.digest,
                             stream.oracle_digest,
                             result.memberships,
@@ -579,8 +700,7 @@ fn main() -> Result<()> {
                     if result.anomalies > 0 {
                         bar.suspend(|| {
                             eprintln!(
-                                "warning: {name} ({}) reported {} anomalies on a clean stream",
-                                eviction.name(),
+                                "warning: {name} ({label}) reported {} anomalies on a clean stream",
                                 result.anomalies
                             );
                         });
@@ -595,8 +715,7 @@ fn main() -> Result<()> {
                 for name in &backends {
                     for &window in &windows {
                         bar.set_message(format!(
-                            "{} open loop {name} {:.1} ms",
-                            eviction.name(),
+                            "{label} open loop {name} {:.1} ms",
                             window.as_secs_f64() * 1e3
                         ));
                         let result = run_open_loop(name, &stream, &ol_config(window))?;
@@ -604,9 +723,8 @@ fn main() -> Result<()> {
                         out(&bar, &open_loop_row(&result));
                         if !result.is_correct() {
                             failures.push(format!(
-                                "{name} ({}) open loop {:.1} ms: final memberships {} vs {} \
+                                "{name} ({label}) open loop {:.1} ms: final memberships {} vs {} \
                                  expected, state digest {}, {} anomalies",
-                                eviction.name(),
                                 window.as_secs_f64() * 1e3,
                                 result.memberships,
                                 result.expected_memberships,
@@ -639,6 +757,7 @@ fn main() -> Result<()> {
             report.conversation.push(ConfigRun {
                 config,
                 stream: stream.stats,
+                hit_rate: stream.stats.hit_rate(),
                 events: stream.events.len() as u64,
                 oracle_digest: stream.oracle_digest,
                 generate_secs,
@@ -677,20 +796,14 @@ fn main() -> Result<()> {
         report.synthetic = Some((synthetic_config, results));
     }
 
-    if run_concurrent {
-        let stream = generate(
-            &trace,
-            &EngineConfig {
-                workers,
-                capacity: args.capacity,
-                eviction: Eviction::LeafFirst,
-                seed: args.seed,
-            },
-        );
+    // Workloads C and D use peer-baseline.md's stream: random routing, leaf-first eviction.
+    let base_stream = (run_concurrent || run_clear)
+        .then(|| generate(&trace, &engine(Eviction::LeafFirst, Routing::Random)));
+    if let (true, Some(stream)) = (run_concurrent, &base_stream) {
         let mut results = Vec::new();
         for name in &backends {
             bar.set_message(format!("concurrent {name}"));
-            let result = concurrent::run(name, &stream, &concurrent_config)?;
+            let result = concurrent::run(name, stream, &concurrent_config)?;
             bar.inc(1);
             if !result.is_correct() {
                 failures.push(format!(
@@ -701,11 +814,33 @@ fn main() -> Result<()> {
             }
             results.push(result);
         }
-        out(
-            &bar,
-            &concurrent_text(&stream, &concurrent_config, &results),
-        );
+        out(&bar, &concurrent_text(stream, &concurrent_config, &results));
         report.concurrent = Some((concurrent_config, results));
+    }
+
+    if let (true, Some(stream)) = (run_clear, &base_stream) {
+        let mut results = Vec::new();
+        for name in &backends {
+            bar.set_message(format!("clear {name}"));
+            let result = clear::run(name, stream, args.rounds)
+                .with_context(|| format!("backend `{name}` vanished"))?;
+            bar.inc(1);
+            if !result.is_correct() {
+                failures.push(format!(
+                    "{name} clear: memberships before clear {:?} (expected {}), after clear {:?}, \
+                     {} non-empty answers after clearing, state {}, {} anomalies",
+                    result.memberships_before_clear,
+                    result.expected_memberships,
+                    result.memberships_after_clear,
+                    result.answers_after_clear,
+                    if result.state_matches { "ok" } else { "wrong" },
+                    result.anomalies
+                ));
+            }
+            results.push(result);
+        }
+        out(&bar, &clear_text(stream, &results));
+        report.clear = Some((stream.config, results));
     }
     bar.finish_and_clear();
 
@@ -731,16 +866,23 @@ fn plots(
     sweep: bool,
 ) -> Result<Vec<PathBuf>> {
     let c = &stream.config;
-    let tag = format!("W{}-C{}-{}", c.workers, c.capacity, c.eviction.name());
+    let tag = format!(
+        "W{}-C{}-{}-{}",
+        c.workers,
+        c.capacity,
+        c.eviction.name(),
+        c.routing.name()
+    );
     let mut files = Vec::new();
     if sweep {
         files.extend(plot::sweep(
             &dir.join(format!("sweep-{tag}")),
             &format!(
-                "Open loop, conversation trace W={} C={} {}: achieved vs offered (p99 dashed)",
+                "Open loop, conversation trace W={} C={} {} {}: achieved vs offered (p99 dashed)",
                 c.workers,
                 c.capacity,
-                c.eviction.name()
+                c.eviction.name(),
+                c.routing.name()
             ),
             runs,
         )?);
@@ -778,10 +920,11 @@ fn plots(
     files.extend(plot::cdf(
         &dir.join(format!("cdf-{tag}")),
         &format!(
-            "Query latency CDF (deadline → completion), W={} C={} {}",
+            "Query latency CDF (deadline → completion), W={} C={} {} {}",
             c.workers,
             c.capacity,
-            c.eviction.name()
+            c.eviction.name(),
+            c.routing.name()
         ),
         &curves,
     )?);

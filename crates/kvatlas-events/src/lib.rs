@@ -1,8 +1,9 @@
-//! kvatlas's KV-event ingestion core: from an engine's msgpack batches to index mutations.
+//! kvatlas's KV-event ingestion: from an engine's ZMQ stream of msgpack batches to index
+//! mutations.
 //!
 //! vLLM and SGLang publish their KV-cache changes as numbered msgpack batches over ZMQ
-//! (`docs/events.md`, and `wire-formats.md` in the shared reference for the exact bytes). This
-//! crate is the part of ingestion that needs no sockets:
+//! (`docs/events.md`, and `wire-formats.md` in the shared reference for the exact bytes). The
+//! crate is a sans-IO core plus one socket edge:
 //!
 //! | Module | Does |
 //! |---|---|
@@ -11,6 +12,7 @@
 //! | [`sequence`] | per-source ordering: gaps → replay requests, duplicates, restarts and incomplete replays → resync; a sans-IO state machine in the style of `quinn-proto` |
 //! | [`frames`] | the ZMQ multipart layouts of live messages and replay replies |
 //! | [`counters`] | [`Reason`] and [`DropCounters`]: every dropped event is counted by reason |
+//! | [`listener`] | **the I/O edge**: one thread per source with a ZMQ SUB (connect or bind) and a DEALER for replays, driving the sequencer and handing mutations to a bounded [`MutationSink`] (a [`kvatlas_index::ThreadPool`]); the [`Listeners`] registry (start / stop / state / list) |
 //!
 //! ```
 //! use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
@@ -32,11 +34,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! What this crate is not: it opens no sockets, spawns no threads, reads no clock and owns no
-//! index. The ZMQ transport, the bounded per-worker queues and the listener API sit on top of
-//! it; it never depends on tokio, tonic, prost or hyper (checked by `cargo xtask tidy`).
-//! Nothing in it panics on wire input, and memory stays proportional to the input (length
-//! headers never drive allocations beyond [`decode::MAX_PREALLOC_BYTES`] bytes each).
+//! Only [`listener`] opens sockets, spawns threads or reads the clock; `decode`, `convert`,
+//! `sequence`, `frames` and `counters` take bytes and return values or actions, and own no
+//! index. The crate never depends on tokio, tonic, prost or hyper (checked by
+//! `cargo xtask tidy`): the listener uses the blocking `zmq` crate (bundled libzmq) on plain
+//! threads. Nothing in it panics on wire input, and memory stays bounded: length headers never
+//! drive allocations beyond [`decode::MAX_PREALLOC_BYTES`] bytes each, and the listener's
+//! queues (SUB high-water mark, sequencer buffer, sink lanes) are all bounded.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -45,6 +49,7 @@ pub mod convert;
 pub mod counters;
 pub mod decode;
 pub mod frames;
+pub mod listener;
 pub mod sequence;
 
 pub use convert::{Converter, EngineKind, Source, tier_for_medium};
@@ -54,4 +59,8 @@ pub use decode::{
     decode_batch,
 };
 pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, decode_replay_reply};
+pub use listener::{
+    ApplyInline, Listener, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
+    ListenerOptions, ListenerState, ListenerStatus, Listeners, MutationSink, SinkError, SocketMode,
+};
 pub use sequence::{Action, ReplayId, ResyncReason, SequenceCounters, Sequencer, SequencerConfig};

@@ -30,7 +30,8 @@
 //! nothing remains, so memory follows the live state rather than the churn.
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
 
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::FxHashMap;
@@ -38,8 +39,8 @@ use rustc_hash::FxHashMap;
 use crate::backend::KvIndex;
 use crate::ledger::{Ledger, Membership, NodeBits};
 use crate::model::{
-    ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerBlocks,
-    WorkerMatch,
+    ApplyReport, ExternalBlockHash, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation,
+    TierSet, Worker, WorkerBlocks, WorkerMatch,
 };
 use crate::snapshot::{Snapshot, WorkerSnapshot};
 
@@ -375,12 +376,162 @@ pub struct Atlas {
     ledgers: BTreeMap<Worker, (u32, Ledger<NodeRef>)>,
     /// Slots of ranks that left, for reuse.
     free_slots: Vec<u32>,
+    /// The optional capacity bound and its eviction state.
+    bound: Option<Bound>,
+}
+
+/// Capacity bound: at most `capacity` held (rank, block) pairs; beyond it, the least recently
+/// stored *leaf* across all ranks is evicted (see [`Atlas::with_capacity`]).
+#[derive(Debug, Clone, Default)]
+struct Bound {
+    capacity: u64,
+    /// Held (rank, block) pairs.
+    held: u64,
+    /// The recency clock shared by every ledger.
+    clock: u64,
+    /// Candidate leaves, least recent first; validated when popped (lazy deletion).
+    heap: BinaryHeap<Reverse<(u64, Worker, u32, ExternalBlockHash)>>,
+    /// Every block, least recent first: used only when no leaf is left (parent links in a
+    /// cycle); built on demand, validated when popped.
+    fallback: BinaryHeap<Reverse<(u64, Worker, u32, ExternalBlockHash)>>,
+    /// Evictions not yet taken by [`Atlas::take_evictions`] (bounded by `capacity`).
+    evicted: Vec<Eviction>,
+    /// Reused buffer.
+    candidates: Vec<(u64, u32, ExternalBlockHash)>,
+}
+
+/// A block the index evicted to stay within its capacity: it answers from then on as if the
+/// engine had removed the block from every tier it held it on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eviction {
+    /// The owner.
+    pub worker: Worker,
+    /// The block's engine hash.
+    pub external: ExternalBlockHash,
+    /// The tiers it was held on.
+    pub tiers: TierSet,
 }
 
 impl Atlas {
     /// An empty index.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty index holding at most `capacity` (rank, block) pairs.
+    ///
+    /// Eviction policy (lineage-aware LRU): when a mutation leaves more than `capacity` pairs, the
+    /// least recently stored *leaf* block (one without held children) of any rank is evicted,
+    /// until the bound holds. Leaves go first, so a prefix shared by many requests stays as long
+    /// as any of its continuations does; a block becomes a candidate again when its last child
+    /// goes. Answers stay exact for what remains: after an eviction the index answers exactly as
+    /// if the engine had removed the block ([`Atlas::take_evictions`] lists them).
+    pub fn with_capacity(capacity: u64) -> Self {
+        Self {
+            bound: Some(Bound {
+                capacity,
+                ..Bound::default()
+            }),
+            ..Self::default()
+        }
+    }
+
+    /// The evictions since the previous call (empty without a capacity bound).
+    pub fn take_evictions(&mut self) -> Vec<Eviction> {
+        self.bound
+            .as_mut()
+            .map(|b| std::mem::take(&mut b.evicted))
+            .unwrap_or_default()
+    }
+
+    /// Applies the capacity bound after a mutation of `worker` changed its held count.
+    fn enforce_bound(&mut self, worker: Worker, held_before: usize, report: &mut ApplyReport) {
+        let Some(bound) = &mut self.bound else { return };
+        let held_after = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
+        bound.held = (bound.held + held_after as u64).saturating_sub(held_before as u64);
+        if let Some((_, ledger)) = self.ledgers.get_mut(&worker) {
+            bound.clock = bound.clock.max(ledger.clock());
+            ledger.take_candidates(&mut bound.candidates);
+            for (stamp, slot, external) in bound.candidates.drain(..) {
+                bound.heap.push(Reverse((stamp, worker, slot, external)));
+            }
+        }
+        let mut fallback_built = false;
+        while bound.held > bound.capacity {
+            let (Reverse((stamp, victim, slot, external)), leaf) = match bound.heap.pop() {
+                Some(entry) => (entry, true),
+                None => match bound.fallback.pop() {
+                    Some(entry) => (entry, false),
+                    None if fallback_built => break,
+                    None => {
+                        // No leaf left (parent links in a cycle): any block, least recent
+                        // first, so the bound holds whatever the input.
+                        fallback_built = true;
+                        for (worker, (_, ledger)) in &self.ledgers {
+                            ledger.all_blocks(&mut bound.candidates);
+                            for (stamp, slot, external) in bound.candidates.drain(..) {
+                                bound
+                                    .fallback
+                                    .push(Reverse((stamp, *worker, slot, external)));
+                            }
+                        }
+                        continue;
+                    }
+                },
+            };
+            let Some((victim_slot, ledger)) = self.ledgers.get_mut(&victim) else {
+                continue;
+            };
+            if !ledger.is_current(slot, external, stamp, leaf) {
+                continue;
+            }
+            let before = ledger.len();
+            let tiers = ledger.evict(
+                &mut Sink {
+                    forest: &mut self.forest,
+                    slot: *victim_slot,
+                },
+                slot,
+            );
+            bound.held -= (before - ledger.len()) as u64;
+            report.evicted += u64::from(tiers.bits().count_ones());
+            bound.evicted.push(Eviction {
+                worker: victim,
+                external,
+                tiers,
+            });
+            ledger.take_candidates(&mut bound.candidates);
+            for (stamp, slot, external) in bound.candidates.drain(..) {
+                bound.heap.push(Reverse((stamp, victim, slot, external)));
+            }
+        }
+        // Stale entries accumulate lazily; rebuild when they dominate.
+        if (bound.heap.len() + bound.fallback.len()) as u64 > 4 * bound.held + 1024 {
+            self.rebuild_heap();
+        }
+        // Ranks whose last block was evicted give their slot back.
+        let emptied: Vec<Worker> = match &self.bound {
+            Some(bound) => bound.evicted.iter().map(|e| e.worker).collect(),
+            None => Vec::new(),
+        };
+        for worker in emptied {
+            self.release_if_empty(worker);
+        }
+    }
+
+    /// Rebuilds the candidate heap from the current leaves and recounts the held pairs.
+    fn rebuild_heap(&mut self) {
+        let Some(bound) = &mut self.bound else { return };
+        bound.heap.clear();
+        bound.fallback.clear();
+        bound.held = 0;
+        for (worker, (_, ledger)) in &self.ledgers {
+            bound.held += ledger.len() as u64;
+            ledger.all_leaves(&mut bound.candidates);
+            for (stamp, slot, external) in bound.candidates.drain(..) {
+                bound.heap.push(Reverse((stamp, *worker, slot, external)));
+            }
+        }
     }
 
     fn slot_and_ledger(&mut self, worker: Worker) -> (u32, &mut Ledger<NodeRef>, &mut Forest) {
@@ -528,6 +679,8 @@ impl KvIndex for Atlas {
     fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
         let mut report = ApplyReport::default();
         let worker = mutation.worker();
+        let held_before = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
+        let clock = self.bound.as_ref().map(|b| b.clock);
         match mutation {
             Mutation::Stored {
                 tier,
@@ -536,6 +689,10 @@ impl KvIndex for Atlas {
                 ..
             } => {
                 let (slot, ledger, forest) = self.slot_and_ledger(worker);
+                if let Some(clock) = clock {
+                    ledger.track_recency(clock);
+                    ledger.set_clock(clock);
+                }
                 ledger.store(
                     &mut Sink { forest, slot },
                     *tier,
@@ -549,6 +706,9 @@ impl KvIndex for Atlas {
                 ledger.remove(&mut Sink { forest, slot }, *tier, blocks, &mut report);
             }
             Mutation::Cleared { .. } => report.cleared += self.clear_worker(worker),
+        }
+        if self.bound.is_some() {
+            self.enforce_bound(worker, held_before, &mut report);
         }
         self.release_if_empty(worker);
         report
@@ -565,11 +725,19 @@ impl KvIndex for Atlas {
         for worker in ranks {
             report.cleared += self.clear_worker(worker);
         }
+        if self.bound.is_some() {
+            self.rebuild_heap();
+        }
         report
     }
 
     fn clear(&mut self) {
+        let capacity = self.bound.as_ref().map(|b| b.capacity);
         *self = Self::default();
+        self.bound = capacity.map(|capacity| Bound {
+            capacity,
+            ..Bound::default()
+        });
     }
 
     fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
@@ -598,13 +766,21 @@ impl KvIndex for Atlas {
 
     fn restore(&mut self, snapshot: &Snapshot) {
         self.clear();
+        let bounded = self.bound.is_some();
         for w in &snapshot.workers {
             let (slot, ledger, forest) = self.slot_and_ledger(w.worker);
+            if bounded {
+                // Restored blocks count as stored now, in snapshot order.
+                ledger.track_recency(0);
+            }
             let mut sink = Sink { forest, slot };
             for block in &w.blocks {
                 ledger.restore(&mut sink, block);
             }
             self.release_if_empty(w.worker);
+        }
+        if bounded {
+            self.rebuild_heap();
         }
     }
 

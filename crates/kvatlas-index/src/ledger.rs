@@ -76,6 +76,8 @@ const NIL: u32 = u32::MAX;
 const HAS_PARENT: u8 = 1;
 /// `Slot::flags`: the slot is on the free list.
 const FREED: u8 = 2;
+/// `Slot::flags`: the slot is on `remove`'s deletion stack (parent links can form cycles).
+const VISITING: u8 = 4;
 
 #[derive(Debug, Clone, Copy)]
 struct Slot {
@@ -105,7 +107,21 @@ pub(crate) struct Ledger<N> {
     /// Reused by `propagate`.
     scratch: Vec<(u32, Level)>,
     per_tier: [u64; 4],
+    /// Eviction support (`Some` only for capacity-bounded backends).
+    recency: Option<Recency>,
     node: PhantomData<N>,
+}
+
+/// Per-block recency for capacity-bounded backends: when each block was last stored, and the
+/// blocks that became eviction candidates (leaves) since the backend last looked.
+#[derive(Debug, Clone, Default)]
+struct Recency {
+    /// Last store time of each slot (parallel to `slots`).
+    stamps: Vec<u64>,
+    /// The backend's clock, advanced on every store.
+    clock: u64,
+    /// `(stamp, slot, external)` of blocks that are now leaves.
+    candidates: Vec<(u64, u32, ExternalBlockHash)>,
 }
 
 impl<N> Default for Ledger<N> {
@@ -118,6 +134,7 @@ impl<N> Default for Ledger<N> {
             dangling_parent: FxHashMap::default(),
             scratch: Vec::new(),
             per_tier: [0; 4],
+            recency: None,
             node: PhantomData,
         }
     }
@@ -136,6 +153,122 @@ impl<N: NodeBits> Ledger<N> {
     /// Number of held blocks (any tier).
     pub(crate) fn len(&self) -> usize {
         self.table.len()
+    }
+
+    /// Starts recording recency (for a capacity bound); `clock` continues the backend's clock.
+    pub(crate) fn track_recency(&mut self, clock: u64) {
+        if self.recency.is_none() {
+            let mut recency = Recency {
+                clock,
+                ..Recency::default()
+            };
+            recency.stamps.resize(self.slots.len(), 0);
+            self.recency = Some(recency);
+        }
+    }
+
+    /// The recency clock (to carry over to other ledgers).
+    pub(crate) fn clock(&self) -> u64 {
+        self.recency.as_ref().map_or(0, |r| r.clock)
+    }
+
+    /// Sets the recency clock (the backend keeps one clock across ledgers).
+    pub(crate) fn set_clock(&mut self, clock: u64) {
+        if let Some(recency) = &mut self.recency {
+            recency.clock = clock;
+        }
+    }
+
+    /// Takes the eviction candidates recorded since the last call.
+    pub(crate) fn take_candidates(&mut self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
+        if let Some(recency) = &mut self.recency {
+            into.append(&mut recency.candidates);
+        }
+    }
+
+    /// Every current leaf as a candidate (to rebuild the backend's heap).
+    pub(crate) fn all_leaves(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
+        let Some(recency) = &self.recency else { return };
+        for &slot in &self.table {
+            let s = &self.slots[slot as usize];
+            if s.first_child == NIL {
+                into.push((recency.stamps[slot as usize], slot, s.external));
+            }
+        }
+    }
+
+    /// Every held block as a candidate, leaves or not (the fallback when no leaf is left, e.g.
+    /// blocks whose parent links form a cycle).
+    pub(crate) fn all_blocks(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
+        let Some(recency) = &self.recency else { return };
+        for &slot in &self.table {
+            into.push((
+                recency.stamps[slot as usize],
+                slot,
+                self.slots[slot as usize].external,
+            ));
+        }
+    }
+
+    /// Whether `(slot, external, stamp)` still names a held block last stored at `stamp` (and,
+    /// with `leaf`, one without held children).
+    pub(crate) fn is_current(
+        &self,
+        slot: u32,
+        external: ExternalBlockHash,
+        stamp: u64,
+        leaf: bool,
+    ) -> bool {
+        let Some(recency) = &self.recency else {
+            return false;
+        };
+        let Some(s) = self.slots.get(slot as usize) else {
+            return false;
+        };
+        s.flags & FREED == 0
+            && s.external == external
+            && (!leaf || s.first_child == NIL)
+            && recency.stamps.get(slot as usize) == Some(&stamp)
+    }
+
+    /// Evicts a held block from every tier (as if the engine had removed it); returns its tiers.
+    pub(crate) fn evict<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32) -> TierSet {
+        let s = self.slots[slot as usize];
+        let mut report = ApplyReport::default();
+        for tier in s.tiers.iter() {
+            self.remove(sink, tier, &[s.external], &mut report);
+        }
+        s.tiers
+    }
+
+    /// Records that `slot` was stored now and is a candidate if it is a leaf.
+    fn touch(&mut self, slot: u32) {
+        let Some(recency) = &mut self.recency else {
+            return;
+        };
+        recency.clock += 1;
+        if recency.stamps.len() <= slot as usize {
+            recency.stamps.resize(slot as usize + 1, 0);
+        }
+        recency.stamps[slot as usize] = recency.clock;
+        let s = &self.slots[slot as usize];
+        if s.first_child == NIL {
+            recency.candidates.push((recency.clock, slot, s.external));
+        }
+        // Its parent is no longer a leaf; nothing to record for it.
+    }
+
+    /// Records that `slot` just became a leaf (its last held child left).
+    fn became_leaf(&mut self, slot: u32) {
+        let Some(recency) = &mut self.recency else {
+            return;
+        };
+        let s = &self.slots[slot as usize];
+        if s.flags & FREED == 0 && s.first_child == NIL {
+            recency
+                .candidates
+                .push((recency.stamps[slot as usize], slot, s.external));
+        }
     }
 
     /// Approximate heap bytes of this ledger.
@@ -238,15 +371,17 @@ impl<N: NodeBits> Ledger<N> {
                         report.conflicting_stores += 1;
                     } else if tiers.contains(tier) {
                         report.duplicate_stores += 1;
+                        self.touch(slot);
                     } else {
                         self.slots[slot as usize].tiers = tiers.with(tier);
                         self.per_tier[tier.index()] += 1;
                         report.stored += 1;
                         self.propagate(sink, slot);
+                        self.touch(slot);
                     }
                 }
                 None => {
-                    self.insert(
+                    let slot = self.insert(
                         sink,
                         block.external,
                         block.local,
@@ -254,6 +389,7 @@ impl<N: NodeBits> Ledger<N> {
                         TierSet::only(tier),
                     );
                     report.stored += 1;
+                    self.touch(slot);
                 }
             }
             previous = Some(block.external);
@@ -267,7 +403,8 @@ impl<N: NodeBits> Ledger<N> {
         if block.tiers.is_empty() || self.find(block.external).is_some() {
             return;
         }
-        self.insert(sink, block.external, block.local, block.parent, block.tiers);
+        let slot = self.insert(sink, block.external, block.local, block.parent, block.tiers);
+        self.touch(slot);
     }
 
     /// Applies a removal on one tier.
@@ -306,11 +443,13 @@ impl<N: NodeBits> Ledger<N> {
         let mut stack = Vec::new();
         for &slot in &touched {
             if self.slots[slot as usize].tiers.is_empty()
-                && self.slots[slot as usize].flags & FREED == 0
+                && self.slots[slot as usize].flags & (FREED | VISITING) == 0
             {
+                self.slots[slot as usize].flags |= VISITING;
                 stack.push((slot, false));
             }
-            // Depth-first: a block is freed after its emptied children (second visit).
+            // Depth-first: a block is freed after its emptied children (second visit). A block
+            // is pushed once (`VISITING`): parent links may form a cycle.
             while let Some((slot, children_done)) = stack.pop() {
                 if children_done {
                     self.delete(slot);
@@ -319,11 +458,13 @@ impl<N: NodeBits> Ledger<N> {
                 stack.push((slot, true));
                 let mut child = self.slots[slot as usize].first_child;
                 while child != NIL {
-                    let c = &self.slots[child as usize];
-                    if c.tiers.is_empty() && c.flags & FREED == 0 {
+                    let c = &mut self.slots[child as usize];
+                    let next = c.next_sibling;
+                    if c.tiers.is_empty() && c.flags & (FREED | VISITING) == 0 {
+                        c.flags |= VISITING;
                         stack.push((child, false));
                     }
-                    child = c.next_sibling;
+                    child = next;
                 }
             }
         }
@@ -396,7 +537,7 @@ impl<N: NodeBits> Ledger<N> {
         local: LocalBlockHash,
         parent: Option<ExternalBlockHash>,
         tiers: TierSet,
-    ) {
+    ) -> u32 {
         let slot = Slot {
             external,
             payload: local.get(),
@@ -447,6 +588,7 @@ impl<N: NodeBits> Ledger<N> {
             }
         }
         self.propagate(sink, index);
+        index
     }
 
     /// Unlinks and frees a block that is held on no tier (already unrooted by `propagate`).
@@ -466,6 +608,7 @@ impl<N: NodeBits> Ledger<N> {
         }
         if s.parent_slot != NIL {
             self.unlink(slot);
+            self.became_leaf(s.parent_slot);
         } else if s.flags & HAS_PARENT != 0
             && let Some(parent) = self.dangling_parent.remove(&slot)
             && let Some(waiting) = self.dangling.get_mut(&parent)

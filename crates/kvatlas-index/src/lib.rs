@@ -26,7 +26,7 @@ mod reference;
 mod snapshot;
 mod sync;
 
-pub use atlas::Atlas;
+pub use atlas::{Atlas, Eviction};
 pub use backend::{Exclusive, KvIndex, SharedKvIndex};
 pub use left_right::LeftRight;
 pub use locked::Locked;

@@ -203,6 +203,8 @@ pub struct ApplyReport {
     pub unknown_parents: u64,
     /// Removes of blocks the worker does not hold on that tier: no-ops.
     pub unknown_removes: u64,
+    /// Block-tier pairs the index evicted to stay within its capacity bound (not an anomaly).
+    pub evicted: u64,
 }
 
 impl ApplyReport {
@@ -215,6 +217,7 @@ impl ApplyReport {
         self.conflicting_stores += other.conflicting_stores;
         self.unknown_parents += other.unknown_parents;
         self.unknown_removes += other.unknown_removes;
+        self.evicted += other.evicted;
     }
 
     /// Whether any anomaly was counted.

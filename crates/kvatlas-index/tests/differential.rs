@@ -207,3 +207,41 @@ proptest! {
         run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::Locked::new(RadixTree::new()))), &ops);
     }
 }
+
+/// Regression: blocks whose parent links form a cycle, all removed by one event (a depth-first
+/// deletion once revisited them forever). Every backend must terminate and agree with the oracle.
+#[test]
+fn cycles_of_parent_links_removed_in_one_event() {
+    let worker = WORKERS[0];
+    let block = |e: u64| StoredBlock {
+        external: ExternalBlockHash::new(e),
+        local: LocalBlockHash::new(e % LOCALS),
+    };
+    // 1's parent is 0, 2's is 1, and 0's is 2: a cycle, unreachable from any root.
+    let cycle = Mutation::Stored {
+        worker,
+        tier: Tier::Device,
+        parent: Some(ExternalBlockHash::new(0)),
+        blocks: vec![block(1), block(2), block(0)],
+    };
+    let remove = Mutation::Removed {
+        worker,
+        tier: Tier::Device,
+        blocks: [0, 1, 2].map(ExternalBlockHash::new).to_vec(),
+    };
+    let backends: [fn() -> Box<dyn KvIndex>; 3] = [
+        || Box::new(RadixTree::new()),
+        || Box::new(kvatlas_index::PositionalIndexer::new()),
+        || Box::new(kvatlas_index::Atlas::new()),
+    ];
+    for make in backends {
+        run_differential(
+            make,
+            &[
+                Op::Apply(cycle.clone()),
+                Op::Apply(remove.clone()),
+                Op::Apply(cycle.clone()),
+            ],
+        );
+    }
+}
