@@ -12,7 +12,7 @@
 //! | [`sequence`] | per-source ordering: gaps → replay requests, duplicates, restarts and incomplete replays → resync; a sans-IO state machine in the style of `quinn-proto` |
 //! | [`frames`] | the ZMQ multipart layouts of live messages and replay replies |
 //! | [`counters`] | [`Reason`] and [`DropCounters`]: every dropped event is counted by reason |
-//! | [`listener`] | **the I/O edge**: one thread per source with a ZMQ SUB (connect or bind) and a DEALER for replays, driving the sequencer and handing mutations to a bounded [`MutationSink`] (a [`kvatlas_index::ThreadPool`]); the [`Listeners`] registry (start / stop / state / list) |
+//! | `listener` | **the I/O edge** (feature `listener`, on by default): one thread per source with a ZMQ SUB (connect or bind) and a DEALER for replays, driving the sequencer and handing mutations to a bounded `MutationSink` (a [`kvatlas_index::ThreadPool`]); the `Listeners` registry (start / stop / state / list) |
 //!
 //! ```
 //! use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
@@ -34,7 +34,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! Only [`listener`] opens sockets, spawns threads or reads the clock; `decode`, `convert`,
+//! Only `listener` opens sockets, spawns threads or reads the clock; `decode`, `convert`,
 //! `sequence`, `frames` and `counters` take bytes and return values or actions, and own no
 //! index. The crate never depends on tokio, tonic, prost or hyper (checked by
 //! `cargo xtask tidy`): the listener uses the blocking `zmq` crate (bundled libzmq) on plain
@@ -49,6 +49,7 @@ pub mod convert;
 pub mod counters;
 pub mod decode;
 pub mod frames;
+#[cfg(feature = "listener")]
 pub mod listener;
 pub mod sequence;
 
@@ -59,6 +60,7 @@ pub use decode::{
     decode_batch,
 };
 pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, decode_replay_reply};
+#[cfg(feature = "listener")]
 pub use listener::{
     ApplyInline, Listener, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
     ListenerOptions, ListenerState, ListenerStatus, Listeners, MutationSink, SinkError, SocketMode,
