@@ -3,7 +3,11 @@
 //! per-worker scores (the oracle) every query must get from an index.
 //!
 //! This is Workload A of `shared/reference/peer-baseline.md`: one trace `hash_id` is one index
-//! block, `local = LocalBlockHash(splitmix64(hash_id))`, external (engine) hashes are the
+//! block. Its local hash is, by default ([`LocalHashing::Tokens`]), what a router computes: the
+//! block is expanded to deterministic tokens ([`crate::trace::block_tokens`]) and hashed with
+//! `kvatlas-hash`'s [`BlockHasher`]; [`LocalHashing::Splitmix`] instead uses peer-baseline's exact
+//! mapping `LocalBlockHash(splitmix64(hash_id))` (both are bijections of the ids in practice, so
+//! the workload's structure is the same). External (engine) hashes are the
 //! kvatlas [`SequenceHash`] chain of the request's path, and each request goes to a uniformly
 //! random worker (a seeded [`SplitMix64`] stream; not cache-aware) or, with [`Routing::KvAware`],
 //! to the worker with the best score (see [`Router`]).
@@ -27,7 +31,7 @@
 
 use std::ops::Range;
 
-use kvatlas_hash::{LocalBlockHash, SequenceHash};
+use kvatlas_hash::{BlockHasher, LocalBlockHash, SequenceHash};
 use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier, Worker};
 use rustc_hash::FxHashMap;
 
@@ -45,6 +49,48 @@ pub const fn splitmix64(x: u64) -> u64 {
 /// The local (token) hash of a trace block: `LocalBlockHash(splitmix64(hash_id))`.
 pub const fn local_hash_of(hash_id: u64) -> LocalBlockHash {
     LocalBlockHash::new(splitmix64(hash_id))
+}
+
+/// Makes the local hashes of requests as configured ([`LocalHashing`]). With tokens, a prompt is
+/// expanded block by block and hashed with one [`BlockHasher`] as a router would; the hash of a
+/// trace id is remembered so that stream generation does not re-hash the shared system prompt of
+/// every request (generation is not timed; the values are the same either way).
+struct LocalHasher {
+    hasher: Option<BlockHasher>,
+    block_tokens: usize,
+    known: FxHashMap<u64, LocalBlockHash>,
+    tokens: Vec<u32>,
+}
+
+impl LocalHasher {
+    fn new(config: &EngineConfig) -> Self {
+        let hasher = match config.local_hashing {
+            LocalHashing::Tokens => BlockHasher::new(config.block_tokens.max(1)).ok(),
+            LocalHashing::Splitmix => None,
+        };
+        Self {
+            hasher,
+            block_tokens: config.block_tokens.max(1) as usize,
+            known: FxHashMap::default(),
+            tokens: Vec::new(),
+        }
+    }
+
+    fn request(&mut self, hash_ids: &[u64]) -> Vec<LocalBlockHash> {
+        let Some(hasher) = &self.hasher else {
+            return hash_ids.iter().map(|&id| local_hash_of(id)).collect();
+        };
+        hash_ids
+            .iter()
+            .map(|&id| {
+                *self.known.entry(id).or_insert_with(|| {
+                    self.tokens.clear();
+                    crate::trace::block_tokens(id, self.block_tokens, &mut self.tokens);
+                    hasher.hash_block(&self.tokens)
+                })
+            })
+            .collect()
+    }
 }
 
 /// A tiny seeded pseudo-random generator (splitmix64 stream); deterministic across platforms.
@@ -122,6 +168,17 @@ impl Routing {
 /// requests then stay within 125 % of the mean (rounded up).
 pub const DEFAULT_LOAD_BOUND_PERCENT: u32 = 125;
 
+/// How a trace block's local hash is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LocalHashing {
+    /// As a router frontend does: deterministic tokens hashed with `kvatlas-hash`.
+    #[default]
+    Tokens,
+    /// peer-baseline's mapping: `LocalBlockHash(splitmix64(hash_id))`.
+    Splitmix,
+}
+
 /// How the mock engines are set up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct EngineConfig {
@@ -139,6 +196,11 @@ pub struct EngineConfig {
     /// requests, this one included, stay within `⌈load_bound_percent × (q + 1) / (100 × workers)⌉`;
     /// 0 = unbounded. Must be 0 or at least 100 (then some worker is always eligible).
     pub load_bound_percent: u32,
+    /// How local hashes are made.
+    pub local_hashing: LocalHashing,
+    /// Tokens per block with [`LocalHashing::Tokens`] (512 for the Mooncake traces, divided by a
+    /// trace-length factor).
+    pub block_tokens: u32,
 }
 
 impl EngineConfig {
@@ -151,6 +213,8 @@ impl EngineConfig {
             seed,
             routing: Routing::Random,
             load_bound_percent: DEFAULT_LOAD_BOUND_PERCENT,
+            local_hashing: LocalHashing::Tokens,
+            block_tokens: crate::trace::TRACE_BLOCK_TOKENS as u32,
         }
     }
 
@@ -525,13 +589,10 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
     let mut digest = ScoreDigest::default();
     let mut externals: Vec<ExternalBlockHash> = Vec::new();
     let mut held: Vec<bool> = Vec::new();
+    let mut locals_of = LocalHasher::new(config);
 
     for (q, request) in trace.iter().enumerate() {
-        let locals: Vec<LocalBlockHash> = request
-            .hash_ids
-            .iter()
-            .map(|&id| local_hash_of(id))
-            .collect();
+        let locals: Vec<LocalBlockHash> = locals_of.request(&request.hash_ids);
         externals.clear();
         let mut previous: Option<SequenceHash> = None;
         for &local in &locals {
@@ -722,10 +783,30 @@ mod tests {
         );
     }
 
+    /// By default a block's local hash is what a router computes from its tokens.
+    #[test]
+    fn local_hashes_are_the_routers_token_hashes() {
+        let trace = [request(&[7, 8])];
+        let stream = generate(&trace, &EngineConfig::new(1, 4, Eviction::LeafFirst, 1));
+        let Mutation::Stored { blocks, .. } = &stream.events[0] else {
+            panic!("expected Stored")
+        };
+        let mut tokens = Vec::new();
+        for id in [7, 8] {
+            crate::trace::block_tokens(id, 512, &mut tokens);
+        }
+        let hasher = BlockHasher::new(512).expect("valid block size");
+        let router: Vec<LocalBlockHash> = hasher.local_hashes(&tokens).collect();
+        assert_eq!(blocks.iter().map(|b| b.local).collect::<Vec<_>>(), router);
+    }
+
     #[test]
     fn one_worker_stores_only_what_it_lacks_and_evicts_leaves() {
         let trace = [request(&[0, 1, 2]), request(&[0, 1, 3]), request(&[0, 4])];
-        let config = EngineConfig::new(1, 4, Eviction::LeafFirst, 1);
+        let config = EngineConfig {
+            local_hashing: LocalHashing::Splitmix,
+            ..EngineConfig::new(1, 4, Eviction::LeafFirst, 1)
+        };
         let stream = generate(&trace, &config);
         let q = &stream.queries;
         assert_eq!(q[1].oracle, vec![(0, 2)]);

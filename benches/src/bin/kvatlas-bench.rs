@@ -29,7 +29,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvatlas_bench::clear::{self, ClearResult};
 use kvatlas_bench::concurrent::{self, ConcurrentConfig, ConcurrentResult};
 use kvatlas_bench::engine::{
-    DEFAULT_LOAD_BOUND_PERCENT, EngineConfig, Eviction, Routing, Stream, StreamStats, generate,
+    DEFAULT_LOAD_BOUND_PERCENT, EngineConfig, Eviction, LocalHashing, Routing, Stream, StreamStats,
+    generate,
 };
 use kvatlas_bench::openloop::{
     FrontKind, KEEP_UP_FACTOR, OpenLoopConfig, OpenLoopResult, P99_JUMP, SweepSummary,
@@ -37,7 +38,9 @@ use kvatlas_bench::openloop::{
 };
 use kvatlas_bench::replay::{ReplayResult, backend_names, default_backends, run};
 use kvatlas_bench::synthetic::{self, SyntheticConfig, SyntheticResult};
-use kvatlas_bench::trace::{default_trace_path, duplicate, load_trace, scale_length};
+use kvatlas_bench::trace::{
+    TRACE_BLOCK_TOKENS, default_trace_path, duplicate, load_trace, scale_length,
+};
 use kvatlas_bench::{openloop, plot};
 
 /// Which workloads to run.
@@ -143,6 +146,10 @@ struct Args {
     /// Capacity of each writer lane (mutations).
     #[arg(long, default_value_t = 1024)]
     queue_capacity: usize,
+    /// How a trace block's local hash is made: `tokens` (deterministic tokens hashed with
+    /// kvatlas-hash, as a router does) or `splitmix` (peer-baseline's id mapping).
+    #[arg(long, value_enum, default_value_t = LocalHashing::Tokens)]
+    local_hashing: LocalHashing,
     /// How the concurrent front shares the index with readers.
     #[arg(long, value_enum, default_value_t = FrontKind::Locked)]
     front: FrontKind,
@@ -554,6 +561,8 @@ fn main() -> Result<()> {
     let evictions: Vec<Eviction> = args.eviction.map_or(Eviction::ALL.to_vec(), |e| vec![e]);
     let engine = |eviction, routing| EngineConfig {
         load_bound_percent: args.load_bound_percent,
+        local_hashing: args.local_hashing,
+        block_tokens: (TRACE_BLOCK_TOKENS as u64 / args.trace_length_factor.max(1)).max(1) as u32,
         ..EngineConfig::new(workers, args.capacity, eviction, args.seed).with_routing(routing)
     };
     // Conversation configurations: the chosen routing with each eviction order; by default random
