@@ -106,6 +106,9 @@ pub(crate) struct Ledger<N> {
     dangling_parent: FxHashMap<u32, ExternalBlockHash>,
     /// Reused by `propagate`.
     scratch: Vec<(u32, Level)>,
+    /// Reused by `remove`: the blocks it touched, and its deletion stack.
+    touched: Vec<u32>,
+    deletions: Vec<(u32, bool)>,
     per_tier: [u64; 4],
     /// Eviction support (`Some` only for capacity-bounded backends).
     recency: Option<Recency>,
@@ -133,6 +136,8 @@ impl<N> Default for Ledger<N> {
             dangling: FxHashMap::default(),
             dangling_parent: FxHashMap::default(),
             scratch: Vec::new(),
+            touched: Vec::new(),
+            deletions: Vec::new(),
             per_tier: [0; 4],
             recency: None,
             node: PhantomData,
@@ -355,16 +360,22 @@ impl<N: NodeBits> Ledger<N> {
         blocks: &[StoredBlock],
         report: &mut ApplyReport,
     ) {
-        if let Some(parent) = parent
-            && !blocks.is_empty()
-            && self.find(parent).is_none()
-        {
-            report.unknown_parents += 1;
-        }
+        // The run's parent, looked up once; then each block's parent is the block before it.
+        let mut previous_slot = match parent {
+            Some(parent) if !blocks.is_empty() => {
+                let found = self.find(parent);
+                if found.is_none() {
+                    report.unknown_parents += 1;
+                }
+                found
+            }
+            _ => None,
+        };
         let mut previous = parent;
         for block in blocks {
             match self.find(block.external) {
                 Some(slot) => {
+                    previous_slot = Some(slot);
                     let tiers = self.slots[slot as usize].tiers;
                     if self.local_of(sink, slot) != block.local || self.parent_of(slot) != previous
                     {
@@ -387,7 +398,9 @@ impl<N: NodeBits> Ledger<N> {
                         block.local,
                         previous,
                         TierSet::only(tier),
+                        previous_slot,
                     );
+                    previous_slot = Some(slot);
                     report.stored += 1;
                     self.touch(slot);
                 }
@@ -403,7 +416,14 @@ impl<N: NodeBits> Ledger<N> {
         if block.tiers.is_empty() || self.find(block.external).is_some() {
             return;
         }
-        let slot = self.insert(sink, block.external, block.local, block.parent, block.tiers);
+        let slot = self.insert(
+            sink,
+            block.external,
+            block.local,
+            block.parent,
+            block.tiers,
+            None,
+        );
         self.touch(slot);
     }
 
@@ -421,7 +441,8 @@ impl<N: NodeBits> Ledger<N> {
         blocks: &[ExternalBlockHash],
         report: &mut ApplyReport,
     ) {
-        let mut touched = Vec::with_capacity(blocks.len().min(4096));
+        let mut touched = std::mem::take(&mut self.touched);
+        touched.clear();
         for hash in blocks {
             let Some(slot) = self.find(*hash) else {
                 report.unknown_removes += 1;
@@ -440,7 +461,8 @@ impl<N: NodeBits> Ledger<N> {
         for &slot in &touched {
             self.propagate(sink, slot);
         }
-        let mut stack = Vec::new();
+        let mut stack = std::mem::take(&mut self.deletions);
+        stack.clear();
         for &slot in &touched {
             if self.slots[slot as usize].tiers.is_empty()
                 && self.slots[slot as usize].flags & (FREED | VISITING) == 0
@@ -468,6 +490,8 @@ impl<N: NodeBits> Ledger<N> {
                 }
             }
         }
+        self.touched = touched;
+        self.deletions = stack;
         #[cfg(debug_assertions)]
         self.check_links();
     }
@@ -537,6 +561,7 @@ impl<N: NodeBits> Ledger<N> {
         local: LocalBlockHash,
         parent: Option<ExternalBlockHash>,
         tiers: TierSet,
+        parent_hint: Option<u32>,
     ) -> u32 {
         let slot = Slot {
             external,
@@ -566,7 +591,12 @@ impl<N: NodeBits> Ledger<N> {
             self.per_tier[tier.index()] += 1;
         }
         if let Some(parent) = parent {
-            match self.find(parent) {
+            // In a stored run the parent is the block just handled: no lookup needed.
+            let parent_slot = match parent_hint {
+                Some(hint) if self.slots[hint as usize].external == parent => Some(hint),
+                _ => self.find(parent),
+            };
+            match parent_slot {
                 Some(parent_slot) if parent_slot != index => self.link(parent_slot, index),
                 _ => {
                     self.dangling.entry(parent).or_default().push(index);
