@@ -30,8 +30,13 @@ use hashbrown::HashTable;
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
-use crate::model::{ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED};
-use crate::snapshot::SnapshotBlock;
+use std::collections::BTreeMap;
+
+use crate::model::{
+    ApplyReport, ExternalBlockHash, IndexStats, Level, Mutation, StoredBlock, Tier, TierSet,
+    UNROOTED, Worker, WorkerBlocks,
+};
+use crate::snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 
 /// A backend's node handle, storable in one `u64`.
 pub(crate) trait NodeBits: Copy {
@@ -783,5 +788,152 @@ impl<N: NodeBits> Ledger<N> {
         let s = &mut self.slots[slot as usize];
         s.level = level;
         s.payload = payload;
+    }
+}
+
+/// A backend's shared structure, as the per-rank ledgers see it: where a rank's rooted
+/// memberships go, and how big it is.
+pub(crate) trait Structure {
+    /// The structure's node handle.
+    type Node: NodeBits;
+    /// The membership sink of one rank.
+    type Sink<'a>: Membership<Node = Self::Node>
+    where
+        Self: 'a;
+
+    /// The sink recording `worker`'s memberships.
+    fn sink(&mut self, worker: Worker) -> Self::Sink<'_>;
+
+    /// The local hash of a node's last block.
+    fn local(&self, node: Self::Node) -> LocalBlockHash;
+
+    /// Heap bytes of the structure.
+    fn heap_bytes(&self) -> u64;
+}
+
+/// Every rank's ledger: the per-rank half of a backend (applying mutations, removing workers,
+/// snapshots, block counts), the same for every backend built on a [`Structure`].
+#[derive(Debug, Clone)]
+pub(crate) struct LedgerSet<N> {
+    ledgers: BTreeMap<Worker, Ledger<N>>,
+}
+
+impl<N> Default for LedgerSet<N> {
+    fn default() -> Self {
+        Self {
+            ledgers: BTreeMap::new(),
+        }
+    }
+}
+
+impl<N: NodeBits> LedgerSet<N> {
+    /// Applies one rank's mutation to its ledger and, through it, to `structure`.
+    pub(crate) fn apply<S: Structure<Node = N>>(
+        &mut self,
+        structure: &mut S,
+        mutation: &Mutation,
+    ) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        let worker = mutation.worker();
+        match mutation {
+            Mutation::Stored {
+                tier,
+                parent,
+                blocks,
+                ..
+            } => {
+                let ledger = self.ledgers.entry(worker).or_default();
+                ledger.store(
+                    &mut structure.sink(worker),
+                    *tier,
+                    *parent,
+                    blocks,
+                    &mut report,
+                );
+            }
+            Mutation::Removed { tier, blocks, .. } => {
+                let ledger = self.ledgers.entry(worker).or_default();
+                ledger.remove(&mut structure.sink(worker), *tier, blocks, &mut report);
+            }
+            Mutation::Cleared { .. } => report.cleared += self.clear_rank(structure, worker),
+        }
+        if self.ledgers.get(&worker).is_some_and(|l| l.len() == 0) {
+            self.ledgers.remove(&worker);
+        }
+        report
+    }
+
+    /// Drops every rank of `worker_id`.
+    pub(crate) fn remove_worker<S: Structure<Node = N>>(
+        &mut self,
+        structure: &mut S,
+        worker_id: u64,
+    ) -> ApplyReport {
+        let ranks: Vec<Worker> = self
+            .ledgers
+            .keys()
+            .filter(|w| w.worker_id == worker_id)
+            .copied()
+            .collect();
+        let mut report = ApplyReport::default();
+        for worker in ranks {
+            report.cleared += self.clear_rank(structure, worker);
+        }
+        report
+    }
+
+    fn clear_rank<S: Structure<Node = N>>(&mut self, structure: &mut S, worker: Worker) -> u64 {
+        match self.ledgers.remove(&worker) {
+            Some(mut ledger) => ledger.clear(&mut structure.sink(worker)),
+            None => 0,
+        }
+    }
+
+    /// Every rank's held blocks.
+    pub(crate) fn snapshot<S: Structure<Node = N>>(&self, structure: &S) -> Snapshot {
+        let workers = self
+            .ledgers
+            .iter()
+            .map(|(worker, ledger)| WorkerSnapshot {
+                worker: *worker,
+                blocks: ledger.snapshot(|node| structure.local(node)),
+            })
+            .filter(|w| !w.blocks.is_empty())
+            .collect();
+        Snapshot { workers }
+    }
+
+    /// Restores a snapshot into empty ledgers and `structure`.
+    pub(crate) fn restore<S: Structure<Node = N>>(
+        &mut self,
+        structure: &mut S,
+        snapshot: &Snapshot,
+    ) {
+        for w in &snapshot.workers {
+            let ledger = self.ledgers.entry(w.worker).or_default();
+            let mut sink = structure.sink(w.worker);
+            for block in &w.blocks {
+                ledger.restore(&mut sink, block);
+            }
+        }
+        self.ledgers.retain(|_, l| l.len() > 0);
+    }
+
+    /// Block counts per rank and the heap of the ledgers plus `structure`.
+    pub(crate) fn stats<S: Structure<Node = N>>(&self, structure: &S) -> IndexStats {
+        let workers: Vec<WorkerBlocks> = self
+            .ledgers
+            .iter()
+            .map(|(worker, ledger)| WorkerBlocks {
+                worker: *worker,
+                per_tier: ledger.per_tier(),
+            })
+            .collect();
+        IndexStats {
+            memberships: workers.iter().flat_map(|w| w.per_tier).sum(),
+            heap_bytes: structure.heap_bytes()
+                + self.ledgers.values().map(Ledger::heap_bytes).sum::<u64>(),
+            workers,
+        }
     }
 }

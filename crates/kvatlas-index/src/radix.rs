@@ -4,18 +4,15 @@
 //! worker ranks with a rooted block there and how many at each level. A query walks the tree
 //! from the root, dropping each worker at the first node where it is not a member: `O(D × W)`.
 
-use std::collections::BTreeMap;
-
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::FxHashMap;
 
 use crate::backend::KvIndex;
-use crate::ledger::{Ledger, Membership};
+use crate::ledger::{LedgerSet, Membership, Structure};
 use crate::model::{
-    ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerBlocks,
-    WorkerMatch,
+    ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerMatch,
 };
-use crate::snapshot::{Snapshot, WorkerSnapshot};
+use crate::snapshot::Snapshot;
 
 const NIL: u32 = u32::MAX;
 
@@ -95,6 +92,26 @@ struct Sink<'a> {
     worker: Worker,
 }
 
+impl Structure for Arena {
+    type Node = u32;
+    type Sink<'a> = Sink<'a>;
+
+    fn sink(&mut self, worker: Worker) -> Sink<'_> {
+        Sink {
+            arena: self,
+            worker,
+        }
+    }
+
+    fn local(&self, node: u32) -> LocalBlockHash {
+        self.nodes[node as usize].local
+    }
+
+    fn heap_bytes(&self) -> u64 {
+        Arena::heap_bytes(self)
+    }
+}
+
 impl Membership for Sink<'_> {
     type Node = u32;
 
@@ -158,7 +175,7 @@ impl Membership for Sink<'_> {
 #[derive(Debug, Clone, Default)]
 pub struct RadixTree {
     arena: Arena,
-    ledgers: BTreeMap<Worker, Ledger<u32>>,
+    ledgers: LedgerSet<u32>,
 }
 
 impl RadixTree {
@@ -166,77 +183,20 @@ impl RadixTree {
     pub fn new() -> Self {
         Self::default()
     }
-
-    fn clear_worker(&mut self, worker: Worker) -> u64 {
-        match self.ledgers.remove(&worker) {
-            Some(mut ledger) => ledger.clear(&mut Sink {
-                arena: &mut self.arena,
-                worker,
-            }),
-            None => 0,
-        }
-    }
 }
 
 impl KvIndex for RadixTree {
     fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
-        let mut report = ApplyReport::default();
-        let worker = mutation.worker();
-        match mutation {
-            Mutation::Stored {
-                tier,
-                parent,
-                blocks,
-                ..
-            } => {
-                let ledger = self.ledgers.entry(worker).or_default();
-                ledger.store(
-                    &mut Sink {
-                        arena: &mut self.arena,
-                        worker,
-                    },
-                    *tier,
-                    *parent,
-                    blocks,
-                    &mut report,
-                );
-            }
-            Mutation::Removed { tier, blocks, .. } => {
-                let ledger = self.ledgers.entry(worker).or_default();
-                ledger.remove(
-                    &mut Sink {
-                        arena: &mut self.arena,
-                        worker,
-                    },
-                    *tier,
-                    blocks,
-                    &mut report,
-                );
-            }
-            Mutation::Cleared { .. } => report.cleared += self.clear_worker(worker),
-        }
-        if self.ledgers.get(&worker).is_some_and(|l| l.len() == 0) {
-            self.ledgers.remove(&worker);
-        }
-        report
+        self.ledgers.apply(&mut self.arena, mutation)
     }
 
     fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
-        let ranks: Vec<Worker> = self
-            .ledgers
-            .keys()
-            .filter(|w| w.worker_id == worker_id)
-            .copied()
-            .collect();
-        let mut report = ApplyReport::default();
-        for worker in ranks {
-            report.cleared += self.clear_worker(worker);
-        }
-        report
+        self.ledgers.remove_worker(&mut self.arena, worker_id)
     }
 
     fn clear(&mut self) {
-        *self = Self::default();
+        self.ledgers = LedgerSet::default();
+        self.arena = Arena::default();
     }
 
     fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
@@ -300,47 +260,15 @@ impl KvIndex for RadixTree {
     }
 
     fn snapshot(&self) -> Snapshot {
-        let workers = self
-            .ledgers
-            .iter()
-            .map(|(worker, ledger)| WorkerSnapshot {
-                worker: *worker,
-                blocks: ledger.snapshot(|node: u32| self.arena.nodes[node as usize].local),
-            })
-            .filter(|w| !w.blocks.is_empty())
-            .collect();
-        Snapshot { workers }
+        self.ledgers.snapshot(&self.arena)
     }
 
     fn restore(&mut self, snapshot: &Snapshot) {
         self.clear();
-        for w in &snapshot.workers {
-            let ledger = self.ledgers.entry(w.worker).or_default();
-            let mut sink = Sink {
-                arena: &mut self.arena,
-                worker: w.worker,
-            };
-            for block in &w.blocks {
-                ledger.restore(&mut sink, block);
-            }
-        }
-        self.ledgers.retain(|_, l| l.len() > 0);
+        self.ledgers.restore(&mut self.arena, snapshot);
     }
 
     fn stats(&self) -> IndexStats {
-        let workers: Vec<WorkerBlocks> = self
-            .ledgers
-            .iter()
-            .map(|(worker, ledger)| WorkerBlocks {
-                worker: *worker,
-                per_tier: ledger.per_tier(),
-            })
-            .collect();
-        IndexStats {
-            memberships: workers.iter().flat_map(|w| w.per_tier).sum(),
-            heap_bytes: self.arena.heap_bytes()
-                + self.ledgers.values().map(Ledger::heap_bytes).sum::<u64>(),
-            workers,
-        }
+        self.ledgers.stats(&self.arena)
     }
 }
