@@ -72,6 +72,9 @@ struct Cover {
     slot: u32,
     /// `bounds[0] <= bounds[1] <= bounds[2]`, and `bounds[2] > 0` (empty covers are dropped).
     bounds: [u32; LEVELS],
+    /// How many positions of this edge hold explicit counts for this rank in
+    /// `Forest::multiple` (0 almost always: then updates skip that table).
+    explicit: u32,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -140,11 +143,18 @@ impl Forest {
     /// bounds (prefix-closed by the ledger's guarantee) and the multiplicity table exact.
     fn update(&mut self, node: NodeRef, slot: u32, level: Level, add: bool) {
         let found = self.find_cover(node.edge, slot);
-        let mut bounds = match found {
-            Ok(i) => self.edges[node.edge as usize].covers[i].bounds,
-            Err(_) => [0; LEVELS],
+        let (mut bounds, explicit_here) = match found {
+            Ok(i) => {
+                let cover = &self.edges[node.edge as usize].covers[i];
+                (cover.bounds, cover.explicit)
+            }
+            Err(_) => ([0; LEVELS], 0),
         };
-        let explicit = if self.multiple.is_empty() {
+        debug_assert!(
+            explicit_here > 0 || !self.multiple.contains_key(&(node, slot)),
+            "a cover without explicit counts has one"
+        );
+        let explicit = if explicit_here == 0 {
             None
         } else {
             self.multiple.get(&(node, slot)).copied()
@@ -164,10 +174,14 @@ impl Forest {
         } else {
             count.saturating_sub(1)
         };
+        let mut explicit_after = explicit_here;
         if after.iter().sum::<u32>() > 1 {
-            self.multiple.insert((node, slot), after);
+            if self.multiple.insert((node, slot), after).is_none() {
+                explicit_after += 1;
+            }
         } else if explicit.is_some() {
             self.multiple.remove(&(node, slot));
+            explicit_after -= 1;
         }
         let (mut held_before, mut held_after) = (0, 0);
         for level in 0..LEVELS {
@@ -192,8 +206,18 @@ impl Forest {
             Ok(i) if bounds[LEVELS - 1] == 0 => {
                 covers.remove(i);
             }
-            Ok(i) => covers[i].bounds = bounds,
-            Err(i) if bounds[LEVELS - 1] > 0 => covers.insert(i, Cover { slot, bounds }),
+            Ok(i) => {
+                covers[i].bounds = bounds;
+                covers[i].explicit = explicit_after;
+            }
+            Err(i) if bounds[LEVELS - 1] > 0 => covers.insert(
+                i,
+                Cover {
+                    slot,
+                    bounds,
+                    explicit: explicit_after,
+                },
+            ),
             Err(_) => {}
         }
     }
@@ -357,6 +381,12 @@ fn score_cover(
     alive: u8,
     score: &mut [u32; LEVELS],
 ) -> u8 {
+    if alive == 0b001 {
+        // Device-only queries (the common case): one level.
+        let bound = cover.bounds[0];
+        score[0] = depth + bound.min(m);
+        return u8::from(bound >= m && continues);
+    }
     let mut next = 0u8;
     for (level, (bound, score)) in cover.bounds.iter().zip(score.iter_mut()).enumerate() {
         if alive & (1 << level) != 0 {

@@ -43,6 +43,12 @@ pub trait SharedKvIndex: Send + Sync {
     /// Applies one worker rank's mutation.
     fn apply(&self, mutation: &Mutation) -> ApplyReport;
 
+    /// Applies a mutation the caller gives up (a front that keeps mutations, such as
+    /// [`crate::LeftRight`]'s log, then needs no copy). Same contract as [`SharedKvIndex::apply`].
+    fn apply_owned(&self, mutation: Mutation) -> ApplyReport {
+        self.apply(&mutation)
+    }
+
     /// Drops every block of every rank of `worker_id`.
     fn remove_worker(&self, worker_id: u64) -> ApplyReport;
 

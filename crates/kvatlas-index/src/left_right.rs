@@ -156,6 +156,10 @@ impl<T: KvIndex + Sync> SharedKvIndex for LeftRight<T> {
         self.write(Op::Apply(mutation.clone()))
     }
 
+    fn apply_owned(&self, mutation: Mutation) -> ApplyReport {
+        self.write(Op::Apply(mutation))
+    }
+
     fn remove_worker(&self, worker_id: u64) -> ApplyReport {
         self.write(Op::RemoveWorker(worker_id))
     }

@@ -185,7 +185,7 @@ fn writer_loop<I: SharedKvIndex>(
     let mut pending = ApplyReport::default();
     for task in receiver {
         match task {
-            Task::Apply(mutation) => pending.merge(&index.apply(&mutation)),
+            Task::Apply(mutation) => pending.merge(&index.apply_owned(mutation)),
             Task::Flush(ack) => {
                 reports.lock().merge(&std::mem::take(&mut pending));
                 let _ = ack.send(());
