@@ -8,11 +8,13 @@
 //! checked), [`openloop`] replays it deadline-driven through the concurrent write front and sweeps
 //! the offered load; [`synthetic`], [`concurrent`] and [`clear`] are peer-baseline.md's
 //! Workloads B, C and D;
-//! [`plot`] draws the sweep and latency CDF.
+//! [`plot`] draws the sweep and latency CDF; [`ingest`] turns the trace into vLLM msgpack event
+//! batches for the KV-event ingestion benchmarks.
 
 pub mod clear;
 pub mod concurrent;
 pub mod engine;
+pub mod ingest;
 pub mod openloop;
 pub mod plot;
 pub mod replay;

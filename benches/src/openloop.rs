@@ -510,6 +510,10 @@ impl SharedKvIndex for SharedFront {
         delegate!(self, index => index.apply(mutation))
     }
 
+    fn apply_owned(&self, mutation: Mutation) -> kvatlas_index::ApplyReport {
+        delegate!(self, index => index.apply_owned(mutation))
+    }
+
     fn remove_worker(&self, worker_id: u64) -> kvatlas_index::ApplyReport {
         delegate!(self, index => index.remove_worker(worker_id))
     }

@@ -2,8 +2,10 @@
 //!
 //! - `ci`: everything CI checks (fmt, clippy, tests, docs, tidy, quick bench);
 //! - `tidy`: the workspace's layering rules, read from `cargo metadata`;
-//! - `bench [--quick] [args…]`: the trace-replay harness; `bench micro`: criterion benches.
+//! - `bench [--quick] [args…]`: the trace-replay harness; `bench micro`: criterion benches;
+//! - `interop [setup]`: the listener against vLLM's and SGLang's real publishers (PyPI wheels).
 
+mod interop;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -19,6 +21,8 @@ tasks:
   tidy               check the crate layering (see docs/ARCHITECTURE.md)
   bench [ARGS…]      run the trace-replay benchmark suite (ARGS go to kvatlas-bench; --quick = smoke run)
   bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
+  interop            the listener against vLLM's and SGLang's real publishers (downloads wheels once)
+  interop setup      only build target/interop (venv, wheels, extracted publisher sources)
 ";
 
 fn main() -> Result<()> {
@@ -31,6 +35,7 @@ fn main() -> Result<()> {
         "ci" => ci(),
         "tidy" => tidy::run(&workspace_root()),
         "bench" => bench(rest),
+        "interop" => interop::main(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
