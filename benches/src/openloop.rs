@@ -479,11 +479,10 @@ pub fn summarize(backend: &str, runs: &[OpenLoopResult]) -> SweepSummary {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum FrontKind {
-    /// `Locked<backend>`: one copy behind a reader-writer lock.
-    #[default]
+    /// `Locked<backend>`: one copy behind a reader-writer lock (a saturated writer delays readers).
     Locked,
-    /// `LeftRight<backend>`: two copies, reads never wait for the writer (but a saturated writer
-    /// waits for preempted readers; see `kvatlas_index::LeftRight`).
+    /// `LeftRight<backend>`: two copies and an operation log; reads do not wait for the writer.
+    #[default]
     LeftRight,
 }
 

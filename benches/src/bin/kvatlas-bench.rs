@@ -151,7 +151,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = LocalHashing::Tokens)]
     local_hashing: LocalHashing,
     /// How the concurrent front shares the index with readers.
-    #[arg(long, value_enum, default_value_t = FrontKind::Locked)]
+    #[arg(long, value_enum, default_value_t = FrontKind::LeftRight)]
     front: FrontKind,
     /// Open loop: event issuer threads (workers split between them).
     #[arg(long, default_value_t = 1)]
