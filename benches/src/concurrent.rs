@@ -201,13 +201,17 @@ pub fn run(name: &str, stream: &Stream, config: &ConcurrentConfig) -> Result<Con
     let mut bad = 0u64;
     let mut state_matches = true;
 
+    let new_front = || {
+        front(
+            name,
+            config.front,
+            config.pool_threads,
+            config.queue_capacity,
+        )
+    };
+
     // Phase 1: events alone.
-    let pool = front(
-        name,
-        config.front,
-        config.pool_threads,
-        config.queue_capacity,
-    )?;
+    let pool = new_front()?;
     let never = AtomicBool::new(false);
     let (events_alone, alone_secs, report) = produce(
         &pool,
@@ -221,24 +225,14 @@ pub fn run(name: &str, stream: &Stream, config: &ConcurrentConfig) -> Result<Con
     drop(pool);
 
     // Phase 2: queries alone on a populated index.
-    let pool = front(
-        name,
-        config.front,
-        config.pool_threads,
-        config.queue_capacity,
-    )?;
+    let pool = new_front()?;
     bad += anomalies(&populate(&pool, stream)?);
     let (finds_alone, finds_alone_secs, alone_hist) = read(&pool, stream, phase);
     state_matches &= snapshot_state(&pool.index().snapshot()) == expected;
     drop(pool);
 
     // Phase 3: both at once.
-    let pool = front(
-        name,
-        config.front,
-        config.pool_threads,
-        config.queue_capacity,
-    )?;
+    let pool = new_front()?;
     bad += anomalies(&populate(&pool, stream)?);
     let stop = AtomicBool::new(false);
     let (producer, (finds_conc, finds_conc_secs, conc_hist)) = std::thread::scope(|s| {

@@ -210,6 +210,18 @@ fn last_endpoint(socket: &zmq::Socket) -> String {
 }
 
 impl Publisher {
+    /// A default publisher binding PUB and ROUTER on ephemeral loopback ports (engine id 1).
+    fn loopback(ctx: &zmq::Context) -> Self {
+        Self::start(
+            ctx,
+            "tcp://127.0.0.1:*",
+            false,
+            "tcp://127.0.0.1:*",
+            1,
+            PublisherOptions::default(),
+        )
+    }
+
     /// A publisher whose PUB binds `pub_at` (or connects to it when `connect`) and whose
     /// ROUTER binds `replay_at`.
     fn start(
@@ -465,14 +477,7 @@ fn publish_all(publisher: &mut Publisher, payloads: &[Vec<u8>], live: impl Fn(us
 #[test]
 fn live_events_are_applied() {
     let mut h = Harness::new();
-    let mut publisher = Publisher::start(
-        &h.ctx,
-        "tcp://127.0.0.1:*",
-        false,
-        "tcp://127.0.0.1:*",
-        1,
-        PublisherOptions::default(),
-    );
+    let mut publisher = Publisher::loopback(&h.ctx);
     let id = h.listen(&publisher, b"kv");
     let warm = publisher.warm_up(&h.listeners, id);
     let events = event_stream(1, 40);
@@ -539,14 +544,7 @@ fn a_forced_gap_is_healed_by_replay() {
 #[test]
 fn a_publisher_restart_resyncs_the_worker() {
     let mut h = Harness::new();
-    let mut a = Publisher::start(
-        &h.ctx,
-        "tcp://127.0.0.1:*",
-        false,
-        "tcp://127.0.0.1:*",
-        1,
-        PublisherOptions::default(),
-    );
+    let mut a = Publisher::loopback(&h.ctx);
     let (pub_at, replay_at) = (a.endpoint.clone(), a.replay_endpoint.clone());
     let id = h.listen(&a, b"kv-events");
     let warm_a = a.warm_up(&h.listeners, id);
@@ -606,14 +604,7 @@ fn a_publisher_restart_resyncs_the_worker() {
 #[test]
 fn malformed_messages_do_not_disturb_a_clean_stream() {
     let mut h = Harness::new();
-    let mut publisher = Publisher::start(
-        &h.ctx,
-        "tcp://127.0.0.1:*",
-        false,
-        "tcp://127.0.0.1:*",
-        1,
-        PublisherOptions::default(),
-    );
+    let mut publisher = Publisher::loopback(&h.ctx);
     let id = h.listen(&publisher, b"kv");
     let warm = publisher.warm_up(&h.listeners, id);
     let events = event_stream(1, 20);
@@ -815,14 +806,7 @@ fn a_full_sink_backpressures_without_losing_mutations() {
             pushes: AtomicU64::new(0),
         })
     });
-    let mut publisher = Publisher::start(
-        &h.ctx,
-        "tcp://127.0.0.1:*",
-        false,
-        "tcp://127.0.0.1:*",
-        1,
-        PublisherOptions::default(),
-    );
+    let mut publisher = Publisher::loopback(&h.ctx);
     let id = h.listen(&publisher, b"");
     let warm = publisher.warm_up(&h.listeners, id);
     let events = event_stream(1, 30);
