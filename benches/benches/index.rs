@@ -2,7 +2,7 @@
 //! memberships, 1024 sequences × 1024 blocks, 128 workers, 25 % shared prefix — store and remove
 //! of a whole 1024-block sequence, and `find_matches` hit / partial / miss, for every backend.
 //!
-//! Run with `cargo xtask bench micro -- index` (criterion). The trace-replay harness
+//! Run with `cargo xtask bench micro -- index` (criterion; `KVATLAS_BACKENDS=atlas` for one backend). The trace-replay harness
 //! (`cargo xtask bench --preset synthetic`) measures the same workload with percentiles, the
 //! oracle check and heap figures.
 
@@ -18,7 +18,15 @@ fn index_operations(c: &mut Criterion) {
     let workload = generate(&SyntheticConfig::default());
     let sequences = &workload.sequences;
     let options = MatchOptions::default();
+    // `KVATLAS_BACKENDS=atlas,radix` limits the run to some backends (each builds a 1M index).
+    let chosen = std::env::var("KVATLAS_BACKENDS").ok();
     for name in default_backends() {
+        if chosen
+            .as_deref()
+            .is_some_and(|list| !list.split(',').any(|n| n == name))
+        {
+            continue;
+        }
         let Some(mut index) = backend(name) else {
             continue;
         };

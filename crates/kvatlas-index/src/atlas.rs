@@ -102,8 +102,10 @@ struct Forest {
     roots: FxHashMap<LocalBlockHash, u32>,
     /// `(edge, offset, first local of the child)` → child edge.
     branches: FxHashMap<(u32, u32, LocalBlockHash), u32>,
-    /// Explicit per-level counts where one rank has more than one rooted block at a position.
-    multiple: FxHashMap<(NodeRef, u32), [u32; LEVELS]>,
+    /// Explicit per-level counts where one rank has more than one rooted block at a position:
+    /// per `(edge, slot)`, `(offset, counts)` sorted by offset (runs of such positions are
+    /// added and removed at the end, so updates are pushes and pops).
+    multiple: FxHashMap<(u32, u32), Vec<(u32, [u32; LEVELS])>>,
     /// Slot → worker rank (for ordering covers).
     slot_workers: Vec<Worker>,
 }
@@ -139,10 +141,18 @@ impl Forest {
             .binary_search_by(|c| slot_workers[c.slot as usize].cmp(&worker))
     }
 
-    /// Adds `delta` (+1 or -1) rooted blocks of `slot` at `node` on `level`, keeping the cover's
+    /// Adds (or removes) one rooted block of `slot` at `node` on `level`, keeping the cover's
     /// bounds (prefix-closed by the ledger's guarantee) and the multiplicity table exact.
-    fn update(&mut self, node: NodeRef, slot: u32, level: Level, add: bool) {
-        let found = self.find_cover(node.edge, slot);
+    /// `found` is the cover's position (`Forest::find_cover`); returns its position after.
+    fn update_found(
+        &mut self,
+        node: NodeRef,
+        slot: u32,
+        level: Level,
+        add: bool,
+        found: Result<usize, usize>,
+    ) -> Result<usize, usize> {
+        let key = (node.edge, slot);
         let (mut bounds, explicit_here) = match found {
             Ok(i) => {
                 let cover = &self.edges[node.edge as usize].covers[i];
@@ -151,13 +161,18 @@ impl Forest {
             Err(_) => ([0; LEVELS], 0),
         };
         debug_assert!(
-            explicit_here > 0 || !self.multiple.contains_key(&(node, slot)),
-            "a cover without explicit counts has one"
+            explicit_here > 0 || !self.multiple.contains_key(&key),
+            "a cover without explicit counts has some"
         );
         let explicit = if explicit_here == 0 {
             None
         } else {
-            self.multiple.get(&(node, slot)).copied()
+            self.multiple.get(&key).and_then(|counts| {
+                counts
+                    .binary_search_by_key(&node.offset, |e| e.0)
+                    .ok()
+                    .map(|i| counts[i].1)
+            })
         };
         let before = explicit.unwrap_or_else(|| {
             let mut counts = [0; LEVELS];
@@ -176,12 +191,24 @@ impl Forest {
         };
         let mut explicit_after = explicit_here;
         if after.iter().sum::<u32>() > 1 {
-            if self.multiple.insert((node, slot), after).is_none() {
-                explicit_after += 1;
+            let counts = self.multiple.entry(key).or_default();
+            match counts.binary_search_by_key(&node.offset, |e| e.0) {
+                Ok(i) => counts[i].1 = after,
+                Err(i) => {
+                    counts.insert(i, (node.offset, after));
+                    explicit_after += 1;
+                }
             }
-        } else if explicit.is_some() {
-            self.multiple.remove(&(node, slot));
-            explicit_after -= 1;
+        } else if explicit.is_some()
+            && let Some(counts) = self.multiple.get_mut(&key)
+        {
+            if let Ok(i) = counts.binary_search_by_key(&node.offset, |e| e.0) {
+                counts.remove(i);
+                explicit_after -= 1;
+            }
+            if counts.is_empty() {
+                self.multiple.remove(&key);
+            }
         }
         let (mut held_before, mut held_after) = (0, 0);
         for level in 0..LEVELS {
@@ -205,20 +232,108 @@ impl Forest {
         match found {
             Ok(i) if bounds[LEVELS - 1] == 0 => {
                 covers.remove(i);
+                Err(i)
             }
             Ok(i) => {
                 covers[i].bounds = bounds;
                 covers[i].explicit = explicit_after;
+                Ok(i)
             }
-            Err(i) if bounds[LEVELS - 1] > 0 => covers.insert(
+            Err(i) if bounds[LEVELS - 1] > 0 => {
+                covers.insert(
+                    i,
+                    Cover {
+                        slot,
+                        bounds,
+                        explicit: explicit_after,
+                    },
+                );
+                Ok(i)
+            }
+            Err(i) => Err(i),
+        }
+    }
+
+    /// Adds one rooted block of `slot` at each offset `lo..hi` of `edge`, at `level` — the same as
+    /// `update_found(add)` per offset in increasing order, in one cover update when the rank holds
+    /// none of those offsets yet (a stored run extending its prefix: the common case).
+    fn add_run(&mut self, edge: u32, slot: u32, level: Level, lo: u32, hi: u32) {
+        let found = self.find_cover(edge, slot);
+        let fresh = match found {
+            Ok(i) => {
+                let cover = &self.edges[edge as usize].covers[i];
+                cover.explicit == 0 && cover.bounds[LEVELS - 1] == lo
+            }
+            Err(_) => lo == 0,
+        };
+        if !fresh {
+            let mut found = found;
+            for offset in lo..hi {
+                found = self.update_found(NodeRef { edge, offset }, slot, level, true, found);
+            }
+            return;
+        }
+        // The rank held nothing at `lo..hi`, and (prefix closure) everything before `lo` at a
+        // level ≤ `level`: each added block extends the bounds of `level` and above.
+        let covers = &mut self.edges[edge as usize].covers;
+        let mut bounds = match found {
+            Ok(i) => covers[i].bounds,
+            Err(_) => [0; LEVELS],
+        };
+        for bound in &mut bounds[level as usize..] {
+            debug_assert_eq!(*bound, lo, "gain off the frontier");
+            *bound = hi;
+        }
+        match found {
+            Ok(i) => covers[i].bounds = bounds,
+            Err(i) => covers.insert(
                 i,
                 Cover {
                     slot,
                     bounds,
-                    explicit: explicit_after,
+                    explicit: 0,
                 },
             ),
-            Err(_) => {}
+        }
+    }
+
+    /// Removes one rooted block of `slot` at each offset `lo..hi` of `edge`, at `level` — the
+    /// same as `update_found(remove)` per offset in decreasing order, in one cover update when each
+    /// of those offsets is held exactly once, at `level` (a chain unrooted children first).
+    fn remove_run(&mut self, edge: u32, slot: u32, level: Level, lo: u32, hi: u32) {
+        let found = self.find_cover(edge, slot);
+        let single = found.is_ok_and(|i| {
+            let cover = &self.edges[edge as usize].covers[i];
+            cover.explicit == 0
+                && cover.bounds[level as usize..].iter().all(|&b| b == hi)
+                && (level == 0 || cover.bounds[level as usize - 1] <= lo)
+        });
+        let Ok(i) = found else {
+            return self.remove_each(edge, slot, level, lo, hi, found);
+        };
+        if !single {
+            return self.remove_each(edge, slot, level, lo, hi, found);
+        }
+        let covers = &mut self.edges[edge as usize].covers;
+        for bound in &mut covers[i].bounds[level as usize..] {
+            *bound = lo;
+        }
+        if covers[i].bounds[LEVELS - 1] == 0 {
+            covers.remove(i);
+        }
+    }
+
+    fn remove_each(
+        &mut self,
+        edge: u32,
+        slot: u32,
+        level: Level,
+        lo: u32,
+        hi: u32,
+        mut found: Result<usize, usize>,
+    ) {
+        for offset in (lo..hi).rev() {
+            found = self.update_found(NodeRef { edge, offset }, slot, level, false, found);
         }
     }
 
@@ -274,26 +389,102 @@ impl Forest {
             .sum();
         let branch_entry = std::mem::size_of::<((u32, u32, LocalBlockHash), u32)>() + 1;
         let root_entry = std::mem::size_of::<(LocalBlockHash, u32)>() + 1;
-        let multiple_entry = std::mem::size_of::<((NodeRef, u32), [u32; LEVELS])>() + 1;
+        let multiple_entry = std::mem::size_of::<((u32, u32), Vec<(u32, [u32; LEVELS])>)>() + 1;
+        let multiple_counts: usize = self
+            .multiple
+            .values()
+            .map(|counts| counts.capacity() * std::mem::size_of::<(u32, [u32; LEVELS])>())
+            .sum();
         (self.edges.capacity() * std::mem::size_of::<Edge>()
             + per_edge
             + self.branches.capacity() * branch_entry
             + self.roots.capacity() * root_entry
             + self.multiple.capacity() * multiple_entry
+            + multiple_counts
             + self.free_edges.capacity() * 4
             + self.slot_workers.capacity() * std::mem::size_of::<Worker>()) as u64
     }
 }
 
+/// One rank's membership sink into the forest.
+///
+/// Consecutive additions along one edge (a stored run: offsets going up, one level) and
+/// consecutive removals (a removed chain, children first: offsets going down) are gathered into
+/// one pending run and applied to the rank's cover in one update when the run ends — at the next
+/// call that does not extend it, or when the sink is dropped. The ledger's calls are therefore
+/// applied in their order, only grouped; nothing reads covers while a run is pending (queries
+/// cannot run during a mutation, and `child` / `local` read only runs of locals).
 struct Sink<'a> {
     forest: &'a mut Forest,
     slot: u32,
+    pending: Pending,
+}
+
+/// A run of same-kind membership changes of one rank on one edge, at one level, over the
+/// offsets `lo..hi`, not yet applied to the cover.
+#[derive(Debug, Clone, Copy)]
+enum Pending {
+    None,
+    Add {
+        edge: u32,
+        level: Level,
+        lo: u32,
+        hi: u32,
+    },
+    Remove {
+        edge: u32,
+        level: Level,
+        lo: u32,
+        hi: u32,
+    },
+}
+
+impl<'a> Sink<'a> {
+    fn new(forest: &'a mut Forest, slot: u32) -> Self {
+        Self {
+            forest,
+            slot,
+            pending: Pending::None,
+        }
+    }
+
+    /// Applies the pending run, if any.
+    fn flush(&mut self) {
+        match std::mem::replace(&mut self.pending, Pending::None) {
+            Pending::None => {}
+            Pending::Add {
+                edge,
+                level,
+                lo,
+                hi,
+            } => self.forest.add_run(edge, self.slot, level, lo, hi),
+            Pending::Remove {
+                edge,
+                level,
+                lo,
+                hi,
+            } => {
+                self.forest.remove_run(edge, self.slot, level, lo, hi);
+                self.forest.collect(edge);
+            }
+        }
+    }
+}
+
+impl Drop for Sink<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
 }
 
 impl Membership for Sink<'_> {
     type Node = NodeRef;
 
     fn child(&mut self, parent: Option<NodeRef>, local: LocalBlockHash) -> NodeRef {
+        if matches!(self.pending, Pending::Remove { .. }) {
+            // A pending removal defers truncating its edge; settle it before the shape changes.
+            self.flush();
+        }
         let forest = &mut *self.forest;
         let Some(parent) = parent else {
             if let Some(&edge) = forest.roots.get(&local) {
@@ -346,12 +537,49 @@ impl Membership for Sink<'_> {
     }
 
     fn add(&mut self, node: NodeRef, level: Level) {
-        self.forest.update(node, self.slot, level, true);
+        if let Pending::Add {
+            edge,
+            level: run_level,
+            ref mut hi,
+            ..
+        } = self.pending
+            && edge == node.edge
+            && run_level == level
+            && *hi == node.offset
+        {
+            *hi += 1;
+            return;
+        }
+        self.flush();
+        self.pending = Pending::Add {
+            edge: node.edge,
+            level,
+            lo: node.offset,
+            hi: node.offset + 1,
+        };
     }
 
     fn remove(&mut self, node: NodeRef, level: Level) {
-        self.forest.update(node, self.slot, level, false);
-        self.forest.collect(node.edge);
+        if let Pending::Remove {
+            edge,
+            level: run_level,
+            ref mut lo,
+            ..
+        } = self.pending
+            && edge == node.edge
+            && run_level == level
+            && *lo == node.offset + 1
+        {
+            *lo -= 1;
+            return;
+        }
+        self.flush();
+        self.pending = Pending::Remove {
+            edge: node.edge,
+            level,
+            lo: node.offset,
+            hi: node.offset + 1,
+        };
     }
 }
 
@@ -516,13 +744,7 @@ impl Atlas {
                 continue;
             }
             let before = ledger.len();
-            let tiers = ledger.evict(
-                &mut Sink {
-                    forest: &mut self.forest,
-                    slot: *victim_slot,
-                },
-                slot,
-            );
+            let tiers = ledger.evict(&mut Sink::new(&mut self.forest, *victim_slot), slot);
             bound.held -= (before - ledger.len()) as u64;
             report.evicted += u64::from(tiers.bits().count_ones());
             bound.evicted.push(Eviction {
@@ -596,10 +818,7 @@ impl Atlas {
         let Some((slot, ledger)) = self.ledgers.get_mut(&worker) else {
             return 0;
         };
-        let ended = ledger.clear(&mut Sink {
-            forest: &mut self.forest,
-            slot: *slot,
-        });
+        let ended = ledger.clear(&mut Sink::new(&mut self.forest, *slot));
         self.release_if_empty(worker);
         ended
     }
@@ -724,7 +943,7 @@ impl KvIndex for Atlas {
                     ledger.set_clock(clock);
                 }
                 ledger.store(
-                    &mut Sink { forest, slot },
+                    &mut Sink::new(forest, slot),
                     *tier,
                     *parent,
                     blocks,
@@ -733,7 +952,7 @@ impl KvIndex for Atlas {
             }
             Mutation::Removed { tier, blocks, .. } => {
                 let (slot, ledger, forest) = self.slot_and_ledger(worker);
-                ledger.remove(&mut Sink { forest, slot }, *tier, blocks, &mut report);
+                ledger.remove(&mut Sink::new(forest, slot), *tier, blocks, &mut report);
             }
             Mutation::Cleared { .. } => report.cleared += self.clear_worker(worker),
         }
@@ -803,10 +1022,11 @@ impl KvIndex for Atlas {
                 // Restored blocks count as stored now, in snapshot order.
                 ledger.track_recency(0);
             }
-            let mut sink = Sink { forest, slot };
+            let mut sink = Sink::new(forest, slot);
             for block in &w.blocks {
                 ledger.restore(&mut sink, block);
             }
+            drop(sink);
             self.release_if_empty(w.worker);
         }
         if bounded {

@@ -336,6 +336,23 @@ impl<N: NodeBits> Ledger<N> {
             .copied()
     }
 
+    /// The slot next to `near` (either side) if it is live and holds `external`: a run stored
+    /// in one mutation sits in consecutive slots, so a removed chain is mostly found without a
+    /// table probe.
+    #[inline]
+    fn adjacent(&self, near: u32, external: ExternalBlockHash) -> Option<u32> {
+        if near == NIL {
+            return None;
+        }
+        [near.wrapping_add(1), near.wrapping_sub(1)]
+            .into_iter()
+            .find(|&c| {
+                self.slots
+                    .get(c as usize)
+                    .is_some_and(|s| s.flags & FREED == 0 && s.external == external)
+            })
+    }
+
     fn local_of<M: Membership<Node = N>>(&self, sink: &M, slot: u32) -> LocalBlockHash {
         let s = &self.slots[slot as usize];
         if s.level == UNROOTED {
@@ -448,11 +465,13 @@ impl<N: NodeBits> Ledger<N> {
     ) {
         let mut touched = std::mem::take(&mut self.touched);
         touched.clear();
+        let mut near = NIL;
         for hash in blocks {
-            let Some(slot) = self.find(*hash) else {
+            let Some(slot) = self.adjacent(near, *hash).or_else(|| self.find(*hash)) else {
                 report.unknown_removes += 1;
                 continue;
             };
+            near = slot;
             let tiers = self.slots[slot as usize].tiers;
             if !tiers.contains(tier) {
                 report.unknown_removes += 1;
@@ -653,10 +672,7 @@ impl<N: NodeBits> Ledger<N> {
                 self.dangling.remove(&parent);
             }
         }
-        let slots = &self.slots;
-        if let Ok(entry) = self.table.find_entry(hash_of(s.external), |&i| {
-            slots[i as usize].external == s.external
-        }) {
+        if let Ok(entry) = self.table.find_entry(hash_of(s.external), |&i| i == slot) {
             entry.remove();
         }
         self.slots[slot as usize].flags |= FREED;
