@@ -91,7 +91,10 @@ struct Slot {
     payload: u64,
     /// The parent's slot when the parent is held, else `NIL`.
     parent_slot: u32,
-    first_child: u32,
+    /// The newest held child, `NIL` if none. Siblings form a circular list through
+    /// `next_sibling`, entered here: `last_child.next_sibling` is the oldest child, so the
+    /// oldest child (what LRU eviction removes) is unlinked in O(1).
+    last_child: u32,
     next_sibling: u32,
     tiers: TierSet,
     level: Level,
@@ -201,7 +204,7 @@ impl<N: NodeBits> Ledger<N> {
         let Some(recency) = &self.recency else { return };
         for &slot in &self.table {
             let s = &self.slots[slot as usize];
-            if s.first_child == NIL {
+            if s.last_child == NIL {
                 into.push((recency.stamps[slot as usize], slot, s.external));
             }
         }
@@ -237,7 +240,7 @@ impl<N: NodeBits> Ledger<N> {
         };
         s.flags & FREED == 0
             && s.external == external
-            && (!leaf || s.first_child == NIL)
+            && (!leaf || s.last_child == NIL)
             && recency.stamps.get(slot as usize) == Some(&stamp)
     }
 
@@ -262,7 +265,7 @@ impl<N: NodeBits> Ledger<N> {
         }
         recency.stamps[slot as usize] = recency.clock;
         let s = &self.slots[slot as usize];
-        if s.first_child == NIL {
+        if s.last_child == NIL {
             recency.candidates.push((recency.clock, slot, s.external));
         }
         // Its parent is no longer a leaf; nothing to record for it.
@@ -274,7 +277,7 @@ impl<N: NodeBits> Ledger<N> {
             return;
         };
         let s = &self.slots[slot as usize];
-        if s.flags & FREED == 0 && s.first_child == NIL {
+        if s.flags & FREED == 0 && s.last_child == NIL {
             recency
                 .candidates
                 .push((recency.stamps[slot as usize], slot, s.external));
@@ -306,14 +309,14 @@ impl<N: NodeBits> Ledger<N> {
                 s.flags & FREED == 0,
                 "slot {slot} is in the table but freed"
             );
-            let mut child = s.first_child;
+            let mut child = self.first_child(slot);
             let mut steps = 0;
             while child != NIL {
                 assert_eq!(
                     self.slots[child as usize].parent_slot, slot,
                     "child {child} of {slot}"
                 );
-                child = self.slots[child as usize].next_sibling;
+                child = self.next_child(slot, child);
                 steps += 1;
                 assert!(steps <= self.slots.len(), "cycle in the children of {slot}");
             }
@@ -502,10 +505,10 @@ impl<N: NodeBits> Ledger<N> {
                     continue;
                 }
                 stack.push((slot, true));
-                let mut child = self.slots[slot as usize].first_child;
+                let mut child = self.first_child(slot);
                 while child != NIL {
+                    let next = self.next_child(slot, child);
                     let c = &mut self.slots[child as usize];
-                    let next = c.next_sibling;
                     if c.tiers.is_empty() && c.flags & (FREED | VISITING) == 0 {
                         c.flags |= VISITING;
                         stack.push((child, false));
@@ -537,13 +540,14 @@ impl<N: NodeBits> Ledger<N> {
         }
         let mut next = 0;
         while next < order.len() {
-            let mut child = self.slots[order[next] as usize].first_child;
+            let parent = order[next];
+            let mut child = self.first_child(parent);
             next += 1;
             while child != NIL {
                 if self.slots[child as usize].level != UNROOTED {
                     order.push(child);
                 }
-                child = self.slots[child as usize].next_sibling;
+                child = self.next_child(parent, child);
             }
         }
         for &slot in order.iter().rev() {
@@ -591,7 +595,7 @@ impl<N: NodeBits> Ledger<N> {
             external,
             payload: local.get(),
             parent_slot: NIL,
-            first_child: NIL,
+            last_child: NIL,
             next_sibling: NIL,
             tiers,
             level: UNROOTED,
@@ -650,16 +654,17 @@ impl<N: NodeBits> Ledger<N> {
         let s = self.slots[slot as usize];
         debug_assert!(s.level == UNROOTED && s.tiers.is_empty());
         // Its children now wait for this hash to be stored again.
-        let mut child = s.first_child;
+        let mut child = self.first_child(slot);
         while child != NIL {
+            let next = self.next_child(slot, child);
             let c = &mut self.slots[child as usize];
-            let next = c.next_sibling;
             c.parent_slot = NIL;
             c.next_sibling = NIL;
             self.dangling.entry(s.external).or_default().push(child);
             self.dangling_parent.insert(child, s.external);
             child = next;
         }
+        self.slots[slot as usize].last_child = NIL;
         if s.parent_slot != NIL {
             self.unlink(slot);
             self.became_leaf(s.parent_slot);
@@ -679,31 +684,59 @@ impl<N: NodeBits> Ledger<N> {
         self.free.push(slot);
     }
 
-    fn link(&mut self, parent: u32, child: u32) {
-        let head = self.slots[parent as usize].first_child;
-        let c = &mut self.slots[child as usize];
-        c.parent_slot = parent;
-        c.next_sibling = head;
-        self.slots[parent as usize].first_child = child;
+    /// The oldest child of `parent`, or `NIL`.
+    #[inline]
+    fn first_child(&self, parent: u32) -> u32 {
+        match self.slots[parent as usize].last_child {
+            NIL => NIL,
+            last => self.slots[last as usize].next_sibling,
+        }
     }
 
-    /// Removes `child` from its parent's children list (siblings are few: a linear walk).
+    /// The child after `child` under `parent` (oldest to newest), or `NIL` after the newest.
+    /// The parent's children must not change during the iteration.
+    #[inline]
+    fn next_child(&self, parent: u32, child: u32) -> u32 {
+        if self.slots[parent as usize].last_child == child {
+            NIL
+        } else {
+            self.slots[child as usize].next_sibling
+        }
+    }
+
+    /// Appends `child` as the newest child of `parent`.
+    fn link(&mut self, parent: u32, child: u32) {
+        let last = self.slots[parent as usize].last_child;
+        let next = if last == NIL {
+            child
+        } else {
+            std::mem::replace(&mut self.slots[last as usize].next_sibling, child)
+        };
+        let c = &mut self.slots[child as usize];
+        c.parent_slot = parent;
+        c.next_sibling = next;
+        self.slots[parent as usize].last_child = child;
+    }
+
+    /// Removes `child` from its parent's circular children list: O(1) for the oldest child (LRU
+    /// eviction's order), a walk over the siblings otherwise.
     fn unlink(&mut self, child: u32) {
         let (parent, next) = {
             let c = &self.slots[child as usize];
             (c.parent_slot, c.next_sibling)
         };
-        if self.slots[parent as usize].first_child == child {
-            self.slots[parent as usize].first_child = next;
+        if next == child {
+            // The only child.
+            self.slots[parent as usize].last_child = NIL;
         } else {
-            let mut previous = self.slots[parent as usize].first_child;
-            while previous != NIL {
-                let after = self.slots[previous as usize].next_sibling;
-                if after == child {
-                    self.slots[previous as usize].next_sibling = next;
-                    break;
-                }
-                previous = after;
+            let last = self.slots[parent as usize].last_child;
+            let mut previous = last;
+            while self.slots[previous as usize].next_sibling != child {
+                previous = self.slots[previous as usize].next_sibling;
+            }
+            self.slots[previous as usize].next_sibling = next;
+            if last == child {
+                self.slots[parent as usize].last_child = previous;
             }
         }
         let c = &mut self.slots[child as usize];
@@ -736,7 +769,7 @@ impl<N: NodeBits> Ledger<N> {
         if wanted == old {
             return;
         }
-        if self.slots[slot as usize].first_child == NIL {
+        if self.slots[slot as usize].last_child == NIL {
             // The common case (a leaf): nothing below to cascade to.
             self.set_level(sink, slot, wanted);
             return;
@@ -749,14 +782,14 @@ impl<N: NodeBits> Ledger<N> {
         while next < changes.len() {
             let (parent, parent_level) = changes[next];
             next += 1;
-            let mut child = self.slots[parent as usize].first_child;
+            let mut child = self.first_child(parent);
             while child != NIL {
                 let c = &self.slots[child as usize];
                 let level = c.tiers.best_level().max(parent_level);
                 if level != c.level {
                     changes.push((child, level));
                 }
-                child = c.next_sibling;
+                child = self.next_child(parent, child);
             }
         }
         if wanted < old {
