@@ -71,10 +71,8 @@ impl NodeBits for NodeRef {
 struct Cover {
     slot: u32,
     /// `bounds[0] <= bounds[1] <= bounds[2]`, and `bounds[2] > 0` (empty covers are dropped).
+    /// Positions with explicit counts in `Forest::multiple` override what the bounds imply.
     bounds: [u32; LEVELS],
-    /// How many positions of this edge hold explicit counts for this rank in
-    /// `Forest::multiple` (0 almost always: then updates skip that table).
-    explicit: u32,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -153,27 +151,16 @@ impl Forest {
         found: Result<usize, usize>,
     ) -> Result<usize, usize> {
         let key = (node.edge, slot);
-        let (mut bounds, explicit_here) = match found {
-            Ok(i) => {
-                let cover = &self.edges[node.edge as usize].covers[i];
-                (cover.bounds, cover.explicit)
-            }
-            Err(_) => ([0; LEVELS], 0),
+        let mut bounds = match found {
+            Ok(i) => self.edges[node.edge as usize].covers[i].bounds,
+            Err(_) => [0; LEVELS],
         };
-        debug_assert!(
-            explicit_here > 0 || !self.multiple.contains_key(&key),
-            "a cover without explicit counts has some"
-        );
-        let explicit = if explicit_here == 0 {
-            None
-        } else {
-            self.multiple.get(&key).and_then(|counts| {
-                counts
-                    .binary_search_by_key(&node.offset, |e| e.0)
-                    .ok()
-                    .map(|i| counts[i].1)
-            })
-        };
+        let explicit = self.explicit_counts(key).and_then(|counts| {
+            counts
+                .binary_search_by_key(&node.offset, |e| e.0)
+                .ok()
+                .map(|i| counts[i].1)
+        });
         let before = explicit.unwrap_or_else(|| {
             let mut counts = [0; LEVELS];
             if let Some(l) = bounds.iter().position(|&b| node.offset < b) {
@@ -189,22 +176,17 @@ impl Forest {
         } else {
             count.saturating_sub(1)
         };
-        let mut explicit_after = explicit_here;
         if after.iter().sum::<u32>() > 1 {
             let counts = self.multiple.entry(key).or_default();
             match counts.binary_search_by_key(&node.offset, |e| e.0) {
                 Ok(i) => counts[i].1 = after,
-                Err(i) => {
-                    counts.insert(i, (node.offset, after));
-                    explicit_after += 1;
-                }
+                Err(i) => counts.insert(i, (node.offset, after)),
             }
         } else if explicit.is_some()
             && let Some(counts) = self.multiple.get_mut(&key)
         {
             if let Ok(i) = counts.binary_search_by_key(&node.offset, |e| e.0) {
                 counts.remove(i);
-                explicit_after -= 1;
             }
             if counts.is_empty() {
                 self.multiple.remove(&key);
@@ -231,26 +213,29 @@ impl Forest {
         let covers = &mut self.edges[node.edge as usize].covers;
         match found {
             Ok(i) if bounds[LEVELS - 1] == 0 => {
-                covers.remove(i);
+                remove_cover(covers, i);
                 Err(i)
             }
             Ok(i) => {
                 covers[i].bounds = bounds;
-                covers[i].explicit = explicit_after;
                 Ok(i)
             }
             Err(i) if bounds[LEVELS - 1] > 0 => {
-                covers.insert(
-                    i,
-                    Cover {
-                        slot,
-                        bounds,
-                        explicit: explicit_after,
-                    },
-                );
+                insert_cover(covers, i, Cover { slot, bounds });
                 Ok(i)
             }
             Err(i) => Err(i),
+        }
+    }
+
+    /// The explicit counts of rank `slot` on an edge, if any (almost never: one lookup in an
+    /// empty table).
+    #[inline]
+    fn explicit_counts(&self, key: (u32, u32)) -> Option<&Vec<(u32, [u32; LEVELS])>> {
+        if self.multiple.is_empty() {
+            None
+        } else {
+            self.multiple.get(&key)
         }
     }
 
@@ -261,8 +246,8 @@ impl Forest {
         let found = self.find_cover(edge, slot);
         let fresh = match found {
             Ok(i) => {
-                let cover = &self.edges[edge as usize].covers[i];
-                cover.explicit == 0 && cover.bounds[LEVELS - 1] == lo
+                self.edges[edge as usize].covers[i].bounds[LEVELS - 1] == lo
+                    && self.explicit_counts((edge, slot)).is_none()
             }
             Err(_) => lo == 0,
         };
@@ -286,14 +271,7 @@ impl Forest {
         }
         match found {
             Ok(i) => covers[i].bounds = bounds,
-            Err(i) => covers.insert(
-                i,
-                Cover {
-                    slot,
-                    bounds,
-                    explicit: 0,
-                },
-            ),
+            Err(i) => insert_cover(covers, i, Cover { slot, bounds }),
         }
     }
 
@@ -304,7 +282,7 @@ impl Forest {
         let found = self.find_cover(edge, slot);
         let single = found.is_ok_and(|i| {
             let cover = &self.edges[edge as usize].covers[i];
-            cover.explicit == 0
+            self.explicit_counts((edge, slot)).is_none()
                 && cover.bounds[level as usize..].iter().all(|&b| b == hi)
                 && (level == 0 || cover.bounds[level as usize - 1] <= lo)
         });
@@ -319,7 +297,7 @@ impl Forest {
             *bound = lo;
         }
         if covers[i].bounds[LEVELS - 1] == 0 {
-            covers.remove(i);
+            remove_cover(covers, i);
         }
     }
 
@@ -406,6 +384,23 @@ impl Forest {
     }
 }
 
+/// Inserts a cover, growing small cover lists one at a time (most edges are covered by one or
+/// two ranks; doubling would leave most of each list's allocation unused).
+fn insert_cover(covers: &mut Vec<Cover>, at: usize, cover: Cover) {
+    if covers.len() == covers.capacity() && covers.len() < 8 {
+        covers.reserve_exact(1);
+    }
+    covers.insert(at, cover);
+}
+
+/// Removes a cover, giving memory back when the list is mostly unused.
+fn remove_cover(covers: &mut Vec<Cover>, at: usize) {
+    covers.remove(at);
+    if covers.capacity() > 2 * covers.len() + 2 {
+        covers.shrink_to_fit();
+    }
+}
+
 /// One rank's membership sink into the forest.
 ///
 /// Consecutive additions along one edge (a stored run: offsets going up, one level) and
@@ -457,7 +452,14 @@ impl<'a> Sink<'a> {
                 level,
                 lo,
                 hi,
-            } => self.forest.add_run(edge, self.slot, level, lo, hi),
+            } => {
+                self.forest.add_run(edge, self.slot, level, lo, hi);
+                // A stored run ends here: give back what doubling left unused.
+                let locals = &mut self.forest.edges[edge as usize].locals;
+                if locals.capacity() > locals.len() + locals.len() / 8 + 4 {
+                    locals.shrink_to_fit();
+                }
+            }
             Pending::Remove {
                 edge,
                 level,

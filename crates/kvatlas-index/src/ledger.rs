@@ -107,7 +107,8 @@ pub(crate) struct Ledger<N> {
     /// Slot indices, hashed by the slot's external hash.
     table: HashTable<u32>,
     slots: Vec<Slot>,
-    free: Vec<u32>,
+    /// Head of the free slots' list, threaded through their `next_sibling` (`NIL`: none).
+    free: u32,
     /// Held blocks whose parent is not held, by that parent's hash.
     dangling: FxHashMap<ExternalBlockHash, Vec<u32>>,
     /// For each such block, its parent's hash.
@@ -140,7 +141,7 @@ impl<N> Default for Ledger<N> {
         Self {
             table: HashTable::new(),
             slots: Vec::new(),
-            free: Vec::new(),
+            free: NIL,
             dangling: FxHashMap::default(),
             dangling_parent: FxHashMap::default(),
             scratch: Vec::new(),
@@ -294,7 +295,6 @@ impl<N: NodeBits> Ledger<N> {
             + self.dangling_parent.capacity() * 17;
         (self.table.capacity() * 5
             + self.slots.capacity() * std::mem::size_of::<Slot>()
-            + self.free.capacity() * 4
             + self.scratch.capacity() * 8
             + dangling) as u64
     }
@@ -601,14 +601,15 @@ impl<N: NodeBits> Ledger<N> {
             level: UNROOTED,
             flags: if parent.is_some() { HAS_PARENT } else { 0 },
         };
-        let index = match self.free.pop() {
-            Some(index) => {
-                self.slots[index as usize] = slot;
-                index
-            }
-            None => {
+        let index = match self.free {
+            NIL => {
                 self.slots.push(slot);
                 (self.slots.len() - 1) as u32
+            }
+            index => {
+                self.free = self.slots[index as usize].next_sibling;
+                self.slots[index as usize] = slot;
+                index
             }
         };
         let slots = &self.slots;
@@ -680,8 +681,10 @@ impl<N: NodeBits> Ledger<N> {
         if let Ok(entry) = self.table.find_entry(hash_of(s.external), |&i| i == slot) {
             entry.remove();
         }
-        self.slots[slot as usize].flags |= FREED;
-        self.free.push(slot);
+        let freed = &mut self.slots[slot as usize];
+        freed.flags |= FREED;
+        freed.next_sibling = self.free;
+        self.free = slot;
     }
 
     /// The oldest child of `parent`, or `NIL`.
