@@ -34,7 +34,10 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use kvatlas_hash::LocalBlockHash;
-use rustc_hash::FxHashMap;
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::backend::KvIndex;
 use crate::ledger::{Ledger, Membership, NodeBits};
@@ -97,9 +100,8 @@ struct Edge {
 struct Forest {
     edges: Vec<Edge>,
     free_edges: Vec<u32>,
-    roots: FxHashMap<LocalBlockHash, u32>,
-    /// `(edge, offset, first local of the child)` → child edge.
-    branches: FxHashMap<(u32, u32, LocalBlockHash), u32>,
+    /// Child edges, and root edges under the parent `NIL` at offset 0.
+    branches: Branches,
     /// Explicit per-level counts where one rank has more than one rooted block at a position:
     /// per `(edge, slot)`, `(offset, counts)` sorted by offset (runs of such positions are
     /// added and removed at the end, so updates are pushes and pops).
@@ -342,10 +344,8 @@ impl Forest {
             *e = Edge::default();
             self.free_edges.push(edge);
             if let Some(first) = first {
-                if parent == NIL {
-                    self.roots.remove(&first);
-                } else {
-                    self.branches.remove(&(parent, attach, first));
+                self.branches.remove(parent, attach, first, edge);
+                if parent != NIL {
                     self.edges[parent as usize].children -= 1;
                 }
             }
@@ -365,8 +365,6 @@ impl Forest {
             .iter()
             .map(|e| e.locals.capacity() * 8 + e.covers.capacity() * std::mem::size_of::<Cover>())
             .sum();
-        let branch_entry = std::mem::size_of::<((u32, u32, LocalBlockHash), u32)>() + 1;
-        let root_entry = std::mem::size_of::<(LocalBlockHash, u32)>() + 1;
         let multiple_entry = std::mem::size_of::<((u32, u32), Vec<(u32, [u32; LEVELS])>)>() + 1;
         let multiple_counts: usize = self
             .multiple
@@ -375,12 +373,62 @@ impl Forest {
             .sum();
         (self.edges.capacity() * std::mem::size_of::<Edge>()
             + per_edge
-            + self.branches.capacity() * branch_entry
-            + self.roots.capacity() * root_entry
+            + self.branches.table.capacity() * 5
             + self.multiple.capacity() * multiple_entry
             + multiple_counts
             + self.free_edges.capacity() * 4
             + self.slot_workers.capacity() * std::mem::size_of::<Worker>()) as u64
+    }
+}
+
+/// Child edges by `(parent edge, offset, first local)`. A bucket holds only the child's id
+/// (4 bytes and a control byte): the key is read back from the child edge itself.
+#[derive(Debug, Clone, Default)]
+struct Branches {
+    table: HashTable<u32>,
+}
+
+fn branch_hash(parent: u32, offset: u32, local: LocalBlockHash) -> u64 {
+    key_hash(parent, offset, local.get())
+}
+
+fn key_hash(parent: u32, offset: u32, local: u64) -> u64 {
+    FxBuildHasher.hash_one((parent, offset, local))
+}
+
+fn edge_key_hash(edges: &[Edge], edge: u32) -> u64 {
+    let e = &edges[edge as usize];
+    key_hash(e.parent, e.attach, e.locals.first().map_or(0, |l| l.get()))
+}
+
+impl Branches {
+    /// The child edge leaving `parent` at `offset` with first block `local`.
+    #[inline]
+    fn get(&self, edges: &[Edge], parent: u32, offset: u32, local: LocalBlockHash) -> Option<u32> {
+        self.table
+            .find(branch_hash(parent, offset, local), |&c| {
+                let e = &edges[c as usize];
+                e.parent == parent && e.attach == offset && e.locals.first() == Some(&local)
+            })
+            .copied()
+    }
+
+    /// Registers `child` (already in `edges`, with its first block) under its key.
+    fn insert(&mut self, edges: &[Edge], child: u32) {
+        self.table
+            .insert_unique(edge_key_hash(edges, child), child, |&c| {
+                edge_key_hash(edges, c)
+            });
+    }
+
+    /// Unregisters `child`, whose key was `(parent, offset, local)`.
+    fn remove(&mut self, parent: u32, offset: u32, local: LocalBlockHash, child: u32) {
+        if let Ok(entry) = self
+            .table
+            .find_entry(branch_hash(parent, offset, local), |&c| c == child)
+        {
+            entry.remove();
+        }
     }
 }
 
@@ -489,7 +537,7 @@ impl Membership for Sink<'_> {
         }
         let forest = &mut *self.forest;
         let Some(parent) = parent else {
-            if let Some(&edge) = forest.roots.get(&local) {
+            if let Some(edge) = forest.branches.get(&forest.edges, NIL, 0, local) {
                 return NodeRef { edge, offset: 0 };
             }
             let edge = forest.new_edge(Edge {
@@ -497,7 +545,7 @@ impl Membership for Sink<'_> {
                 parent: NIL,
                 ..Edge::default()
             });
-            forest.roots.insert(local, edge);
+            forest.branches.insert(&forest.edges, edge);
             return NodeRef { edge, offset: 0 };
         };
         let target = parent.offset + 1;
@@ -509,7 +557,10 @@ impl Membership for Sink<'_> {
                 offset: target,
             };
         }
-        if let Some(&edge) = forest.branches.get(&(parent.edge, target, local)) {
+        if let Some(edge) = forest
+            .branches
+            .get(&forest.edges, parent.edge, target, local)
+        {
             return NodeRef { edge, offset: 0 };
         }
         if target as usize == len {
@@ -527,7 +578,7 @@ impl Membership for Sink<'_> {
             attach: target,
             ..Edge::default()
         });
-        forest.branches.insert((parent.edge, target, local), edge);
+        forest.branches.insert(&forest.edges, edge);
         let p = &mut forest.edges[parent.edge as usize];
         p.children += 1;
         p.max_child_offset = p.max_child_offset.max(target);
@@ -829,7 +880,7 @@ impl Atlas {
     fn walk(&self, query: &[LocalBlockHash], tiered: bool, out: &mut Vec<WorkerMatch>) {
         let forest = &self.forest;
         let Some(first) = query.first() else { return };
-        let Some(&root) = forest.roots.get(first) else {
+        let Some(root) = forest.branches.get(&forest.edges, NIL, 0, *first) else {
             return;
         };
         // Levels followed: only the device level unless the tiered view is wanted.
@@ -865,7 +916,8 @@ impl Atlas {
             let mut matched = m;
             while any_alive {
                 let at = forest.edges[edge as usize].depth as usize + matched as usize;
-                let Some(&child) = forest.branches.get(&(edge, matched, query[at])) else {
+                let Some(child) = forest.branches.get(&forest.edges, edge, matched, query[at])
+                else {
                     break;
                 };
                 edge = child;
@@ -1114,7 +1166,7 @@ mod tests {
                     0,
                     "edges leaked after round {round}"
                 );
-                assert!(atlas.forest.roots.is_empty() && atlas.forest.branches.is_empty());
+                assert!(atlas.forest.branches.table.is_empty());
                 assert!(atlas.forest.multiple.is_empty());
                 assert!(atlas.ledgers.is_empty());
             }
