@@ -1115,6 +1115,48 @@ mod tests {
     use super::*;
     use crate::model::{ExternalBlockHash, StoredBlock, Tier};
 
+    /// A rank holding more blocks than 2-byte slot indices address (the ledger's table widens)
+    /// keeps finding its blocks: removals deep in the chain cut the score exactly there.
+    #[test]
+    fn a_rank_beyond_65535_blocks_stays_exact() {
+        let worker = Worker::new(1, 0);
+        let mut atlas = Atlas::new();
+        let local = |i: u64| LocalBlockHash::new(i % 1000 + 7);
+        for run in 0..70u64 {
+            atlas.apply(&Mutation::Stored {
+                worker,
+                tier: Tier::Device,
+                parent: (run > 0).then(|| ExternalBlockHash::new(run * 1000 - 1)),
+                blocks: (run * 1000..(run + 1) * 1000)
+                    .map(|i| StoredBlock {
+                        external: ExternalBlockHash::new(i),
+                        local: local(i),
+                    })
+                    .collect(),
+            });
+        }
+        let query: Vec<LocalBlockHash> = (0..70_000).map(local).collect();
+        let options = MatchOptions::default();
+        assert_eq!(
+            atlas.find_matches(&query, &options).workers[0].device,
+            70_000
+        );
+        // Blocks stored before and after the table widened, found again by hash.
+        let report = atlas.apply(&Mutation::Removed {
+            worker,
+            tier: Tier::Device,
+            blocks: [69_999, 66_000, 100]
+                .into_iter()
+                .map(ExternalBlockHash::new)
+                .collect(),
+        });
+        assert_eq!(report.removed, 3);
+        assert_eq!(atlas.find_matches(&query, &options).workers[0].device, 100);
+        // The removed blocks' descendants are held but unrooted.
+        assert_eq!(atlas.stats().memberships, 69_997);
+        assert_eq!(atlas.snapshot().workers[0].blocks.len(), 69_997);
+    }
+
     /// After every rank leaves, nothing of the forest is left in use, whatever the history.
     #[test]
     fn the_forest_empties_when_every_rank_leaves() {

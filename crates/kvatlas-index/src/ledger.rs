@@ -38,6 +38,92 @@ use crate::model::{
 };
 use crate::snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 
+/// Slot indices hashed by engine hash: 2-byte entries while every slot index fits (a rank with
+/// fewer than 65,535 slots — nearly always), 4-byte entries beyond.
+#[derive(Debug, Clone)]
+enum SlotTable {
+    Narrow(HashTable<u16>),
+    Wide(HashTable<u32>),
+}
+
+impl Default for SlotTable {
+    fn default() -> Self {
+        Self::Narrow(HashTable::new())
+    }
+}
+
+impl SlotTable {
+    fn len(&self) -> usize {
+        match self {
+            Self::Narrow(t) => t.len(),
+            Self::Wide(t) => t.len(),
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        match self {
+            Self::Narrow(t) => t.capacity() * 3,
+            Self::Wide(t) => t.capacity() * 5,
+        }
+    }
+
+    /// The slot index whose entry satisfies `eq`.
+    #[inline]
+    fn find(&self, hash: u64, eq: impl Fn(u32) -> bool) -> Option<u32> {
+        match self {
+            Self::Narrow(t) => t.find(hash, |&i| eq(u32::from(i))).map(|&i| u32::from(i)),
+            Self::Wide(t) => t.find(hash, |&i| eq(i)).copied(),
+        }
+    }
+
+    /// Adds `slot` (not yet in the table); `rehash` gives any present slot's hash.
+    fn insert(&mut self, hash: u64, slot: u32, rehash: impl Fn(u32) -> u64) {
+        if let Self::Narrow(t) = self
+            && u16::try_from(slot).is_err()
+        {
+            let mut wide = HashTable::with_capacity(t.len() + 1);
+            for &i in t.iter() {
+                let i = u32::from(i);
+                wide.insert_unique(rehash(i), i, |&j| rehash(j));
+            }
+            *self = Self::Wide(wide);
+        }
+        match self {
+            Self::Narrow(t) => {
+                let narrow = slot as u16;
+                t.insert_unique(hash, narrow, |&i| rehash(u32::from(i)));
+            }
+            Self::Wide(t) => {
+                t.insert_unique(hash, slot, |&i| rehash(i));
+            }
+        }
+    }
+
+    /// Removes the entry of `slot`, hashed `hash`.
+    fn remove(&mut self, hash: u64, slot: u32) {
+        match self {
+            Self::Narrow(t) => {
+                if let Ok(entry) = t.find_entry(hash, |&i| u32::from(i) == slot) {
+                    entry.remove();
+                }
+            }
+            Self::Wide(t) => {
+                if let Ok(entry) = t.find_entry(hash, |&i| i == slot) {
+                    entry.remove();
+                }
+            }
+        }
+    }
+
+    /// Every slot index in the table.
+    fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
+        match self {
+            Self::Narrow(t) => Box::new(t.iter().map(|&i| u32::from(i))),
+            Self::Wide(t) => Box::new(t.iter().copied()),
+        }
+    }
+}
+
 /// A backend's node handle, storable in one `u64`.
 pub(crate) trait NodeBits: Copy {
     /// The handle as bits.
@@ -105,7 +191,7 @@ struct Slot {
 #[derive(Debug, Clone)]
 pub(crate) struct Ledger<N> {
     /// Slot indices, hashed by the slot's external hash.
-    table: HashTable<u32>,
+    table: SlotTable,
     slots: Vec<Slot>,
     /// Head of the free slots' list, threaded through their `next_sibling` (`NIL`: none).
     free: u32,
@@ -139,7 +225,7 @@ struct Recency {
 impl<N> Default for Ledger<N> {
     fn default() -> Self {
         Self {
-            table: HashTable::new(),
+            table: SlotTable::default(),
             slots: Vec::new(),
             free: NIL,
             dangling: FxHashMap::default(),
@@ -203,7 +289,7 @@ impl<N: NodeBits> Ledger<N> {
     /// Every current leaf as a candidate (to rebuild the backend's heap).
     pub(crate) fn all_leaves(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
         let Some(recency) = &self.recency else { return };
-        for &slot in &self.table {
+        for slot in self.table.iter() {
             let s = &self.slots[slot as usize];
             if s.last_child == NIL {
                 into.push((recency.stamps[slot as usize], slot, s.external));
@@ -215,7 +301,7 @@ impl<N: NodeBits> Ledger<N> {
     /// blocks whose parent links form a cycle).
     pub(crate) fn all_blocks(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
         let Some(recency) = &self.recency else { return };
-        for &slot in &self.table {
+        for slot in self.table.iter() {
             into.push((
                 recency.stamps[slot as usize],
                 slot,
@@ -293,7 +379,7 @@ impl<N: NodeBits> Ledger<N> {
             .map(|v| v.capacity() * 4 + 40)
             .sum::<usize>()
             + self.dangling_parent.capacity() * 17;
-        (self.table.capacity() * 5
+        (self.table.heap_bytes()
             + self.slots.capacity() * std::mem::size_of::<Slot>()
             + self.scratch.capacity() * 8
             + dangling) as u64
@@ -303,7 +389,7 @@ impl<N: NodeBits> Ledger<N> {
     /// every dangling block is listed under its parent's hash.
     #[cfg(debug_assertions)]
     fn check_links(&self) {
-        for &slot in &self.table {
+        for slot in self.table.iter() {
             let s = &self.slots[slot as usize];
             assert!(
                 s.flags & FREED == 0,
@@ -332,11 +418,9 @@ impl<N: NodeBits> Ledger<N> {
 
     fn find(&self, external: ExternalBlockHash) -> Option<u32> {
         let slots = &self.slots;
-        self.table
-            .find(hash_of(external), |&i| {
-                slots[i as usize].external == external
-            })
-            .copied()
+        self.table.find(hash_of(external), |i| {
+            slots[i as usize].external == external
+        })
     }
 
     /// The slot next to `near` (either side) if it is live and holds `external`: a run stored
@@ -531,7 +615,7 @@ impl<N: NodeBits> Ledger<N> {
         // Pre-order over the rooted forest (rooted blocks without a parent start it), then
         // remove in reverse.
         let mut order = Vec::new();
-        for &slot in &self.table {
+        for slot in self.table.iter() {
             let s = &self.slots[slot as usize];
             ended += u64::from(s.tiers.bits().count_ones());
             if s.level != UNROOTED && s.flags & HAS_PARENT == 0 {
@@ -563,7 +647,7 @@ impl<N: NodeBits> Ledger<N> {
         let mut blocks: Vec<SnapshotBlock> = self
             .table
             .iter()
-            .map(|&slot| {
+            .map(|slot| {
                 let s = &self.slots[slot as usize];
                 let local = if s.level == UNROOTED {
                     LocalBlockHash::new(s.payload)
@@ -613,7 +697,7 @@ impl<N: NodeBits> Ledger<N> {
             }
         };
         let slots = &self.slots;
-        self.table.insert_unique(hash_of(external), index, |&i| {
+        self.table.insert(hash_of(external), index, |i| {
             hash_of(slots[i as usize].external)
         });
         for tier in tiers.iter() {
@@ -678,9 +762,7 @@ impl<N: NodeBits> Ledger<N> {
                 self.dangling.remove(&parent);
             }
         }
-        if let Ok(entry) = self.table.find_entry(hash_of(s.external), |&i| i == slot) {
-            entry.remove();
-        }
+        self.table.remove(hash_of(s.external), slot);
         let freed = &mut self.slots[slot as usize];
         freed.flags |= FREED;
         freed.next_sibling = self.free;
