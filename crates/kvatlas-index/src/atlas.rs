@@ -95,6 +95,10 @@ struct Edge {
     covers: Vec<Cover>,
 }
 
+/// Per-level counts of one rank at the positions of an edge where it has more than one rooted
+/// block: `(offset, counts)`, sorted by offset.
+type ExplicitCounts = Vec<(u32, [u32; LEVELS])>;
+
 /// Worker-rank slots and the edges, shared by all ledgers.
 #[derive(Debug, Clone, Default)]
 struct Forest {
@@ -105,7 +109,7 @@ struct Forest {
     /// Explicit per-level counts where one rank has more than one rooted block at a position:
     /// per `(edge, slot)`, `(offset, counts)` sorted by offset (runs of such positions are
     /// added and removed at the end, so updates are pushes and pops).
-    multiple: FxHashMap<(u32, u32), Vec<(u32, [u32; LEVELS])>>,
+    multiple: FxHashMap<(u32, u32), ExplicitCounts>,
     /// Slot → worker rank (for ordering covers).
     slot_workers: Vec<Worker>,
 }
@@ -233,7 +237,7 @@ impl Forest {
     /// The explicit counts of rank `slot` on an edge, if any (almost never: one lookup in an
     /// empty table).
     #[inline]
-    fn explicit_counts(&self, key: (u32, u32)) -> Option<&Vec<(u32, [u32; LEVELS])>> {
+    fn explicit_counts(&self, key: (u32, u32)) -> Option<&ExplicitCounts> {
         if self.multiple.is_empty() {
             None
         } else {
@@ -365,7 +369,7 @@ impl Forest {
             .iter()
             .map(|e| e.locals.capacity() * 8 + e.covers.capacity() * std::mem::size_of::<Cover>())
             .sum();
-        let multiple_entry = std::mem::size_of::<((u32, u32), Vec<(u32, [u32; LEVELS])>)>() + 1;
+        let multiple_entry = std::mem::size_of::<((u32, u32), ExplicitCounts)>() + 1;
         let multiple_counts: usize = self
             .multiple
             .values()
