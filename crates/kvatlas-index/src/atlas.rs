@@ -646,8 +646,10 @@ struct Scratch {
     /// Per cover of the root edge (in cover order): the scores so far and the levels still
     /// matching (bit `l`).
     states: Vec<([u32; LEVELS], u8)>,
-    /// Slot → index into `states`; written only for ranks that continue past the root edge, and
-    /// read only for covers of deeper edges (which, by prefix closure, are exactly such ranks).
+    /// Slot → index into `states`; written only for ranks that continue past the root edge,
+    /// read only for covers of deeper edges that hold blocks on a level the query follows. By
+    /// prefix closure such a rank holds the whole path to the edge on that level, so it
+    /// continued past the root edge: its entry is this query's.
     index_of_slot: Vec<u32>,
 }
 
@@ -932,6 +934,11 @@ impl Atlas {
                 let continues = depth + (matched as usize) < query.len();
                 any_alive = false;
                 for cover in &e.covers {
+                    if !tiered && cover.bounds[0] == 0 {
+                        // A rank covering this edge only on levels the query does not follow
+                        // may have stopped at the root edge, with no row written this query.
+                        continue;
+                    }
                     let (score, state) = &mut states[index_of_slot[cover.slot as usize] as usize];
                     if *state != 0 {
                         *state = score_cover(cover, e.depth, matched, continues, *state, score);
@@ -1118,6 +1125,67 @@ impl KvIndex for Atlas {
 mod tests {
     use super::*;
     use crate::model::{ExternalBlockHash, StoredBlock, Tier};
+
+    /// A device-only query must not confuse a rank that covers a deeper edge only on a lower
+    /// tier with another rank's row (regression: rows were indexed only for ranks still
+    /// matching on the device tier, so such a rank read a stale row left by an earlier query).
+    #[test]
+    fn lower_tier_ranks_on_deeper_edges_do_not_touch_other_rows() {
+        let blocks = |ids: &[u64]| -> Vec<StoredBlock> {
+            ids.iter()
+                .map(|&i| StoredBlock {
+                    external: ExternalBlockHash::new(i),
+                    local: LocalBlockHash::new(i),
+                })
+                .collect()
+        };
+        let store = |worker, tier, ids: &[u64]| Mutation::Stored {
+            worker,
+            tier,
+            parent: None,
+            blocks: blocks(ids),
+        };
+        let locals = |ids: &[u64]| -> Vec<LocalBlockHash> {
+            ids.iter().map(|&i| LocalBlockHash::new(i)).collect()
+        };
+        let (victim, lower) = (Worker::new(1, 0), Worker::new(2, 0));
+        let mut atlas = Atlas::new();
+        // An earlier query leaves `lower`'s row index at 0 (it was the only row then).
+        atlas.apply(&store(lower, Tier::Device, &[90, 91]));
+        atlas.find_matches(&locals(&[90, 91, 92]), &MatchOptions::default());
+        // Root edge [1, 2, 3]; `lower` branches off at offset 2 on the host tier; the victim
+        // (row 0 now) follows that branch on the device tier and goes on.
+        atlas.apply(&store(victim, Tier::Device, &[1, 2, 3]));
+        atlas.apply(&store(lower, Tier::Host, &[1, 2, 4, 5]));
+        atlas.apply(&Mutation::Stored {
+            worker: victim,
+            tier: Tier::Device,
+            parent: Some(ExternalBlockHash::new(2)),
+            blocks: blocks(&[14, 15, 16, 17])
+                .into_iter()
+                .zip([4, 5, 6, 7])
+                .map(|(b, l)| StoredBlock {
+                    local: LocalBlockHash::new(l),
+                    ..b
+                })
+                .collect(),
+        });
+        let query = locals(&[1, 2, 4, 5, 6, 7, 8]);
+        let matches = atlas.find_matches(&query, &MatchOptions::default()).workers;
+        assert_eq!(matches.len(), 1);
+        assert_eq!((matches[0].worker, matches[0].device), (victim, 6));
+        let tiered = MatchOptions {
+            tiered: true,
+            ..MatchOptions::default()
+        };
+        let matches = atlas.find_matches(&query, &tiered).workers;
+        assert_eq!(matches.len(), 2);
+        assert_eq!((matches[0].worker, matches[0].device), (victim, 6));
+        assert_eq!(
+            (matches[1].worker, matches[1].device, matches[1].host),
+            (lower, 0, 4)
+        );
+    }
 
     /// A rank holding more blocks than 2-byte slot indices address (the ledger's table widens)
     /// keeps finding its blocks: removals deep in the chain cut the score exactly there.
