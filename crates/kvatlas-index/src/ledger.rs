@@ -18,7 +18,7 @@
 //! - the children list of `b` holds exactly the held blocks whose parent hash is `b`'s hash;
 //!   held blocks whose parent is not held are listed under that hash in `dangling`.
 //!
-//! Memory: a block costs one 32-byte slot plus a 4-byte entry of a hash table of slot indices.
+//! Memory: a block costs one 32-byte slot plus a 2-byte entry (4 bytes past 65,535 slots) of a hash table of slot indices.
 //! A rooted block keeps its node handle (the backend knows the node's local hash); an unrooted
 //! one keeps its local hash in the same word. A parent hash is the parent slot's own hash, except
 //! for dangling blocks, whose missing parent's hash is kept in a side table.
