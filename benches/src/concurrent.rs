@@ -1,5 +1,6 @@
 //! Workload C of `shared/reference/peer-baseline.md`: one writer and one reader at once, through
-//! the concurrent front (`ThreadPool` over `LeftRight<backend>` or `Locked<backend>`).
+//! the concurrent front (`ThreadPool` over `LeftRight<backend>` or `Locked<backend>`, or over the
+//! backend itself when it is concurrent, as `crtc` is).
 //!
 //! The event stream is a Workload-A stream plus its "drain" (one `Removed` per worker emptying its
 //! cache), looped. Three phases of `phase` each, on fresh fronts:
@@ -280,7 +281,7 @@ mod tests {
             flush_every: 64,
             ..ConcurrentConfig::default()
         };
-        for name in ["atlas", "radix"] {
+        for name in ["atlas", "radix", "crtc"] {
             let result = run(name, &stream, &config).expect("runs");
             assert!(result.is_correct(), "{name}: {result:?}");
             assert!(

@@ -10,7 +10,8 @@
 //! sleep, then a spin of the last `spin` that yields the core between checks) and then:
 //!
 //! - **an event** is handed to `ThreadPool::new(front, pool_threads, queue_capacity)` with the
-//!   front `LeftRight<backend>` (default) or `Locked<backend>`: the real write path, sticky per-rank lanes, bounded queues. A full lane
+//!   front `LeftRight<backend>` (default) or `Locked<backend>` — or the backend itself when it is
+//!   concurrent (`crtc`): the real write path, sticky per-rank lanes, bounded queues. A full lane
 //!   blocks the issuer (backpressure; every such wait is counted);
 //! - **a query** runs inline (`pool.find_matches`, the pool's read path), its latency recorded
 //!   as *completion − deadline* (coordinated omission corrected: a query issued late, because the
@@ -39,7 +40,7 @@ use kvatlas_index::{
 };
 
 use crate::engine::Stream;
-use crate::replay::{Boxed, Latency, backend, snapshot_state};
+use crate::replay::{Boxed, Latency, backend, shared_backend, snapshot_state};
 
 /// A run keeps up if it completes within this factor of its window.
 pub const KEEP_UP_FACTOR: f64 = 1.10;
@@ -475,7 +476,9 @@ pub fn summarize(backend: &str, runs: &[OpenLoopResult]) -> SweepSummary {
     }
 }
 
-/// How the writer pool shares the index with readers.
+/// How the writer pool shares the index with readers. A backend that is concurrent itself (a
+/// registry entry with [`crate::replay::Backend::shared`], such as `crtc`) is used directly
+/// whatever the kind: wrapping it in a front would serialize what it runs in parallel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum FrontKind {
@@ -486,13 +489,25 @@ pub enum FrontKind {
     LeftRight,
 }
 
-/// The shared index behind the pool: one of the two concurrent fronts over a registry backend.
+/// The shared index behind the pool: one of the two concurrent fronts over a registry backend,
+/// or a concurrent backend itself.
 #[derive(Debug)]
 pub enum SharedFront {
     /// See [`FrontKind::LeftRight`].
     LeftRight(LeftRight<Boxed>),
     /// See [`FrontKind::Locked`].
     Locked(Locked<Boxed>),
+    /// A backend that is concurrent itself, without a front.
+    Native(NativeIndex),
+}
+
+/// A concurrent registry backend, boxed (see [`crate::replay::Backend::shared`]).
+pub struct NativeIndex(pub Box<dyn SharedKvIndex>);
+
+impl std::fmt::Debug for NativeIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NativeIndex(dyn SharedKvIndex)")
+    }
 }
 
 macro_rules! delegate {
@@ -500,6 +515,7 @@ macro_rules! delegate {
         match $self {
             SharedFront::LeftRight($index) => $call,
             SharedFront::Locked($index) => $call,
+            SharedFront::Native(NativeIndex($index)) => $call,
         }
     };
 }
@@ -545,7 +561,8 @@ impl SharedKvIndex for SharedFront {
 /// The shared pool type, for callers that build their own front.
 pub type Front = ThreadPool<SharedFront>;
 
-/// Builds the concurrent front of kind `kind` over the backend called `name`.
+/// Builds the concurrent front of kind `kind` over the backend called `name` (a backend that is
+/// concurrent itself is used directly; see [`FrontKind`]).
 ///
 /// # Errors
 /// If there is no such backend or a writer thread cannot be started.
@@ -555,9 +572,10 @@ pub fn front(name: &str, kind: FrontKind, threads: usize, queue_capacity: usize)
             .map(Boxed)
             .with_context(|| format!("unknown backend `{name}`"))
     };
-    let shared = match kind {
-        FrontKind::LeftRight => SharedFront::LeftRight(LeftRight::new(make()?, make()?)),
-        FrontKind::Locked => SharedFront::Locked(Locked::new(make()?)),
+    let shared = match (shared_backend(name), kind) {
+        (Some(native), _) => SharedFront::Native(NativeIndex(native)),
+        (None, FrontKind::LeftRight) => SharedFront::LeftRight(LeftRight::new(make()?, make()?)),
+        (None, FrontKind::Locked) => SharedFront::Locked(Locked::new(make()?)),
     };
     ThreadPool::new(shared, threads, queue_capacity).context("starting the writer pool")
 }
@@ -600,7 +618,7 @@ mod tests {
             ..OpenLoopConfig::default()
         };
         let ops = (60 + stream.events.len()) as f64;
-        for name in ["atlas", "radix", "reference"] {
+        for name in ["atlas", "radix", "crtc", "reference"] {
             // Keeping up is a timing property and this machine is shared (other tests and builds
             // run beside this one): a run may lose its core for longer than the 10 % slack, so
             // one of three attempts must keep up. Correctness must hold in every attempt.

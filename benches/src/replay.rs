@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    ApplyReport, IndexStats, KvIndex, MatchOptions, Matches, Mutation, RadixTree, ReferenceIndex,
-    Snapshot,
+    ApplyReport, ConcurrentRadixTree, Exclusive, IndexStats, KvIndex, MatchOptions, Matches,
+    Mutation, RadixTree, ReferenceIndex, SharedKvIndex, Snapshot,
 };
 
 use crate::engine::{Router, ScoreDigest, Stream, membership_digest};
@@ -22,6 +22,11 @@ pub struct Backend {
     pub default: bool,
     /// Builds an empty index.
     pub make: fn() -> Box<dyn KvIndex + Sync>,
+    /// Builds an empty index used directly by the concurrent presets, for a backend that is
+    /// concurrent itself (`make` is then the same index behind [`kvatlas_index::Exclusive`]);
+    /// `None` puts `make`'s index behind a front ([`kvatlas_index::LeftRight`] or
+    /// [`kvatlas_index::Locked`]).
+    pub shared: Option<fn() -> Box<dyn SharedKvIndex>>,
 }
 
 /// A registry backend as a concrete [`KvIndex`] + [`Sync`] type, so it can sit behind
@@ -82,27 +87,47 @@ pub const BACKENDS: &[Backend] = &[
         name: "atlas",
         default: true,
         make: || Box::new(kvatlas_index::Atlas::new()),
+        shared: None,
     },
     Backend {
         name: "radix",
         default: true,
         make: || Box::new(RadixTree::new()),
+        shared: None,
     },
     Backend {
         name: "positional",
         default: true,
         make: || Box::new(kvatlas_index::PositionalIndexer::new()),
+        shared: None,
+    },
+    Backend {
+        name: "crtc",
+        default: true,
+        make: || Box::new(Exclusive(ConcurrentRadixTree::new())),
+        shared: Some(|| Box::new(ConcurrentRadixTree::new())),
     },
     Backend {
         name: "reference",
         default: false,
         make: || Box::new(ReferenceIndex::new()),
+        shared: None,
     },
 ];
 
 /// A fresh, empty index of the backend called `name`, or `None` if there is no such backend.
 pub fn backend(name: &str) -> Option<Box<dyn KvIndex + Sync>> {
     BACKENDS.iter().find(|b| b.name == name).map(|b| (b.make)())
+}
+
+/// A fresh, empty index of the backend called `name` for concurrent use without a front, or
+/// `None` if there is no such backend or it is not concurrent itself.
+pub fn shared_backend(name: &str) -> Option<Box<dyn SharedKvIndex>> {
+    BACKENDS
+        .iter()
+        .find(|b| b.name == name)
+        .and_then(|b| b.shared)
+        .map(|make| make())
 }
 
 /// Names of the backends that run when none are chosen.
@@ -382,12 +407,14 @@ mod tests {
             assert!(backend(name).is_some(), "{name}");
         }
         assert!(backend("no-such-backend").is_none());
+        assert!(shared_backend("crtc").is_some());
+        assert!(shared_backend("atlas").is_none());
         assert!(default_backends().contains(&"radix"));
         assert!(!default_backends().contains(&"reference"));
     }
 
     fn assert_backends_agree_with_oracle(stream: &Stream) {
-        for name in ["reference", "radix"] {
+        for name in ["reference", "radix", "crtc"] {
             let result = run(name, stream, 1).expect("registered");
             let what = format!("{name} {:?}: {result:?}", stream.config);
             assert_eq!(result.mismatches, 0, "{what}");

@@ -14,6 +14,7 @@
 
 mod atlas;
 mod backend;
+mod concurrent_radix;
 mod ledger;
 mod left_right;
 mod locked;
@@ -28,6 +29,7 @@ mod sync;
 
 pub use atlas::{Atlas, Eviction};
 pub use backend::{Exclusive, KvIndex, SharedKvIndex};
+pub use concurrent_radix::ConcurrentRadixTree;
 pub use left_right::LeftRight;
 pub use locked::Locked;
 pub use model::{

@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    Atlas, EnqueueError, ExternalBlockHash, KvIndex, LeftRight, Locked, MatchOptions, Mutation,
-    RadixTree, ReferenceIndex, SharedKvIndex, StoredBlock, ThreadPool, Tier, Worker,
+    Atlas, ConcurrentRadixTree, EnqueueError, ExternalBlockHash, KvIndex, LeftRight, Locked,
+    MatchOptions, Mutation, RadixTree, ReferenceIndex, SharedKvIndex, StoredBlock, ThreadPool,
+    Tier, Worker,
 };
 
 const CHAIN: u64 = 48;
@@ -87,14 +88,20 @@ fn script(worker: Worker, seed: u64, steps: usize) -> (Vec<Mutation>, Vec<u32>) 
     (mutations, scores)
 }
 
-fn check_read_guarantee<I: SharedKvIndex + 'static>(index: Arc<I>) {
-    let workers = [Worker::new(1, 0), Worker::new(2, 0)];
+/// Runs one writer thread per rank (`ranks` ranks, all storing the same token chain under their
+/// own engine hashes) and two readers checking every answer; returns the per-rank scripts.
+fn check_read_guarantee<I: SharedKvIndex + 'static>(
+    index: Arc<I>,
+    ranks: usize,
+) -> Vec<(Vec<Mutation>, Vec<u32>)> {
+    let workers: Vec<Worker> = (0..ranks as u64).map(|i| Worker::new(i + 1, 0)).collect();
     let scripts: Vec<_> = workers
         .iter()
         .enumerate()
         .map(|(i, w)| script(*w, 7 + i as u64, 4000))
         .collect();
-    let progress: Arc<[AtomicUsize; 2]> = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let progress: Arc<Vec<AtomicUsize>> =
+        Arc::new((0..ranks).map(|_| AtomicUsize::new(0)).collect());
     let query: Arc<Vec<LocalBlockHash>> = Arc::new((0..CHAIN).map(local).collect());
 
     std::thread::scope(|scope| {
@@ -108,18 +115,19 @@ fn check_read_guarantee<I: SharedKvIndex + 'static>(index: Arc<I>) {
             });
         }
         for _ in 0..2 {
-            let (index, progress, query, scripts) = (
+            let (index, progress, query, scripts, workers) = (
                 Arc::clone(&index),
                 Arc::clone(&progress),
                 Arc::clone(&query),
                 &scripts,
+                &workers,
             );
             scope.spawn(move || {
                 let mut checked = 0;
                 while checked < 3000 {
-                    let before = [progress[0].load(Ordering::Acquire), progress[1].load(Ordering::Acquire)];
+                    let before: Vec<usize> = progress.iter().map(|p| p.load(Ordering::Acquire)).collect();
                     let matches = index.find_matches(&query, &MatchOptions::default());
-                    let after = [progress[0].load(Ordering::Acquire), progress[1].load(Ordering::Acquire)];
+                    let after: Vec<usize> = progress.iter().map(|p| p.load(Ordering::Acquire)).collect();
                     for (w, worker) in workers.iter().enumerate() {
                         let scores = &scripts[w].1;
                         // States during the call: after `before` mutations up to after `after + 1`
@@ -143,21 +151,117 @@ fn check_read_guarantee<I: SharedKvIndex + 'static>(index: Arc<I>) {
             *scripts[w].1.last().unwrap_or(&0)
         );
     }
+    scripts
 }
 
 #[test]
 fn locked_radix_tree_keeps_the_read_guarantee() {
-    check_read_guarantee(Arc::new(Locked::new(RadixTree::new())));
+    check_read_guarantee(Arc::new(Locked::new(RadixTree::new())), 2);
 }
 
 #[test]
 fn left_right_atlas_keeps_the_read_guarantee() {
-    check_read_guarantee(Arc::new(LeftRight::new(Atlas::new(), Atlas::new())));
+    check_read_guarantee(Arc::new(LeftRight::new(Atlas::new(), Atlas::new())), 2);
 }
 
 #[test]
 fn locked_atlas_keeps_the_read_guarantee() {
-    check_read_guarantee(Arc::new(Locked::new(Atlas::new())));
+    check_read_guarantee(Arc::new(Locked::new(Atlas::new())), 2);
+}
+
+#[test]
+fn concurrent_radix_tree_keeps_the_read_guarantee() {
+    check_read_guarantee(Arc::new(ConcurrentRadixTree::new()), 2);
+}
+
+/// Four writer threads of four ranks apply at once (this backend does not serialize ranks), on
+/// one shared token chain: the ranks race to create, pin and free the same nodes. Afterwards the
+/// state is exactly the oracle's, and once every rank is cleared no node is left (no leaked pin).
+#[test]
+fn concurrent_radix_tree_with_several_writers_keeps_the_read_guarantee() {
+    let index = Arc::new(ConcurrentRadixTree::new());
+    let scripts = check_read_guarantee(Arc::clone(&index), 4);
+    let mut oracle = ReferenceIndex::new();
+    for (mutations, _) in &scripts {
+        for m in mutations {
+            oracle.apply(m);
+        }
+    }
+    assert_eq!(SharedKvIndex::snapshot(&*index), oracle.snapshot());
+    assert_eq!(
+        SharedKvIndex::stats(&*index).workers,
+        oracle.stats().workers
+    );
+    SharedKvIndex::clear(&*index);
+    assert_eq!(index.nodes(), 0, "nodes left after clear");
+    assert_eq!(SharedKvIndex::stats(&*index).memberships, 0);
+}
+
+/// Snapshots taken while four ranks write: each rank's part is its state between two of its
+/// mutations (a consistent cut per rank).
+#[test]
+fn concurrent_radix_tree_snapshots_are_per_rank_cuts() {
+    let index = ConcurrentRadixTree::new();
+    let workers: Vec<Worker> = (1..=4).map(|i| Worker::new(i, 0)).collect();
+    let scripts: Vec<Vec<Mutation>> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| script(*w, 100 + i as u64, 600).0)
+        .collect();
+    // Each rank's snapshot blocks after each prefix of its script.
+    let states: Vec<Vec<Vec<kvatlas_index::SnapshotBlock>>> = workers
+        .iter()
+        .zip(&scripts)
+        .map(|(worker, mutations)| {
+            let mut oracle = ReferenceIndex::new();
+            let mut states = vec![Vec::new()];
+            for m in mutations {
+                oracle.apply(m);
+                let snapshot = oracle.snapshot();
+                let blocks = snapshot
+                    .workers
+                    .iter()
+                    .find(|w| w.worker == *worker)
+                    .map(|w| w.blocks.clone())
+                    .unwrap_or_default();
+                states.push(blocks);
+            }
+            states
+        })
+        .collect();
+    let progress: Vec<AtomicUsize> = workers.iter().map(|_| AtomicUsize::new(0)).collect();
+    std::thread::scope(|scope| {
+        for (w, mutations) in scripts.iter().enumerate() {
+            let (index, progress) = (&index, &progress);
+            scope.spawn(move || {
+                for m in mutations {
+                    SharedKvIndex::apply(index, m);
+                    progress[w].fetch_add(1, Ordering::Release);
+                }
+            });
+        }
+        let mut taken = 0;
+        while progress.iter().any(|p| p.load(Ordering::Acquire) < 600) || taken < 20 {
+            let before: Vec<usize> = progress.iter().map(|p| p.load(Ordering::Acquire)).collect();
+            let snapshot = SharedKvIndex::snapshot(&index);
+            let after: Vec<usize> = progress.iter().map(|p| p.load(Ordering::Acquire)).collect();
+            for (w, worker) in workers.iter().enumerate() {
+                let blocks = snapshot
+                    .workers
+                    .iter()
+                    .find(|s| s.worker == *worker)
+                    .map(|s| s.blocks.clone())
+                    .unwrap_or_default();
+                let last = (after[w] + 1).min(states[w].len() - 1);
+                assert!(
+                    states[w][before[w]..=last].contains(&blocks),
+                    "{worker:?}: the snapshot is none of the states after mutations {}..={last}",
+                    before[w]
+                );
+            }
+            taken += 1;
+        }
+    });
 }
 
 #[test]

@@ -208,6 +208,28 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The concurrent radix tree, driven through `KvIndex` (its own ledgers and shared tree).
+    #[test]
+    fn concurrent_radix_tree_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
+        run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::ConcurrentRadixTree::new())), &ops);
+        // Reclamation under every anomaly: once every rank is gone, so is every node.
+        let tree = kvatlas_index::ConcurrentRadixTree::new();
+        for op in &ops {
+            match op {
+                Op::Apply(m) => kvatlas_index::SharedKvIndex::apply(&tree, m),
+                Op::RemoveWorker(id) => kvatlas_index::SharedKvIndex::remove_worker(&tree, *id),
+            };
+        }
+        for worker in WORKERS {
+            kvatlas_index::SharedKvIndex::apply(&tree, &Mutation::Cleared { worker });
+        }
+        prop_assert_eq!(tree.nodes(), 0, "nodes left after every rank cleared");
+    }
+}
+
 /// Regression: blocks whose parent links form a cycle, all removed by one event (a depth-first
 /// deletion once revisited them forever). Every backend must terminate and agree with the oracle.
 #[test]
@@ -229,10 +251,15 @@ fn cycles_of_parent_links_removed_in_one_event() {
         tier: Tier::Device,
         blocks: [0, 1, 2].map(ExternalBlockHash::new).to_vec(),
     };
-    let backends: [fn() -> Box<dyn KvIndex>; 3] = [
+    let backends: [fn() -> Box<dyn KvIndex>; 4] = [
         || Box::new(RadixTree::new()),
         || Box::new(kvatlas_index::PositionalIndexer::new()),
         || Box::new(kvatlas_index::Atlas::new()),
+        || {
+            Box::new(kvatlas_index::Exclusive(
+                kvatlas_index::ConcurrentRadixTree::new(),
+            ))
+        },
     ];
     for make in backends {
         run_differential(
