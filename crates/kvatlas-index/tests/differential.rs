@@ -191,6 +191,31 @@ proptest! {
     fn atlas_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
         run_differential(|| Box::new(kvatlas_index::Atlas::new()), &ops);
     }
+
+    /// Longer histories and queries than the exhaustive ones (up to 9 blocks), asked in a
+    /// random order on one thread, so deeper edges, branches on several tiers and per-thread
+    /// query scratch left by earlier queries all come into play.
+    #[test]
+    fn atlas_matches_reference_on_long_queries(
+        ops in prop::collection::vec(op(), 1..80),
+        queries in prop::collection::vec(prop::collection::vec(0..LOCALS, 5..10), 40),
+    ) {
+        let queries: Vec<Vec<LocalBlockHash>> = queries
+            .into_iter()
+            .map(|q| q.into_iter().map(LocalBlockHash::new).collect())
+            .collect();
+        let mut backend = kvatlas_index::Atlas::new();
+        let mut oracle = ReferenceIndex::new();
+        for (step, op) in ops.iter().enumerate() {
+            match op {
+                Op::Apply(m) => assert_eq!(backend.apply(m), oracle.apply(m)),
+                Op::RemoveWorker(id) => {
+                    assert_eq!(backend.remove_worker(*id), oracle.remove_worker(*id))
+                }
+            }
+            assert_same_answers(&backend, &oracle, &queries, &format!("step {step} ({op:?})"));
+        }
+    }
 }
 
 proptest! {
