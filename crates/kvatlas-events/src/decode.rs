@@ -1,22 +1,39 @@
 //! Decoding a KV-event batch payload (msgpack) into typed events, tolerantly.
 //!
-//! One hand-written serde [`Visitor`] per wire shape, driven by `rmp-serde`'s `deserialize_any`.
-//! Every visitor accepts *any* msgpack value: a value of the wrong type is consumed (drained with
+//! One hand-written serde [`Visitor`] per wire shape, driven by `deserialize_any`. Every visitor
+//! accepts *any* msgpack value: a value of the wrong type is consumed (drained with
 //! [`IgnoredAny`]) and marked bad instead of failing, so one malformed or unknown event becomes a
 //! [`SkippedEvent`] and the rest of its batch still decodes. Only bytes that are not msgpack at
 //! all (truncated input, reserved markers, nesting deeper than [`MAX_DEPTH`]) or a malformed
 //! envelope fail the whole batch, as a typed [`DecodeError`].
 //!
+//! The deserializer is the crate's own (`msgpack`): `rmp-serde`'s self-describing path over a
+//! byte slice, value for value and error for error, plus two hooks a visitor may use. Token ids
+//! and block hashes go through the *raw-array* hook: the whole array is decoded from its raw
+//! bytes in one loop (`fast`; branchless for token ids) and, at the first element that loop does
+//! not handle (SGLang's `[a, b]` pairs, a wrong type, an id out of `u32` range, truncation), the
+//! array is decoded again through its visitor, so what is accepted and what is skipped does not
+//! change. Map keys and event tags are matched as bytes through the *raw-string* hook (no UTF-8
+//! check for a handful of ASCII names). Unit tests run every visitor on both this deserializer
+//! and `rmp-serde`'s, on random and mutated payloads, and compare.
+//!
 //! Preallocations driven by wire lengths are capped at [`MAX_PREALLOC`] elements and
 //! [`MAX_PREALLOC_BYTES`] bytes, so a forged `array32` header cannot allocate gigabytes: memory
-//! stays proportional to the payload (plus a small constant).
+//! stays proportional to the payload (plus a small constant). The fast paths reserve one output
+//! element per element they are about to decode, and refuse a header claiming more elements than
+//! bytes remain, so theirs stays within 4 (token ids) or 8 (hashes) bytes per input byte.
 
 use std::fmt;
 
 use serde::Deserialize;
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use crate::counters::Reason;
+
+mod fast;
+mod msgpack;
+
+use msgpack::{RAW_ARRAY, RAW_STR, SliceDeserializer, raw_array};
 
 /// Largest number of elements preallocated from a msgpack length header.
 pub const MAX_PREALLOC: usize = 4096;
@@ -55,8 +72,10 @@ pub struct SkippedEvent {
 /// One KV-cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// A run of blocks became cached.
-    BlockStored(BlockStored),
+    /// A run of blocks became cached (boxed: it is several times the size of the other
+    /// variants, and a batch of one-block removes would otherwise move and reserve that much
+    /// per event).
+    BlockStored(Box<BlockStored>),
     /// Blocks were evicted.
     BlockRemoved(BlockRemoved),
     /// Every block of the source was dropped (all tiers).
@@ -187,6 +206,17 @@ impl DecodeError {
 /// A [`DecodeError`] when the payload is not msgpack or its envelope is malformed; a malformed
 /// *event* never fails the batch (see [`EventBatch::skipped`]).
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+    let mut de = SliceDeserializer::new(payload, MAX_DEPTH);
+    let BatchOut(result) = BatchOut::deserialize(&mut de)?;
+    result
+}
+
+/// [`decode_batch`] on `rmp-serde`'s own deserializer, where the raw-array and raw-string hooks
+/// do not exist: every token id, hash, key and tag goes through the visitors. The reference the
+/// fast paths are tested against (unit tests, and the fuzz target under `cfg(fuzzing)`).
+#[cfg(any(test, fuzzing))]
+#[doc(hidden)]
+pub fn decode_batch_rmp_serde(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut de = rmp_serde::Deserializer::from_read_ref(payload);
     de.set_max_depth(MAX_DEPTH);
     let BatchOut(result) = BatchOut::deserialize(&mut de)?;
@@ -362,8 +392,38 @@ enum Tag {
     NotStr,
 }
 
+impl Tag {
+    /// The tag a string's bytes name (`utf8`: whether they are valid UTF-8, checked only for
+    /// an unknown tag).
+    fn of(bytes: &[u8], utf8: impl FnOnce() -> bool) -> Self {
+        match bytes {
+            b"BlockStored" => Tag::Stored,
+            b"BlockRemoved" => Tag::Removed,
+            b"AllBlocksCleared" => Tag::Cleared,
+            // A string that is not UTF-8 is offered as a bin, and a bin is not a tag.
+            _ if utf8() => Tag::Unknown,
+            _ => Tag::NotStr,
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for Tag {
+    /// Through the raw-string hook ([`msgpack`]) when the deserializer has it.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Hook;
+        impl<'de> Visitor<'de> for Hook {
+            type Value = Tag;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an event tag")
+            }
+            fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Tag, D::Error> {
+                d.deserialize_any(V)
+            }
+            /// A string's unchecked bytes.
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Tag, E> {
+                Ok(Tag::of(v, || std::str::from_utf8(v).is_ok()))
+            }
+        }
         struct V;
         impl<'de> Visitor<'de> for V {
             type Value = Tag;
@@ -371,16 +431,11 @@ impl<'de> Deserialize<'de> for Tag {
                 f.write_str("an event tag")
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Tag, E> {
-                Ok(match v {
-                    "BlockStored" => Tag::Stored,
-                    "BlockRemoved" => Tag::Removed,
-                    "AllBlocksCleared" => Tag::Cleared,
-                    _ => Tag::Unknown,
-                })
+                Ok(Tag::of(v.as_bytes(), || true))
             }
             tolerate!(Tag::NotStr; bool, i64, u64, f64, bytes, unit, seq, map, newtype);
         }
-        d.deserialize_any(V)
+        d.deserialize_newtype_struct(RAW_STR, Hook)
     }
 }
 
@@ -410,8 +465,53 @@ enum Key {
     Other,
 }
 
+impl Key {
+    /// The key a string's bytes name (bytes that are not UTF-8 name none).
+    fn of(bytes: &[u8]) -> Self {
+        match bytes {
+            b"type" => Key::Type,
+            b"block_hashes" => Key::BlockHashes,
+            b"parent_block_hash" => Key::ParentBlockHash,
+            b"token_ids" => Key::TokenIds,
+            b"block_size" => Key::BlockSize,
+            b"lora_id" => Key::LoraId,
+            b"medium" => Key::Medium,
+            b"lora_name" => Key::LoraName,
+            b"extra_keys" => Key::ExtraKeys,
+            b"group_idx" => Key::GroupIdx,
+            b"kv_cache_spec_kind" => Key::KvCacheSpecKind,
+            b"kv_cache_spec_sliding_window" => Key::KvCacheSpecSlidingWindow,
+            b"locality" => Key::Locality,
+            b"ownership" => Key::Ownership,
+            b"session_id" => Key::SessionId,
+            b"cache_salt" => Key::CacheSalt,
+            b"metadata" => Key::Metadata,
+            b"ts" => Key::Ts,
+            b"events" => Key::Events,
+            b"data_parallel_rank" | b"attn_dp_rank" => Key::DpRank,
+            _ => Key::Other,
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for Key {
+    /// Through the raw-string hook ([`msgpack`]) when the deserializer has it: every known key is
+    /// ASCII, so matching unchecked bytes gives what matching the checked string would.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Hook;
+        impl<'de> Visitor<'de> for Hook {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map key")
+            }
+            fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Key, D::Error> {
+                d.deserialize_any(V)
+            }
+            /// A string's unchecked bytes.
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Key, E> {
+                Ok(Key::of(v))
+            }
+        }
         struct V;
         impl<'de> Visitor<'de> for V {
             type Value = Key;
@@ -419,33 +519,11 @@ impl<'de> Deserialize<'de> for Key {
                 f.write_str("a map key")
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
-                Ok(match v {
-                    "type" => Key::Type,
-                    "block_hashes" => Key::BlockHashes,
-                    "parent_block_hash" => Key::ParentBlockHash,
-                    "token_ids" => Key::TokenIds,
-                    "block_size" => Key::BlockSize,
-                    "lora_id" => Key::LoraId,
-                    "medium" => Key::Medium,
-                    "lora_name" => Key::LoraName,
-                    "extra_keys" => Key::ExtraKeys,
-                    "group_idx" => Key::GroupIdx,
-                    "kv_cache_spec_kind" => Key::KvCacheSpecKind,
-                    "kv_cache_spec_sliding_window" => Key::KvCacheSpecSlidingWindow,
-                    "locality" => Key::Locality,
-                    "ownership" => Key::Ownership,
-                    "session_id" => Key::SessionId,
-                    "cache_salt" => Key::CacheSalt,
-                    "metadata" => Key::Metadata,
-                    "ts" => Key::Ts,
-                    "events" => Key::Events,
-                    "data_parallel_rank" | "attn_dp_rank" => Key::DpRank,
-                    _ => Key::Other,
-                })
+                Ok(Key::of(v.as_bytes()))
             }
             tolerate!(Key::Other; bool, i64, u64, f64, bytes, unit, seq, map, newtype);
         }
-        d.deserialize_any(V)
+        d.deserialize_newtype_struct(RAW_STR, Hook)
     }
 }
 
@@ -479,7 +557,28 @@ impl<'de> Deserialize<'de> for HashItem {
 struct HashList(Result<Vec<u64>, Bad>);
 
 impl<'de> Deserialize<'de> for HashList {
+    /// Through the raw-array hook ([`msgpack`]): [`fast::hashes`] when every element is an int or
+    /// a `bin8`, else the visitor below.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Hook;
+        impl<'de> Visitor<'de> for Hook {
+            type Value = HashList;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array of block hashes")
+            }
+            fn visit_newtype_struct<D: Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<HashList, D::Error> {
+                d.deserialize_any(V)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, raw: A) -> Result<HashList, A::Error> {
+                let fast = |bytes: &[u8], count| {
+                    fast::hashes(bytes, count).map(|(hashes, used)| (HashList(Ok(hashes)), used))
+                };
+                raw_array(raw, fast, Slow(V))
+            }
+        }
         struct V;
         impl<'de> Visitor<'de> for V {
             type Value = HashList;
@@ -499,7 +598,18 @@ impl<'de> Deserialize<'de> for HashList {
             }
             tolerate!(HashList(Err(Bad)); bool, i64, u64, f64, str, bytes, unit, map, newtype);
         }
-        d.deserialize_any(V)
+        d.deserialize_newtype_struct(RAW_ARRAY, Hook)
+    }
+}
+
+/// Deserializes with a visitor through `deserialize_any` (the slow side of the raw-array hook).
+struct Slow<V>(V);
+
+impl<'de, V: Visitor<'de>> DeserializeSeed<'de> for Slow<V> {
+    type Value = V::Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<V::Value, D::Error> {
+        d.deserialize_any(self.0)
     }
 }
 
@@ -556,7 +666,29 @@ struct Tokens {
 struct TokenList(Result<Tokens, Bad>);
 
 impl<'de> Deserialize<'de> for TokenList {
+    /// Through the raw-array hook ([`msgpack`]): [`fast::token_ids`] when every element is an int
+    /// in `0..=u32::MAX`, else (pairs, wrong types, out of range, truncated) the visitor below.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Hook;
+        impl<'de> Visitor<'de> for Hook {
+            type Value = TokenList;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array of token ids")
+            }
+            fn visit_newtype_struct<D: Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<TokenList, D::Error> {
+                d.deserialize_any(V)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, raw: A) -> Result<TokenList, A::Error> {
+                let fast = |bytes: &[u8], count| {
+                    fast::token_ids(bytes, count)
+                        .map(|(ids, used)| (TokenList(Ok(Tokens { ids, pairs: false })), used))
+                };
+                raw_array(raw, fast, Slow(V))
+            }
+        }
         struct V;
         impl<'de> Visitor<'de> for V {
             type Value = TokenList;
@@ -598,7 +730,7 @@ impl<'de> Deserialize<'de> for TokenList {
             tolerate!(TokenList(Ok(Tokens::default())); unit);
             tolerate!(TokenList(Err(Bad)); bool, i64, u64, f64, str, bytes, map, newtype);
         }
-        d.deserialize_any(V)
+        d.deserialize_newtype_struct(RAW_ARRAY, Hook)
     }
 }
 
@@ -894,7 +1026,7 @@ impl Raw {
         .into_iter()
         .find_map(|(salt, source)| non_empty(salt).map(|s| (Some(s), Some(source))))
         .unwrap_or((None, None));
-        Ok(Event::BlockStored(BlockStored {
+        Ok(Event::BlockStored(Box::new(BlockStored {
             block_hashes,
             parent_block_hash,
             token_ids: tokens.ids,
@@ -915,7 +1047,7 @@ impl Raw {
             locality: opt_str(self.locality, "`locality` is not a string")?,
             ownership: opt_str(self.ownership, "`ownership` is not a string")?,
             session_id: opt_str(self.session_id, "`session_id` is not a string")?,
-        }))
+        })))
     }
 }
 
@@ -1146,16 +1278,4 @@ fn not_a_batch(found: &'static str) -> BatchOut {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bin_hash_takes_the_last_eight_bytes_and_left_pads() {
-        assert_eq!(bin_hash(&[]), 0);
-        assert_eq!(bin_hash(&[1, 2]), 0x0102);
-        let mut long = [0u8; 32];
-        long[24..].copy_from_slice(&0x1122_3344_5566_7788u64.to_be_bytes());
-        long[0] = 0xff;
-        assert_eq!(bin_hash(&long), 0x1122_3344_5566_7788);
-    }
-}
+mod tests;

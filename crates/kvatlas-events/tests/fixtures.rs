@@ -44,14 +44,14 @@ fn real_vllm_0_33_0_batch_decodes_to_the_annotated_values() {
                 locality: None,
                 ownership: None,
             }),
-            Event::BlockStored(BlockStored {
+            Event::BlockStored(Box::new(BlockStored {
                 block_hashes: vec![H_0_33],
                 parent_block_hash: Some(H2),
                 token_ids: (1032..=1047).collect(),
                 block_size: Some(16),
                 medium: Some("CPU".into()),
                 ..BlockStored::default()
-            }),
+            })),
         ]
     );
 }
@@ -76,7 +76,7 @@ fn real_vllm_0_23_0_array_layout() {
     assert_eq!(
         batch.events,
         vec![
-            Event::BlockStored(BlockStored {
+            Event::BlockStored(Box::new(BlockStored {
                 block_hashes: vec![H1, H2],
                 parent_block_hash: None,
                 token_ids: vec![1000, 1001, 1002, 1003],
@@ -84,7 +84,7 @@ fn real_vllm_0_23_0_array_layout() {
                 medium: Some("GPU".into()),
                 group_idx: Some(0),
                 ..BlockStored::default()
-            }),
+            })),
             Event::BlockRemoved(BlockRemoved {
                 block_hashes: vec![H2],
                 medium: Some("GPU".into()),
@@ -375,6 +375,46 @@ fn nesting_beyond_the_depth_limit_is_an_error_not_a_stack_overflow() {
     bytes.extend(std::iter::repeat_n(0x91, 100_000));
     bytes.push(0xc0);
     assert!(matches!(decode_batch(&bytes), Err(DecodeError::Msgpack(_))));
+}
+
+#[test]
+fn token_ids_in_every_int_width_decode_at_their_boundaries() {
+    let batch = decode(&token_id_widths());
+    assert!(batch.skipped.is_empty(), "{:?}", batch.skipped);
+    assert_eq!(batch.dp_rank, None);
+    let first = stored(&batch.events[0]);
+    assert_eq!(
+        first.token_ids,
+        [0, 0x7f, 0x80, 0xff, 0x100, 0xffff, 0x1_0000, u32::MAX]
+    );
+    assert!(!first.pair_encoded);
+    let second = stored(&batch.events[1]);
+    assert_eq!(
+        second.token_ids,
+        [0x7f, 0x7fff, 0x7fff_ffff, u32::MAX, u32::MAX, 0, 0, 5]
+    );
+    assert_eq!(second.parent_block_hash, Some(H2));
+}
+
+#[test]
+fn token_ids_the_fast_path_declines_keep_their_meaning() {
+    let batch = decode(&token_id_fallbacks());
+    let skipped: Vec<(usize, Reason, &str)> = batch
+        .skipped
+        .iter()
+        .map(|s| (s.index, s.reason, s.detail))
+        .collect();
+    let detail = "`token_ids` is not an array of u32 or pairs";
+    assert_eq!(
+        skipped,
+        [1, 2, 3, 4].map(|index| (index, Reason::MalformedEvent, detail))
+    );
+    assert_eq!(batch.events.len(), 3);
+    assert_eq!(stored(&batch.events[0]).token_ids, [1, 2]);
+    let pairs = stored(&batch.events[1]);
+    assert!(pairs.pair_encoded);
+    assert_eq!(pairs.token_ids, [5, 6, 7]);
+    assert_eq!(stored(&batch.events[2]).token_ids, [0x1234, 5]);
 }
 
 /// Writes every fixture as a file when `KVATLAS_WRITE_CORPUS=<dir>` is set (the fuzz seed

@@ -583,6 +583,58 @@ pub fn negative_dp_rank() -> Vec<u8> {
     w.bytes()
 }
 
+/// Token ids in every msgpack int form the decoder's fast path takes, at each width's
+/// boundaries: positive fixint, `uint8/16/32`, non-negative `int8/16/32/64` and a `uint64` that
+/// fits in 32 bits. A positional store (two 4-token blocks) and a map store whose `token_ids`
+/// ends the payload (a 2-element batch), so the last ids are read near the end of the input.
+pub fn token_id_widths() -> Vec<u8> {
+    let mut w = W::new();
+    w.arr(2).f(TS).arr(2);
+    w.arr(7).s("BlockStored").u64s(&[H1, H2]).nil().arr(8);
+    w.0.extend([0x00, 0x7f, 0xcc, 0x80, 0xcc, 0xff, 0xcd, 0x01, 0x00]);
+    w.0.extend([0xcd, 0xff, 0xff, 0xce, 0x00, 0x01, 0x00, 0x00]);
+    w.0.extend([0xce, 0xff, 0xff, 0xff, 0xff]);
+    w.u(4).nil().s("GPU");
+    w.map(5)
+        .s("type")
+        .s("BlockStored")
+        .s("block_hashes")
+        .u64s(&[H3, H1]);
+    w.s("parent_block_hash").u64(H2).s("block_size").u(4);
+    w.s("token_ids").arr(8);
+    w.0.extend([0xd0, 0x7f, 0xd1, 0x7f, 0xff, 0xd2, 0x7f, 0xff, 0xff, 0xff]);
+    w.0.extend([0xd3, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]);
+    w.0.extend([
+        0xcf, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xcf, 0, 0, 0, 0, 0, 0, 0, 0,
+    ]);
+    w.0.extend([0xd0, 0x00, 0xd3, 0, 0, 0, 0, 0, 0, 0, 0x05]);
+    w.bytes()
+}
+
+/// `token_ids` arrays the fast path hands back to the visitors, between good stores: an id of
+/// 2^32, a negative `int8`, a float, a plain id followed by a pair, and a pair-encoded page
+/// (SGLang EAGLE) — the first four are malformed, the pairs decode.
+pub fn token_id_fallbacks() -> Vec<u8> {
+    let store = |w: &mut W, hash: u64, tokens: &[u8]| {
+        w.arr(6).s("BlockStored").u64s(&[hash]).nil().arr(2);
+        w.0.extend_from_slice(tokens);
+        w.u(2).nil();
+    };
+    let mut w = W::new();
+    w.arr(3).f(TS).arr(7);
+    store(&mut w, H1, &[0x01, 0x02]);
+    store(&mut w, H2, &[0x01, 0xcf, 0, 0, 0, 1, 0, 0, 0, 0]);
+    store(&mut w, H2, &[0xd0, 0xff, 0x02]);
+    store(&mut w, H2, &[0x01, 0xca, 0x3f, 0x80, 0, 0]);
+    store(&mut w, H2, &[0x01, 0x92, 0x02, 0x03]);
+    w.arr(6).s("BlockStored").u64s(&[H3]).nil().arr(2);
+    w.arr(2).u(5).u(6).arr(2).u(6).u(7);
+    w.u(2).nil();
+    store(&mut w, H1, &[0xcd, 0x12, 0x34, 0x05]);
+    w.u(0);
+    w.bytes()
+}
+
 /// Every fixture, named (the fuzz seed corpus).
 pub fn all() -> Vec<(&'static str, Vec<u8>)> {
     vec![
@@ -609,5 +661,7 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         ("map_batch_attn_dp_rank", map_batch_attn_dp_rank()),
         ("tokenless_offload", tokenless_offload()),
         ("negative_dp_rank", negative_dp_rank()),
+        ("token_id_widths", token_id_widths()),
+        ("token_id_fallbacks", token_id_fallbacks()),
     ]
 }
