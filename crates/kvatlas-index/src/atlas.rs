@@ -651,6 +651,8 @@ struct Scratch {
     /// prefix closure such a rank holds the whole path to the edge on that level, so it
     /// continued past the root edge: its entry is this query's.
     index_of_slot: Vec<u32>,
+    /// Device-only walk: per row of the answer, whether the rank still matches.
+    alive: Vec<bool>,
 }
 
 thread_local! {
@@ -889,13 +891,17 @@ impl Atlas {
         let Some(root) = forest.branches.get(&forest.edges, NIL, 0, *first) else {
             return;
         };
-        // Levels followed: only the device level unless the tiered view is wanted.
-        let tracked: u8 = if tiered { 0b111 } else { 0b001 };
+        if !tiered {
+            return self.walk_device(query, root, out);
+        }
+        // Levels followed: all three (the device-only walk is `walk_device`).
+        let tracked: u8 = 0b111;
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             let Scratch {
                 states,
                 index_of_slot,
+                ..
             } = &mut *scratch;
             if index_of_slot.len() < forest.slot_workers.len() {
                 index_of_slot.resize(forest.slot_workers.len(), 0);
@@ -967,6 +973,92 @@ impl Atlas {
                         host: *device,
                         disk: *device,
                     });
+                }
+            }
+        });
+    }
+}
+
+impl Atlas {
+    /// The walk for device-only queries (the routing hot path): one level, rows written
+    /// straight into the answer — one pass over the root edge's covers, then in-place updates
+    /// of the ranks that continue.
+    fn walk_device(&self, query: &[LocalBlockHash], root: u32, out: &mut Vec<WorkerMatch>) {
+        let forest = &self.forest;
+        SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            let Scratch {
+                index_of_slot,
+                alive,
+                ..
+            } = &mut *scratch;
+            if index_of_slot.len() < forest.slot_workers.len() {
+                index_of_slot.resize(forest.slot_workers.len(), 0);
+            }
+            let e = &forest.edges[root as usize];
+            let span = e.locals.len().min(query.len());
+            let m = common_prefix(&e.locals[..span], &query[..span]) as u32;
+            let continues = (m as usize) < query.len();
+            alive.clear();
+            out.reserve(e.covers.len());
+            let mut any_alive = false;
+            for cover in &e.covers {
+                let bound = cover.bounds[0];
+                if bound == 0 {
+                    // Held on lower tiers only: no device match, no row.
+                    continue;
+                }
+                let score = bound.min(m);
+                let goes_on = bound >= m && continues;
+                if goes_on {
+                    index_of_slot[cover.slot as usize] = out.len() as u32;
+                    any_alive = true;
+                }
+                alive.push(goes_on);
+                out.push(WorkerMatch {
+                    worker: forest.slot_workers[cover.slot as usize],
+                    device: score,
+                    host: score,
+                    disk: score,
+                });
+            }
+            let mut edge = root;
+            let mut matched = m;
+            while any_alive {
+                let at = forest.edges[edge as usize].depth as usize + matched as usize;
+                let Some(child) = forest.branches.get(&forest.edges, edge, matched, query[at])
+                else {
+                    break;
+                };
+                edge = child;
+                let e = &forest.edges[edge as usize];
+                let depth = e.depth as usize;
+                let span = e.locals.len().min(query.len() - depth);
+                matched = common_prefix(&e.locals[..span], &query[depth..depth + span]) as u32;
+                let continues = depth + (matched as usize) < query.len();
+                any_alive = false;
+                for cover in &e.covers {
+                    let bound = cover.bounds[0];
+                    if bound == 0 {
+                        // Lower tiers only: this rank may have stopped at the root edge, with no
+                        // row written this query.
+                        continue;
+                    }
+                    // By prefix closure a rank with device blocks here held the whole path on
+                    // the device: it continued past every edge so far and has this query's row.
+                    let row = index_of_slot[cover.slot as usize] as usize;
+                    let (Some(goes_on), Some(answer)) = (alive.get_mut(row), out.get_mut(row))
+                    else {
+                        debug_assert!(false, "a device cover without a row");
+                        continue;
+                    };
+                    if !*goes_on {
+                        continue;
+                    }
+                    let score = e.depth + bound.min(matched);
+                    (answer.device, answer.host, answer.disk) = (score, score, score);
+                    *goes_on = bound >= matched && continues;
+                    any_alive |= *goes_on;
                 }
             }
         });
