@@ -465,6 +465,9 @@ struct Sink<'a> {
     forest: &'a mut Forest,
     slot: u32,
     pending: Pending,
+    /// Blocks the ledger announced it may still add along the current path ([`Membership::expect`]):
+    /// a new or extended run of locals reserves exactly that much instead of doubling.
+    expected: usize,
 }
 
 /// A run of same-kind membership changes of one rank on one edge, at one level, over the
@@ -492,6 +495,7 @@ impl<'a> Sink<'a> {
             forest,
             slot,
             pending: Pending::None,
+            expected: 0,
         }
     }
 
@@ -539,13 +543,20 @@ impl Membership for Sink<'_> {
             // A pending removal defers truncating its edge; settle it before the shape changes.
             self.flush();
         }
+        let remaining = std::mem::take(&mut self.expected).max(1);
+        self.expected = remaining - 1;
         let forest = &mut *self.forest;
+        let new_run = || {
+            let mut locals = Vec::with_capacity(remaining);
+            locals.push(local);
+            locals
+        };
         let Some(parent) = parent else {
             if let Some(edge) = forest.branches.get(&forest.edges, NIL, 0, local) {
                 return NodeRef { edge, offset: 0 };
             }
             let edge = forest.new_edge(Edge {
-                locals: vec![local],
+                locals: new_run(),
                 parent: NIL,
                 ..Edge::default()
             });
@@ -569,14 +580,18 @@ impl Membership for Sink<'_> {
         }
         if target as usize == len {
             // The path extends the edge's last block: append in place.
-            forest.edges[parent.edge as usize].locals.push(local);
+            let locals = &mut forest.edges[parent.edge as usize].locals;
+            if locals.len() == locals.capacity() {
+                locals.reserve_exact(remaining);
+            }
+            locals.push(local);
             return NodeRef {
                 edge: parent.edge,
                 offset: target,
             };
         }
         let edge = forest.new_edge(Edge {
-            locals: vec![local],
+            locals: new_run(),
             depth,
             parent: parent.edge,
             attach: target,
@@ -591,6 +606,10 @@ impl Membership for Sink<'_> {
 
     fn local(&self, node: NodeRef) -> LocalBlockHash {
         self.forest.edges[node.edge as usize].locals[node.offset as usize]
+    }
+
+    fn expect(&mut self, blocks: usize) {
+        self.expected = blocks;
     }
 
     fn add(&mut self, node: NodeRef, level: Level) {
@@ -1085,7 +1104,10 @@ impl KvIndex for Atlas {
     fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
         let mut report = ApplyReport::default();
         let worker = mutation.worker();
-        let held_before = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
+        let held_before = match self.bound {
+            Some(_) => self.ledgers.get(&worker).map_or(0, |(_, l)| l.len()),
+            None => 0,
+        };
         let clock = self.bound.as_ref().map(|b| b.clock);
         match mutation {
             Mutation::Stored {

@@ -156,6 +156,12 @@ pub(crate) trait Membership {
     /// One more rooted block of this worker at `node`, at `level`.
     fn add(&mut self, node: Self::Node, level: Level);
 
+    /// A hint: about `blocks` more nodes may be asked for along one path (a stored run), so
+    /// storage for them can be reserved at once. Default: ignored.
+    fn expect(&mut self, blocks: usize) {
+        let _ = blocks;
+    }
+
     /// One fewer rooted block of this worker at `node`, at `level`. After the last membership
     /// of every worker is gone from a node and its descendants, the backend may free it.
     fn remove(&mut self, node: Self::Node, level: Level);
@@ -416,6 +422,7 @@ impl<N: NodeBits> Ledger<N> {
         }
     }
 
+    #[inline]
     fn find(&self, external: ExternalBlockHash) -> Option<u32> {
         let slots = &self.slots;
         self.table.find(hash_of(external), |i| {
@@ -481,6 +488,7 @@ impl<N: NodeBits> Ledger<N> {
             _ => None,
         };
         let mut previous = parent;
+        sink.expect(blocks.len());
         for block in blocks {
             match self.find(block.external) {
                 Some(slot) => {
