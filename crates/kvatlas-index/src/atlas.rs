@@ -1000,8 +1000,8 @@ impl Atlas {
 
 impl Atlas {
     /// The walk for device-only queries (the routing hot path): one level, rows written
-    /// straight into the answer — one pass over the root edge's covers, then in-place updates
-    /// of the ranks that continue.
+    /// straight into `out` (replacing its contents) — one pass over the root edge's covers,
+    /// then in-place updates of the ranks that continue.
     fn walk_device(&self, query: &[LocalBlockHash], root: u32, out: &mut Vec<WorkerMatch>) {
         let forest = &self.forest;
         SCRATCH.with(|scratch| {
@@ -1018,28 +1018,31 @@ impl Atlas {
             let span = e.locals.len().min(query.len());
             let m = common_prefix(&e.locals[..span], &query[..span]) as u32;
             let continues = (m as usize) < query.len();
-            alive.clear();
-            out.reserve(e.covers.len());
-            let mut any_alive = false;
-            for cover in &e.covers {
-                let bound = cover.bounds[0];
-                if bound == 0 {
-                    // Held on lower tiers only: no device match, no row.
-                    continue;
-                }
-                let score = bound.min(m);
-                let goes_on = bound >= m && continues;
-                if goes_on {
-                    index_of_slot[cover.slot as usize] = out.len() as u32;
-                    any_alive = true;
-                }
-                alive.push(goes_on);
-                out.push(WorkerMatch {
-                    worker: forest.slot_workers[cover.slot as usize],
+            // One row per cover, in two tight passes; a rank holding the edge on lower tiers
+            // only (bound 0: score 0, never continuing) is dropped at the end.
+            let workers = &forest.slot_workers;
+            out.clear();
+            out.extend(e.covers.iter().map(|cover| {
+                let score = cover.bounds[0].min(m);
+                WorkerMatch {
+                    worker: workers[cover.slot as usize],
                     device: score,
                     host: score,
                     disk: score,
-                });
+                }
+            }));
+            alive.clear();
+            alive.extend(
+                e.covers
+                    .iter()
+                    .map(|cover| cover.bounds[0] >= m && continues),
+            );
+            let mut any_alive = false;
+            for (row, (cover, &goes_on)) in e.covers.iter().zip(alive.iter()).enumerate() {
+                if goes_on {
+                    index_of_slot[cover.slot as usize] = row as u32;
+                    any_alive = true;
+                }
             }
             let mut edge = root;
             let mut matched = m;
@@ -1079,6 +1082,10 @@ impl Atlas {
                     *goes_on = bound >= matched && continues;
                     any_alive |= *goes_on;
                 }
+            }
+            // The root edge matched at least its first block, so only those ranks scored 0.
+            if out.iter().any(|row| row.device == 0) {
+                out.retain(|row| row.device > 0);
             }
         });
     }
