@@ -932,12 +932,14 @@ impl Atlas {
             let m = common_prefix(&e.locals[..span], &query[..span]) as u32;
             let continues = (m as usize) < query.len();
             states.clear();
-            let mut any_alive = false;
-            for (i, cover) in e.covers.iter().enumerate() {
+            states.extend(e.covers.iter().map(|cover| {
                 let mut score = [0; LEVELS];
                 let next = score_cover(cover, 0, m, continues, tracked, &mut score);
-                states.push((score, next));
-                if next != 0 {
+                (score, next)
+            }));
+            let mut any_alive = false;
+            for (i, (cover, (_, next))) in e.covers.iter().zip(states.iter()).enumerate() {
+                if *next != 0 {
                     index_of_slot[cover.slot as usize] = i as u32;
                     any_alive = true;
                 }
@@ -959,41 +961,35 @@ impl Atlas {
                 let continues = depth + (matched as usize) < query.len();
                 any_alive = false;
                 for cover in &e.covers {
-                    if !tiered && cover.bounds[0] == 0 {
-                        // A rank covering this edge only on levels the query does not follow
-                        // may have stopped at the root edge, with no row written this query.
+                    // Every level is followed: a rank covering this edge holds the path to it
+                    // on some level, so it continued past the root edge (row of this query).
+                    let row = index_of_slot[cover.slot as usize] as usize;
+                    let Some((score, state)) = states.get_mut(row) else {
+                        debug_assert!(false, "a cover without a row");
                         continue;
-                    }
-                    let (score, state) = &mut states[index_of_slot[cover.slot as usize] as usize];
+                    };
                     if *state != 0 {
                         *state = score_cover(cover, e.depth, matched, continues, *state, score);
                         any_alive |= *state != 0;
                     }
                 }
             }
-            out.reserve(states.len());
-            for (cover, ([device, host, disk], _)) in
-                forest.edges[root as usize].covers.iter().zip(states.iter())
-            {
-                let worker = forest.slot_workers[cover.slot as usize];
-                if tiered {
-                    if *disk > 0 {
-                        out.push(WorkerMatch {
-                            worker,
-                            device: *device,
-                            host: *host,
-                            disk: *disk,
-                        });
-                    }
-                } else if *device > 0 {
-                    out.push(WorkerMatch {
-                        worker,
-                        device: *device,
-                        host: *device,
-                        disk: *device,
-                    });
-                }
-            }
+            // Every cover holds at least the edge's first block on some tier and the query
+            // matched it: every row has `disk >= 1`.
+            let workers = &forest.slot_workers;
+            out.clear();
+            out.extend(
+                forest.edges[root as usize]
+                    .covers
+                    .iter()
+                    .zip(states.iter())
+                    .map(|(cover, &([device, host, disk], _))| WorkerMatch {
+                        worker: workers[cover.slot as usize],
+                        device,
+                        host,
+                        disk,
+                    }),
+            );
         });
     }
 }

@@ -388,6 +388,8 @@ impl<N: NodeBits> Ledger<N> {
         (self.table.heap_bytes()
             + self.slots.capacity() * std::mem::size_of::<Slot>()
             + self.scratch.capacity() * 8
+            + self.touched.capacity() * 4
+            + self.deletions.capacity() * 8
             + dangling) as u64
     }
 
