@@ -31,7 +31,7 @@
 
 use std::cell::RefCell;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::BinaryHeap;
 
 use kvatlas_hash::LocalBlockHash;
 use std::hash::BuildHasher;
@@ -711,7 +711,9 @@ fn score_cover(
 #[derive(Debug, Clone, Default)]
 pub struct Atlas {
     forest: Forest,
-    ledgers: BTreeMap<Worker, (u32, Ledger<NodeRef>)>,
+    /// Per rank: its slot in the forest and its ledger (hashed: looked up on every mutation;
+    /// listings sort by rank).
+    ledgers: FxHashMap<Worker, (u32, Ledger<NodeRef>)>,
     /// Slots of ranks that left, for reuse.
     free_slots: Vec<u32>,
     /// The optional capacity bound and its eviction state.
@@ -1146,12 +1148,13 @@ impl KvIndex for Atlas {
     }
 
     fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
-        let ranks: Vec<Worker> = self
+        let mut ranks: Vec<Worker> = self
             .ledgers
             .keys()
             .filter(|w| w.worker_id == worker_id)
             .copied()
             .collect();
+        ranks.sort_unstable();
         let mut report = ApplyReport::default();
         for worker in ranks {
             report.cleared += self.clear_worker(worker);
@@ -1181,7 +1184,7 @@ impl KvIndex for Atlas {
     }
 
     fn snapshot(&self) -> Snapshot {
-        let workers = self
+        let mut workers: Vec<WorkerSnapshot> = self
             .ledgers
             .iter()
             .map(|(worker, (_, ledger))| WorkerSnapshot {
@@ -1192,6 +1195,7 @@ impl KvIndex for Atlas {
             })
             .filter(|w| !w.blocks.is_empty())
             .collect();
+        workers.sort_unstable_by_key(|w| w.worker);
         Snapshot { workers }
     }
 
@@ -1217,7 +1221,7 @@ impl KvIndex for Atlas {
     }
 
     fn stats(&self) -> IndexStats {
-        let workers: Vec<WorkerBlocks> = self
+        let mut workers: Vec<WorkerBlocks> = self
             .ledgers
             .iter()
             .map(|(worker, (_, ledger))| WorkerBlocks {
@@ -1225,6 +1229,7 @@ impl KvIndex for Atlas {
                 per_tier: ledger.per_tier(),
             })
             .collect();
+        workers.sort_unstable_by_key(|w| w.worker);
         IndexStats {
             memberships: workers.iter().flat_map(|w| w.per_tier).sum(),
             heap_bytes: self.forest.heap_bytes()
