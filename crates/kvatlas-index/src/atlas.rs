@@ -43,7 +43,7 @@ use crate::backend::KvIndex;
 use crate::ledger::{Ledger, Membership, NodeBits};
 use crate::model::{
     ApplyReport, ExternalBlockHash, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation,
-    TierSet, Worker, WorkerBlocks, WorkerMatch,
+    TierSet, Worker, WorkerBlocks, WorkerMatch, table_bytes,
 };
 use crate::snapshot::{Snapshot, WorkerSnapshot};
 
@@ -369,7 +369,7 @@ impl Forest {
             .iter()
             .map(|e| e.locals.capacity() * 8 + e.covers.capacity() * std::mem::size_of::<Cover>())
             .sum();
-        let multiple_entry = std::mem::size_of::<((u32, u32), ExplicitCounts)>() + 1;
+        let multiple_entry = std::mem::size_of::<((u32, u32), ExplicitCounts)>();
         let multiple_counts: usize = self
             .multiple
             .values()
@@ -377,8 +377,8 @@ impl Forest {
             .sum();
         (self.edges.capacity() * std::mem::size_of::<Edge>()
             + per_edge
-            + self.branches.table.capacity() * 5
-            + self.multiple.capacity() * multiple_entry
+            + table_bytes(self.branches.table.capacity(), 4)
+            + table_bytes(self.multiple.capacity(), multiple_entry)
             + multiple_counts
             + self.free_edges.capacity() * 4
             + self.slot_workers.capacity() * std::mem::size_of::<Worker>()) as u64

@@ -96,6 +96,7 @@ use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::backend::SharedKvIndex;
 use crate::ledger::{Ledger, Membership, NodeBits};
+use crate::model::table_bytes;
 use crate::model::{
     ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerBlocks,
     WorkerMatch,
@@ -265,7 +266,7 @@ impl Children {
         match self {
             Children::None | Children::One(..) => 0,
             Children::Few(few) => few.capacity() * entry,
-            Children::Many(many) => many.capacity() * (entry + 1),
+            Children::Many(many) => table_bytes(many.capacity(), entry),
         }
     }
 }
@@ -524,7 +525,10 @@ impl Tree {
     /// Heap bytes of the tree (a walk from the roots; approximate under concurrent writes).
     fn heap_bytes(&self) -> u64 {
         let node_bytes = std::mem::size_of::<Node>() + 2 * std::mem::size_of::<usize>();
-        let mut total = self.roots.capacity() * (std::mem::size_of::<(u64, Arc<Node>)>() + 1);
+        let mut total = table_bytes(
+            self.roots.capacity(),
+            std::mem::size_of::<(u64, Arc<Node>)>(),
+        );
         let mut stack: Vec<Arc<Node>> = self.roots.iter().map(|e| Arc::clone(e.value())).collect();
         while let Some(node) = stack.pop() {
             let state = node.state.read();
@@ -994,7 +998,10 @@ impl SharedKvIndex for ConcurrentRadixTree {
 
     fn stats(&self) -> IndexStats {
         let mut heap = self.tree.heap_bytes()
-            + (self.ranks.capacity() * (std::mem::size_of::<(Worker, RankCell)>() + 1)) as u64;
+            + table_bytes(
+                self.ranks.capacity(),
+                std::mem::size_of::<(Worker, RankCell)>(),
+            ) as u64;
         let mut workers = Vec::new();
         for (worker, cell) in self.all_ranks() {
             let rank = cell.lock();

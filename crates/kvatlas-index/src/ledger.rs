@@ -34,7 +34,7 @@ use std::collections::BTreeMap;
 
 use crate::model::{
     ApplyReport, ExternalBlockHash, IndexStats, Level, Mutation, StoredBlock, Tier, TierSet,
-    UNROOTED, Worker, WorkerBlocks,
+    UNROOTED, Worker, WorkerBlocks, table_bytes,
 };
 use crate::snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 
@@ -62,8 +62,8 @@ impl SlotTable {
 
     fn heap_bytes(&self) -> usize {
         match self {
-            Self::Narrow(t) => t.capacity() * 3,
-            Self::Wide(t) => t.capacity() * 5,
+            Self::Narrow(t) => table_bytes(t.capacity(), 2),
+            Self::Wide(t) => table_bytes(t.capacity(), 4),
         }
     }
 
@@ -382,9 +382,10 @@ impl<N: NodeBits> Ledger<N> {
         let dangling: usize = self
             .dangling
             .values()
-            .map(|v| v.capacity() * 4 + 40)
+            .map(|v| v.capacity() * 4)
             .sum::<usize>()
-            + self.dangling_parent.capacity() * 17;
+            + table_bytes(self.dangling.capacity(), 8 + 24)
+            + table_bytes(self.dangling_parent.capacity(), 16);
         (self.table.heap_bytes()
             + self.slots.capacity() * std::mem::size_of::<Slot>()
             + self.scratch.capacity() * 8

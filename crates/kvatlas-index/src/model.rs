@@ -342,3 +342,41 @@ pub struct IndexStats {
     /// Heap bytes the index estimates it uses (allocated capacity of its tables).
     pub heap_bytes: u64,
 }
+
+/// Heap bytes of a `hashbrown` table (or a `HashMap`) that can hold `capacity` entries of `entry`
+/// bytes without growing: buckets are a power of two of which at most 7/8 are used (all but one
+/// below 8 buckets), each with one control byte, plus one 16-byte control group at the end.
+pub(crate) fn table_bytes(capacity: usize, entry: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 {
+        (capacity + 1).next_power_of_two()
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    };
+    buckets * (entry + 1) + 16
+}
+
+#[cfg(test)]
+mod table_bytes_tests {
+    use super::table_bytes;
+
+    /// The bucket counts hashbrown reports as capacities: 3 → 4, 7 → 8, 14 → 16, 896 → 1024.
+    #[test]
+    fn bucket_counts_follow_hashbrown() {
+        assert_eq!(table_bytes(0, 4), 0);
+        assert_eq!(table_bytes(3, 4), 4 * 5 + 16);
+        assert_eq!(table_bytes(7, 4), 8 * 5 + 16);
+        assert_eq!(table_bytes(14, 4), 16 * 5 + 16);
+        assert_eq!(table_bytes(896, 2), 1024 * 3 + 16);
+        // 800 entries fit in 1024 buckets (896 usable); 1000 need 2048.
+        for (entries, buckets) in [(800u32, 1024), (1000, 2048)] {
+            let mut table = hashbrown::HashTable::<u32>::new();
+            for i in 0..entries {
+                table.insert_unique(u64::from(i), i, |&v| u64::from(v));
+            }
+            assert_eq!(table_bytes(table.capacity(), 4), buckets * 5 + 16);
+        }
+    }
+}

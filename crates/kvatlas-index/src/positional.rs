@@ -34,6 +34,7 @@ use crate::backend::KvIndex;
 use crate::ledger::{LedgerSet, Membership, Structure};
 use crate::model::{
     ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerMatch,
+    table_bytes,
 };
 use crate::snapshot::Snapshot;
 
@@ -152,7 +153,7 @@ impl Arena {
     }
 
     fn heap_bytes(&self) -> u64 {
-        let slot_entry = std::mem::size_of::<((u32, LocalBlockHash), Entry)>() + 1;
+        let slot_entry = std::mem::size_of::<((u32, LocalBlockHash), Entry)>();
         let multi: usize = self
             .slots
             .values()
@@ -168,7 +169,7 @@ impl Arena {
             .sum();
         (self.nodes.capacity() * std::mem::size_of::<Node>()
             + members
-            + self.slots.capacity() * slot_entry
+            + table_bytes(self.slots.capacity(), slot_entry)
             + multi
             + self.free.capacity() * 4) as u64
     }

@@ -11,6 +11,7 @@ use crate::backend::KvIndex;
 use crate::ledger::{LedgerSet, Membership, Structure};
 use crate::model::{
     ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerMatch,
+    table_bytes,
 };
 use crate::snapshot::Snapshot;
 
@@ -71,18 +72,18 @@ impl Arena {
     }
 
     fn heap_bytes(&self) -> u64 {
-        let child_entry = std::mem::size_of::<(LocalBlockHash, u32)>() + 1;
+        let child_entry = std::mem::size_of::<(LocalBlockHash, u32)>();
         let per_node: usize = self
             .nodes
             .iter()
             .map(|n| {
-                n.children.capacity() * child_entry
+                table_bytes(n.children.capacity(), child_entry)
                     + n.members.capacity() * std::mem::size_of::<Member>()
             })
             .sum();
         (self.nodes.capacity() * std::mem::size_of::<Node>()
             + per_node
-            + self.roots.capacity() * child_entry
+            + table_bytes(self.roots.capacity(), child_entry)
             + self.free.capacity() * 4) as u64
     }
 }
