@@ -234,6 +234,24 @@ impl Forest {
         }
     }
 
+    /// How many leading blocks of the query from `edge`'s depth on match the edge's run, and
+    /// whether the query goes on past them.
+    #[inline]
+    fn match_run(&self, edge: u32, query: &[LocalBlockHash]) -> (u32, bool) {
+        let e = &self.edges[edge as usize];
+        let depth = e.depth as usize;
+        let span = e.locals.len().min(query.len() - depth);
+        let matched = common_prefix(&e.locals[..span], &query[depth..depth + span]);
+        (matched as u32, depth + matched < query.len())
+    }
+
+    /// The edge the query continues on after matching `matched` blocks of `edge`.
+    #[inline]
+    fn next_on_path(&self, edge: u32, matched: u32, query: &[LocalBlockHash]) -> Option<u32> {
+        let at = self.edges[edge as usize].depth as usize + matched as usize;
+        self.branches.get(&self.edges, edge, matched, query[at])
+    }
+
     /// The explicit counts of rank `slot` on an edge, if any (almost never: one lookup in an
     /// empty table).
     #[inline]
@@ -543,7 +561,7 @@ impl Membership for Sink<'_> {
             // A pending removal defers truncating its edge; settle it before the shape changes.
             self.flush();
         }
-        let remaining = std::mem::take(&mut self.expected).max(1);
+        let remaining = self.expected.max(1);
         self.expected = remaining - 1;
         let forest = &mut *self.forest;
         let new_run = || {
@@ -915,8 +933,7 @@ impl Atlas {
         if !tiered {
             return self.walk_device(query, root, out);
         }
-        // Levels followed: all three (the device-only walk is `walk_device`).
-        let tracked: u8 = 0b111;
+        // From here on all three levels are followed (bits 0b111 of a row's state).
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             let Scratch {
@@ -924,19 +941,15 @@ impl Atlas {
                 index_of_slot,
                 ..
             } = &mut *scratch;
-            if index_of_slot.len() < forest.slot_workers.len() {
-                index_of_slot.resize(forest.slot_workers.len(), 0);
-            }
+            fit_rows(index_of_slot, forest.slot_workers.len());
             // The root edge: every rank with a match covers it, so its covers (sorted by rank)
             // are the answer's rows, scored in one sequential pass.
             let e = &forest.edges[root as usize];
-            let span = e.locals.len().min(query.len());
-            let m = common_prefix(&e.locals[..span], &query[..span]) as u32;
-            let continues = (m as usize) < query.len();
+            let (m, continues) = forest.match_run(root, query);
             states.clear();
             states.extend(e.covers.iter().map(|cover| {
                 let mut score = [0; LEVELS];
-                let next = score_cover(cover, 0, m, continues, tracked, &mut score);
+                let next = score_cover(cover, 0, m, continues, 0b111, &mut score);
                 (score, next)
             }));
             let mut any_alive = false;
@@ -950,17 +963,13 @@ impl Atlas {
             let mut edge = root;
             let mut matched = m;
             while any_alive {
-                let at = forest.edges[edge as usize].depth as usize + matched as usize;
-                let Some(child) = forest.branches.get(&forest.edges, edge, matched, query[at])
-                else {
+                let Some(child) = forest.next_on_path(edge, matched, query) else {
                     break;
                 };
                 edge = child;
                 let e = &forest.edges[edge as usize];
-                let depth = e.depth as usize;
-                let span = e.locals.len().min(query.len() - depth);
-                matched = common_prefix(&e.locals[..span], &query[depth..depth + span]) as u32;
-                let continues = depth + (matched as usize) < query.len();
+                let continues;
+                (matched, continues) = forest.match_run(edge, query);
                 any_alive = false;
                 for cover in &e.covers {
                     // Every level is followed: a rank covering this edge holds the path to it
@@ -1009,13 +1018,9 @@ impl Atlas {
                 alive,
                 ..
             } = &mut *scratch;
-            if index_of_slot.len() < forest.slot_workers.len() {
-                index_of_slot.resize(forest.slot_workers.len(), 0);
-            }
+            fit_rows(index_of_slot, forest.slot_workers.len());
             let e = &forest.edges[root as usize];
-            let span = e.locals.len().min(query.len());
-            let m = common_prefix(&e.locals[..span], &query[..span]) as u32;
-            let continues = (m as usize) < query.len();
+            let (m, continues) = forest.match_run(root, query);
             // One row per cover, in two tight passes; a rank holding the edge on lower tiers
             // only (bound 0: score 0, never continuing) is dropped at the end.
             let workers = &forest.slot_workers;
@@ -1045,17 +1050,13 @@ impl Atlas {
             let mut edge = root;
             let mut matched = m;
             while any_alive {
-                let at = forest.edges[edge as usize].depth as usize + matched as usize;
-                let Some(child) = forest.branches.get(&forest.edges, edge, matched, query[at])
-                else {
+                let Some(child) = forest.next_on_path(edge, matched, query) else {
                     break;
                 };
                 edge = child;
                 let e = &forest.edges[edge as usize];
-                let depth = e.depth as usize;
-                let span = e.locals.len().min(query.len() - depth);
-                matched = common_prefix(&e.locals[..span], &query[depth..depth + span]) as u32;
-                let continues = depth + (matched as usize) < query.len();
+                let continues;
+                (matched, continues) = forest.match_run(edge, query);
                 any_alive = false;
                 for cover in &e.covers {
                     let bound = cover.bounds[0];
@@ -1086,6 +1087,13 @@ impl Atlas {
                 out.retain(|row| row.device > 0);
             }
         });
+    }
+}
+
+/// Makes the slot → row index cover every rank slot.
+fn fit_rows(index_of_slot: &mut Vec<u32>, slots: usize) {
+    if index_of_slot.len() < slots {
+        index_of_slot.resize(slots, 0);
     }
 }
 
