@@ -276,11 +276,7 @@ impl Forest {
             Err(_) => lo == 0,
         };
         if !fresh {
-            let mut found = found;
-            for offset in lo..hi {
-                found = self.update_found(NodeRef { edge, offset }, slot, level, true, found);
-            }
-            return;
+            return self.update_each(edge, slot, level, true, lo..hi, found);
         }
         // The rank held nothing at `lo..hi`, and (prefix closure) everything before `lo` at a
         // level ≤ `level`: each added block extends the bounds of `level` and above.
@@ -304,18 +300,16 @@ impl Forest {
     /// of those offsets is held exactly once, at `level` (a chain unrooted children first).
     fn remove_run(&mut self, edge: u32, slot: u32, level: Level, lo: u32, hi: u32) {
         let found = self.find_cover(edge, slot);
-        let single = found.is_ok_and(|i| {
-            let cover = &self.edges[edge as usize].covers[i];
+        let single = |i: usize| {
+            let bounds = &self.edges[edge as usize].covers[i].bounds;
             self.explicit_counts((edge, slot)).is_none()
-                && cover.bounds[level as usize..].iter().all(|&b| b == hi)
-                && (level == 0 || cover.bounds[level as usize - 1] <= lo)
-        });
-        let Ok(i) = found else {
-            return self.remove_each(edge, slot, level, lo, hi, found);
+                && bounds[level as usize..].iter().all(|&b| b == hi)
+                && (level == 0 || bounds[level as usize - 1] <= lo)
         };
-        if !single {
-            return self.remove_each(edge, slot, level, lo, hi, found);
-        }
+        let i = match found {
+            Ok(i) if single(i) => i,
+            _ => return self.update_each(edge, slot, level, false, (lo..hi).rev(), found),
+        };
         let covers = &mut self.edges[edge as usize].covers;
         for bound in &mut covers[i].bounds[level as usize..] {
             *bound = lo;
@@ -325,17 +319,18 @@ impl Forest {
         }
     }
 
-    fn remove_each(
+    /// `update_found` at each of `offsets` in turn (the per-position fallback of the runs).
+    fn update_each(
         &mut self,
         edge: u32,
         slot: u32,
         level: Level,
-        lo: u32,
-        hi: u32,
+        add: bool,
+        offsets: impl Iterator<Item = u32>,
         mut found: Result<usize, usize>,
     ) {
-        for offset in (lo..hi).rev() {
-            found = self.update_found(NodeRef { edge, offset }, slot, level, false, found);
+        for offset in offsets {
+            found = self.update_found(NodeRef { edge, offset }, slot, level, add, found);
         }
     }
 
@@ -528,7 +523,8 @@ impl<'a> Sink<'a> {
                 hi,
             } => {
                 self.forest.add_run(edge, self.slot, level, lo, hi);
-                // A stored run ends here: give back what doubling left unused.
+                // A stored run ends here: give back what its announced length over-reserved
+                // (blocks of the run that were already held asked for no new position).
                 let locals = &mut self.forest.edges[edge as usize].locals;
                 if locals.capacity() > locals.len() + locals.len() / 8 + 4 {
                     locals.shrink_to_fit();
