@@ -142,6 +142,40 @@ impl NodeBits for u32 {
     }
 }
 
+/// A cursor over a held block's children, oldest to newest. It reads the ledger at each step
+/// and fetches the next child before yielding the current one, so a loop body may change the
+/// yielded child (even unlink its sibling pointer) but not the parent's list.
+struct Children {
+    /// The parent's newest child: where the circular list ends.
+    last: u32,
+    next: u32,
+}
+
+impl Children {
+    fn of<N>(ledger: &Ledger<N>, parent: u32) -> Self {
+        let last = ledger.slots[parent as usize].last_child;
+        let next = match last {
+            NIL => NIL,
+            last => ledger.slots[last as usize].next_sibling,
+        };
+        Self { last, next }
+    }
+
+    #[inline]
+    fn next<N>(&mut self, ledger: &Ledger<N>) -> Option<u32> {
+        let child = self.next;
+        if child == NIL {
+            return None;
+        }
+        self.next = if child == self.last {
+            NIL
+        } else {
+            ledger.slots[child as usize].next_sibling
+        };
+        Some(child)
+    }
+}
+
 /// How a backend records rooted membership for one worker rank.
 pub(crate) trait Membership {
     /// The backend's handle of a node (a local-hash path from the root).
@@ -404,14 +438,13 @@ impl<N: NodeBits> Ledger<N> {
                 s.flags & FREED == 0,
                 "slot {slot} is in the table but freed"
             );
-            let mut child = self.first_child(slot);
+            let mut children = Children::of(self, slot);
             let mut steps = 0;
-            while child != NIL {
+            while let Some(child) = children.next(self) {
                 assert_eq!(
                     self.slots[child as usize].parent_slot, slot,
                     "child {child} of {slot}"
                 );
-                child = self.next_child(slot, child);
                 steps += 1;
                 assert!(steps <= self.slots.len(), "cycle in the children of {slot}");
             }
@@ -600,15 +633,13 @@ impl<N: NodeBits> Ledger<N> {
                     continue;
                 }
                 stack.push((slot, true));
-                let mut child = self.first_child(slot);
-                while child != NIL {
-                    let next = self.next_child(slot, child);
+                let mut children = Children::of(self, slot);
+                while let Some(child) = children.next(self) {
                     let c = &mut self.slots[child as usize];
                     if c.tiers.is_empty() && c.flags & (FREED | VISITING) == 0 {
                         c.flags |= VISITING;
                         stack.push((child, false));
                     }
-                    child = next;
                 }
             }
         }
@@ -635,14 +666,12 @@ impl<N: NodeBits> Ledger<N> {
         }
         let mut next = 0;
         while next < order.len() {
-            let parent = order[next];
-            let mut child = self.first_child(parent);
+            let mut children = Children::of(self, order[next]);
             next += 1;
-            while child != NIL {
+            while let Some(child) = children.next(self) {
                 if self.slots[child as usize].level != UNROOTED {
                     order.push(child);
                 }
-                child = self.next_child(parent, child);
             }
         }
         for &slot in order.iter().rev() {
@@ -750,15 +779,13 @@ impl<N: NodeBits> Ledger<N> {
         let s = self.slots[slot as usize];
         debug_assert!(s.level == UNROOTED && s.tiers.is_empty());
         // Its children now wait for this hash to be stored again.
-        let mut child = self.first_child(slot);
-        while child != NIL {
-            let next = self.next_child(slot, child);
+        let mut children = Children::of(self, slot);
+        while let Some(child) = children.next(self) {
             let c = &mut self.slots[child as usize];
             c.parent_slot = NIL;
             c.next_sibling = NIL;
             self.dangling.entry(s.external).or_default().push(child);
             self.dangling_parent.insert(child, s.external);
-            child = next;
         }
         self.slots[slot as usize].last_child = NIL;
         if s.parent_slot != NIL {
@@ -778,26 +805,6 @@ impl<N: NodeBits> Ledger<N> {
         freed.flags |= FREED;
         freed.next_sibling = self.free;
         self.free = slot;
-    }
-
-    /// The oldest child of `parent`, or `NIL`.
-    #[inline]
-    fn first_child(&self, parent: u32) -> u32 {
-        match self.slots[parent as usize].last_child {
-            NIL => NIL,
-            last => self.slots[last as usize].next_sibling,
-        }
-    }
-
-    /// The child after `child` under `parent` (oldest to newest), or `NIL` after the newest.
-    /// The parent's children must not change during the iteration.
-    #[inline]
-    fn next_child(&self, parent: u32, child: u32) -> u32 {
-        if self.slots[parent as usize].last_child == child {
-            NIL
-        } else {
-            self.slots[child as usize].next_sibling
-        }
     }
 
     /// Appends `child` as the newest child of `parent`.
@@ -878,14 +885,13 @@ impl<N: NodeBits> Ledger<N> {
         while next < changes.len() {
             let (parent, parent_level) = changes[next];
             next += 1;
-            let mut child = self.first_child(parent);
-            while child != NIL {
+            let mut children = Children::of(self, parent);
+            while let Some(child) = children.next(self) {
                 let c = &self.slots[child as usize];
                 let level = c.tiers.best_level().max(parent_level);
                 if level != c.level {
                     changes.push((child, level));
                 }
-                child = self.next_child(parent, child);
             }
         }
         if wanted < old {
