@@ -74,7 +74,7 @@ impl NodeBits for NodeRef {
 struct Cover {
     slot: u32,
     /// `bounds[0] <= bounds[1] <= bounds[2]`, and `bounds[2] > 0` (empty covers are dropped).
-    /// Positions with explicit counts in `Forest::multiple` override what the bounds imply.
+    /// When the rank holds a position more than once, `Forest::multiple` has its exact counts.
     bounds: [u32; LEVELS],
 }
 
@@ -95,9 +95,19 @@ struct Edge {
     covers: Vec<Cover>,
 }
 
-/// Per-level counts of one rank at the positions of an edge where it has more than one rooted
-/// block: `(offset, counts)`, sorted by offset.
-type ExplicitCounts = Vec<(u32, [u32; LEVELS])>;
+/// Per-level counts of one rank's rooted blocks over the offsets `lo..hi` of an edge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    lo: u32,
+    hi: u32,
+    counts: [u32; LEVELS],
+}
+
+/// Every position one rank holds on an edge, as runs of equal per-level counts: sorted,
+/// non-overlapping, adjacent runs with different counts, no all-zero run. Kept only while some
+/// position is held more than once (two engine hashes for the same tokens); otherwise the
+/// cover's bounds say it all.
+type ExplicitCounts = Vec<Span>;
 
 /// Worker-rank slots and the edges, shared by all ledgers.
 #[derive(Debug, Clone, Default)]
@@ -106,10 +116,11 @@ struct Forest {
     free_edges: Vec<u32>,
     /// Child edges, and root edges under the parent `NIL` at offset 0.
     branches: Branches,
-    /// Explicit per-level counts where one rank has more than one rooted block at a position:
-    /// per `(edge, slot)`, `(offset, counts)` sorted by offset (runs of such positions are
-    /// added and removed at the end, so updates are pushes and pops).
+    /// Per `(edge, slot)` where that rank holds some position more than once: all its counts
+    /// on the edge, run-length encoded (the cover's bounds are derived from them).
     multiple: FxHashMap<(u32, u32), ExplicitCounts>,
+    /// Reused by [`Forest::update_run`]'s general path.
+    spans_scratch: [Vec<Span>; 2],
     /// Slot → worker rank (for ordering covers).
     slot_workers: Vec<Worker>,
 }
@@ -145,92 +156,57 @@ impl Forest {
             .binary_search_by(|c| slot_workers[c.slot as usize].cmp(&worker))
     }
 
-    /// Adds (or removes) one rooted block of `slot` at `node` on `level`, keeping the cover's
-    /// bounds (prefix-closed by the ledger's guarantee) and the multiplicity table exact.
-    /// `found` is the cover's position (`Forest::find_cover`); returns its position after.
-    fn update_found(
-        &mut self,
-        node: NodeRef,
-        slot: u32,
-        level: Level,
-        add: bool,
-        found: Result<usize, usize>,
-    ) -> Result<usize, usize> {
-        let key = (node.edge, slot);
+    /// Adds (or removes) one rooted block of `slot` at each offset `lo..hi` of `edge`, at `level`
+    /// — the same as doing it per offset, increasing for adds and decreasing for removes, each
+    /// step prefix-closed by the ledger's guarantee. One bounds update when the rank holds each
+    /// of those offsets at most once (a stored run extending its prefix, a chain unrooted
+    /// children first: the common cases); otherwise through run-length encoded counts.
+    fn update_run(&mut self, edge: u32, slot: u32, level: Level, add: bool, lo: u32, hi: u32) {
+        let key = (edge, slot);
+        let found = self.find_cover(edge, slot);
+        let explicit = !self.multiple.is_empty() && self.multiple.contains_key(&key);
         let mut bounds = match found {
-            Ok(i) => self.edges[node.edge as usize].covers[i].bounds,
+            Ok(i) => self.edges[edge as usize].covers[i].bounds,
             Err(_) => [0; LEVELS],
         };
-        let explicit = self.explicit_counts(key).and_then(|counts| {
-            counts
-                .binary_search_by_key(&node.offset, |e| e.0)
-                .ok()
-                .map(|i| counts[i].1)
-        });
-        let before = explicit.unwrap_or_else(|| {
-            let mut counts = [0; LEVELS];
-            if let Some(l) = bounds.iter().position(|&b| node.offset < b) {
-                counts[l] = 1;
+        let l = level as usize;
+        let simple = !explicit
+            && if add {
+                // The rank held nothing at `lo..hi` and (prefix closure) everything before
+                // `lo` at a level ≤ `level`: each block extends the bounds of `level` and up.
+                bounds[LEVELS - 1] == lo
+            } else {
+                // `lo..hi` is the tail, held exactly once, at `level`.
+                bounds[l..].iter().all(|&b| b == hi) && (l == 0 || bounds[l - 1] <= lo)
+            };
+        if simple {
+            for bound in &mut bounds[l..] {
+                debug_assert_eq!(*bound, if add { lo } else { hi }, "change off the frontier");
+                *bound = if add { hi } else { lo };
             }
-            counts
-        });
-        let mut after = before;
-        let count = &mut after[level as usize];
-        // The ledger only removes memberships it added; saturate rather than underflow.
-        *count = if add {
-            *count + 1
         } else {
-            count.saturating_sub(1)
-        };
-        if after.iter().sum::<u32>() > 1 {
-            let counts = self.multiple.entry(key).or_default();
-            match counts.binary_search_by_key(&node.offset, |e| e.0) {
-                Ok(i) => counts[i].1 = after,
-                Err(i) => counts.insert(i, (node.offset, after)),
+            let [mut before, mut after] = std::mem::take(&mut self.spans_scratch);
+            before.clear();
+            match self.multiple.remove(&key) {
+                Some(spans) => before = spans,
+                None => spans_of_bounds(bounds, &mut before),
             }
-        } else if explicit.is_some()
-            && let Some(counts) = self.multiple.get_mut(&key)
-        {
-            if let Ok(i) = counts.binary_search_by_key(&node.offset, |e| e.0) {
-                counts.remove(i);
+            change_spans(&before, lo, hi, level, add, &mut after);
+            bounds = bounds_of_spans(&after);
+            let multiple = after.iter().any(|s| s.counts.iter().sum::<u32>() > 1);
+            if multiple {
+                after.shrink_to_fit();
+                self.multiple.insert(key, after);
+                after = Vec::new();
             }
-            if counts.is_empty() {
-                self.multiple.remove(&key);
-            }
+            self.spans_scratch = [before, after];
         }
-        let (mut held_before, mut held_after) = (0, 0);
-        for level in 0..LEVELS {
-            held_before += before[level];
-            held_after += after[level];
-            match (held_before > 0, held_after > 0) {
-                // Gained at this level: the position was the frontier of the prefix.
-                (false, true) => {
-                    debug_assert_eq!(bounds[level], node.offset, "gain off the frontier");
-                    bounds[level] = node.offset + 1;
-                }
-                // Lost at this level: it was the last position held at this level.
-                (true, false) => {
-                    debug_assert_eq!(bounds[level], node.offset + 1, "loss inside the prefix");
-                    bounds[level] = node.offset;
-                }
-                _ => {}
-            }
-        }
-        let covers = &mut self.edges[node.edge as usize].covers;
+        let covers = &mut self.edges[edge as usize].covers;
         match found {
-            Ok(i) if bounds[LEVELS - 1] == 0 => {
-                remove_cover(covers, i);
-                Err(i)
-            }
-            Ok(i) => {
-                covers[i].bounds = bounds;
-                Ok(i)
-            }
-            Err(i) if bounds[LEVELS - 1] > 0 => {
-                insert_cover(covers, i, Cover { slot, bounds });
-                Ok(i)
-            }
-            Err(i) => Err(i),
+            Ok(i) if bounds[LEVELS - 1] == 0 => remove_cover(covers, i),
+            Ok(i) => covers[i].bounds = bounds,
+            Err(i) if bounds[LEVELS - 1] > 0 => insert_cover(covers, i, Cover { slot, bounds }),
+            Err(_) => {}
         }
     }
 
@@ -250,88 +226,6 @@ impl Forest {
     fn next_on_path(&self, edge: u32, matched: u32, query: &[LocalBlockHash]) -> Option<u32> {
         let at = self.edges[edge as usize].depth as usize + matched as usize;
         self.branches.get(&self.edges, edge, matched, query[at])
-    }
-
-    /// The explicit counts of rank `slot` on an edge, if any (almost never: one lookup in an
-    /// empty table).
-    #[inline]
-    fn explicit_counts(&self, key: (u32, u32)) -> Option<&ExplicitCounts> {
-        if self.multiple.is_empty() {
-            None
-        } else {
-            self.multiple.get(&key)
-        }
-    }
-
-    /// Adds one rooted block of `slot` at each offset `lo..hi` of `edge`, at `level` — the same as
-    /// `update_found(add)` per offset in increasing order, in one cover update when the rank holds
-    /// none of those offsets yet (a stored run extending its prefix: the common case).
-    fn add_run(&mut self, edge: u32, slot: u32, level: Level, lo: u32, hi: u32) {
-        let found = self.find_cover(edge, slot);
-        let fresh = match found {
-            Ok(i) => {
-                self.edges[edge as usize].covers[i].bounds[LEVELS - 1] == lo
-                    && self.explicit_counts((edge, slot)).is_none()
-            }
-            Err(_) => lo == 0,
-        };
-        if !fresh {
-            return self.update_each(edge, slot, level, true, lo..hi, found);
-        }
-        // The rank held nothing at `lo..hi`, and (prefix closure) everything before `lo` at a
-        // level ≤ `level`: each added block extends the bounds of `level` and above.
-        let covers = &mut self.edges[edge as usize].covers;
-        let mut bounds = match found {
-            Ok(i) => covers[i].bounds,
-            Err(_) => [0; LEVELS],
-        };
-        for bound in &mut bounds[level as usize..] {
-            debug_assert_eq!(*bound, lo, "gain off the frontier");
-            *bound = hi;
-        }
-        match found {
-            Ok(i) => covers[i].bounds = bounds,
-            Err(i) => insert_cover(covers, i, Cover { slot, bounds }),
-        }
-    }
-
-    /// Removes one rooted block of `slot` at each offset `lo..hi` of `edge`, at `level` — the
-    /// same as `update_found(remove)` per offset in decreasing order, in one cover update when each
-    /// of those offsets is held exactly once, at `level` (a chain unrooted children first).
-    fn remove_run(&mut self, edge: u32, slot: u32, level: Level, lo: u32, hi: u32) {
-        let found = self.find_cover(edge, slot);
-        let single = |i: usize| {
-            let bounds = &self.edges[edge as usize].covers[i].bounds;
-            self.explicit_counts((edge, slot)).is_none()
-                && bounds[level as usize..].iter().all(|&b| b == hi)
-                && (level == 0 || bounds[level as usize - 1] <= lo)
-        };
-        let i = match found {
-            Ok(i) if single(i) => i,
-            _ => return self.update_each(edge, slot, level, false, (lo..hi).rev(), found),
-        };
-        let covers = &mut self.edges[edge as usize].covers;
-        for bound in &mut covers[i].bounds[level as usize..] {
-            *bound = lo;
-        }
-        if covers[i].bounds[LEVELS - 1] == 0 {
-            remove_cover(covers, i);
-        }
-    }
-
-    /// `update_found` at each of `offsets` in turn (the per-position fallback of the runs).
-    fn update_each(
-        &mut self,
-        edge: u32,
-        slot: u32,
-        level: Level,
-        add: bool,
-        offsets: impl Iterator<Item = u32>,
-        mut found: Result<usize, usize>,
-    ) {
-        for offset in offsets {
-            found = self.update_found(NodeRef { edge, offset }, slot, level, add, found);
-        }
     }
 
     /// Truncates `edge`'s unused tail and frees it, then its ancestors, when nothing remains.
@@ -386,7 +280,7 @@ impl Forest {
         let multiple_counts: usize = self
             .multiple
             .values()
-            .map(|counts| counts.capacity() * std::mem::size_of::<(u32, [u32; LEVELS])>())
+            .map(|spans| spans.capacity() * std::mem::size_of::<Span>())
             .sum();
         (self.edges.capacity() * std::mem::size_of::<Edge>()
             + per_edge
@@ -447,6 +341,112 @@ impl Branches {
             entry.remove();
         }
     }
+}
+
+/// The counts a cover's bounds imply: one block per position, at the lowest level whose bound
+/// covers it.
+fn spans_of_bounds(bounds: [u32; LEVELS], into: &mut Vec<Span>) {
+    let mut lo = 0;
+    for (level, &hi) in bounds.iter().enumerate() {
+        if hi > lo {
+            let mut counts = [0; LEVELS];
+            counts[level] = 1;
+            into.push(Span { lo, hi, counts });
+            lo = hi;
+        }
+    }
+}
+
+/// `spans` with one block more (or fewer) at `level` over `lo..hi`, written to `into`, still
+/// sorted, merged and without zero runs.
+fn change_spans(spans: &[Span], lo: u32, hi: u32, level: Level, add: bool, into: &mut Vec<Span>) {
+    into.clear();
+    let push = |into: &mut Vec<Span>, span: Span| {
+        if span.lo >= span.hi || span.counts == [0; LEVELS] {
+            return;
+        }
+        match into.last_mut() {
+            Some(last) if last.hi == span.lo && last.counts == span.counts => last.hi = span.hi,
+            _ => into.push(span),
+        }
+    };
+    let changed = |mut counts: [u32; LEVELS]| {
+        let count = &mut counts[level as usize];
+        // The ledger only removes memberships it added; saturate rather than underflow.
+        *count = if add {
+            *count + 1
+        } else {
+            count.saturating_sub(1)
+        };
+        counts
+    };
+    // `lo..cursor` of the changed range is written.
+    let mut cursor = lo;
+    for span in spans {
+        let gap_end = span.lo.min(hi);
+        if cursor < gap_end {
+            push(
+                into,
+                Span {
+                    lo: cursor,
+                    hi: gap_end,
+                    counts: changed([0; LEVELS]),
+                },
+            );
+            cursor = gap_end;
+        }
+        let from = span.lo.max(lo).min(span.hi);
+        let to = span.hi.min(hi).max(from);
+        push(
+            into,
+            Span {
+                lo: span.lo,
+                hi: from,
+                counts: span.counts,
+            },
+        );
+        push(
+            into,
+            Span {
+                lo: from,
+                hi: to,
+                counts: changed(span.counts),
+            },
+        );
+        push(
+            into,
+            Span {
+                lo: to,
+                hi: span.hi,
+                counts: span.counts,
+            },
+        );
+        cursor = cursor.max(to);
+    }
+    if cursor < hi {
+        push(
+            into,
+            Span {
+                lo: cursor,
+                hi,
+                counts: changed([0; LEVELS]),
+            },
+        );
+    }
+}
+
+/// A cover's bounds from exact counts: per level, the leading positions held at or below it.
+fn bounds_of_spans(spans: &[Span]) -> [u32; LEVELS] {
+    let mut bounds = [0; LEVELS];
+    for (level, bound) in bounds.iter_mut().enumerate() {
+        for span in spans {
+            if span.lo != *bound || span.counts[..=level].iter().all(|&c| c == 0) {
+                break;
+            }
+            *bound = span.hi;
+        }
+    }
+    bounds
 }
 
 /// Inserts a cover, growing small cover lists one at a time (most edges are covered by one or
@@ -522,7 +522,7 @@ impl<'a> Sink<'a> {
                 lo,
                 hi,
             } => {
-                self.forest.add_run(edge, self.slot, level, lo, hi);
+                self.forest.update_run(edge, self.slot, level, true, lo, hi);
                 // A stored run ends here: give back what its announced length over-reserved
                 // (blocks of the run that were already held asked for no new position).
                 let locals = &mut self.forest.edges[edge as usize].locals;
@@ -536,7 +536,8 @@ impl<'a> Sink<'a> {
                 lo,
                 hi,
             } => {
-                self.forest.remove_run(edge, self.slot, level, lo, hi);
+                self.forest
+                    .update_run(edge, self.slot, level, false, lo, hi);
                 self.forest.collect(edge);
             }
         }
@@ -1251,6 +1252,63 @@ impl KvIndex for Atlas {
 mod tests {
     use super::*;
     use crate::model::{ExternalBlockHash, StoredBlock, Tier};
+
+    /// Per-position counts (the model) against the run-length encoding, after every change.
+    fn check_spans(changes: &[(u32, u32, Level, bool)]) {
+        const WIDTH: usize = 24;
+        let mut model = [[0u32; LEVELS]; WIDTH];
+        let mut spans = Vec::new();
+        let mut next = Vec::new();
+        for &(lo, len, level, add) in changes {
+            let hi = (lo + len).min(WIDTH as u32);
+            change_spans(&spans, lo, hi, level, add, &mut next);
+            std::mem::swap(&mut spans, &mut next);
+            for counts in &mut model[lo as usize..hi as usize] {
+                let c = &mut counts[level as usize];
+                *c = if add { *c + 1 } else { c.saturating_sub(1) };
+            }
+            let mut expected = Vec::new();
+            for (p, &counts) in model.iter().enumerate() {
+                let p = p as u32;
+                if counts == [0; LEVELS] {
+                    continue;
+                }
+                match expected.last_mut() {
+                    Some(Span { hi, counts: c, .. }) if *hi == p && *c == counts => *hi += 1,
+                    _ => expected.push(Span {
+                        lo: p,
+                        hi: p + 1,
+                        counts,
+                    }),
+                }
+            }
+            assert_eq!(spans, expected, "after {changes:?}");
+            let mut bounds = [0; LEVELS];
+            for (level, bound) in bounds.iter_mut().enumerate() {
+                while (*bound as usize) < WIDTH
+                    && model[*bound as usize][..=level].iter().any(|&c| c > 0)
+                {
+                    *bound += 1;
+                }
+            }
+            assert_eq!(bounds_of_spans(&spans), bounds);
+            let mut from_bounds = Vec::new();
+            spans_of_bounds(bounds, &mut from_bounds);
+            assert_eq!(bounds_of_spans(&from_bounds), bounds);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn run_length_counts_match_per_position_counts(
+            changes in proptest::collection::vec(
+                (0u32..24, 0u32..8, 0u8..LEVELS as u8, proptest::bool::weighted(0.6)),
+                0..40,
+            )
+        ) {
+            check_spans(&changes);
+        }
+    }
 
     /// A device-only query must not confuse a rank that covers a deeper edge only on a lower
     /// tier with another rank's row (regression: rows were indexed only for ranks still
