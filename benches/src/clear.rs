@@ -99,10 +99,7 @@ pub fn run(name: &str, stream: &Stream, rounds: usize) -> Option<ClearResult> {
         let start = Instant::now();
         for event in &stream.events {
             let report = index.apply(event);
-            result.anomalies += report.duplicate_stores
-                + report.conflicting_stores
-                + report.unknown_parents
-                + report.unknown_removes;
+            result.anomalies += report.anomalies();
         }
         result.replay_ms.push(start.elapsed().as_secs_f64() * 1e3);
         result

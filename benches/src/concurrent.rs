@@ -89,13 +89,6 @@ impl ConcurrentResult {
     }
 }
 
-fn anomalies(report: &ApplyReport) -> u64 {
-    report.duplicate_stores
-        + report.conflicting_stores
-        + report.unknown_parents
-        + report.unknown_removes
-}
-
 /// The producer: loops `cycle` until `stop` is seen at a flush barrier (or `deadline` passes),
 /// then finishes the current loop untimed. Returns (events flushed while timed, timed seconds,
 /// accumulated report).
@@ -221,20 +214,20 @@ pub fn run(name: &str, stream: &Stream, config: &ConcurrentConfig) -> Result<Con
         &never,
         Some(Instant::now() + phase),
     )?;
-    bad += anomalies(&report);
+    bad += report.anomalies();
     state_matches &= pool.index().stats().memberships == 0;
     drop(pool);
 
     // Phase 2: queries alone on a populated index.
     let pool = new_front()?;
-    bad += anomalies(&populate(&pool, stream)?);
+    bad += populate(&pool, stream)?.anomalies();
     let (finds_alone, finds_alone_secs, alone_hist) = read(&pool, stream, phase);
     state_matches &= snapshot_state(&pool.index().snapshot()) == expected;
     drop(pool);
 
     // Phase 3: both at once.
     let pool = new_front()?;
-    bad += anomalies(&populate(&pool, stream)?);
+    bad += populate(&pool, stream)?.anomalies();
     let stop = AtomicBool::new(false);
     let (producer, (finds_conc, finds_conc_secs, conc_hist)) = std::thread::scope(|s| {
         let producer = s.spawn(|| produce(&pool, &backward, config.flush_every, &stop, None));
@@ -246,7 +239,7 @@ pub fn run(name: &str, stream: &Stream, config: &ConcurrentConfig) -> Result<Con
         Ok(result) => result?,
         Err(_) => bail!("the producer panicked"),
     };
-    bad += anomalies(&report);
+    bad += report.anomalies();
     state_matches &= snapshot_state(&pool.index().snapshot()) == expected;
     drop(pool);
 

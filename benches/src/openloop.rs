@@ -379,10 +379,7 @@ pub fn run_open_loop(
     let queries = stream.queries.len() as u64;
     let ops = queries + events_enqueued;
     let block_ops = stream.stats.query_blocks + stream.event_blocks();
-    let anomalies = report.duplicate_stores
-        + report.conflicting_stores
-        + report.unknown_parents
-        + report.unknown_removes;
+    let anomalies = report.anomalies();
     Ok(OpenLoopResult {
         backend: name.to_string(),
         config: *config,

@@ -279,10 +279,7 @@ fn apply_all(index: &mut dyn KvIndex, events: &[Mutation]) -> u64 {
     let mut anomalies = 0;
     for event in events {
         let report = index.apply(event);
-        anomalies += report.duplicate_stores
-            + report.conflicting_stores
-            + report.unknown_parents
-            + report.unknown_removes;
+        anomalies += report.anomalies();
     }
     anomalies
 }

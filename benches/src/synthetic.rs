@@ -289,12 +289,7 @@ pub fn run(name: &str, workload: &Synthetic) -> Option<SyntheticResult> {
     let config = &workload.config;
     let options = MatchOptions::default();
     let mut anomalies = 0u64;
-    let count = |report: kvatlas_index::ApplyReport| {
-        report.duplicate_stores
-            + report.conflicting_stores
-            + report.unknown_parents
-            + report.unknown_removes
-    };
+    let count = |report: kvatlas_index::ApplyReport| report.anomalies();
 
     let stores: Vec<Mutation> = workload.sequences.iter().map(Sequence::store).collect();
     let start = Instant::now();

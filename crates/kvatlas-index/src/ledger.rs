@@ -23,6 +23,7 @@
 //! one keeps its local hash in the same word. A parent hash is the parent slot's own hash, except
 //! for dangling blocks, whose missing parent's hash is kept in a side table.
 
+use std::cell::Cell;
 use std::hash::BuildHasher;
 use std::marker::PhantomData;
 
@@ -227,6 +228,18 @@ struct Slot {
     flags: u8,
 }
 
+thread_local! {
+    // Working buffers of one mutation, reused by the next one on the same thread. They are not
+    // index state (their size follows the largest single mutation, not the index), so one set
+    // per thread replaces one per rank. Taken and put back, so a nested use gets its own.
+    /// `propagate`'s list of level changes.
+    static LEVEL_CHANGES: Cell<Vec<(u32, Level)>> = const { Cell::new(Vec::new()) };
+    /// `remove`'s blocks touched.
+    static TOUCHED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+    /// `remove`'s deletion stack.
+    static DELETIONS: Cell<Vec<(u32, bool)>> = const { Cell::new(Vec::new()) };
+}
+
 /// One worker rank's blocks and chains.
 #[derive(Debug, Clone)]
 pub(crate) struct Ledger<N> {
@@ -239,11 +252,6 @@ pub(crate) struct Ledger<N> {
     dangling: FxHashMap<ExternalBlockHash, Vec<u32>>,
     /// For each such block, its parent's hash.
     dangling_parent: FxHashMap<u32, ExternalBlockHash>,
-    /// Reused by `propagate`.
-    scratch: Vec<(u32, Level)>,
-    /// Reused by `remove`: the blocks it touched, and its deletion stack.
-    touched: Vec<u32>,
-    deletions: Vec<(u32, bool)>,
     per_tier: [u64; 4],
     /// Eviction support (`Some` only for capacity-bounded backends).
     recency: Option<Recency>,
@@ -270,9 +278,6 @@ impl<N> Default for Ledger<N> {
             free: NIL,
             dangling: FxHashMap::default(),
             dangling_parent: FxHashMap::default(),
-            scratch: Vec::new(),
-            touched: Vec::new(),
-            deletions: Vec::new(),
             per_tier: [0; 4],
             recency: None,
             node: PhantomData,
@@ -420,12 +425,8 @@ impl<N: NodeBits> Ledger<N> {
             .sum::<usize>()
             + table_bytes(self.dangling.capacity(), 8 + 24)
             + table_bytes(self.dangling_parent.capacity(), 16);
-        (self.table.heap_bytes()
-            + self.slots.capacity() * std::mem::size_of::<Slot>()
-            + self.scratch.capacity() * 8
-            + self.touched.capacity() * 4
-            + self.deletions.capacity() * 8
-            + dangling) as u64
+        (self.table.heap_bytes() + self.slots.capacity() * std::mem::size_of::<Slot>() + dangling)
+            as u64
     }
 
     /// Debug builds: every children list is acyclic and consistent with `parent_slot`, and
@@ -594,7 +595,7 @@ impl<N: NodeBits> Ledger<N> {
         blocks: &[ExternalBlockHash],
         report: &mut ApplyReport,
     ) {
-        let mut touched = std::mem::take(&mut self.touched);
+        let mut touched = TOUCHED.take();
         touched.clear();
         let mut near = NIL;
         for hash in blocks {
@@ -616,7 +617,7 @@ impl<N: NodeBits> Ledger<N> {
         for &slot in &touched {
             self.propagate(sink, slot);
         }
-        let mut stack = std::mem::take(&mut self.deletions);
+        let mut stack = DELETIONS.take();
         stack.clear();
         for &slot in &touched {
             if self.slots[slot as usize].tiers.is_empty()
@@ -643,8 +644,8 @@ impl<N: NodeBits> Ledger<N> {
                 }
             }
         }
-        self.touched = touched;
-        self.deletions = stack;
+        TOUCHED.set(touched);
+        DELETIONS.set(stack);
         #[cfg(debug_assertions)]
         self.check_links();
     }
@@ -878,7 +879,7 @@ impl<N: NodeBits> Ledger<N> {
             return;
         }
         // Pre-order list of (slot, new level) for the subtree part whose level changes.
-        let mut changes = std::mem::take(&mut self.scratch);
+        let mut changes = LEVEL_CHANGES.take();
         changes.clear();
         changes.push((slot, wanted));
         let mut next = 0;
@@ -903,7 +904,7 @@ impl<N: NodeBits> Ledger<N> {
                 self.set_level(sink, slot, level);
             }
         }
-        self.scratch = changes;
+        LEVEL_CHANGES.set(changes);
     }
 
     /// Moves one block to `level`, adding the new membership before removing the old one so the

@@ -220,13 +220,18 @@ impl ApplyReport {
         self.evicted += other.evicted;
     }
 
-    /// Whether any anomaly was counted.
-    pub fn has_anomalies(&self) -> bool {
+    /// Number of anomalies counted: duplicate and conflicting stores, unknown parents and
+    /// removes.
+    pub fn anomalies(&self) -> u64 {
         self.duplicate_stores
             + self.conflicting_stores
             + self.unknown_parents
             + self.unknown_removes
-            > 0
+    }
+
+    /// Whether any anomaly was counted.
+    pub fn has_anomalies(&self) -> bool {
+        self.anomalies() > 0
     }
 }
 
