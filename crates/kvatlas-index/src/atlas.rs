@@ -228,6 +228,28 @@ impl Forest {
         self.branches.get(&self.edges, edge, matched, query[at])
     }
 
+    /// Follows the query's path below `root` (whose run matched `matched` blocks): calls
+    /// `visit(edge, matched, continues)` on each deeper edge while it returns `true` (some rank
+    /// still matching) and the path goes on.
+    #[inline]
+    fn walk_below(
+        &self,
+        root: u32,
+        matched: u32,
+        query: &[LocalBlockHash],
+        mut visit: impl FnMut(&Edge, u32, bool) -> bool,
+    ) {
+        let (mut edge, mut matched) = (root, matched);
+        while let Some(child) = self.next_on_path(edge, matched, query) {
+            edge = child;
+            let continues;
+            (matched, continues) = self.match_run(edge, query);
+            if !visit(&self.edges[edge as usize], matched, continues) {
+                break;
+            }
+        }
+    }
+
     /// Truncates `edge`'s unused tail and frees it, then its ancestors, when nothing remains.
     fn collect(&mut self, mut edge: u32) {
         while edge != NIL {
@@ -949,38 +971,26 @@ impl Atlas {
                 let next = score_cover(cover, 0, m, continues, 0b111, &mut score);
                 (score, next)
             }));
-            let mut any_alive = false;
-            for (i, (cover, (_, next))) in e.covers.iter().zip(states.iter()).enumerate() {
-                if *next != 0 {
-                    index_of_slot[cover.slot as usize] = i as u32;
-                    any_alive = true;
-                }
-            }
+            let goes_on = states.iter().map(|&(_, next)| next != 0);
             // Deeper edges: only ranks that continued past the root edge can cover them.
-            let mut edge = root;
-            let mut matched = m;
-            while any_alive {
-                let Some(child) = forest.next_on_path(edge, matched, query) else {
-                    break;
-                };
-                edge = child;
-                let e = &forest.edges[edge as usize];
-                let continues;
-                (matched, continues) = forest.match_run(edge, query);
-                any_alive = false;
-                for cover in &e.covers {
-                    // Every level is followed: a rank covering this edge holds the path to it
-                    // on some level, so it continued past the root edge (row of this query).
-                    let row = index_of_slot[cover.slot as usize] as usize;
-                    let Some((score, state)) = states.get_mut(row) else {
-                        debug_assert!(false, "a cover without a row");
-                        continue;
-                    };
-                    if *state != 0 {
-                        *state = score_cover(cover, e.depth, matched, continues, *state, score);
-                        any_alive |= *state != 0;
+            if index_rows(&e.covers, goes_on, index_of_slot) {
+                forest.walk_below(root, m, query, |e, matched, continues| {
+                    let mut any_alive = false;
+                    for cover in &e.covers {
+                        // Every level is followed: a rank covering this edge holds the path to it
+                        // on some level, so it continued past the root edge (row of this query).
+                        let row = index_of_slot[cover.slot as usize] as usize;
+                        let Some((score, state)) = states.get_mut(row) else {
+                            debug_assert!(false, "a cover without a row");
+                            continue;
+                        };
+                        if *state != 0 {
+                            *state = score_cover(cover, e.depth, matched, continues, *state, score);
+                            any_alive |= *state != 0;
+                        }
                     }
-                }
+                    any_alive
+                });
             }
             // Every cover holds at least the edge's first block on some tier and the query
             // matched it: every row has `disk >= 1`.
@@ -1037,47 +1047,35 @@ impl Atlas {
                     .iter()
                     .map(|cover| cover.bounds[0] >= m && continues),
             );
-            let mut any_alive = false;
-            for (row, (cover, &goes_on)) in e.covers.iter().zip(alive.iter()).enumerate() {
-                if goes_on {
-                    index_of_slot[cover.slot as usize] = row as u32;
-                    any_alive = true;
-                }
-            }
-            let mut edge = root;
-            let mut matched = m;
-            while any_alive {
-                let Some(child) = forest.next_on_path(edge, matched, query) else {
-                    break;
-                };
-                edge = child;
-                let e = &forest.edges[edge as usize];
-                let continues;
-                (matched, continues) = forest.match_run(edge, query);
-                any_alive = false;
-                for cover in &e.covers {
-                    let bound = cover.bounds[0];
-                    if bound == 0 {
-                        // Lower tiers only: this rank may have stopped at the root edge, with no
-                        // row written this query.
-                        continue;
+            if index_rows(&e.covers, alive.iter().copied(), index_of_slot) {
+                forest.walk_below(root, m, query, |e, matched, continues| {
+                    let mut any_alive = false;
+                    for cover in &e.covers {
+                        let bound = cover.bounds[0];
+                        if bound == 0 {
+                            // Lower tiers only: this rank may have stopped at the root
+                            // edge, with no row written this query.
+                            continue;
+                        }
+                        // By prefix closure a rank with device blocks here held the whole
+                        // path on the device: it continued past every edge so far and has
+                        // this query's row.
+                        let row = index_of_slot[cover.slot as usize] as usize;
+                        let (Some(goes_on), Some(answer)) = (alive.get_mut(row), out.get_mut(row))
+                        else {
+                            debug_assert!(false, "a device cover without a row");
+                            continue;
+                        };
+                        if !*goes_on {
+                            continue;
+                        }
+                        let score = e.depth + bound.min(matched);
+                        (answer.device, answer.host, answer.disk) = (score, score, score);
+                        *goes_on = bound >= matched && continues;
+                        any_alive |= *goes_on;
                     }
-                    // By prefix closure a rank with device blocks here held the whole path on
-                    // the device: it continued past every edge so far and has this query's row.
-                    let row = index_of_slot[cover.slot as usize] as usize;
-                    let (Some(goes_on), Some(answer)) = (alive.get_mut(row), out.get_mut(row))
-                    else {
-                        debug_assert!(false, "a device cover without a row");
-                        continue;
-                    };
-                    if !*goes_on {
-                        continue;
-                    }
-                    let score = e.depth + bound.min(matched);
-                    (answer.device, answer.host, answer.disk) = (score, score, score);
-                    *goes_on = bound >= matched && continues;
-                    any_alive |= *goes_on;
-                }
+                    any_alive
+                });
             }
             // The root edge matched at least its first block, so only those ranks scored 0.
             if out.iter().any(|row| row.device == 0) {
@@ -1085,6 +1083,24 @@ impl Atlas {
             }
         });
     }
+}
+
+/// Records, for each root-edge cover whose rank goes on past the root edge, its row (the
+/// cover's position) under its slot; returns whether any rank goes on.
+#[inline]
+fn index_rows(
+    covers: &[Cover],
+    goes_on: impl Iterator<Item = bool>,
+    index_of_slot: &mut [u32],
+) -> bool {
+    let mut any = false;
+    for (row, (cover, goes_on)) in covers.iter().zip(goes_on).enumerate() {
+        if goes_on {
+            index_of_slot[cover.slot as usize] = row as u32;
+            any = true;
+        }
+    }
+    any
 }
 
 /// Makes the slot → row index cover every rank slot.
