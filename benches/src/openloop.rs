@@ -526,6 +526,10 @@ impl SharedKvIndex for SharedFront {
         delegate!(self, index => index.apply_owned(mutation))
     }
 
+    fn apply_batch(&self, batch: &mut Vec<Mutation>) -> kvatlas_index::ApplyReport {
+        delegate!(self, index => index.apply_batch(batch))
+    }
+
     fn remove_worker(&self, worker_id: u64) -> kvatlas_index::ApplyReport {
         delegate!(self, index => index.remove_worker(worker_id))
     }

@@ -87,7 +87,7 @@ pub const BACKENDS: &[Backend] = &[
         name: "atlas",
         default: true,
         make: || Box::new(kvatlas_index::Atlas::new()),
-        shared: None,
+        shared: Some(|| Box::new(kvatlas_index::ConcurrentAtlas::new())),
     },
     Backend {
         name: "radix",
@@ -405,7 +405,8 @@ mod tests {
         }
         assert!(backend("no-such-backend").is_none());
         assert!(shared_backend("crtc").is_some());
-        assert!(shared_backend("atlas").is_none());
+        assert!(shared_backend("atlas").is_some());
+        assert!(shared_backend("radix").is_none());
         assert!(default_backends().contains(&"radix"));
         assert!(!default_backends().contains(&"reference"));
     }

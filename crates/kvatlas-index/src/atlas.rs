@@ -47,6 +47,10 @@ use crate::model::{
 };
 use crate::snapshot::{Snapshot, WorkerSnapshot};
 
+mod concurrent;
+
+pub use concurrent::ConcurrentAtlas;
+
 const NIL: u32 = u32::MAX;
 
 /// A block position: `(edge, offset in the edge)`.
@@ -78,7 +82,7 @@ struct Cover {
     bounds: [u32; LEVELS],
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Edge {
     locals: Vec<LocalBlockHash>,
     /// Query position of `locals[0]`.
@@ -123,9 +127,184 @@ struct Forest {
     spans_scratch: [Vec<Span>; 2],
     /// Slot → worker rank (for ordering covers).
     slot_workers: Vec<Worker>,
+    /// While `Some`, every change is also recorded here, so that a second copy can be brought
+    /// to the same state by [`Forest::replay`] (see [`ConcurrentAtlas`]).
+    journal: Option<Vec<ForestOp>>,
+}
+
+/// One change of a [`Forest`], as recorded in its journal. Replaying a copy's journal, in order,
+/// on an identical copy makes the same calls with the same arguments, so (every step being
+/// deterministic) it ends in the same state — with the same edge ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ForestOp {
+    /// [`Forest::branch_off`], which returned `edge`.
+    BranchOff {
+        parent: u32,
+        attach: u32,
+        local: LocalBlockHash,
+        capacity: u32,
+        edge: u32,
+    },
+    /// [`Forest::extend_edge`].
+    ExtendEdge {
+        edge: u32,
+        local: LocalBlockHash,
+        reserve: u32,
+    },
+    /// [`Forest::settle`].
+    Settle {
+        edge: u32,
+        slot: u32,
+        level: Level,
+        add: bool,
+        lo: u32,
+        hi: u32,
+    },
+    /// [`Forest::assign_slot`].
+    AssignSlot { slot: u32, worker: Worker },
+    /// [`Forest::reset`].
+    Reset,
 }
 
 impl Forest {
+    /// Records `op` if a journal is kept.
+    #[inline]
+    fn record(&mut self, op: impl FnOnce() -> ForestOp) {
+        if let Some(journal) = &mut self.journal {
+            journal.push(op());
+        }
+    }
+
+    /// Applies a change recorded in another copy's journal (not recorded again).
+    pub(crate) fn replay(&mut self, op: &ForestOp) {
+        let journal = self.journal.take();
+        match *op {
+            ForestOp::BranchOff {
+                parent,
+                attach,
+                local,
+                capacity,
+                edge,
+            } => {
+                let replayed = self.branch_off(parent, attach, local, capacity as usize);
+                debug_assert_eq!(replayed, edge, "the copies diverged");
+            }
+            ForestOp::ExtendEdge {
+                edge,
+                local,
+                reserve,
+            } => self.extend_edge(edge, local, reserve as usize),
+            ForestOp::Settle {
+                edge,
+                slot,
+                level,
+                add,
+                lo,
+                hi,
+            } => self.settle(edge, slot, level, add, lo, hi),
+            ForestOp::AssignSlot { slot, worker } => self.assign_slot(slot, worker),
+            ForestOp::Reset => self.reset(),
+        }
+        self.journal = journal;
+    }
+
+    /// Empties the forest (the journal, if kept, records it).
+    fn reset(&mut self) {
+        let journal = self.journal.take();
+        *self = Self::default();
+        self.journal = journal;
+        self.record(|| ForestOp::Reset);
+    }
+
+    /// Gives rank slot `slot` to `worker` (a new slot is the next one).
+    fn assign_slot(&mut self, slot: u32, worker: Worker) {
+        match self.slot_workers.get_mut(slot as usize) {
+            Some(owner) => *owner = worker,
+            None => {
+                debug_assert_eq!(slot as usize, self.slot_workers.len(), "slots are dense");
+                self.slot_workers.push(worker);
+            }
+        }
+        self.record(|| ForestOp::AssignSlot { slot, worker });
+    }
+
+    /// A new edge whose first block is `local`, branching off `parent` at offset `attach`
+    /// (`parent == NIL`: a root edge), with room for `capacity` blocks; returns its id.
+    fn branch_off(
+        &mut self,
+        parent: u32,
+        attach: u32,
+        local: LocalBlockHash,
+        capacity: usize,
+    ) -> u32 {
+        let depth = match parent {
+            NIL => 0,
+            parent => self.edges[parent as usize].depth + attach,
+        };
+        let mut locals = Vec::with_capacity(capacity.max(1));
+        locals.push(local);
+        let edge = self.new_edge(Edge {
+            locals,
+            depth,
+            parent,
+            attach,
+            ..Edge::default()
+        });
+        self.branches.insert(&self.edges, edge);
+        if parent != NIL {
+            let p = &mut self.edges[parent as usize];
+            p.children += 1;
+            p.max_child_offset = p.max_child_offset.max(attach);
+        }
+        self.record(|| ForestOp::BranchOff {
+            parent,
+            attach,
+            local,
+            capacity: capacity as u32,
+            edge,
+        });
+        edge
+    }
+
+    /// Appends `local` to `edge`'s run (the path extends its last block), reserving room for
+    /// `reserve` blocks when the run is full.
+    fn extend_edge(&mut self, edge: u32, local: LocalBlockHash, reserve: usize) {
+        let locals = &mut self.edges[edge as usize].locals;
+        if locals.len() == locals.capacity() {
+            locals.reserve_exact(reserve);
+        }
+        locals.push(local);
+        self.record(|| ForestOp::ExtendEdge {
+            edge,
+            local,
+            reserve: reserve as u32,
+        });
+    }
+
+    /// Applies a run of membership changes ([`Forest::update_run`]), then gives back what a
+    /// stored run over-reserved, or truncates and frees what a removal left unused.
+    fn settle(&mut self, edge: u32, slot: u32, level: Level, add: bool, lo: u32, hi: u32) {
+        self.update_run(edge, slot, level, add, lo, hi);
+        if add {
+            // A stored run ends here: give back what its announced length over-reserved
+            // (blocks of the run that were already held asked for no new position).
+            let locals = &mut self.edges[edge as usize].locals;
+            if locals.capacity() > locals.len() + locals.len() / 8 + 4 {
+                locals.shrink_to_fit();
+            }
+        } else {
+            self.collect(edge);
+        }
+        self.record(|| ForestOp::Settle {
+            edge,
+            slot,
+            level,
+            add,
+            lo,
+            hi,
+        });
+    }
+
     fn new_edge(&mut self, edge: Edge) -> u32 {
         match self.free_edges.pop() {
             Some(id) => {
@@ -284,6 +463,22 @@ impl Forest {
             }
             edge = parent;
         }
+    }
+
+    /// Whether `other` holds the same state (edges, branches, counts and slots; capacities and
+    /// scratch space aside).
+    #[cfg(test)]
+    fn same_state(&self, other: &Forest) -> bool {
+        let branches = |f: &Forest| {
+            let mut ids: Vec<u32> = f.branches.table.iter().copied().collect();
+            ids.sort_unstable();
+            ids
+        };
+        self.edges == other.edges
+            && self.free_edges == other.free_edges
+            && branches(self) == branches(other)
+            && self.multiple == other.multiple
+            && self.slot_workers == other.slot_workers
     }
 
     /// Number of edges in use (for leak tests).
@@ -543,25 +738,13 @@ impl<'a> Sink<'a> {
                 level,
                 lo,
                 hi,
-            } => {
-                self.forest.update_run(edge, self.slot, level, true, lo, hi);
-                // A stored run ends here: give back what its announced length over-reserved
-                // (blocks of the run that were already held asked for no new position).
-                let locals = &mut self.forest.edges[edge as usize].locals;
-                if locals.capacity() > locals.len() + locals.len() / 8 + 4 {
-                    locals.shrink_to_fit();
-                }
-            }
+            } => self.forest.settle(edge, self.slot, level, true, lo, hi),
             Pending::Remove {
                 edge,
                 level,
                 lo,
                 hi,
-            } => {
-                self.forest
-                    .update_run(edge, self.slot, level, false, lo, hi);
-                self.forest.collect(edge);
-            }
+            } => self.forest.settle(edge, self.slot, level, false, lo, hi),
         }
     }
 }
@@ -583,26 +766,16 @@ impl Membership for Sink<'_> {
         let remaining = self.expected.max(1);
         self.expected = remaining - 1;
         let forest = &mut *self.forest;
-        let new_run = || {
-            let mut locals = Vec::with_capacity(remaining);
-            locals.push(local);
-            locals
-        };
         let Some(parent) = parent else {
-            if let Some(edge) = forest.branches.get(&forest.edges, NIL, 0, local) {
-                return NodeRef { edge, offset: 0 };
-            }
-            let edge = forest.new_edge(Edge {
-                locals: new_run(),
-                parent: NIL,
-                ..Edge::default()
-            });
-            forest.branches.insert(&forest.edges, edge);
+            let edge = match forest.branches.get(&forest.edges, NIL, 0, local) {
+                Some(edge) => edge,
+                None => forest.branch_off(NIL, 0, local, remaining),
+            };
             return NodeRef { edge, offset: 0 };
         };
         let target = parent.offset + 1;
         let e = &forest.edges[parent.edge as usize];
-        let (depth, len) = (e.depth + target, e.locals.len());
+        let len = e.locals.len();
         if e.locals.get(target as usize) == Some(&local) {
             return NodeRef {
                 edge: parent.edge,
@@ -617,27 +790,13 @@ impl Membership for Sink<'_> {
         }
         if target as usize == len {
             // The path extends the edge's last block: append in place.
-            let locals = &mut forest.edges[parent.edge as usize].locals;
-            if locals.len() == locals.capacity() {
-                locals.reserve_exact(remaining);
-            }
-            locals.push(local);
+            forest.extend_edge(parent.edge, local, remaining);
             return NodeRef {
                 edge: parent.edge,
                 offset: target,
             };
         }
-        let edge = forest.new_edge(Edge {
-            locals: new_run(),
-            depth,
-            parent: parent.edge,
-            attach: target,
-            ..Edge::default()
-        });
-        forest.branches.insert(&forest.edges, edge);
-        let p = &mut forest.edges[parent.edge as usize];
-        p.children += 1;
-        p.max_child_offset = p.max_child_offset.max(target);
+        let edge = forest.branch_off(parent.edge, target, local, remaining);
         NodeRef { edge, offset: 0 }
     }
 
@@ -747,7 +906,17 @@ fn score_cover(
 /// kvatlas's default backend (see the module docs).
 #[derive(Debug, Clone, Default)]
 pub struct Atlas {
+    /// What queries read.
     forest: Forest,
+    /// What only writes read.
+    books: Books,
+}
+
+/// The writer-only part of an Atlas: per rank, its ledger and its slot in the forest. Every
+/// change it makes to the forest goes through the forest's recorded operations (see
+/// [`ForestOp`]), so [`ConcurrentAtlas`] can keep one `Books` for two forests.
+#[derive(Debug, Clone, Default)]
+struct Books {
     /// Per rank: its slot in the forest and its ledger (hashed: looked up on every mutation;
     /// listings sort by rank).
     ledgers: FxHashMap<Worker, (u32, Ledger<NodeRef>)>,
@@ -805,7 +974,22 @@ impl Atlas {
     /// if the engine had removed the block ([`Atlas::take_evictions`] lists them).
     pub fn with_capacity(capacity: u64) -> Self {
         Self {
-            bound: Some(Bound {
+            forest: Forest::default(),
+            books: Books::with_capacity(Some(capacity)),
+        }
+    }
+
+    /// The evictions since the previous call (empty without a capacity bound).
+    pub fn take_evictions(&mut self) -> Vec<Eviction> {
+        self.books.take_evictions()
+    }
+}
+
+impl Books {
+    /// Empty books, with the capacity bound `capacity` if any.
+    fn with_capacity(capacity: Option<u64>) -> Self {
+        Self {
+            bound: capacity.map(|capacity| Bound {
                 capacity,
                 ..Bound::default()
             }),
@@ -814,7 +998,7 @@ impl Atlas {
     }
 
     /// The evictions since the previous call (empty without a capacity bound).
-    pub fn take_evictions(&mut self) -> Vec<Eviction> {
+    fn take_evictions(&mut self) -> Vec<Eviction> {
         self.bound
             .as_mut()
             .map(|b| std::mem::take(&mut b.evicted))
@@ -822,7 +1006,13 @@ impl Atlas {
     }
 
     /// Applies the capacity bound after a mutation of `worker` changed its held count.
-    fn enforce_bound(&mut self, worker: Worker, held_before: usize, report: &mut ApplyReport) {
+    fn enforce_bound(
+        &mut self,
+        forest: &mut Forest,
+        worker: Worker,
+        held_before: usize,
+        report: &mut ApplyReport,
+    ) {
         let Some(bound) = &mut self.bound else { return };
         let held_after = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
         bound.held = (bound.held + held_after as u64).saturating_sub(held_before as u64);
@@ -863,7 +1053,7 @@ impl Atlas {
                 continue;
             }
             let before = ledger.len();
-            let tiers = ledger.evict(&mut Sink::new(&mut self.forest, *victim_slot), slot);
+            let tiers = ledger.evict(&mut Sink::new(forest, *victim_slot), slot);
             bound.held -= (before - ledger.len()) as u64;
             report.evicted += u64::from(tiers.bits().count_ones());
             bound.evicted.push(Eviction {
@@ -905,23 +1095,19 @@ impl Atlas {
         }
     }
 
-    fn slot_and_ledger(&mut self, worker: Worker) -> (u32, &mut Ledger<NodeRef>, &mut Forest) {
-        let forest = &mut self.forest;
+    /// The rank's slot and ledger, given a slot in `forest` if new.
+    fn slot_and_ledger(
+        &mut self,
+        forest: &mut Forest,
+        worker: Worker,
+    ) -> (u32, &mut Ledger<NodeRef>) {
         let free_slots = &mut self.free_slots;
         let (slot, ledger) = self.ledgers.entry(worker).or_insert_with(|| {
-            let slot = match free_slots.pop() {
-                Some(slot) => {
-                    forest.slot_workers[slot as usize] = worker;
-                    slot
-                }
-                None => {
-                    forest.slot_workers.push(worker);
-                    (forest.slot_workers.len() - 1) as u32
-                }
-            };
+            let slot = free_slots.pop().unwrap_or(forest.slot_workers.len() as u32);
+            forest.assign_slot(slot, worker);
             (slot, Ledger::default())
         });
-        (*slot, ledger, forest)
+        (*slot, ledger)
     }
 
     fn release_if_empty(&mut self, worker: Worker) {
@@ -933,24 +1119,26 @@ impl Atlas {
         }
     }
 
-    fn clear_worker(&mut self, worker: Worker) -> u64 {
+    fn clear_worker(&mut self, forest: &mut Forest, worker: Worker) -> u64 {
         let Some((slot, ledger)) = self.ledgers.get_mut(&worker) else {
             return 0;
         };
-        let ended = ledger.clear(&mut Sink::new(&mut self.forest, *slot));
+        let ended = ledger.clear(&mut Sink::new(forest, *slot));
         self.release_if_empty(worker);
         ended
     }
+}
 
+impl Forest {
     /// The walk described in the module docs; fills `out` with every rank's exact scores.
     fn walk(&self, query: &[LocalBlockHash], tiered: bool, out: &mut Vec<WorkerMatch>) {
-        let forest = &self.forest;
+        let forest = self;
         let Some(first) = query.first() else { return };
         let Some(root) = forest.branches.get(&forest.edges, NIL, 0, *first) else {
             return;
         };
         if !tiered {
-            return self.walk_device(query, root, out);
+            return forest.walk_device(query, root, out);
         }
         // From here on all three levels are followed (bits 0b111 of a row's state).
         SCRATCH.with(|scratch| {
@@ -1010,14 +1198,12 @@ impl Atlas {
             );
         });
     }
-}
 
-impl Atlas {
     /// The walk for device-only queries (the routing hot path): one level, rows written
     /// straight into `out` (replacing its contents) — one pass over the root edge's covers,
     /// then in-place updates of the ranks that continue.
     fn walk_device(&self, query: &[LocalBlockHash], root: u32, out: &mut Vec<WorkerMatch>) {
-        let forest = &self.forest;
+        let forest = self;
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             let Scratch {
@@ -1126,8 +1312,9 @@ fn common_prefix(a: &[LocalBlockHash], b: &[LocalBlockHash]) -> usize {
     done
 }
 
-impl KvIndex for Atlas {
-    fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
+impl Books {
+    /// Applies one rank's mutation, changing `forest` to match.
+    fn apply(&mut self, forest: &mut Forest, mutation: &Mutation) -> ApplyReport {
         let mut report = ApplyReport::default();
         let worker = mutation.worker();
         let held_before = match self.bound {
@@ -1142,7 +1329,7 @@ impl KvIndex for Atlas {
                 blocks,
                 ..
             } => {
-                let (slot, ledger, forest) = self.slot_and_ledger(worker);
+                let (slot, ledger) = self.slot_and_ledger(forest, worker);
                 if let Some(clock) = clock {
                     ledger.track_recency(clock);
                     ledger.set_clock(clock);
@@ -1156,19 +1343,20 @@ impl KvIndex for Atlas {
                 );
             }
             Mutation::Removed { tier, blocks, .. } => {
-                let (slot, ledger, forest) = self.slot_and_ledger(worker);
+                let (slot, ledger) = self.slot_and_ledger(forest, worker);
                 ledger.remove(&mut Sink::new(forest, slot), *tier, blocks, &mut report);
             }
-            Mutation::Cleared { .. } => report.cleared += self.clear_worker(worker),
+            Mutation::Cleared { .. } => report.cleared += self.clear_worker(forest, worker),
         }
         if self.bound.is_some() {
-            self.enforce_bound(worker, held_before, &mut report);
+            self.enforce_bound(forest, worker, held_before, &mut report);
         }
         self.release_if_empty(worker);
         report
     }
 
-    fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
+    /// Drops every rank of `worker_id`.
+    fn remove_worker(&mut self, forest: &mut Forest, worker_id: u64) -> ApplyReport {
         let mut ranks: Vec<Worker> = self
             .ledgers
             .keys()
@@ -1178,7 +1366,7 @@ impl KvIndex for Atlas {
         ranks.sort_unstable();
         let mut report = ApplyReport::default();
         for worker in ranks {
-            report.cleared += self.clear_worker(worker);
+            report.cleared += self.clear_worker(forest, worker);
         }
         if self.bound.is_some() {
             self.rebuild_heap();
@@ -1186,32 +1374,21 @@ impl KvIndex for Atlas {
         report
     }
 
-    fn clear(&mut self) {
-        let capacity = self.bound.as_ref().map(|b| b.capacity);
-        *self = Self::default();
-        self.bound = capacity.map(|capacity| Bound {
-            capacity,
-            ..Bound::default()
-        });
+    /// Drops everything (the capacity bound stays).
+    fn clear(&mut self, forest: &mut Forest) {
+        *self = Self::with_capacity(self.bound.as_ref().map(|b| b.capacity));
+        forest.reset();
     }
 
-    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
-        let mut matches = Matches::default();
-        self.walk(query, options.tiered, &mut matches.workers);
-        if options.early_exit || options.top_k.is_some() {
-            matches.finish(options);
-        }
-        matches
-    }
-
-    fn snapshot(&self) -> Snapshot {
+    /// A consistent cut; `forest` is the copy in step with these books.
+    fn snapshot(&self, forest: &Forest) -> Snapshot {
         let mut workers: Vec<WorkerSnapshot> = self
             .ledgers
             .iter()
             .map(|(worker, (_, ledger))| WorkerSnapshot {
                 worker: *worker,
                 blocks: ledger.snapshot(|node: NodeRef| {
-                    self.forest.edges[node.edge as usize].locals[node.offset as usize]
+                    forest.edges[node.edge as usize].locals[node.offset as usize]
                 }),
             })
             .filter(|w| !w.blocks.is_empty())
@@ -1220,11 +1397,12 @@ impl KvIndex for Atlas {
         Snapshot { workers }
     }
 
-    fn restore(&mut self, snapshot: &Snapshot) {
-        self.clear();
+    /// Replaces the contents with a snapshot's.
+    fn restore(&mut self, forest: &mut Forest, snapshot: &Snapshot) {
+        self.clear(forest);
         let bounded = self.bound.is_some();
         for w in &snapshot.workers {
-            let (slot, ledger, forest) = self.slot_and_ledger(w.worker);
+            let (slot, ledger) = self.slot_and_ledger(forest, w.worker);
             if bounded {
                 // Restored blocks count as stored now, in snapshot order.
                 ledger.track_recency(0);
@@ -1241,7 +1419,8 @@ impl KvIndex for Atlas {
         }
     }
 
-    fn stats(&self) -> IndexStats {
+    /// Occupancy, and the heap of these books plus `forest_bytes`.
+    fn stats(&self, forest_bytes: u64) -> IndexStats {
         let mut workers: Vec<WorkerBlocks> = self
             .ledgers
             .iter()
@@ -1253,7 +1432,7 @@ impl KvIndex for Atlas {
         workers.sort_unstable_by_key(|w| w.worker);
         IndexStats {
             memberships: workers.iter().flat_map(|w| w.per_tier).sum(),
-            heap_bytes: self.forest.heap_bytes()
+            heap_bytes: forest_bytes
                 + self
                     .ledgers
                     .values()
@@ -1261,6 +1440,48 @@ impl KvIndex for Atlas {
                     .sum::<u64>(),
             workers,
         }
+    }
+}
+
+impl Forest {
+    /// The answer to a query (see the module docs).
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
+        let mut matches = Matches::default();
+        self.walk(query, options.tiered, &mut matches.workers);
+        if options.early_exit || options.top_k.is_some() {
+            matches.finish(options);
+        }
+        matches
+    }
+}
+
+impl KvIndex for Atlas {
+    fn apply(&mut self, mutation: &Mutation) -> ApplyReport {
+        self.books.apply(&mut self.forest, mutation)
+    }
+
+    fn remove_worker(&mut self, worker_id: u64) -> ApplyReport {
+        self.books.remove_worker(&mut self.forest, worker_id)
+    }
+
+    fn clear(&mut self) {
+        self.books.clear(&mut self.forest);
+    }
+
+    fn find_matches(&self, query: &[LocalBlockHash], options: &MatchOptions) -> Matches {
+        self.forest.find_matches(query, options)
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        self.books.snapshot(&self.forest)
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) {
+        self.books.restore(&mut self.forest, snapshot);
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.books.stats(self.forest.heap_bytes())
     }
 }
 
@@ -1482,7 +1703,7 @@ mod tests {
                 );
                 assert!(atlas.forest.branches.table.is_empty());
                 assert!(atlas.forest.multiple.is_empty());
-                assert!(atlas.ledgers.is_empty());
+                assert!(atlas.books.ledgers.is_empty());
             }
         }
     }

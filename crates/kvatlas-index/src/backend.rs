@@ -49,6 +49,18 @@ pub trait SharedKvIndex: Send + Sync {
         self.apply(&mutation)
     }
 
+    /// Applies the mutations of `batch` in order (leaving it empty); returns their merged
+    /// reports. A front may publish them together: readers then see the state before or after
+    /// the whole batch, which keeps the read guarantee (every published state was held). The
+    /// default applies them one by one.
+    fn apply_batch(&self, batch: &mut Vec<Mutation>) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        for mutation in batch.drain(..) {
+            report.merge(&self.apply_owned(mutation));
+        }
+        report
+    }
+
     /// Drops every block of every rank of `worker_id`.
     fn remove_worker(&self, worker_id: u64) -> ApplyReport;
 

@@ -27,7 +27,7 @@ mod reference;
 mod snapshot;
 mod sync;
 
-pub use atlas::{Atlas, Eviction};
+pub use atlas::{Atlas, ConcurrentAtlas, Eviction};
 pub use backend::{Exclusive, KvIndex, SharedKvIndex};
 pub use concurrent_radix::ConcurrentRadixTree;
 pub use left_right::LeftRight;

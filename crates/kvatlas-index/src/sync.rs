@@ -51,6 +51,14 @@ mod loom_locks {
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
         }
 
+        pub(crate) fn try_read(&self) -> Option<loom::sync::RwLockReadGuard<'_, T>> {
+            match self.0.try_read() {
+                Ok(guard) => Some(guard),
+                Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            }
+        }
+
         pub(crate) fn try_write(&self) -> Option<loom::sync::RwLockWriteGuard<'_, T>> {
             match self.0.try_write() {
                 Ok(guard) => Some(guard),

@@ -4,8 +4,8 @@
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    Atlas, ExternalBlockHash, KvIndex, MatchOptions, Mutation, ReferenceIndex, StoredBlock, Tier,
-    Worker,
+    Atlas, ConcurrentAtlas, ExternalBlockHash, KvIndex, MatchOptions, Mutation, ReferenceIndex,
+    SharedKvIndex, StoredBlock, Tier, Worker,
 };
 use proptest::prelude::*;
 
@@ -64,14 +64,18 @@ proptest! {
         let queries = queries();
         let tiered = MatchOptions { tiered: true, ..MatchOptions::default() };
         let mut atlas = Atlas::with_capacity(capacity);
+        // The concurrent Atlas shares the eviction code: it must evict the same blocks.
+        let concurrent = ConcurrentAtlas::with_capacity(capacity);
         let mut oracle = ReferenceIndex::new();
         for (step, mutation) in ops.iter().enumerate() {
             let mut got = atlas.apply(mutation);
+            prop_assert_eq!(SharedKvIndex::apply(&concurrent, mutation), got, "step {}: concurrent report", step);
             let want = oracle.apply(mutation);
             let evicted = got.evicted;
             got.evicted = 0;
             prop_assert_eq!(got, want, "step {}: report", step);
             let evictions = atlas.take_evictions();
+            prop_assert_eq!(concurrent.take_evictions(), evictions.clone(), "step {}: concurrent evictions", step);
             prop_assert_eq!(evictions.iter().map(|e| u64::from(e.tiers.bits().count_ones())).sum::<u64>(), evicted);
             for eviction in &evictions {
                 // Only leaves (no other held block names it as parent) — unless no rank holds any leaf
@@ -93,6 +97,7 @@ proptest! {
             prop_assert_eq!(atlas.snapshot(), oracle.snapshot(), "step {}: state", step);
             for query in &queries {
                 prop_assert_eq!(atlas.find_matches(query, &tiered), oracle.find_matches(query, &tiered), "step {}: {:?}", step, query);
+                prop_assert_eq!(SharedKvIndex::find_matches(&concurrent, query, &tiered), oracle.find_matches(query, &tiered), "step {}: concurrent {:?}", step, query);
             }
         }
     }

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    Atlas, ConcurrentRadixTree, EnqueueError, ExternalBlockHash, KvIndex, LeftRight, Locked,
-    MatchOptions, Mutation, RadixTree, ReferenceIndex, SharedKvIndex, StoredBlock, ThreadPool,
-    Tier, Worker,
+    Atlas, ConcurrentAtlas, ConcurrentRadixTree, EnqueueError, ExternalBlockHash, KvIndex,
+    LeftRight, Locked, MatchOptions, Mutation, RadixTree, ReferenceIndex, SharedKvIndex,
+    StoredBlock, ThreadPool, Tier, Worker,
 };
 
 const CHAIN: u64 = 48;
@@ -165,6 +165,11 @@ fn left_right_atlas_keeps_the_read_guarantee() {
 }
 
 #[test]
+fn concurrent_atlas_keeps_the_read_guarantee() {
+    check_read_guarantee(Arc::new(ConcurrentAtlas::new()), 2);
+}
+
+#[test]
 fn locked_atlas_keeps_the_read_guarantee() {
     check_read_guarantee(Arc::new(Locked::new(Atlas::new())), 2);
 }
@@ -288,6 +293,91 @@ fn thread_pool_applies_each_rank_in_order_and_flushes() -> std::io::Result<()> {
     let removed = pool.remove_worker(3);
     assert_eq!(removed, oracle.remove_worker(3));
     assert_eq!(SharedKvIndex::snapshot(pool.index()), oracle.snapshot());
+    Ok(())
+}
+
+#[test]
+fn thread_pool_applies_what_waits_as_one_batch_in_order() -> std::io::Result<()> {
+    // Records the size of every batch; a held gate keeps the writer from draining its lane.
+    struct Batches(Locked<RadixTree>, parking_lot::Mutex<Vec<usize>>);
+    impl SharedKvIndex for Batches {
+        fn apply(&self, m: &Mutation) -> kvatlas_index::ApplyReport {
+            self.0.apply(m)
+        }
+        fn apply_batch(&self, batch: &mut Vec<Mutation>) -> kvatlas_index::ApplyReport {
+            let mut sizes = self.1.lock();
+            sizes.push(batch.len());
+            let mut report = kvatlas_index::ApplyReport::default();
+            for m in batch.drain(..) {
+                report.merge(&self.0.apply(&m));
+            }
+            report
+        }
+        fn remove_worker(&self, id: u64) -> kvatlas_index::ApplyReport {
+            self.0.remove_worker(id)
+        }
+        fn clear(&self) {
+            self.0.clear()
+        }
+        fn find_matches(&self, q: &[LocalBlockHash], o: &MatchOptions) -> kvatlas_index::Matches {
+            SharedKvIndex::find_matches(&self.0, q, o)
+        }
+        fn snapshot(&self) -> kvatlas_index::Snapshot {
+            SharedKvIndex::snapshot(&self.0)
+        }
+        fn restore(&self, s: &kvatlas_index::Snapshot) {
+            self.0.restore(s)
+        }
+        fn stats(&self) -> kvatlas_index::IndexStats {
+            SharedKvIndex::stats(&self.0)
+        }
+    }
+    const CAPACITY: usize = 8;
+    let pool = ThreadPool::new(
+        Batches(
+            Locked::new(RadixTree::new()),
+            parking_lot::Mutex::new(Vec::new()),
+        ),
+        1,
+        CAPACITY,
+    )?;
+    let worker = Worker::new(4, 0);
+    let (mutations, _) = script(worker, 4, 40);
+    let mut oracle = ReferenceIndex::new();
+    let gate = pool.index().1.lock();
+    let mut accepted = 0;
+    for m in mutations {
+        match pool.try_enqueue(m.clone()) {
+            Ok(()) => {
+                oracle.apply(&m);
+                accepted += 1;
+            }
+            // The writer waits at the gate and the lane is full: stop here, in order.
+            Err(EnqueueError::Full(_)) => break,
+            Err(EnqueueError::Stopped(_)) => panic!("writers stopped"),
+        }
+    }
+    drop(gate);
+    pool.flush();
+    let sizes = pool.index().1.lock().clone();
+    assert_eq!(
+        sizes.iter().sum::<usize>(),
+        accepted,
+        "every mutation applied once"
+    );
+    assert!(
+        sizes.iter().all(|&n| (1..=CAPACITY).contains(&n)),
+        "batches within the lane's capacity: {sizes:?}"
+    );
+    assert!(
+        sizes.iter().any(|&n| n > 1),
+        "what waited in the lane came as one batch: {sizes:?}"
+    );
+    assert_eq!(
+        SharedKvIndex::snapshot(pool.index()),
+        oracle.snapshot(),
+        "applied in order"
+    );
     Ok(())
 }
 

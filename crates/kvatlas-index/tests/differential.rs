@@ -219,6 +219,18 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The concurrent Atlas (books once, two forests kept in step by replaying recorded changes)
+    /// answers like the oracle: every write publishes the other forest, so consecutive steps
+    /// read the two copies alternately.
+    #[test]
+    fn concurrent_atlas_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
+        run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::ConcurrentAtlas::new())), &ops);
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig { cases: 100, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// The concurrent fronts answer like the oracle too (both left-right copies receive every
@@ -276,10 +288,15 @@ fn cycles_of_parent_links_removed_in_one_event() {
         tier: Tier::Device,
         blocks: [0, 1, 2].map(ExternalBlockHash::new).to_vec(),
     };
-    let backends: [fn() -> Box<dyn KvIndex>; 4] = [
+    let backends: [fn() -> Box<dyn KvIndex>; 5] = [
         || Box::new(RadixTree::new()),
         || Box::new(kvatlas_index::PositionalIndexer::new()),
         || Box::new(kvatlas_index::Atlas::new()),
+        || {
+            Box::new(kvatlas_index::Exclusive(
+                kvatlas_index::ConcurrentAtlas::new(),
+            ))
+        },
         || {
             Box::new(kvatlas_index::Exclusive(
                 kvatlas_index::ConcurrentRadixTree::new(),
