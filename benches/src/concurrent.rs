@@ -1,6 +1,6 @@
 //! Workload C of `shared/reference/peer-baseline.md`: one writer and one reader at once, through
 //! the concurrent front (`ThreadPool` over `LeftRight<backend>` or `Locked<backend>`, or over the
-//! backend itself when it is concurrent, as `crtc` is).
+//! backend's concurrent form when it has one: `ConcurrentAtlas` for `atlas`, `crtc` itself).
 //!
 //! The event stream is a Workload-A stream plus its "drain" (one `Removed` per worker emptying its
 //! cache), looped. Three phases of `phase` each, on fresh fronts:

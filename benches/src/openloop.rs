@@ -10,8 +10,8 @@
 //! sleep, then a spin of the last `spin` that yields the core between checks) and then:
 //!
 //! - **an event** is handed to `ThreadPool::new(front, pool_threads, queue_capacity)` with the
-//!   front `LeftRight<backend>` (default) or `Locked<backend>` — or the backend itself when it is
-//!   concurrent (`crtc`): the real write path, sticky per-rank lanes, bounded queues. A full lane
+//!   front `LeftRight<backend>` (default) or `Locked<backend>` — or the backend's concurrent form
+//!   when it has one (`ConcurrentAtlas` for `atlas`, `crtc` itself): the real write path, sticky per-rank lanes, bounded queues. A full lane
 //!   blocks the issuer (backpressure; every such wait is counted);
 //! - **a query** runs inline (`pool.find_matches`, the pool's read path), its latency recorded
 //!   as *completion − deadline* (coordinated omission corrected: a query issued late, because the
@@ -473,9 +473,9 @@ pub fn summarize(backend: &str, runs: &[OpenLoopResult]) -> SweepSummary {
     }
 }
 
-/// How the writer pool shares the index with readers. A backend that is concurrent itself (a
-/// registry entry with [`crate::replay::Backend::shared`], such as `crtc`) is used directly
-/// whatever the kind: wrapping it in a front would serialize what it runs in parallel.
+/// How the writer pool shares the index with readers. A backend with a concurrent form (a
+/// registry entry with [`crate::replay::Backend::shared`]: `atlas` → `ConcurrentAtlas`, `crtc`)
+/// uses that form whatever the kind: it is the backend's own, better way to share itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum FrontKind {

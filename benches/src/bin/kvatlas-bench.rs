@@ -311,7 +311,7 @@ fn interleaved_row(r: &ReplayResult) -> String {
 fn open_loop_header(config: &OpenLoopConfig) -> String {
     format!(
         "\n#### Open loop (deadline-driven; ThreadPool over {:?}<backend>, or over \
-         crtc itself, {} writer thread(s), \
+         the concurrent form of atlas and crtc, {} writer thread(s), \
          lanes of {}, {} issuer(s); latency = completion − deadline)\n\n\
          | backend | window | offered ops/s | achieved ops/s | offered blk ops/s | achieved blk ops/s \
          | completion / window | valid | p50 | p99 | p99.9 | max | service p50 / p99 \
@@ -432,7 +432,8 @@ fn concurrent_text(
 ) -> String {
     let mut text = format!(
         "\n### Concurrent (Workload C): W={} C={} {} stream + drain looped; {} ms per phase; \
-         ThreadPool over {:?}<backend> (or over crtc itself) with {} writer thread(s), \
+         ThreadPool over {:?}<backend>, or over the concurrent form of atlas and crtc, \
+         with {} writer thread(s), \
          flush every {} events; one reader\n\n\
          | backend | events/s alone → concurrent | finds/s alone → concurrent | find p99 alone → concurrent \
          | find p50 conc. | find p99.9 conc. | find max conc. | state |\n\
