@@ -116,6 +116,18 @@ impl SlotTable {
         }
     }
 
+    /// Reads the whole table once, front to back. A removal naming a good part of a rank's
+    /// blocks probes the table at scattered places, each probe a cache miss when the rank has
+    /// not been touched lately (and each waiting for the one before, inside the removal's
+    /// dependent work); one sequential pass streams the table in at memory bandwidth instead.
+    fn warm(&self) {
+        let sum = match self {
+            Self::Narrow(t) => t.iter().fold(0u32, |a, &i| a.wrapping_add(u32::from(i))),
+            Self::Wide(t) => t.iter().fold(0u32, |a, &i| a.wrapping_add(i)),
+        };
+        std::hint::black_box(sum);
+    }
+
     /// Every slot index in the table.
     fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
         match self {
@@ -201,6 +213,13 @@ pub(crate) trait Membership {
     /// of every worker is gone from a node and its descendants, the backend may free it.
     fn remove(&mut self, node: Self::Node, level: Level);
 }
+
+/// A removal naming at least 1/`WARM_DIVISOR` of a rank's blocks first reads the rank's whole
+/// slot table ([`SlotTable::warm`]): the pass costs a sequential read of the table, less than
+/// the scattered misses it saves from that many probes (synthetic remove 68 → 52 µs). A store
+/// does not: its probes hit lines a removal or an earlier store of the run's neighbours touched,
+/// and the pass cost more than it saved there (store 47 → 60 µs).
+const WARM_DIVISOR: usize = 16;
 
 /// Marks "no slot" in the intrusive lists.
 const NIL: u32 = u32::MAX;
@@ -595,6 +614,9 @@ impl<N: NodeBits> Ledger<N> {
         blocks: &[ExternalBlockHash],
         report: &mut ApplyReport,
     ) {
+        if blocks.len() * WARM_DIVISOR >= self.table.len() {
+            self.table.warm();
+        }
         let mut touched = TOUCHED.take();
         touched.clear();
         let mut near = NIL;
