@@ -296,51 +296,57 @@ fn thread_pool_applies_each_rank_in_order_and_flushes() -> std::io::Result<()> {
     Ok(())
 }
 
-#[test]
-fn thread_pool_applies_what_waits_as_one_batch_in_order() -> std::io::Result<()> {
-    // Records the size of every batch; a held gate keeps the writer from draining its lane.
-    struct Batches(Locked<RadixTree>, parking_lot::Mutex<Vec<usize>>);
-    impl SharedKvIndex for Batches {
-        fn apply(&self, m: &Mutation) -> kvatlas_index::ApplyReport {
-            self.0.apply(m)
-        }
-        fn apply_batch(&self, batch: &mut Vec<Mutation>) -> kvatlas_index::ApplyReport {
-            let mut sizes = self.1.lock();
-            sizes.push(batch.len());
-            let mut report = kvatlas_index::ApplyReport::default();
-            for m in batch.drain(..) {
-                report.merge(&self.0.apply(&m));
-            }
-            report
-        }
-        fn remove_worker(&self, id: u64) -> kvatlas_index::ApplyReport {
-            self.0.remove_worker(id)
-        }
-        fn clear(&self) {
-            self.0.clear()
-        }
-        fn find_matches(&self, q: &[LocalBlockHash], o: &MatchOptions) -> kvatlas_index::Matches {
-            SharedKvIndex::find_matches(&self.0, q, o)
-        }
-        fn snapshot(&self) -> kvatlas_index::Snapshot {
-            SharedKvIndex::snapshot(&self.0)
-        }
-        fn restore(&self, s: &kvatlas_index::Snapshot) {
-            self.0.restore(s)
-        }
-        fn stats(&self) -> kvatlas_index::IndexStats {
-            SharedKvIndex::stats(&self.0)
-        }
-    }
-    const CAPACITY: usize = 8;
-    let pool = ThreadPool::new(
-        Batches(
+/// A pool's index whose writes wait at a gate the test can hold, and which records the size of
+/// every batch it is given.
+struct Gated(Locked<RadixTree>, parking_lot::Mutex<Vec<usize>>);
+
+impl Gated {
+    fn new() -> Self {
+        Self(
             Locked::new(RadixTree::new()),
             parking_lot::Mutex::new(Vec::new()),
-        ),
-        1,
-        CAPACITY,
-    )?;
+        )
+    }
+}
+
+impl SharedKvIndex for Gated {
+    fn apply(&self, m: &Mutation) -> kvatlas_index::ApplyReport {
+        self.apply_batch(&mut vec![m.clone()])
+    }
+    fn apply_batch(&self, batch: &mut Vec<Mutation>) -> kvatlas_index::ApplyReport {
+        let mut sizes = self.1.lock();
+        sizes.push(batch.len());
+        let mut report = kvatlas_index::ApplyReport::default();
+        for m in batch.drain(..) {
+            report.merge(&self.0.apply(&m));
+        }
+        report
+    }
+    fn remove_worker(&self, id: u64) -> kvatlas_index::ApplyReport {
+        self.0.remove_worker(id)
+    }
+    fn clear(&self) {
+        self.0.clear()
+    }
+    fn find_matches(&self, q: &[LocalBlockHash], o: &MatchOptions) -> kvatlas_index::Matches {
+        SharedKvIndex::find_matches(&self.0, q, o)
+    }
+    fn snapshot(&self) -> kvatlas_index::Snapshot {
+        SharedKvIndex::snapshot(&self.0)
+    }
+    fn restore(&self, s: &kvatlas_index::Snapshot) {
+        self.0.restore(s)
+    }
+    fn stats(&self) -> kvatlas_index::IndexStats {
+        SharedKvIndex::stats(&self.0)
+    }
+}
+
+#[test]
+fn thread_pool_applies_what_waits_as_one_batch_in_order() -> std::io::Result<()> {
+    // A held gate keeps the writer from draining its lane; then what waits comes as batches.
+    const CAPACITY: usize = 8;
+    let pool = ThreadPool::new(Gated::new(), 1, CAPACITY)?;
     let worker = Worker::new(4, 0);
     let (mutations, _) = script(worker, 4, 40);
     let mut oracle = ReferenceIndex::new();
@@ -383,37 +389,8 @@ fn thread_pool_applies_what_waits_as_one_batch_in_order() -> std::io::Result<()>
 
 #[test]
 fn thread_pool_queues_are_bounded() -> std::io::Result<()> {
-    // One lane with room for one mutation; a writer blocked on a held write lock cannot drain it.
-    struct Gate(Locked<RadixTree>, parking_lot::Mutex<()>);
-    impl SharedKvIndex for Gate {
-        fn apply(&self, m: &Mutation) -> kvatlas_index::ApplyReport {
-            let _open = self.1.lock();
-            self.0.apply(m)
-        }
-        fn remove_worker(&self, id: u64) -> kvatlas_index::ApplyReport {
-            self.0.remove_worker(id)
-        }
-        fn clear(&self) {
-            self.0.clear()
-        }
-        fn find_matches(&self, q: &[LocalBlockHash], o: &MatchOptions) -> kvatlas_index::Matches {
-            SharedKvIndex::find_matches(&self.0, q, o)
-        }
-        fn snapshot(&self) -> kvatlas_index::Snapshot {
-            SharedKvIndex::snapshot(&self.0)
-        }
-        fn restore(&self, s: &kvatlas_index::Snapshot) {
-            self.0.restore(s)
-        }
-        fn stats(&self) -> kvatlas_index::IndexStats {
-            SharedKvIndex::stats(&self.0)
-        }
-    }
-    let pool = ThreadPool::new(
-        Gate(Locked::new(RadixTree::new()), parking_lot::Mutex::new(())),
-        1,
-        1,
-    )?;
+    // One lane with room for one mutation; a writer waiting at the held gate cannot drain it.
+    let pool = ThreadPool::new(Gated::new(), 1, 1)?;
     let worker = Worker::new(9, 0);
     let held = pool.index().1.lock();
     let mut full = 0;
