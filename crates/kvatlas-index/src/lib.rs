@@ -7,6 +7,10 @@
 //! [`SharedKvIndex`] for concurrent use) and is tested against [`ReferenceIndex`], the naive
 //! model.
 //!
+//! Which to use: [`Atlas`] (the default backend) when one thread owns the index;
+//! [`ConcurrentAtlas`] when queries run while events are applied — usually behind a [`ThreadPool`]
+//! that applies each rank's events in order on a writer thread while callers query inline.
+//!
 //! This crate is pure data structures: no sockets, files, clocks or async runtime.
 
 #![forbid(unsafe_code)]
