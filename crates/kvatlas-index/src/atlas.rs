@@ -94,6 +94,8 @@ struct Edge {
     /// Number of child edges.
     children: u32,
     /// Largest offset a child ever branched off at; the run is never truncated below it.
+    /// Reset to 0 only when no child is left, so every child attaches at or below it
+    /// ([`Forest::child_edge`] relies on it).
     max_child_offset: u32,
     /// Sorted by worker rank (see `Atlas::slot_workers`).
     covers: Vec<Cover>,
@@ -404,7 +406,20 @@ impl Forest {
     #[inline]
     fn next_on_path(&self, edge: u32, matched: u32, query: &[LocalBlockHash]) -> Option<u32> {
         let at = self.edges[edge as usize].depth as usize + matched as usize;
-        self.branches.get(&self.edges, edge, matched, query[at])
+        self.child_edge(edge, matched, query[at])
+    }
+
+    /// The child edge leaving `edge` at `offset` with first block `local`. Every child of an
+    /// edge attaches at or below its `max_child_offset` (see [`Edge`]), so an edge without
+    /// children, or an offset past that mark, needs no lookup: the common case of a query
+    /// ending on a leaf edge, and of a stored run extending a fresh edge block by block.
+    #[inline]
+    fn child_edge(&self, edge: u32, offset: u32, local: LocalBlockHash) -> Option<u32> {
+        let e = &self.edges[edge as usize];
+        if e.children == 0 || offset > e.max_child_offset {
+            return None;
+        }
+        self.branches.get(&self.edges, edge, offset, local)
     }
 
     /// Follows the query's path below `root` (whose run matched `matched` blocks): calls
@@ -782,10 +797,7 @@ impl Membership for Sink<'_> {
                 offset: target,
             };
         }
-        if let Some(edge) = forest
-            .branches
-            .get(&forest.edges, parent.edge, target, local)
-        {
+        if let Some(edge) = forest.child_edge(parent.edge, target, local) {
             return NodeRef { edge, offset: 0 };
         }
         if target as usize == len {
