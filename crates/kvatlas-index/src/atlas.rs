@@ -451,6 +451,13 @@ impl Forest {
             if e.children == 0 {
                 e.max_child_offset = 0;
             }
+            let len = e.locals.len() as u32;
+            if e.max_child_offset >= len || e.covers.iter().any(|c| c.bounds[LEVELS - 1] >= len) {
+                // The whole run is still in use: nothing to truncate. (On a shared prefix most
+                // ranks cover the whole edge, so this stops at one of the first covers instead
+                // of taking the maximum over all of them.)
+                return;
+            }
             let covered = e
                 .covers
                 .iter()
