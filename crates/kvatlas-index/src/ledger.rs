@@ -220,6 +220,10 @@ pub(crate) trait Membership {
 /// does not: its probes hit lines a removal or an earlier store of the run's neighbours touched,
 /// and the pass cost more than it saved there (store 47 → 60 µs).
 const WARM_DIVISOR: usize = 16;
+/// Only a rank holding at least this many blocks has its table read first: a smaller table
+/// (≤ 12 KB with its control bytes) is likely still cached, and reading it whole then costs
+/// more than the probes it would warm (Workload A's ranks hold at most 512 blocks).
+const WARM_MIN_BLOCKS: usize = 4096;
 
 /// Marks "no slot" in the intrusive lists.
 const NIL: u32 = u32::MAX;
@@ -614,7 +618,7 @@ impl<N: NodeBits> Ledger<N> {
         blocks: &[ExternalBlockHash],
         report: &mut ApplyReport,
     ) {
-        if blocks.len() * WARM_DIVISOR >= self.table.len() {
+        if self.table.len() >= WARM_MIN_BLOCKS && blocks.len() * WARM_DIVISOR >= self.table.len() {
             self.table.warm();
         }
         let mut touched = TOUCHED.take();
