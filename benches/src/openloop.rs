@@ -11,8 +11,9 @@
 //!
 //! - **an event** is handed to `ThreadPool::new(front, pool_threads, queue_capacity)` with the
 //!   front `LeftRight<backend>` (default) or `Locked<backend>` — or the backend's concurrent form
-//!   when it has one (`ConcurrentAtlas` for `atlas`, `crtc` itself): the real write path, sticky per-rank lanes, bounded queues. A full lane
-//!   blocks the issuer (backpressure; every such wait is counted);
+//!   when it has one (`ConcurrentAtlas` for `atlas`, `crtc` itself): the real write path, sticky
+//!   per-rank lanes, bounded queues. A full lane blocks the issuer (backpressure; every such wait
+//!   is counted);
 //! - **a query** runs inline (`pool.find_matches`, the pool's read path), its latency recorded
 //!   as *completion − deadline* (coordinated omission corrected: a query issued late, because the
 //!   issuer was blocked or the core was busy, is charged for it), with the service time of the

@@ -289,12 +289,11 @@ pub fn run(name: &str, workload: &Synthetic) -> Option<SyntheticResult> {
     let config = &workload.config;
     let options = MatchOptions::default();
     let mut anomalies = 0u64;
-    let count = |report: kvatlas_index::ApplyReport| report.anomalies();
 
     let stores: Vec<Mutation> = workload.sequences.iter().map(Sequence::store).collect();
     let start = Instant::now();
     for store in &stores {
-        anomalies += count(index.apply(store));
+        anomalies += index.apply(store).anomalies();
     }
     let build_secs = start.elapsed().as_secs_f64().max(1e-9);
     drop(stores);
@@ -340,7 +339,7 @@ pub fn run(name: &str, workload: &Synthetic) -> Option<SyntheticResult> {
         let end = Instant::now();
         remove.saturating_record((middle - begin).as_nanos().max(1) as u64);
         store.saturating_record((end - middle).as_nanos().max(1) as u64);
-        anomalies += count(report) + count(report2);
+        anomalies += report.anomalies() + report2.anomalies();
     }
     for k in 0..64.min(config.sequences) {
         let s = pick(k + 3, config.sequences);

@@ -138,7 +138,7 @@ struct Forest {
 /// on an identical copy makes the same calls with the same arguments, so (every step being
 /// deterministic) it ends in the same state — with the same edge ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ForestOp {
+enum ForestOp {
     /// [`Forest::branch_off`], which returned `edge`.
     BranchOff {
         parent: u32,
@@ -178,7 +178,7 @@ impl Forest {
     }
 
     /// Applies a change recorded in another copy's journal (not recorded again).
-    pub(crate) fn replay(&mut self, op: &ForestOp) {
+    fn replay(&mut self, op: &ForestOp) {
         let journal = self.journal.take();
         match *op {
             ForestOp::BranchOff {
@@ -1151,27 +1151,47 @@ impl Books {
 impl Forest {
     /// The walk described in the module docs; fills `out` with every rank's exact scores.
     fn walk(&self, query: &[LocalBlockHash], tiered: bool, out: &mut Vec<WorkerMatch>) {
-        let forest = self;
         let Some(first) = query.first() else { return };
-        let Some(root) = forest.branches.get(&forest.edges, NIL, 0, *first) else {
+        let Some(root) = self.branches.get(&self.edges, NIL, 0, *first) else {
             return;
         };
-        if !tiered {
-            return forest.walk_device(query, root, out);
+        if tiered {
+            self.walk_tiered(query, root, out);
+        } else {
+            self.walk_device(query, root, out);
         }
-        // From here on all three levels are followed (bits 0b111 of a row's state).
+    }
+
+    /// Runs `walk` with this thread's query scratch (its slot → row index made to cover every
+    /// rank slot), the root edge, and how far the query matches it (`matched`, `continues`).
+    #[inline]
+    fn at_root<R>(
+        &self,
+        query: &[LocalBlockHash],
+        root: u32,
+        walk: impl FnOnce(&mut Scratch, &Edge, u32, bool) -> R,
+    ) -> R {
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
+            let slots = self.slot_workers.len();
+            if scratch.index_of_slot.len() < slots {
+                scratch.index_of_slot.resize(slots, 0);
+            }
+            let (matched, continues) = self.match_run(root, query);
+            walk(&mut scratch, &self.edges[root as usize], matched, continues)
+        })
+    }
+
+    /// The walk for tiered queries: all three levels followed (bits 0b111 of a row's state).
+    fn walk_tiered(&self, query: &[LocalBlockHash], root: u32, out: &mut Vec<WorkerMatch>) {
+        self.at_root(query, root, |scratch, e, m, continues| {
             let Scratch {
                 states,
                 index_of_slot,
                 ..
-            } = &mut *scratch;
-            fit_rows(index_of_slot, forest.slot_workers.len());
+            } = scratch;
             // The root edge: every rank with a match covers it, so its covers (sorted by rank)
             // are the answer's rows, scored in one sequential pass.
-            let e = &forest.edges[root as usize];
-            let (m, continues) = forest.match_run(root, query);
             states.clear();
             states.extend(e.covers.iter().map(|cover| {
                 let mut score = [0; LEVELS];
@@ -1181,7 +1201,7 @@ impl Forest {
             let goes_on = states.iter().map(|&(_, next)| next != 0);
             // Deeper edges: only ranks that continued past the root edge can cover them.
             if index_rows(&e.covers, goes_on, index_of_slot) {
-                forest.walk_below(root, m, query, |e, matched, continues| {
+                self.walk_below(root, m, query, |e, matched, continues| {
                     let mut any_alive = false;
                     for cover in &e.covers {
                         // Every level is followed: a rank covering this edge holds the path to it
@@ -1201,20 +1221,16 @@ impl Forest {
             }
             // Every cover holds at least the edge's first block on some tier and the query
             // matched it: every row has `disk >= 1`.
-            let workers = &forest.slot_workers;
+            let workers = &self.slot_workers;
             out.clear();
-            out.extend(
-                forest.edges[root as usize]
-                    .covers
-                    .iter()
-                    .zip(states.iter())
-                    .map(|(cover, &([device, host, disk], _))| WorkerMatch {
-                        worker: workers[cover.slot as usize],
-                        device,
-                        host,
-                        disk,
-                    }),
-            );
+            out.extend(e.covers.iter().zip(states.iter()).map(
+                |(cover, &([device, host, disk], _))| WorkerMatch {
+                    worker: workers[cover.slot as usize],
+                    device,
+                    host,
+                    disk,
+                },
+            ));
         });
     }
 
@@ -1222,20 +1238,15 @@ impl Forest {
     /// straight into `out` (replacing its contents) — one pass over the root edge's covers,
     /// then in-place updates of the ranks that continue.
     fn walk_device(&self, query: &[LocalBlockHash], root: u32, out: &mut Vec<WorkerMatch>) {
-        let forest = self;
-        SCRATCH.with(|scratch| {
-            let mut scratch = scratch.borrow_mut();
+        self.at_root(query, root, |scratch, e, m, continues| {
             let Scratch {
                 index_of_slot,
                 alive,
                 ..
-            } = &mut *scratch;
-            fit_rows(index_of_slot, forest.slot_workers.len());
-            let e = &forest.edges[root as usize];
-            let (m, continues) = forest.match_run(root, query);
+            } = scratch;
             // One row per cover, in two tight passes; a rank holding the edge on lower tiers
             // only (bound 0: score 0, never continuing) is dropped at the end.
-            let workers = &forest.slot_workers;
+            let workers = &self.slot_workers;
             out.clear();
             out.extend(e.covers.iter().map(|cover| {
                 let score = cover.bounds[0].min(m);
@@ -1253,7 +1264,7 @@ impl Forest {
                     .map(|cover| cover.bounds[0] >= m && continues),
             );
             if index_rows(&e.covers, alive.iter().copied(), index_of_slot) {
-                forest.walk_below(root, m, query, |e, matched, continues| {
+                self.walk_below(root, m, query, |e, matched, continues| {
                     let mut any_alive = false;
                     for cover in &e.covers {
                         let bound = cover.bounds[0];
@@ -1306,13 +1317,6 @@ fn index_rows(
         }
     }
     any
-}
-
-/// Makes the slot → row index cover every rank slot.
-fn fit_rows(index_of_slot: &mut Vec<u32>, slots: usize) {
-    if index_of_slot.len() < slots {
-        index_of_slot.resize(slots, 0);
-    }
 }
 
 /// Length of the common prefix of two equally long runs.

@@ -96,10 +96,9 @@ use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::backend::SharedKvIndex;
 use crate::ledger::{Ledger, Membership, NodeBits};
-use crate::model::table_bytes;
 use crate::model::{
     ApplyReport, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation, Worker, WorkerBlocks,
-    WorkerMatch,
+    WorkerMatch, table_bytes,
 };
 use crate::snapshot::{Snapshot, WorkerSnapshot};
 
