@@ -40,11 +40,12 @@ use hashbrown::HashTable;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::backend::KvIndex;
-use crate::ledger::{Ledger, Membership, NodeBits};
+use crate::ledger::{Membership, NodeBits};
 use crate::model::{
     ApplyReport, ExternalBlockHash, IndexStats, LEVELS, Level, MatchOptions, Matches, Mutation,
     TierSet, Worker, WorkerBlocks, WorkerMatch, table_bytes,
 };
+use crate::run_ledger::{RunLedger, RunNode};
 use crate::snapshot::{Snapshot, WorkerSnapshot};
 
 mod concurrent;
@@ -58,6 +59,16 @@ const NIL: u32 = u32::MAX;
 pub(crate) struct NodeRef {
     edge: u32,
     offset: u32,
+}
+
+impl RunNode for NodeRef {
+    #[inline]
+    fn advance(self, blocks: u32) -> Self {
+        Self {
+            edge: self.edge,
+            offset: self.offset + blocks,
+        }
+    }
 }
 
 impl NodeBits for NodeRef {
@@ -938,7 +949,7 @@ pub struct Atlas {
 struct Books {
     /// Per rank: its slot in the forest and its ledger (hashed: looked up on every mutation;
     /// listings sort by rank).
-    ledgers: FxHashMap<Worker, (u32, Ledger<NodeRef>)>,
+    ledgers: FxHashMap<Worker, (u32, RunLedger<NodeRef>)>,
     /// Slots of ranks that left, for reuse.
     free_slots: Vec<u32>,
     /// The optional capacity bound and its eviction state.
@@ -1119,12 +1130,12 @@ impl Books {
         &mut self,
         forest: &mut Forest,
         worker: Worker,
-    ) -> (u32, &mut Ledger<NodeRef>) {
+    ) -> (u32, &mut RunLedger<NodeRef>) {
         let free_slots = &mut self.free_slots;
         let (slot, ledger) = self.ledgers.entry(worker).or_insert_with(|| {
             let slot = free_slots.pop().unwrap_or(forest.slot_workers.len() as u32);
             forest.assign_slot(slot, worker);
-            (slot, Ledger::default())
+            (slot, RunLedger::default())
         });
         (*slot, ledger)
     }
@@ -1671,6 +1682,87 @@ mod tests {
         // The removed blocks' descendants are held but unrooted.
         assert_eq!(atlas.stats().memberships, 69_997);
         assert_eq!(atlas.snapshot().workers[0].blocks.len(), 69_997);
+    }
+
+    /// The run-structured ledger keeps a stored chain as one run, cuts it only where a change
+    /// hits its middle, and reuses freed arena positions instead of growing.
+    #[test]
+    fn runs_stay_whole_and_the_arena_is_reused() {
+        let worker = Worker::new(3, 0);
+        let chain = |from: u64, len: u64| -> Vec<StoredBlock> {
+            (from..from + len)
+                .map(|i| StoredBlock {
+                    external: ExternalBlockHash::new(i),
+                    local: LocalBlockHash::new(i * 31 + 1),
+                })
+                .collect()
+        };
+        let hashes = |from: u64, len: u64| -> Vec<ExternalBlockHash> {
+            (from..from + len).map(ExternalBlockHash::new).collect()
+        };
+        let ledger = |atlas: &Atlas| -> (usize, usize, usize) {
+            let (_, l) = &atlas.books.ledgers[&worker];
+            (l.run_count(), l.arena_len(), l.len())
+        };
+        let mut atlas = Atlas::new();
+        atlas.apply(&Mutation::Stored {
+            worker,
+            tier: Tier::Device,
+            parent: None,
+            blocks: chain(0, 1000),
+        });
+        assert_eq!(ledger(&atlas), (1, 1000, 1000));
+        // Leaf-first eviction, named deepest first: the run shrinks, the arena with it.
+        let mut descending = hashes(900, 100);
+        descending.reverse();
+        atlas.apply(&Mutation::Removed {
+            worker,
+            tier: Tier::Device,
+            blocks: descending,
+        });
+        assert_eq!(ledger(&atlas), (1, 900, 900));
+        // A block in the middle gains a tier: three runs; a middle block removed: the run
+        // after it hangs dangling, still one piece.
+        atlas.apply(&Mutation::Stored {
+            worker,
+            tier: Tier::Host,
+            parent: Some(ExternalBlockHash::new(99)),
+            blocks: chain(100, 1),
+        });
+        assert_eq!(ledger(&atlas).0, 3);
+        atlas.apply(&Mutation::Removed {
+            worker,
+            tier: Tier::Device,
+            blocks: hashes(500, 1),
+        });
+        assert_eq!(ledger(&atlas), (4, 900, 899));
+        // A continuation stored after the removal fills the hole, not the arena's end.
+        atlas.apply(&Mutation::Stored {
+            worker,
+            tier: Tier::Device,
+            parent: Some(ExternalBlockHash::new(499)),
+            blocks: chain(5000, 1),
+        });
+        assert_eq!(ledger(&atlas), (5, 900, 900));
+        // Everything named in a scrambled order, some twice: nothing left, the arena empty.
+        let mut all: Vec<ExternalBlockHash> = hashes(0, 900);
+        all.push(ExternalBlockHash::new(5000));
+        all.sort_by_key(|h| h.get().wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        all.extend(hashes(10, 5));
+        let report = atlas.apply(&Mutation::Removed {
+            worker,
+            tier: Tier::Device,
+            blocks: all,
+        });
+        assert_eq!((report.removed, report.unknown_removes), (900, 6));
+        let report = atlas.apply(&Mutation::Removed {
+            worker,
+            tier: Tier::Host,
+            blocks: hashes(100, 1),
+        });
+        assert_eq!(report.removed, 1);
+        assert!(!atlas.books.ledgers.contains_key(&worker));
+        assert_eq!(atlas.stats().memberships, 0);
     }
 
     /// After every rank leaves, nothing of the forest is left in use, whatever the history.

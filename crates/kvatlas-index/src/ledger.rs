@@ -27,7 +27,6 @@ use std::cell::Cell;
 use std::hash::BuildHasher;
 use std::marker::PhantomData;
 
-use hashbrown::HashTable;
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
@@ -37,105 +36,8 @@ use crate::model::{
     ApplyReport, ExternalBlockHash, IndexStats, Level, Mutation, StoredBlock, Tier, TierSet,
     UNROOTED, Worker, WorkerBlocks, table_bytes,
 };
+use crate::slot_table::SlotTable;
 use crate::snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
-
-/// Slot indices hashed by engine hash: 2-byte entries while every slot index fits (a rank with
-/// fewer than 65,535 slots — nearly always), 4-byte entries beyond.
-#[derive(Debug, Clone)]
-enum SlotTable {
-    Narrow(HashTable<u16>),
-    Wide(HashTable<u32>),
-}
-
-impl Default for SlotTable {
-    fn default() -> Self {
-        Self::Narrow(HashTable::new())
-    }
-}
-
-impl SlotTable {
-    fn len(&self) -> usize {
-        match self {
-            Self::Narrow(t) => t.len(),
-            Self::Wide(t) => t.len(),
-        }
-    }
-
-    fn heap_bytes(&self) -> usize {
-        match self {
-            Self::Narrow(t) => table_bytes(t.capacity(), 2),
-            Self::Wide(t) => table_bytes(t.capacity(), 4),
-        }
-    }
-
-    /// The slot index whose entry satisfies `eq`.
-    #[inline]
-    fn find(&self, hash: u64, eq: impl Fn(u32) -> bool) -> Option<u32> {
-        match self {
-            Self::Narrow(t) => t.find(hash, |&i| eq(u32::from(i))).map(|&i| u32::from(i)),
-            Self::Wide(t) => t.find(hash, |&i| eq(i)).copied(),
-        }
-    }
-
-    /// Adds `slot` (not yet in the table); `rehash` gives any present slot's hash.
-    fn insert(&mut self, hash: u64, slot: u32, rehash: impl Fn(u32) -> u64) {
-        if let Self::Narrow(t) = self
-            && u16::try_from(slot).is_err()
-        {
-            let mut wide = HashTable::with_capacity(t.len() + 1);
-            for &i in t.iter() {
-                let i = u32::from(i);
-                wide.insert_unique(rehash(i), i, |&j| rehash(j));
-            }
-            *self = Self::Wide(wide);
-        }
-        match self {
-            Self::Narrow(t) => {
-                let narrow = slot as u16;
-                t.insert_unique(hash, narrow, |&i| rehash(u32::from(i)));
-            }
-            Self::Wide(t) => {
-                t.insert_unique(hash, slot, |&i| rehash(i));
-            }
-        }
-    }
-
-    /// Removes the entry of `slot`, hashed `hash`.
-    fn remove(&mut self, hash: u64, slot: u32) {
-        match self {
-            Self::Narrow(t) => {
-                if let Ok(entry) = t.find_entry(hash, |&i| u32::from(i) == slot) {
-                    entry.remove();
-                }
-            }
-            Self::Wide(t) => {
-                if let Ok(entry) = t.find_entry(hash, |&i| i == slot) {
-                    entry.remove();
-                }
-            }
-        }
-    }
-
-    /// Reads the whole table once, front to back. A removal naming a good part of a rank's
-    /// blocks probes the table at scattered places, each probe a cache miss when the rank has
-    /// not been touched lately (and each waiting for the one before, inside the removal's
-    /// dependent work); one sequential pass streams the table in at memory bandwidth instead.
-    fn warm(&self) {
-        let sum = match self {
-            Self::Narrow(t) => t.iter().fold(0u32, |a, &i| a.wrapping_add(u32::from(i))),
-            Self::Wide(t) => t.iter().fold(0u32, |a, &i| a.wrapping_add(i)),
-        };
-        std::hint::black_box(sum);
-    }
-
-    /// Every slot index in the table.
-    fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
-        match self {
-            Self::Narrow(t) => Box::new(t.iter().map(|&i| u32::from(i))),
-            Self::Wide(t) => Box::new(t.iter().copied()),
-        }
-    }
-}
 
 /// A backend's node handle, storable in one `u64`.
 pub(crate) trait NodeBits: Copy {
@@ -276,21 +178,7 @@ pub(crate) struct Ledger<N> {
     /// For each such block, its parent's hash.
     dangling_parent: FxHashMap<u32, ExternalBlockHash>,
     per_tier: [u64; 4],
-    /// Eviction support (`Some` only for capacity-bounded backends).
-    recency: Option<Recency>,
     node: PhantomData<N>,
-}
-
-/// Per-block recency for capacity-bounded backends: when each block was last stored, and the
-/// blocks that became eviction candidates (leaves) since the backend last looked.
-#[derive(Debug, Clone, Default)]
-struct Recency {
-    /// Last store time of each slot (parallel to `slots`).
-    stamps: Vec<u64>,
-    /// The backend's clock, advanced on every store.
-    clock: u64,
-    /// `(stamp, slot, external)` of blocks that are now leaves.
-    candidates: Vec<(u64, u32, ExternalBlockHash)>,
 }
 
 impl<N> Default for Ledger<N> {
@@ -302,7 +190,6 @@ impl<N> Default for Ledger<N> {
             dangling: FxHashMap::default(),
             dangling_parent: FxHashMap::default(),
             per_tier: [0; 4],
-            recency: None,
             node: PhantomData,
         }
     }
@@ -321,122 +208,6 @@ impl<N: NodeBits> Ledger<N> {
     /// Number of held blocks (any tier).
     pub(crate) fn len(&self) -> usize {
         self.table.len()
-    }
-
-    /// Starts recording recency (for a capacity bound); `clock` continues the backend's clock.
-    pub(crate) fn track_recency(&mut self, clock: u64) {
-        if self.recency.is_none() {
-            let mut recency = Recency {
-                clock,
-                ..Recency::default()
-            };
-            recency.stamps.resize(self.slots.len(), 0);
-            self.recency = Some(recency);
-        }
-    }
-
-    /// The recency clock (to carry over to other ledgers).
-    pub(crate) fn clock(&self) -> u64 {
-        self.recency.as_ref().map_or(0, |r| r.clock)
-    }
-
-    /// Sets the recency clock (the backend keeps one clock across ledgers).
-    pub(crate) fn set_clock(&mut self, clock: u64) {
-        if let Some(recency) = &mut self.recency {
-            recency.clock = clock;
-        }
-    }
-
-    /// Takes the eviction candidates recorded since the last call.
-    pub(crate) fn take_candidates(&mut self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
-        if let Some(recency) = &mut self.recency {
-            into.append(&mut recency.candidates);
-        }
-    }
-
-    /// Every current leaf as a candidate (to rebuild the backend's heap).
-    pub(crate) fn all_leaves(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
-        let Some(recency) = &self.recency else { return };
-        for slot in self.table.iter() {
-            let s = &self.slots[slot as usize];
-            if s.last_child == NIL {
-                into.push((recency.stamps[slot as usize], slot, s.external));
-            }
-        }
-    }
-
-    /// Every held block as a candidate, leaves or not (the fallback when no leaf is left, e.g.
-    /// blocks whose parent links form a cycle).
-    pub(crate) fn all_blocks(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
-        let Some(recency) = &self.recency else { return };
-        for slot in self.table.iter() {
-            into.push((
-                recency.stamps[slot as usize],
-                slot,
-                self.slots[slot as usize].external,
-            ));
-        }
-    }
-
-    /// Whether `(slot, external, stamp)` still names a held block last stored at `stamp` (and,
-    /// with `leaf`, one without held children).
-    pub(crate) fn is_current(
-        &self,
-        slot: u32,
-        external: ExternalBlockHash,
-        stamp: u64,
-        leaf: bool,
-    ) -> bool {
-        let Some(recency) = &self.recency else {
-            return false;
-        };
-        let Some(s) = self.slots.get(slot as usize) else {
-            return false;
-        };
-        s.flags & FREED == 0
-            && s.external == external
-            && (!leaf || s.last_child == NIL)
-            && recency.stamps.get(slot as usize) == Some(&stamp)
-    }
-
-    /// Evicts a held block from every tier (as if the engine had removed it); returns its tiers.
-    pub(crate) fn evict<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32) -> TierSet {
-        let s = self.slots[slot as usize];
-        let mut report = ApplyReport::default();
-        for tier in s.tiers.iter() {
-            self.remove(sink, tier, &[s.external], &mut report);
-        }
-        s.tiers
-    }
-
-    /// Records that `slot` was stored now and is a candidate if it is a leaf.
-    fn touch(&mut self, slot: u32) {
-        let Some(recency) = &mut self.recency else {
-            return;
-        };
-        recency.clock += 1;
-        if recency.stamps.len() <= slot as usize {
-            recency.stamps.resize(slot as usize + 1, 0);
-        }
-        recency.stamps[slot as usize] = recency.clock;
-        let s = &self.slots[slot as usize];
-        if s.last_child == NIL {
-            recency.candidates.push((recency.clock, slot, s.external));
-        }
-        // Its parent is no longer a leaf; nothing to record for it.
-    }
-
-    /// Records that `slot` just became a leaf (its last held child left).
-    fn became_leaf(&mut self, slot: u32) {
-        let Some(recency) = &mut self.recency else {
-            return;
-        };
-        let s = &self.slots[slot as usize];
-        if s.flags & FREED == 0 && s.last_child == NIL {
-            recency
-                .candidates
-                .push((recency.stamps[slot as usize], slot, s.external));
-        }
     }
 
     /// Approximate heap bytes of this ledger.
@@ -559,13 +330,11 @@ impl<N: NodeBits> Ledger<N> {
                         report.conflicting_stores += 1;
                     } else if tiers.contains(tier) {
                         report.duplicate_stores += 1;
-                        self.touch(slot);
                     } else {
                         self.slots[slot as usize].tiers = tiers.with(tier);
                         self.per_tier[tier.index()] += 1;
                         report.stored += 1;
                         self.propagate(sink, slot);
-                        self.touch(slot);
                     }
                 }
                 None => {
@@ -579,7 +348,6 @@ impl<N: NodeBits> Ledger<N> {
                     );
                     previous_slot = Some(slot);
                     report.stored += 1;
-                    self.touch(slot);
                 }
             }
             previous = Some(block.external);
@@ -593,7 +361,7 @@ impl<N: NodeBits> Ledger<N> {
         if block.tiers.is_empty() || self.find(block.external).is_some() {
             return;
         }
-        let slot = self.insert(
+        self.insert(
             sink,
             block.external,
             block.local,
@@ -601,7 +369,6 @@ impl<N: NodeBits> Ledger<N> {
             block.tiers,
             None,
         );
-        self.touch(slot);
     }
 
     /// Applies a removal on one tier.
@@ -817,7 +584,6 @@ impl<N: NodeBits> Ledger<N> {
         self.slots[slot as usize].last_child = NIL;
         if s.parent_slot != NIL {
             self.unlink(slot);
-            self.became_leaf(s.parent_slot);
         } else if s.flags & HAS_PARENT != 0
             && let Some(parent) = self.dangling_parent.remove(&slot)
             && let Some(waiting) = self.dangling.get_mut(&parent)

@@ -28,6 +28,8 @@ mod positional;
 mod positional_tree;
 mod radix;
 mod reference;
+mod run_ledger;
+mod slot_table;
 mod snapshot;
 mod sync;
 

@@ -1,0 +1,1416 @@
+//! One worker rank's blocks kept as **runs**: the per-rank ledger of the default backend
+//! ([`crate::Atlas`]), with the same contract as [`crate::ledger::Ledger`] (read its module docs:
+//! the ledger turns every mutation into prefix-closed changes of rooted membership) and a
+//! layout that stores what a stored run has in common once.
+//!
+//! A block is a **position** in the rank's arena. The only per-block data is its engine hash
+//! (`hashes[position]`, 8 bytes) and its entry in a table of positions keyed by engine hash
+//! (2 bytes while positions fit in 16 bits). Everything else belongs to a [`Run`]: consecutive
+//! positions `start..start + len` where every block but the first has the block before it as its
+//! parent, all on the same tiers and therefore at the same level, and — when rooted — at
+//! consecutive offsets of one stretch of the backend's path (`node.advance(k)` is block `k`'s
+//! node, [`RunNode`]). A run keeps its parent block, its child runs (runs whose parent block is
+//! one of its blocks; the next block of the run itself is not listed), its tiers, level and
+//! first node.
+//!
+//! Runs are cut, never copied: a change that hits part of a run (a removal from its middle, a
+//! tier added to some of its blocks, a path that leaves an edge) splits it at the boundary, and
+//! the tail becomes a child run of the head's last block. No block moves, so the table never
+//! changes on a split. Unrooted runs (a dangling or unrooted parent) keep their local hashes in a
+//! side table, as the backend has no node for them.
+//!
+//! Invariants (checked after every mutation in debug builds, [`RunLedger::check`]):
+//! - `starts` maps each run's first position to the run; runs and the free ranges tile the arena
+//!   `0..hashes.len()`; the table holds exactly the positions in runs, each under its hash;
+//! - a run's `parent`/`parent_run` name a held block and the run holding it, and the run is in
+//!   that run's child list; a run with a parent that is not held is listed in `dangling` under
+//!   its parent's hash (except a block naming itself as parent, which can never be reached);
+//! - `level == max(best_level(tiers), level(parent_run))` (`UNROOTED` for a missing parent), so
+//!   a run's blocks all share one level; a rooted run's blocks have the nodes
+//!   `node.advance(0..len)`, an unrooted one's local hashes are in `locals`.
+
+use std::cell::Cell;
+use std::hash::BuildHasher;
+
+use kvatlas_hash::LocalBlockHash;
+use rustc_hash::{FxBuildHasher, FxHashMap};
+
+use crate::ledger::{Membership, NodeBits};
+use crate::model::{
+    ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED, table_bytes,
+};
+use crate::slot_table::SlotTable;
+use crate::snapshot::SnapshotBlock;
+
+/// A node handle along which consecutive blocks of a path can be addressed by offset.
+pub(crate) trait RunNode: NodeBits + PartialEq {
+    /// The node `blocks` positions further along the same stretch of path.
+    fn advance(self, blocks: u32) -> Self;
+}
+
+/// Marks "none" in run and position links.
+const NIL: u32 = u32::MAX;
+/// `Run::flags`: the run's first block has a parent.
+const HAS_PARENT: u8 = 1;
+/// `Run::flags`: on `remove`'s deletion stack (parent links can form cycles).
+const VISITING: u8 = 2;
+/// `Run::flags`: the record is on the free list.
+const FREE: u8 = 4;
+
+/// Consecutive positions that share parent links, tiers, level and a stretch of path.
+#[derive(Debug, Clone, Copy)]
+struct Run<N> {
+    start: u32,
+    len: u32,
+    /// The first block's parent position when that parent is held, else `NIL`.
+    parent: u32,
+    /// The run holding `parent`, else `NIL`.
+    parent_run: u32,
+    /// Child runs, a doubly linked list through `next_sibling` / `prev_sibling`.
+    first_child: u32,
+    next_sibling: u32,
+    prev_sibling: u32,
+    /// The first block's node, while rooted.
+    node: N,
+    tiers: TierSet,
+    level: Level,
+    flags: u8,
+}
+
+/// One run of removed (or tier-gaining) blocks found so far: positions `lo..hi` of run `run`,
+/// which spans `start..end`.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    run: u32,
+    start: u32,
+    end: u32,
+    lo: u32,
+    hi: u32,
+}
+
+thread_local! {
+    // Working buffers of one mutation (see the same in `ledger.rs`).
+    /// `propagate`'s list of level changes.
+    static CHANGES: Cell<Vec<(u32, Level)>> = const { Cell::new(Vec::new()) };
+    /// `remove`'s stretches of named blocks.
+    static STRETCHES: Cell<Vec<Segment>> = const { Cell::new(Vec::new()) };
+    /// `remove`'s runs touched.
+    static TOUCHED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+    /// `remove`'s deletion stack.
+    static DELETIONS: Cell<Vec<(u32, bool)>> = const { Cell::new(Vec::new()) };
+}
+
+/// Per-block recency for capacity-bounded backends (as in the per-block ledger).
+#[derive(Debug, Clone, Default)]
+struct Recency {
+    /// Last store time of each position (parallel to `hashes`).
+    stamps: Vec<u64>,
+    clock: u64,
+    /// `(stamp, position, external)` of blocks that are now leaves.
+    candidates: Vec<(u64, u32, ExternalBlockHash)>,
+}
+
+/// One worker rank's blocks and chains, as runs (see the module docs).
+#[derive(Debug, Clone)]
+pub(crate) struct RunLedger<N> {
+    /// Positions, hashed by their engine hash.
+    table: SlotTable,
+    /// Engine hash per position (free positions hold stale values; the table never names them).
+    hashes: Vec<ExternalBlockHash>,
+    runs: Vec<Run<N>>,
+    free_runs: Vec<u32>,
+    /// Bit `p` is set iff a run or a hole starts at position `p`: the run holding a position is
+    /// the one starting at the nearest set bit at or before it.
+    bounds: Vec<u64>,
+    /// First position → run.
+    starts: FxHashMap<u32, u32>,
+    /// Holes (free arena ranges, coalesced, never touching the arena's end): start → length.
+    holes: FxHashMap<u32, u32>,
+    /// Hole starts by size class (`floor(log2(length))`), for allocation; entries go stale when
+    /// a hole is taken or merged and are dropped when met (or all rebuilt when they pile up).
+    classes: Vec<Vec<u32>>,
+    /// Entries in `classes`.
+    class_entries: usize,
+    /// Positions in holes.
+    free_blocks: u64,
+    /// Local hashes of the blocks of unrooted runs.
+    locals: FxHashMap<u32, Vec<LocalBlockHash>>,
+    /// Runs whose parent is not held, by that parent's hash.
+    dangling: FxHashMap<ExternalBlockHash, Vec<u32>>,
+    /// For each such run, its parent's hash.
+    dangling_parent: FxHashMap<u32, ExternalBlockHash>,
+    per_tier: [u64; 4],
+    recency: Option<Recency>,
+}
+
+impl<N> Default for RunLedger<N> {
+    fn default() -> Self {
+        Self {
+            table: SlotTable::default(),
+            hashes: Vec::new(),
+            runs: Vec::new(),
+            free_runs: Vec::new(),
+            bounds: Vec::new(),
+            starts: FxHashMap::default(),
+            holes: FxHashMap::default(),
+            classes: Vec::new(),
+            class_entries: 0,
+            free_blocks: 0,
+            locals: FxHashMap::default(),
+            dangling: FxHashMap::default(),
+            dangling_parent: FxHashMap::default(),
+            per_tier: [0; 4],
+            recency: None,
+        }
+    }
+}
+
+fn hash_of(external: ExternalBlockHash) -> u64 {
+    FxBuildHasher.hash_one(external.get())
+}
+
+/// Makes room for `len` elements without doubling: a rank's arrays grow in steps over its
+/// life, and doubling would leave up to half of them unused. A large step (an eighth of the
+/// capacity or more, like a long stored run) gets exactly the room it needs; smaller steps grow
+/// the capacity by a quarter, so growth stays amortized.
+fn reserve_gently<T>(vec: &mut Vec<T>, len: usize) {
+    let capacity = vec.capacity();
+    if len > capacity {
+        let step = len - capacity;
+        let target = if step >= capacity / 8 {
+            len
+        } else {
+            len.max(capacity + capacity / 4)
+        };
+        vec.reserve_exact(target.max(8) - vec.len());
+    }
+}
+
+/// The size class of a hole of `len` blocks.
+fn class_of(len: u32) -> usize {
+    (31 - len.max(1).leading_zeros()) as usize
+}
+
+impl<N: RunNode> RunLedger<N> {
+    /// Blocks held per tier.
+    pub(crate) fn per_tier(&self) -> [u64; 4] {
+        self.per_tier
+    }
+
+    /// Number of held blocks (any tier).
+    pub(crate) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Number of runs (for tests).
+    #[cfg(test)]
+    pub(crate) fn run_count(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// Arena positions in use or in holes (for tests).
+    #[cfg(test)]
+    pub(crate) fn arena_len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    // ---- recency (capacity bound) -------------------------------------------------------------
+
+    /// Starts recording recency (for a capacity bound); `clock` continues the backend's clock.
+    pub(crate) fn track_recency(&mut self, clock: u64) {
+        if self.recency.is_none() {
+            let mut recency = Recency {
+                clock,
+                ..Recency::default()
+            };
+            recency.stamps.resize(self.hashes.len(), 0);
+            self.recency = Some(recency);
+        }
+    }
+
+    /// The recency clock (to carry over to other ledgers).
+    pub(crate) fn clock(&self) -> u64 {
+        self.recency.as_ref().map_or(0, |r| r.clock)
+    }
+
+    /// Sets the recency clock (the backend keeps one clock across ledgers).
+    pub(crate) fn set_clock(&mut self, clock: u64) {
+        if let Some(recency) = &mut self.recency {
+            recency.clock = clock;
+        }
+    }
+
+    /// Takes the eviction candidates recorded since the last call.
+    pub(crate) fn take_candidates(&mut self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
+        if let Some(recency) = &mut self.recency {
+            into.append(&mut recency.candidates);
+        }
+    }
+
+    /// Every current leaf as a candidate (to rebuild the backend's heap).
+    pub(crate) fn all_leaves(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
+        let Some(recency) = &self.recency else { return };
+        for &r in self.starts.values() {
+            let last = self.end(r) - 1;
+            if self.is_leaf(last) {
+                into.push((
+                    recency.stamps[last as usize],
+                    last,
+                    self.hashes[last as usize],
+                ));
+            }
+        }
+    }
+
+    /// Every held block as a candidate, leaves or not (the fallback when no leaf is left).
+    pub(crate) fn all_blocks(&self, into: &mut Vec<(u64, u32, ExternalBlockHash)>) {
+        let Some(recency) = &self.recency else { return };
+        for &r in self.starts.values() {
+            for pos in self.runs[r as usize].start..self.end(r) {
+                into.push((recency.stamps[pos as usize], pos, self.hashes[pos as usize]));
+            }
+        }
+    }
+
+    /// Whether `(slot, external, stamp)` still names a held block last stored at `stamp` (and,
+    /// with `leaf`, one without held children).
+    pub(crate) fn is_current(
+        &self,
+        slot: u32,
+        external: ExternalBlockHash,
+        stamp: u64,
+        leaf: bool,
+    ) -> bool {
+        let Some(recency) = &self.recency else {
+            return false;
+        };
+        self.hashes.get(slot as usize) == Some(&external)
+            && self.find(external) == Some(slot)
+            && recency.stamps.get(slot as usize) == Some(&stamp)
+            && (!leaf || self.is_leaf(slot))
+    }
+
+    /// Evicts a held block from every tier (as if the engine had removed it); returns its tiers.
+    pub(crate) fn evict<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32) -> TierSet {
+        let external = self.hashes[slot as usize];
+        let tiers = self.runs[self.run_of(slot) as usize].tiers;
+        let mut report = ApplyReport::default();
+        for tier in tiers.iter() {
+            self.remove(sink, tier, &[external], &mut report);
+        }
+        tiers
+    }
+
+    /// Records that `pos` was stored now, and is a candidate if it is a leaf.
+    fn touch(&mut self, pos: u32) {
+        if self.recency.is_none() {
+            return;
+        }
+        let leaf = self.is_leaf(pos);
+        let external = self.hashes[pos as usize];
+        let Some(recency) = &mut self.recency else {
+            return;
+        };
+        recency.clock += 1;
+        recency.stamps[pos as usize] = recency.clock;
+        if leaf {
+            recency.candidates.push((recency.clock, pos, external));
+        }
+    }
+
+    /// Records that `pos` may just have become a leaf (a child run left).
+    fn became_leaf(&mut self, pos: u32) {
+        if self.recency.is_none() || !self.is_leaf(pos) {
+            return;
+        }
+        let external = self.hashes[pos as usize];
+        if let Some(recency) = &mut self.recency {
+            recency
+                .candidates
+                .push((recency.stamps[pos as usize], pos, external));
+        }
+    }
+
+    /// Whether the held block at `pos` has no held child.
+    fn is_leaf(&self, pos: u32) -> bool {
+        let r = self.run_of(pos);
+        if r == NIL || pos + 1 != self.end(r) {
+            return false;
+        }
+        let mut child = self.runs[r as usize].first_child;
+        while child != NIL {
+            let c = &self.runs[child as usize];
+            if c.parent == pos {
+                return false;
+            }
+            child = c.next_sibling;
+        }
+        true
+    }
+
+    // ---- sizes --------------------------------------------------------------------------------
+
+    /// Approximate heap bytes of this ledger.
+    pub(crate) fn heap_bytes(&self) -> u64 {
+        let locals: usize = self
+            .locals
+            .values()
+            .map(|v| v.capacity() * 8)
+            .sum::<usize>()
+            + table_bytes(self.locals.capacity(), 4 + 24);
+        let dangling: usize = self
+            .dangling
+            .values()
+            .map(|v| v.capacity() * 4)
+            .sum::<usize>()
+            + table_bytes(self.dangling.capacity(), 8 + 24)
+            + table_bytes(self.dangling_parent.capacity(), 16);
+        let recency = self.recency.as_ref().map_or(0, |r| {
+            r.stamps.capacity() * 8 + r.candidates.capacity() * 16
+        });
+        (self.table.heap_bytes()
+            + self.hashes.capacity() * 8
+            + self.runs.capacity() * std::mem::size_of::<Run<N>>()
+            + self.free_runs.capacity() * 4
+            + self.bounds.capacity() * 8
+            + table_bytes(self.starts.capacity(), 8)
+            + table_bytes(self.holes.capacity(), 8)
+            + self.classes.iter().map(|c| c.capacity() * 4).sum::<usize>()
+            + locals
+            + dangling
+            + recency) as u64
+    }
+
+    // ---- lookups ------------------------------------------------------------------------------
+
+    #[inline]
+    fn find(&self, external: ExternalBlockHash) -> Option<u32> {
+        let hashes = &self.hashes;
+        self.table
+            .find(hash_of(external), |i| hashes[i as usize] == external)
+    }
+
+    /// The run holding the held position `pos` (`NIL` if `pos` is not held).
+    #[inline]
+    fn run_of(&self, pos: u32) -> u32 {
+        self.bound_at_or_before(pos)
+            .and_then(|start| self.starts.get(&start).copied())
+            .unwrap_or(NIL)
+    }
+
+    /// The nearest run or hole start at or before `pos`.
+    #[inline]
+    fn bound_at_or_before(&self, pos: u32) -> Option<u32> {
+        let mut word = pos as usize / 64;
+        let mut bits = match self.bounds.get(word) {
+            Some(&bits) => bits & (u64::MAX >> (63 - pos % 64)),
+            None => {
+                word = self.bounds.len().checked_sub(1)?;
+                self.bounds[word]
+            }
+        };
+        loop {
+            if bits != 0 {
+                return Some((word * 64) as u32 + 63 - bits.leading_zeros());
+            }
+            if word == 0 {
+                return None;
+            }
+            word -= 1;
+            bits = self.bounds[word];
+        }
+    }
+
+    fn set_bound(&mut self, pos: u32) {
+        let word = pos as usize / 64;
+        if word >= self.bounds.len() {
+            self.bounds.resize(word + 1, 0);
+        }
+        self.bounds[word] |= 1 << (pos % 64);
+    }
+
+    fn clear_bound(&mut self, pos: u32) {
+        if let Some(word) = self.bounds.get_mut(pos as usize / 64) {
+            *word &= !(1 << (pos % 64));
+        }
+    }
+
+    #[inline]
+    fn end(&self, r: u32) -> u32 {
+        let run = &self.runs[r as usize];
+        run.start + run.len
+    }
+
+    #[inline]
+    fn node_at(&self, r: u32, pos: u32) -> N {
+        let run = &self.runs[r as usize];
+        run.node.advance(pos - run.start)
+    }
+
+    /// The local hash of `pos` in run `r`; `local` gives a node's.
+    fn local_with(&self, r: u32, pos: u32, local: impl Fn(N) -> LocalBlockHash) -> LocalBlockHash {
+        let run = &self.runs[r as usize];
+        if run.level == UNROOTED {
+            self.locals[&r][(pos - run.start) as usize]
+        } else {
+            local(run.node.advance(pos - run.start))
+        }
+    }
+
+    /// The engine hash of the parent of `pos` in run `r`.
+    fn parent_hash(&self, r: u32, pos: u32) -> Option<ExternalBlockHash> {
+        let run = &self.runs[r as usize];
+        if pos > run.start {
+            Some(self.hashes[pos as usize - 1])
+        } else if run.flags & HAS_PARENT == 0 {
+            None
+        } else if run.parent != NIL {
+            Some(self.hashes[run.parent as usize])
+        } else {
+            self.dangling_parent.get(&r).copied()
+        }
+    }
+
+    // ---- runs ---------------------------------------------------------------------------------
+
+    fn new_run(&mut self, run: Run<N>) -> u32 {
+        let start = run.start;
+        let id = match self.free_runs.pop() {
+            Some(id) => {
+                self.runs[id as usize] = run;
+                id
+            }
+            None => {
+                let len = self.runs.len() + 1;
+                reserve_gently(&mut self.runs, len);
+                self.runs.push(run);
+                (self.runs.len() - 1) as u32
+            }
+        };
+        self.starts.insert(start, id);
+        self.set_bound(start);
+        id
+    }
+
+    /// A run record of `len` blocks from `start`, with no links yet.
+    fn bare(start: u32, len: u32, node: N, tiers: TierSet, level: Level, flags: u8) -> Run<N> {
+        Run {
+            start,
+            len,
+            parent: NIL,
+            parent_run: NIL,
+            first_child: NIL,
+            next_sibling: NIL,
+            prev_sibling: NIL,
+            node,
+            tiers,
+            level,
+            flags,
+        }
+    }
+
+    /// Makes `child` a child run of `parent_run`, hanging at the block `parent`.
+    fn link_child(&mut self, parent_run: u32, parent: u32, child: u32) {
+        let first = self.runs[parent_run as usize].first_child;
+        if first != NIL {
+            self.runs[first as usize].prev_sibling = child;
+        }
+        let c = &mut self.runs[child as usize];
+        c.parent = parent;
+        c.parent_run = parent_run;
+        c.next_sibling = first;
+        c.prev_sibling = NIL;
+        self.runs[parent_run as usize].first_child = child;
+    }
+
+    /// Takes `child` out of its parent run's child list.
+    fn unlink_child(&mut self, child: u32) {
+        let Run {
+            parent_run,
+            prev_sibling,
+            next_sibling,
+            ..
+        } = self.runs[child as usize];
+        if prev_sibling == NIL {
+            self.runs[parent_run as usize].first_child = next_sibling;
+        } else {
+            self.runs[prev_sibling as usize].next_sibling = next_sibling;
+        }
+        if next_sibling != NIL {
+            self.runs[next_sibling as usize].prev_sibling = prev_sibling;
+        }
+        let c = &mut self.runs[child as usize];
+        c.parent = NIL;
+        c.parent_run = NIL;
+        c.next_sibling = NIL;
+        c.prev_sibling = NIL;
+    }
+
+    /// Cuts run `r` before position `at` (inside it, not its first): the blocks from `at` on
+    /// become a new run, a child of `r`'s new last block, taking the child runs that hang on
+    /// them. Returns the new run.
+    fn split(&mut self, r: u32, at: u32) -> u32 {
+        let run = self.runs[r as usize];
+        debug_assert!(run.start < at && at < run.start + run.len);
+        let head = at - run.start;
+        let node = if run.level == UNROOTED {
+            run.node
+        } else {
+            run.node.advance(head)
+        };
+        let tail = self.new_run(Self::bare(
+            at,
+            run.len - head,
+            node,
+            run.tiers,
+            run.level,
+            HAS_PARENT,
+        ));
+        self.runs[r as usize].len = head;
+        if run.level == UNROOTED
+            && let Some(locals) = self.locals.get_mut(&r)
+        {
+            let rest = locals.split_off(head as usize);
+            locals.shrink_to_fit();
+            self.locals.insert(tail, rest);
+        }
+        let mut child = run.first_child;
+        while child != NIL {
+            let next = self.runs[child as usize].next_sibling;
+            let parent = self.runs[child as usize].parent;
+            if parent >= at {
+                self.unlink_child(child);
+                self.link_child(tail, parent, child);
+            }
+            child = next;
+        }
+        self.link_child(r, at - 1, tail);
+        tail
+    }
+
+    /// Splits run `r` so that `lo..hi` (inside it) is a run of its own; returns that run.
+    fn isolate(&mut self, mut r: u32, lo: u32, hi: u32) -> u32 {
+        if lo > self.runs[r as usize].start {
+            r = self.split(r, lo);
+        }
+        if hi < self.end(r) {
+            self.split(r, hi);
+        }
+        r
+    }
+
+    // ---- the arena ----------------------------------------------------------------------------
+
+    /// Free positions for a piece of at most `want` new blocks: a hole that holds them all
+    /// (the smallest size class that surely does, or a fitting hole of `want`'s own class); else,
+    /// when holes make up half the arena, the largest hole; else new positions at the arena's
+    /// end. Returns `(start, len)`, `1 <= len <= want`.
+    fn alloc(&mut self, want: u32) -> (u32, u32) {
+        let want = want.max(1);
+        if !self.holes.is_empty() {
+            let many = self.free_blocks * 2 > self.hashes.len() as u64;
+            if let Some((start, len)) = self.fitting_hole(want, many) {
+                self.take_free(start, len);
+                self.clear_bound(start);
+                let take = len.min(want);
+                if len > take {
+                    self.set_bound(start + take);
+                    self.put_free(start + take, len - take);
+                }
+                return (start, take);
+            }
+        }
+        let start = self.hashes.len();
+        let end = start + want as usize;
+        assert!(
+            u32::try_from(end).is_ok_and(|end| end < NIL),
+            "a worker rank holds at most 2^32 - 1 blocks"
+        );
+        reserve_gently(&mut self.hashes, end);
+        self.hashes.resize(end, ExternalBlockHash::new(0));
+        if let Some(recency) = &mut self.recency {
+            recency.stamps.resize(end, 0);
+        }
+        (start as u32, want)
+    }
+
+    /// A hole for `want` blocks (see [`RunLedger::alloc`]); with `any`, the largest class's
+    /// hole when none fits.
+    fn fitting_hole(&mut self, want: u32, any: bool) -> Option<(u32, u32)> {
+        let own = class_of(want);
+        // Holes of `want`'s own class may be shorter: look at a few.
+        if let Some(entries) = self.classes.get_mut(own) {
+            let mut i = entries.len();
+            let mut looked = 0;
+            while i > 0 && looked < 8 {
+                i -= 1;
+                let start = entries[i];
+                match self.holes.get(&start) {
+                    Some(&len) if class_of(len) == own => {
+                        looked += 1;
+                        if len >= want {
+                            return Some((start, len));
+                        }
+                    }
+                    _ => {
+                        entries.swap_remove(i);
+                        self.class_entries -= 1;
+                    }
+                }
+            }
+        }
+        for class in own + 1..self.classes.len() {
+            if let Some(hole) = self.last_hole(class) {
+                return Some(hole);
+            }
+        }
+        if any && !self.classes.is_empty() {
+            for class in (0..=own.min(self.classes.len().saturating_sub(1))).rev() {
+                if let Some(hole) = self.last_hole(class) {
+                    return Some(hole);
+                }
+            }
+        }
+        None
+    }
+
+    /// The newest hole of a size class, dropping stale entries on the way.
+    fn last_hole(&mut self, class: usize) -> Option<(u32, u32)> {
+        while let Some(&start) = self.classes[class].last() {
+            match self.holes.get(&start) {
+                Some(&len) if class_of(len) == class => return Some((start, len)),
+                _ => {
+                    self.classes[class].pop();
+                    self.class_entries -= 1;
+                }
+            }
+        }
+        None
+    }
+
+    fn take_free(&mut self, start: u32, len: u32) {
+        self.holes.remove(&start);
+        self.free_blocks -= u64::from(len);
+    }
+
+    fn put_free(&mut self, start: u32, len: u32) {
+        self.holes.insert(start, len);
+        self.free_blocks += u64::from(len);
+        let class = class_of(len);
+        if self.classes.len() <= class {
+            self.classes.resize_with(class + 1, Vec::new);
+        }
+        self.classes[class].push(start);
+        self.class_entries += 1;
+        if self.class_entries > 2 * self.holes.len() + 64 {
+            // Stale entries dominate: rebuild from the holes.
+            for class in &mut self.classes {
+                class.clear();
+            }
+            for (&start, &len) in &self.holes {
+                self.classes[class_of(len)].push(start);
+            }
+            self.class_entries = self.holes.len();
+        }
+    }
+
+    /// Gives positions back (no run starts inside them), merging with neighbouring holes; a
+    /// hole at the arena's end shortens the arena instead.
+    fn free_range(&mut self, mut start: u32, mut len: u32) {
+        if len == 0 {
+            return;
+        }
+        if start > 0
+            && let Some(left) = self.bound_at_or_before(start - 1)
+            && let Some(&left_len) = self.holes.get(&left)
+            && left + left_len == start
+        {
+            self.take_free(left, left_len);
+            self.clear_bound(start);
+            start = left;
+            len += left_len;
+        }
+        if let Some(&right_len) = self.holes.get(&(start + len)) {
+            self.take_free(start + len, right_len);
+            self.clear_bound(start + len);
+            len += right_len;
+        }
+        if (start + len) as usize == self.hashes.len() {
+            self.clear_bound(start);
+            self.hashes.truncate(start as usize);
+            self.bounds.truncate((start as usize).div_ceil(64));
+            if let Some(recency) = &mut self.recency {
+                recency.stamps.truncate(start as usize);
+            }
+        } else {
+            self.set_bound(start);
+            self.put_free(start, len);
+        }
+    }
+
+    // ---- levels -------------------------------------------------------------------------------
+
+    /// The level run `r` should have given its tiers and its parent.
+    fn wanted_level(&self, r: u32) -> Level {
+        let run = &self.runs[r as usize];
+        let own = run.tiers.best_level();
+        if run.flags & HAS_PARENT == 0 {
+            own
+        } else if run.parent_run == NIL {
+            UNROOTED
+        } else {
+            own.max(self.runs[run.parent_run as usize].level)
+        }
+    }
+
+    /// Recomputes run `r`'s level and, when it changed, its memberships and its descendants'
+    /// (improvements parents first, worsenings children first: the backend's rooted
+    /// membership stays prefix-closed at every call, as in the per-block ledger).
+    fn propagate<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32) {
+        let wanted = self.wanted_level(r);
+        let old = self.runs[r as usize].level;
+        if wanted == old {
+            return;
+        }
+        if self.runs[r as usize].first_child == NIL {
+            self.set_level(sink, r, wanted);
+            return;
+        }
+        let mut changes = CHANGES.take();
+        changes.clear();
+        changes.push((r, wanted));
+        let mut next = 0;
+        while next < changes.len() {
+            let (parent, parent_level) = changes[next];
+            next += 1;
+            let mut child = self.runs[parent as usize].first_child;
+            while child != NIL {
+                let c = &self.runs[child as usize];
+                let level = c.tiers.best_level().max(parent_level);
+                if level != c.level {
+                    changes.push((child, level));
+                }
+                child = c.next_sibling;
+            }
+        }
+        if wanted < old {
+            for &(run, level) in &changes {
+                self.set_level(sink, run, level);
+            }
+        } else {
+            for &(run, level) in changes.iter().rev() {
+                self.set_level(sink, run, level);
+            }
+        }
+        CHANGES.set(changes);
+    }
+
+    /// Moves run `r` to `level`: new memberships before old ones are dropped (so the backend
+    /// never sees a node empty in between), additions in path order and removals in reverse.
+    fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, level: Level) {
+        let run = self.runs[r as usize];
+        let old = run.level;
+        match (old == UNROOTED, level == UNROOTED) {
+            (false, false) => {
+                for k in 0..run.len {
+                    sink.add(run.node.advance(k), level);
+                }
+                for k in (0..run.len).rev() {
+                    sink.remove(run.node.advance(k), old);
+                }
+                self.runs[r as usize].level = level;
+            }
+            (false, true) => {
+                // Leaves the rooted forest. A run held on no tier is about to be deleted and
+                // needs no local hashes.
+                if !run.tiers.is_empty() {
+                    let locals = (0..run.len)
+                        .map(|k| sink.local(run.node.advance(k)))
+                        .collect();
+                    self.locals.insert(r, locals);
+                }
+                for k in (0..run.len).rev() {
+                    sink.remove(run.node.advance(k), old);
+                }
+                self.runs[r as usize].level = UNROOTED;
+            }
+            (true, false) => self.root(sink, r, level),
+            (true, true) => {}
+        }
+    }
+
+    /// Roots the unrooted run `r` (its parent, if any, is rooted) at `level`: asks the backend
+    /// for each block's node, cutting the run where the path leaves a stretch.
+    fn root<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, level: Level) {
+        let locals = self.locals.remove(&r).unwrap_or_default();
+        let run = self.runs[r as usize];
+        debug_assert_eq!(locals.len(), run.len as usize);
+        let mut previous =
+            (run.flags & HAS_PARENT != 0).then(|| self.node_at(run.parent_run, run.parent));
+        self.runs[r as usize].level = level;
+        let mut piece = r;
+        for (k, &local) in (0u32..).zip(&locals) {
+            let node = sink.child(previous, local);
+            if k == 0 {
+                self.runs[r as usize].node = node;
+            } else if previous.map(|p| p.advance(1)) != Some(node) {
+                piece = self.split(piece, run.start + k);
+                self.runs[piece as usize].node = node;
+            }
+            sink.add(node, level);
+            previous = Some(node);
+        }
+    }
+
+    // ---- mutations ----------------------------------------------------------------------------
+
+    /// Applies a stored run.
+    pub(crate) fn store<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        tier: Tier,
+        parent: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+        report: &mut ApplyReport,
+    ) {
+        let mut previous = match parent {
+            Some(parent) if !blocks.is_empty() => {
+                let found = self.find(parent);
+                if found.is_none() {
+                    report.unknown_parents += 1;
+                }
+                found
+            }
+            _ => None,
+        };
+        let mut previous_hash = parent;
+        sink.expect(blocks.len());
+        // The run being built from this store's new blocks (its last block is `previous`).
+        let mut open = NIL;
+        // Free positions reserved for new blocks.
+        let mut range = (0u32, 0u32);
+        // Held blocks (consecutive in one run) that gain `tier`.
+        let mut gaining: Option<Segment> = None;
+        for (i, block) in blocks.iter().enumerate() {
+            if let Some(pos) = self.find(block.external) {
+                open = NIL;
+                let r = match gaining {
+                    Some(s) if (s.start..s.end).contains(&pos) => s.run,
+                    _ => self.run_of(pos),
+                };
+                let mut tiers = self.runs[r as usize].tiers;
+                if gaining.is_some_and(|s| (s.lo..s.hi).contains(&pos)) {
+                    // Named earlier in this store: it already gains the tier.
+                    tiers = tiers.with(tier);
+                }
+                if self.local_with(r, pos, |node| sink.local(node)) != block.local
+                    || self.parent_hash(r, pos) != previous_hash
+                {
+                    self.gain(sink, tier, gaining.take());
+                    report.conflicting_stores += 1;
+                } else if tiers.contains(tier) {
+                    self.gain(sink, tier, gaining.take());
+                    report.duplicate_stores += 1;
+                    self.touch(pos);
+                } else {
+                    match &mut gaining {
+                        Some(s) if s.run == r && s.hi == pos => s.hi += 1,
+                        _ => {
+                            self.gain(sink, tier, gaining.take());
+                            let run = &self.runs[r as usize];
+                            gaining = Some(Segment {
+                                run: r,
+                                start: run.start,
+                                end: run.start + run.len,
+                                lo: pos,
+                                hi: pos + 1,
+                            });
+                        }
+                    }
+                    self.per_tier[tier.index()] += 1;
+                    report.stored += 1;
+                    self.touch(pos);
+                }
+                previous = Some(pos);
+            } else {
+                self.gain(sink, tier, gaining.take());
+                let want = (blocks.len() - i) as u32;
+                let pos = self.place(
+                    sink,
+                    block,
+                    TierSet::only(tier),
+                    previous,
+                    previous_hash,
+                    &mut open,
+                    &mut range,
+                    want,
+                );
+                report.stored += 1;
+                self.touch(pos);
+                previous = Some(pos);
+            }
+            previous_hash = Some(block.external);
+        }
+        self.gain(sink, tier, gaining.take());
+        self.free_range(range.0, range.1);
+        #[cfg(debug_assertions)]
+        self.check();
+    }
+
+    /// Adds `tier` to the held blocks of `segment`.
+    fn gain<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        tier: Tier,
+        segment: Option<Segment>,
+    ) {
+        let Some(s) = segment else { return };
+        let m = self.isolate(s.run, s.lo, s.hi);
+        self.runs[m as usize].tiers = self.runs[m as usize].tiers.with(tier);
+        self.propagate(sink, m);
+    }
+
+    /// Places a new block (not held) whose parent is `previous` (held) or, when that is `None`,
+    /// `previous_hash` (not held, or no parent): extends `open` when the block continues it,
+    /// else starts a run. Then runs waiting for this block as their parent hang under it.
+    #[allow(clippy::too_many_arguments)]
+    fn place<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        block: &StoredBlock,
+        tiers: TierSet,
+        previous: Option<u32>,
+        previous_hash: Option<ExternalBlockHash>,
+        open: &mut u32,
+        range: &mut (u32, u32),
+        want: u32,
+    ) -> u32 {
+        if range.1 == 0 {
+            *range = self.alloc(want);
+        }
+        let pos = range.0;
+        range.0 += 1;
+        range.1 -= 1;
+        self.hashes[pos as usize] = block.external;
+        let hashes = &self.hashes;
+        self.table.insert(hash_of(block.external), pos, |i| {
+            hash_of(hashes[i as usize])
+        });
+        for tier in tiers.iter() {
+            self.per_tier[tier.index()] += 1;
+        }
+        let o = *open;
+        if o != NIL && self.end(o) == pos && self.runs[o as usize].tiers == tiers {
+            let run = self.runs[o as usize];
+            if run.level == UNROOTED {
+                if let Some(locals) = self.locals.get_mut(&o) {
+                    locals.push(block.local);
+                }
+                self.runs[o as usize].len += 1;
+            } else {
+                let last = run.node.advance(run.len - 1);
+                let node = sink.child(Some(last), block.local);
+                if node == last.advance(1) {
+                    self.runs[o as usize].len += 1;
+                } else {
+                    let r = self.new_run(Self::bare(pos, 1, node, tiers, run.level, HAS_PARENT));
+                    self.link_child(o, pos - 1, r);
+                    *open = r;
+                }
+                sink.add(node, run.level);
+            }
+        } else {
+            *open = self.start_run(sink, pos, block.local, tiers, previous, previous_hash);
+        }
+        if !self.dangling.is_empty()
+            && let Some(waiting) = self.dangling.remove(&block.external)
+        {
+            for w in waiting {
+                if self.runs[w as usize].start == pos {
+                    // A block naming itself as parent can never be reached; keep it aside.
+                    continue;
+                }
+                self.dangling_parent.remove(&w);
+                let holder = self.run_of(pos);
+                self.link_child(holder, pos, w);
+                self.propagate(sink, w);
+            }
+        }
+        pos
+    }
+
+    /// Starts a one-block run at `pos` (see [`RunLedger::place`]).
+    fn start_run<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        pos: u32,
+        local: LocalBlockHash,
+        tiers: TierSet,
+        previous: Option<u32>,
+        previous_hash: Option<ExternalBlockHash>,
+    ) -> u32 {
+        let parent_run = previous.map_or(NIL, |p| self.run_of(p));
+        let flags = if previous_hash.is_some() {
+            HAS_PARENT
+        } else {
+            0
+        };
+        let level = if flags == 0 {
+            tiers.best_level()
+        } else if parent_run == NIL {
+            UNROOTED
+        } else {
+            tiers.best_level().max(self.runs[parent_run as usize].level)
+        };
+        let r = self.new_run(Self::bare(pos, 1, N::from_bits(0), tiers, level, flags));
+        match (previous, previous_hash) {
+            (Some(parent), _) => self.link_child(parent_run, parent, r),
+            (None, Some(hash)) => {
+                self.dangling.entry(hash).or_default().push(r);
+                self.dangling_parent.insert(r, hash);
+            }
+            (None, None) => {}
+        }
+        if level == UNROOTED {
+            self.locals.insert(r, vec![local]);
+        } else {
+            let parent_node = previous.map(|p| self.node_at(parent_run, p));
+            let node = sink.child(parent_node, local);
+            self.runs[r as usize].node = node;
+            sink.add(node, level);
+        }
+        r
+    }
+
+    /// Restores one block from a snapshot (any order; dangling parents allowed).
+    pub(crate) fn restore<M: Membership<Node = N>>(&mut self, sink: &mut M, block: &SnapshotBlock) {
+        if block.tiers.is_empty() || self.find(block.external).is_some() {
+            return;
+        }
+        let previous = block.parent.and_then(|p| self.find(p));
+        let mut open = NIL;
+        let mut range = (0, 0);
+        let pos = self.place(
+            sink,
+            &StoredBlock {
+                external: block.external,
+                local: block.local,
+            },
+            block.tiers,
+            previous,
+            block.parent,
+            &mut open,
+            &mut range,
+            1,
+        );
+        self.touch(pos);
+    }
+
+    /// Applies a removal on one tier: drops the tier from every named block (a run's blocks
+    /// named one after the other, in either direction, are handled as one piece); then
+    /// recomputes levels; then deletes the runs held on no tier, children before parents.
+    pub(crate) fn remove<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        tier: Tier,
+        blocks: &[ExternalBlockHash],
+        report: &mut ApplyReport,
+    ) {
+        // Stretches of named blocks: a block next to the current stretch's end in its run
+        // extends it, checked in place without a table probe (a removed chain is mostly found
+        // that way, named in either direction).
+        let mut stretches = STRETCHES.take();
+        stretches.clear();
+        let mut current: Option<Segment> = None;
+        for &hash in blocks {
+            if let Some(s) = &mut current {
+                if s.hi < s.end && self.hashes[s.hi as usize] == hash {
+                    s.hi += 1;
+                    continue;
+                }
+                if s.lo > s.start && self.hashes[s.lo as usize - 1] == hash {
+                    s.lo -= 1;
+                    continue;
+                }
+            }
+            let Some(pos) = self.find(hash) else {
+                report.unknown_removes += 1;
+                continue;
+            };
+            stretches.extend(current.take());
+            let r = self.run_of(pos);
+            current = Some(Segment {
+                run: r,
+                start: self.runs[r as usize].start,
+                end: self.end(r),
+                lo: pos,
+                hi: pos + 1,
+            });
+        }
+        stretches.extend(current);
+        // In position order, overlapping stretches (blocks named twice) and touching ones in
+        // the same run merge; each merged stretch loses the tier at once.
+        if !stretches.is_sorted_by_key(|s| s.lo) {
+            stretches.sort_unstable_by_key(|s| s.lo);
+        }
+        let mut touched = TOUCHED.take();
+        touched.clear();
+        let mut merged: Option<Segment> = None;
+        for &s in stretches.iter() {
+            if let Some(m) = &mut merged {
+                if s.lo < m.hi {
+                    // Overlap: the same positions, so the same run.
+                    report.unknown_removes += u64::from(s.hi.min(m.hi) - s.lo);
+                    m.hi = m.hi.max(s.hi);
+                    continue;
+                }
+                if s.lo == m.hi && s.lo < m.end {
+                    m.hi = s.hi;
+                    continue;
+                }
+            }
+            if let Some(m) = merged.replace(s) {
+                self.drop_tier(tier, m, report, &mut touched);
+            }
+        }
+        if let Some(m) = merged {
+            self.drop_tier(tier, m, report, &mut touched);
+        }
+        STRETCHES.set(stretches);
+        for &r in &touched {
+            self.propagate(sink, r);
+        }
+        let mut stack = DELETIONS.take();
+        stack.clear();
+        for &r in &touched {
+            let run = &mut self.runs[r as usize];
+            if run.tiers.is_empty() && run.flags & (FREE | VISITING) == 0 {
+                run.flags |= VISITING;
+                stack.push((r, false));
+            }
+            // Depth-first: a run is deleted after its emptied child runs (second visit). A run
+            // is pushed once (`VISITING`): parent links may form a cycle.
+            while let Some((r, children_done)) = stack.pop() {
+                if children_done {
+                    self.delete_run(r);
+                    continue;
+                }
+                stack.push((r, true));
+                let mut child = self.runs[r as usize].first_child;
+                while child != NIL {
+                    let c = &mut self.runs[child as usize];
+                    if c.tiers.is_empty() && c.flags & (FREE | VISITING) == 0 {
+                        c.flags |= VISITING;
+                        stack.push((child, false));
+                    }
+                    child = c.next_sibling;
+                }
+            }
+        }
+        TOUCHED.set(touched);
+        DELETIONS.set(stack);
+        #[cfg(debug_assertions)]
+        self.check();
+    }
+
+    /// Drops `tier` from the named blocks `stretch` (making them a run of their own), or counts
+    /// them unknown if their run is not on that tier.
+    fn drop_tier(
+        &mut self,
+        tier: Tier,
+        stretch: Segment,
+        report: &mut ApplyReport,
+        touched: &mut Vec<u32>,
+    ) {
+        let blocks = u64::from(stretch.hi - stretch.lo);
+        // Earlier stretches may have split the run: look it up again.
+        let r = self.run_of(stretch.lo);
+        if !self.runs[r as usize].tiers.contains(tier) {
+            report.unknown_removes += blocks;
+            return;
+        }
+        report.removed += blocks;
+        self.per_tier[tier.index()] -= blocks;
+        let m = self.isolate(r, stretch.lo, stretch.hi);
+        self.runs[m as usize].tiers = self.runs[m as usize].tiers.without(tier);
+        touched.push(m);
+    }
+
+    /// Deletes a run held on no tier (already unrooted by `propagate`): its child runs wait for
+    /// their parent's hash again; its positions and record are freed.
+    fn delete_run(&mut self, d: u32) {
+        let run = self.runs[d as usize];
+        debug_assert!(run.level == UNROOTED && run.tiers.is_empty());
+        let mut child = run.first_child;
+        while child != NIL {
+            let next = self.runs[child as usize].next_sibling;
+            if child != d {
+                let hash = self.hashes[self.runs[child as usize].parent as usize];
+                self.unlink_child(child);
+                self.dangling.entry(hash).or_default().push(child);
+                self.dangling_parent.insert(child, hash);
+            }
+            child = next;
+        }
+        if run.parent_run != NIL {
+            self.unlink_child(d);
+            if run.parent_run != d {
+                self.became_leaf(run.parent);
+            }
+        } else if run.flags & HAS_PARENT != 0
+            && let Some(parent) = self.dangling_parent.remove(&d)
+            && let Some(waiting) = self.dangling.get_mut(&parent)
+        {
+            waiting.retain(|&w| w != d);
+            if waiting.is_empty() {
+                self.dangling.remove(&parent);
+            }
+        }
+        for pos in run.start..run.start + run.len {
+            self.table.remove(hash_of(self.hashes[pos as usize]), pos);
+        }
+        self.starts.remove(&run.start);
+        // The start bit stays: the positions become a hole (or leave the arena).
+        self.locals.remove(&d);
+        self.runs[d as usize] = Self::bare(0, 0, run.node, TierSet::default(), UNROOTED, FREE);
+        self.free_runs.push(d);
+        self.free_range(run.start, run.len);
+    }
+
+    /// Drops every block; returns the number of (block, tier) memberships that ended.
+    /// Memberships are removed children first, keeping the backend's view prefix-closed.
+    pub(crate) fn clear<M: Membership<Node = N>>(&mut self, sink: &mut M) -> u64 {
+        let mut ended = 0;
+        let mut order = Vec::new();
+        for &r in self.starts.values() {
+            let run = &self.runs[r as usize];
+            ended += u64::from(run.len) * u64::from(run.tiers.bits().count_ones());
+            if run.level != UNROOTED && run.flags & HAS_PARENT == 0 {
+                order.push(r);
+            }
+        }
+        let mut next = 0;
+        while next < order.len() {
+            let mut child = self.runs[order[next] as usize].first_child;
+            next += 1;
+            while child != NIL {
+                let c = &self.runs[child as usize];
+                if c.level != UNROOTED {
+                    order.push(child);
+                }
+                child = c.next_sibling;
+            }
+        }
+        for &r in order.iter().rev() {
+            let run = self.runs[r as usize];
+            for k in (0..run.len).rev() {
+                sink.remove(run.node.advance(k), run.level);
+            }
+        }
+        *self = Self::default();
+        ended
+    }
+
+    /// Every held block, for a snapshot; `local` gives a node's local hash.
+    pub(crate) fn snapshot(&self, local: impl Fn(N) -> LocalBlockHash) -> Vec<SnapshotBlock> {
+        let mut blocks = Vec::with_capacity(self.len());
+        for &r in self.starts.values() {
+            let run = &self.runs[r as usize];
+            for pos in run.start..run.start + run.len {
+                blocks.push(SnapshotBlock {
+                    external: self.hashes[pos as usize],
+                    local: self.local_with(r, pos, &local),
+                    parent: self.parent_hash(r, pos),
+                    tiers: run.tiers,
+                });
+            }
+        }
+        blocks.sort_unstable_by_key(|b| b.external);
+        blocks
+    }
+
+    /// Debug builds: the invariants of the module docs.
+    #[cfg(debug_assertions)]
+    fn check(&self) {
+        let mut covered = 0u64;
+        let mut at = 0u32;
+        while (at as usize) < self.hashes.len() {
+            assert_eq!(
+                self.bound_at_or_before(at),
+                Some(at),
+                "a segment starts at {at}"
+            );
+            if let Some(&r) = self.starts.get(&at) {
+                let run = &self.runs[r as usize];
+                assert_eq!(run.start, at, "run {r} is listed at {at}");
+                assert!(run.len > 0 && run.flags & (FREE | VISITING) == 0, "run {r}");
+                for pos in at..at + run.len {
+                    assert_eq!(
+                        self.find(self.hashes[pos as usize]),
+                        Some(pos),
+                        "table entry of {pos}"
+                    );
+                }
+                covered += u64::from(run.len);
+                at += run.len;
+            } else {
+                let len = self.holes.get(&at).copied();
+                assert!(len.is_some_and(|l| l > 0), "hole at {at}");
+                at += len.unwrap_or(1);
+            }
+        }
+        assert_eq!(
+            at as usize,
+            self.hashes.len(),
+            "runs and holes tile the arena"
+        );
+        let bits: u32 = self.bounds.iter().map(|w| w.count_ones()).sum();
+        assert_eq!(
+            bits as usize,
+            self.starts.len() + self.holes.len(),
+            "start bits"
+        );
+        assert_eq!(covered as usize, self.table.len(), "table size");
+        assert_eq!(
+            self.free_blocks,
+            self.holes.values().map(|&l| u64::from(l)).sum::<u64>(),
+            "free count"
+        );
+        for &r in self.starts.values() {
+            let run = &self.runs[r as usize];
+            assert_eq!(run.level, self.wanted_level(r), "level of run {r}");
+            assert_eq!(
+                self.locals.get(&r).map(Vec::len),
+                (run.level == UNROOTED).then_some(run.len as usize),
+                "locals of run {r}"
+            );
+            if run.parent_run != NIL {
+                let p = &self.runs[run.parent_run as usize];
+                assert!(
+                    (p.start..p.start + p.len).contains(&run.parent),
+                    "parent of run {r}"
+                );
+                let mut child = p.first_child;
+                let mut listed = false;
+                let mut steps = 0;
+                while child != NIL {
+                    listed |= child == r;
+                    child = self.runs[child as usize].next_sibling;
+                    steps += 1;
+                    assert!(steps <= self.runs.len(), "cycle in a child list");
+                }
+                assert!(listed, "run {r} is not in its parent's child list");
+            } else if run.flags & HAS_PARENT != 0 {
+                assert!(
+                    self.dangling_parent.contains_key(&r),
+                    "dangling run {r} has no recorded parent"
+                );
+            }
+            let mut child = run.first_child;
+            while child != NIL {
+                assert_eq!(self.runs[child as usize].parent_run, r, "child of {r}");
+                child = self.runs[child as usize].next_sibling;
+            }
+        }
+    }
+}
