@@ -302,6 +302,7 @@ impl<N: RunNode> RunLedger<N> {
     }
 
     /// Records that `pos` was stored now, and is a candidate if it is a leaf.
+    #[inline]
     fn touch(&mut self, pos: u32) {
         if self.recency.is_none() {
             return;
@@ -642,7 +643,7 @@ impl<N: RunNode> RunLedger<N> {
         if let Some(entries) = self.classes.get_mut(own) {
             let mut i = entries.len();
             let mut looked = 0;
-            while i > 0 && looked < 8 {
+            while i > 0 && looked < 2 {
                 i -= 1;
                 let start = entries[i];
                 match self.holes.get(&start) {
