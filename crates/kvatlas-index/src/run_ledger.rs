@@ -893,7 +893,20 @@ impl<N: RunNode> RunLedger<N> {
         // Held blocks (consecutive in one run) that gain `tier`.
         let mut gaining: Option<Segment> = None;
         for (i, block) in blocks.iter().enumerate() {
-            if let Some(pos) = self.find(block.external) {
+            // The block's position if it is new, written before the table is probed, so one
+            // probe finds a held block or adds this one.
+            if range.1 == 0 {
+                range = self.alloc((blocks.len() - i) as u32);
+            }
+            self.hashes[range.0 as usize] = block.external;
+            let hashes = &self.hashes;
+            let held = self.table.find_or_insert(
+                hash_of(block.external),
+                range.0,
+                |i| hashes[i as usize] == block.external,
+                |i| hash_of(hashes[i as usize]),
+            );
+            if let Some(pos) = held {
                 open = NIL;
                 let r = match gaining {
                     Some(s) if (s.start..s.end).contains(&pos) => s.run,
@@ -935,16 +948,17 @@ impl<N: RunNode> RunLedger<N> {
                 previous = Some(pos);
             } else {
                 self.gain(sink, tier, gaining.take());
-                let want = (blocks.len() - i) as u32;
-                let pos = self.place(
+                let pos = range.0;
+                range.0 += 1;
+                range.1 -= 1;
+                self.place(
                     sink,
                     block,
                     TierSet::only(tier),
                     previous,
                     previous_hash,
                     &mut open,
-                    &mut range,
-                    want,
+                    pos,
                 );
                 report.stored += 1;
                 self.touch(pos);
@@ -971,9 +985,10 @@ impl<N: RunNode> RunLedger<N> {
         self.propagate(sink, m);
     }
 
-    /// Places a new block (not held) whose parent is `previous` (held) or, when that is `None`,
-    /// `previous_hash` (not held, or no parent): extends `open` when the block continues it,
-    /// else starts a run. Then runs waiting for this block as their parent hang under it.
+    /// Places a new block, already at `pos` in the arena and the table, whose parent is
+    /// `previous` (held) or, when that is `None`, `previous_hash` (not held, or no parent):
+    /// extends `open` when the block continues it, else starts a run. Then runs waiting for this
+    /// block as their parent hang under it.
     #[allow(clippy::too_many_arguments)]
     fn place<M: Membership<Node = N>>(
         &mut self,
@@ -983,20 +998,8 @@ impl<N: RunNode> RunLedger<N> {
         previous: Option<u32>,
         previous_hash: Option<ExternalBlockHash>,
         open: &mut u32,
-        range: &mut (u32, u32),
-        want: u32,
-    ) -> u32 {
-        if range.1 == 0 {
-            *range = self.alloc(want);
-        }
-        let pos = range.0;
-        range.0 += 1;
-        range.1 -= 1;
-        self.hashes[pos as usize] = block.external;
-        let hashes = &self.hashes;
-        self.table.insert(hash_of(block.external), pos, |i| {
-            hash_of(hashes[i as usize])
-        });
+        pos: u32,
+    ) {
         for tier in tiers.iter() {
             self.per_tier[tier.index()] += 1;
         }
@@ -1037,7 +1040,6 @@ impl<N: RunNode> RunLedger<N> {
                 self.propagate(sink, w);
             }
         }
-        pos
     }
 
     /// Starts a one-block run at `pos` (see [`RunLedger::place`]).
@@ -1090,8 +1092,13 @@ impl<N: RunNode> RunLedger<N> {
         }
         let previous = block.parent.and_then(|p| self.find(p));
         let mut open = NIL;
-        let mut range = (0, 0);
-        let pos = self.place(
+        let (pos, _) = self.alloc(1);
+        self.hashes[pos as usize] = block.external;
+        let hashes = &self.hashes;
+        self.table.insert(hash_of(block.external), pos, |i| {
+            hash_of(hashes[i as usize])
+        });
+        self.place(
             sink,
             &StoredBlock {
                 external: block.external,
@@ -1101,8 +1108,7 @@ impl<N: RunNode> RunLedger<N> {
             previous,
             block.parent,
             &mut open,
-            &mut range,
-            1,
+            pos,
         );
         self.touch(pos);
     }

@@ -67,6 +67,43 @@ impl SlotTable {
         }
     }
 
+    /// In one probe: the slot whose entry satisfies `eq`, or else `slot` added (it must not be
+    /// in the table yet) and `None`. `rehash` gives any present slot's hash.
+    pub(crate) fn find_or_insert(
+        &mut self,
+        hash: u64,
+        slot: u32,
+        eq: impl Fn(u32) -> bool,
+        rehash: impl Fn(u32) -> u64,
+    ) -> Option<u32> {
+        if matches!(self, Self::Narrow(_)) && u16::try_from(slot).is_err() {
+            // Widen first (rarely: a rank past 65,535 positions), then probe the wide table.
+            let found = self.find(hash, &eq);
+            if found.is_none() {
+                self.insert(hash, slot, rehash);
+            }
+            return found;
+        }
+        match self {
+            Self::Narrow(t) => {
+                match t.entry(hash, |&i| eq(u32::from(i)), |&i| rehash(u32::from(i))) {
+                    hashbrown::hash_table::Entry::Occupied(o) => Some(u32::from(*o.get())),
+                    hashbrown::hash_table::Entry::Vacant(v) => {
+                        v.insert(slot as u16);
+                        None
+                    }
+                }
+            }
+            Self::Wide(t) => match t.entry(hash, |&i| eq(i), |&i| rehash(i)) {
+                hashbrown::hash_table::Entry::Occupied(o) => Some(*o.get()),
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    v.insert(slot);
+                    None
+                }
+            },
+        }
+    }
+
     /// Removes the entry of `slot`, hashed `hash`.
     pub(crate) fn remove(&mut self, hash: u64, slot: u32) {
         match self {
