@@ -1,6 +1,7 @@
-//! Per-worker chain bookkeeping shared by every backend: which blocks a worker rank holds, their
-//! parent links, and which of them are *rooted* — reachable from a sequence start through held
-//! blocks — at each cumulative tier level.
+//! Per-worker chain bookkeeping, one slot per block (the ledger of `radix`, `positional` and
+//! `crtc`; Atlas uses [`crate::run_ledger::RunLedger`], which keeps the same contract per run of
+//! blocks): which blocks a worker rank holds, their parent links, and which of them are *rooted*
+//! — reachable from a sequence start through held blocks — at each cumulative tier level.
 //!
 //! Backends never see holes, dangling parents, duplicates or conflicting stores: the ledger turns
 //! every mutation into changes of **rooted membership** — "this worker now has one more (or one
@@ -18,7 +19,8 @@
 //! - the children list of `b` holds exactly the held blocks whose parent hash is `b`'s hash;
 //!   held blocks whose parent is not held are listed under that hash in `dangling`.
 //!
-//! Memory: a block costs one 32-byte slot plus a 2-byte entry (4 bytes past 65,535 slots) of a hash table of slot indices.
+//! Memory: a block costs one 32-byte slot plus a 2-byte entry (4 bytes past 65,535 slots) of a
+//! hash table of slot indices.
 //! A rooted block keeps its node handle (the backend knows the node's local hash); an unrooted
 //! one keeps its local hash in the same word. A parent hash is the parent slot's own hash, except
 //! for dangling blocks, whose missing parent's hash is kept in a side table.
