@@ -159,7 +159,7 @@ thread_local! {
     // Working buffers of one mutation, reused by the next one on the same thread. They are not
     // index state (their size follows the largest single mutation, not the index), so one set
     // per thread replaces one per rank. Taken and put back, so a nested use gets its own.
-    /// `propagate`'s list of level changes.
+    /// [`propagate`]'s list of level changes (both ledgers'; it is not reentrant).
     static LEVEL_CHANGES: Cell<Vec<(u32, Level)>> = const { Cell::new(Vec::new()) };
     /// `remove`'s blocks touched.
     static TOUCHED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
@@ -655,50 +655,33 @@ impl<N: NodeBits> Ledger<N> {
         own.max(self.slots[s.parent_slot as usize].level)
     }
 
-    /// Recomputes `slot`'s level and, when it changed, its membership and its descendants'.
-    ///
-    /// Within one call every change goes the same way (a child's level is the max of its own and
-    /// its parent's). Improvements are applied parents first and worsenings children first, so
-    /// the backend's rooted membership stays prefix-closed at *every* call it receives, not just
-    /// between mutations — backends may store coverage as prefix lengths.
     fn propagate<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32) {
-        let wanted = self.wanted_level(slot);
-        let old = self.slots[slot as usize].level;
-        if wanted == old {
-            return;
+        propagate(self, sink, slot);
+    }
+}
+
+impl<N: NodeBits> LevelForest<N> for Ledger<N> {
+    fn wanted_level(&self, slot: u32) -> Level {
+        Ledger::wanted_level(self, slot)
+    }
+
+    fn level(&self, slot: u32) -> Level {
+        self.slots[slot as usize].level
+    }
+
+    fn own_level(&self, slot: u32) -> Level {
+        self.slots[slot as usize].tiers.best_level()
+    }
+
+    fn has_children(&self, slot: u32) -> bool {
+        self.slots[slot as usize].last_child != NIL
+    }
+
+    fn each_child(&self, slot: u32, mut f: impl FnMut(u32)) {
+        let mut children = Children::of(self, slot);
+        while let Some(child) = children.next(self) {
+            f(child);
         }
-        if self.slots[slot as usize].last_child == NIL {
-            // The common case (a leaf): nothing below to cascade to.
-            self.set_level(sink, slot, wanted);
-            return;
-        }
-        // Pre-order list of (slot, new level) for the subtree part whose level changes.
-        let mut changes = LEVEL_CHANGES.take();
-        changes.clear();
-        changes.push((slot, wanted));
-        let mut next = 0;
-        while next < changes.len() {
-            let (parent, parent_level) = changes[next];
-            next += 1;
-            let mut children = Children::of(self, parent);
-            while let Some(child) = children.next(self) {
-                let c = &self.slots[child as usize];
-                let level = c.tiers.best_level().max(parent_level);
-                if level != c.level {
-                    changes.push((child, level));
-                }
-            }
-        }
-        if wanted < old {
-            for &(slot, level) in &changes {
-                self.set_level(sink, slot, level);
-            }
-        } else {
-            for &(slot, level) in changes.iter().rev() {
-                self.set_level(sink, slot, level);
-            }
-        }
-        LEVEL_CHANGES.set(changes);
     }
 
     /// Moves one block to `level`, adding the new membership before removing the old one so the
@@ -735,6 +718,72 @@ impl<N: NodeBits> Ledger<N> {
         s.level = level;
         s.payload = payload;
     }
+}
+
+/// A ledger seen as a forest of items (blocks, or runs of blocks) with levels: what level
+/// propagation needs. An item's level is the max of its own tiers' best level and its parent's
+/// ([`UNROOTED`] without a held parent).
+pub(crate) trait LevelForest<N> {
+    /// The level `item` should have given its tiers and its parent's level.
+    fn wanted_level(&self, item: u32) -> Level;
+    /// The level it has.
+    fn level(&self, item: u32) -> Level;
+    /// The best level of its own tiers.
+    fn own_level(&self, item: u32) -> Level;
+    /// Whether any item has it as parent.
+    fn has_children(&self, item: u32) -> bool;
+    /// Calls `f` with each item that has it as parent.
+    fn each_child(&self, item: u32, f: impl FnMut(u32));
+    /// Moves it to `level`, reporting the membership change to `sink`.
+    fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, item: u32, level: Level);
+}
+
+/// Recomputes `item`'s level and, when it changed, its membership and its descendants'.
+///
+/// Within one call every change goes the same way (a child's level is the max of its own and
+/// its parent's). Improvements are applied parents first and worsenings children first, so the
+/// backend's rooted membership stays prefix-closed at *every* call it receives, not just between
+/// mutations — backends may store coverage as prefix lengths.
+pub(crate) fn propagate<N, L: LevelForest<N>, M: Membership<Node = N>>(
+    ledger: &mut L,
+    sink: &mut M,
+    item: u32,
+) {
+    let wanted = ledger.wanted_level(item);
+    let old = ledger.level(item);
+    if wanted == old {
+        return;
+    }
+    if !ledger.has_children(item) {
+        // The common case (a leaf): nothing below to cascade to.
+        ledger.set_level(sink, item, wanted);
+        return;
+    }
+    // Pre-order list of (item, new level) for the subtree part whose level changes.
+    let mut changes = LEVEL_CHANGES.take();
+    changes.clear();
+    changes.push((item, wanted));
+    let mut next = 0;
+    while next < changes.len() {
+        let (parent, parent_level) = changes[next];
+        next += 1;
+        ledger.each_child(parent, |child| {
+            let level = ledger.own_level(child).max(parent_level);
+            if level != ledger.level(child) {
+                changes.push((child, level));
+            }
+        });
+    }
+    if wanted < old {
+        for &(item, level) in &changes {
+            ledger.set_level(sink, item, level);
+        }
+    } else {
+        for &(item, level) in changes.iter().rev() {
+            ledger.set_level(sink, item, level);
+        }
+    }
+    LEVEL_CHANGES.set(changes);
 }
 
 /// A backend's shared structure, as the per-rank ledgers see it: where a rank's rooted

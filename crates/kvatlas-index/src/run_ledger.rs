@@ -35,7 +35,7 @@ use std::hash::BuildHasher;
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
-use crate::ledger::{Membership, NodeBits};
+use crate::ledger::{LevelForest, Membership, NodeBits, propagate};
 use crate::model::{
     ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED, table_bytes,
 };
@@ -90,8 +90,6 @@ struct Segment {
 
 thread_local! {
     // Working buffers of one mutation (see the same in `ledger.rs`).
-    /// `propagate`'s list of level changes.
-    static CHANGES: Cell<Vec<(u32, Level)>> = const { Cell::new(Vec::new()) };
     /// `remove`'s stretches of named blocks.
     static STRETCHES: Cell<Vec<Segment>> = const { Cell::new(Vec::new()) };
     /// `remove`'s runs touched.
@@ -765,45 +763,9 @@ impl<N: RunNode> RunLedger<N> {
     }
 
     /// Recomputes run `r`'s level and, when it changed, its memberships and its descendants'
-    /// (improvements parents first, worsenings children first: the backend's rooted
-    /// membership stays prefix-closed at every call, as in the per-block ledger).
+    /// (see [`propagate`]).
     fn propagate<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32) {
-        let wanted = self.wanted_level(r);
-        let old = self.runs[r as usize].level;
-        if wanted == old {
-            return;
-        }
-        if self.runs[r as usize].first_child == NIL {
-            self.set_level(sink, r, wanted);
-            return;
-        }
-        let mut changes = CHANGES.take();
-        changes.clear();
-        changes.push((r, wanted));
-        let mut next = 0;
-        while next < changes.len() {
-            let (parent, parent_level) = changes[next];
-            next += 1;
-            let mut child = self.runs[parent as usize].first_child;
-            while child != NIL {
-                let c = &self.runs[child as usize];
-                let level = c.tiers.best_level().max(parent_level);
-                if level != c.level {
-                    changes.push((child, level));
-                }
-                child = c.next_sibling;
-            }
-        }
-        if wanted < old {
-            for &(run, level) in &changes {
-                self.set_level(sink, run, level);
-            }
-        } else {
-            for &(run, level) in changes.iter().rev() {
-                self.set_level(sink, run, level);
-            }
-        }
-        CHANGES.set(changes);
+        propagate(self, sink, r);
     }
 
     /// Moves run `r` to `level`: new memberships before old ones are dropped (so the backend
@@ -1419,5 +1381,35 @@ impl<N: RunNode> RunLedger<N> {
                 child = self.runs[child as usize].next_sibling;
             }
         }
+    }
+}
+
+impl<N: RunNode> LevelForest<N> for RunLedger<N> {
+    fn wanted_level(&self, r: u32) -> Level {
+        RunLedger::wanted_level(self, r)
+    }
+
+    fn level(&self, r: u32) -> Level {
+        self.runs[r as usize].level
+    }
+
+    fn own_level(&self, r: u32) -> Level {
+        self.runs[r as usize].tiers.best_level()
+    }
+
+    fn has_children(&self, r: u32) -> bool {
+        self.runs[r as usize].first_child != NIL
+    }
+
+    fn each_child(&self, r: u32, mut f: impl FnMut(u32)) {
+        let mut child = self.runs[r as usize].first_child;
+        while child != NIL {
+            f(child);
+            child = self.runs[child as usize].next_sibling;
+        }
+    }
+
+    fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, level: Level) {
+        RunLedger::set_level(self, sink, r, level);
     }
 }
