@@ -167,6 +167,12 @@ enum ForestOp {
         local: LocalBlockHash,
         reserve: u32,
     },
+    /// [`Forest::extend_edge_with`].
+    ExtendEdgeWith {
+        edge: u32,
+        locals: Box<[LocalBlockHash]>,
+        reserve: u32,
+    },
     /// [`Forest::settle`].
     Settle {
         edge: u32,
@@ -210,6 +216,11 @@ impl Forest {
                 local,
                 reserve,
             } => self.extend_edge(edge, local, reserve as usize),
+            ForestOp::ExtendEdgeWith {
+                edge,
+                ref locals,
+                reserve,
+            } => self.extend_edge_with(edge, locals, reserve as usize),
             ForestOp::Settle {
                 edge,
                 slot,
@@ -293,6 +304,21 @@ impl Forest {
         self.record(|| ForestOp::ExtendEdge {
             edge,
             local,
+            reserve: reserve as u32,
+        });
+    }
+
+    /// Appends several locals to `edge`'s run at once (the path extends its last block and no
+    /// branch can attach there or beyond), reserving room for `reserve` blocks when short.
+    fn extend_edge_with(&mut self, edge: u32, more: &[LocalBlockHash], reserve: usize) {
+        let locals = &mut self.edges[edge as usize].locals;
+        if locals.capacity() - locals.len() < more.len() {
+            locals.reserve_exact(reserve.max(more.len()));
+        }
+        locals.extend_from_slice(more);
+        self.record(|| ForestOp::ExtendEdgeWith {
+            edge,
+            locals: more.into(),
             reserve: reserve as u32,
         });
     }
@@ -839,6 +865,43 @@ impl Membership for Sink<'_> {
 
     fn expect(&mut self, blocks: usize) {
         self.expected = blocks;
+    }
+
+    fn extend_path(
+        &mut self,
+        from: NodeRef,
+        locals: &[LocalBlockHash],
+        level: Level,
+    ) -> (NodeRef, usize) {
+        let first = self.child(Some(from), locals[0]);
+        self.add(first, level);
+        // Further blocks on the first one's edge: where the edge already has them, and — once
+        // the path reaches the edge's end where no branch can attach — appended all at once.
+        let mut added = 1;
+        while added < locals.len() {
+            let target = first.offset + added as u32;
+            let e = &self.forest.edges[first.edge as usize];
+            if e.locals.get(target as usize) == Some(&locals[added]) {
+                added += 1;
+                continue;
+            }
+            if target as usize == e.locals.len() && (e.children == 0 || target > e.max_child_offset)
+            {
+                // `expected` counts the blocks still to come after the first one.
+                let reserve = self.expected;
+                self.forest
+                    .extend_edge_with(first.edge, &locals[added..], reserve);
+                added = locals.len();
+            }
+            break;
+        }
+        if added > 1 {
+            self.expected = self.expected.saturating_sub(added - 1);
+            if let Pending::Add { ref mut hi, .. } = self.pending {
+                *hi += added as u32 - 1;
+            }
+        }
+        (first, added)
     }
 
     fn add(&mut self, node: NodeRef, level: Level) {

@@ -116,6 +116,23 @@ pub(crate) trait Membership {
     /// One fewer rooted block of this worker at `node`, at `level`. After the last membership
     /// of every worker is gone from a node and its descendants, the backend may free it.
     fn remove(&mut self, node: Self::Node, level: Level);
+
+    /// Adds rooted blocks along one path: the node for `locals[0]` under `from`, then for as
+    /// many of the following locals as the backend chooses, each under the one before, all at
+    /// `level`. Returns the first node and how many blocks were added (at least one). A
+    /// backend whose nodes are positions along stretches of path ([`crate::run_ledger::RunNode`])
+    /// may add several at once, but only while they stay at consecutive positions of the first
+    /// node's stretch. Default: one block ([`Membership::child`] and [`Membership::add`]).
+    fn extend_path(
+        &mut self,
+        from: Self::Node,
+        locals: &[LocalBlockHash],
+        level: Level,
+    ) -> (Self::Node, usize) {
+        let node = self.child(Some(from), locals[0]);
+        self.add(node, level);
+        (node, 1)
+    }
 }
 
 /// A removal naming at least 1/`WARM_DIVISOR` of a rank's blocks first reads the rank's whole

@@ -88,8 +88,22 @@ struct Segment {
     hi: u32,
 }
 
+/// New blocks of a store at consecutive positions, already in the table, waiting to be placed in
+/// runs together: `blocks[first..first + len]` at positions `pos..pos + len`, whose parent is
+/// `previous` (held) or else `previous_hash` (not held, or none).
+#[derive(Debug, Clone, Copy)]
+struct Fresh {
+    first: usize,
+    pos: u32,
+    len: u32,
+    previous: Option<u32>,
+    previous_hash: Option<ExternalBlockHash>,
+}
+
 thread_local! {
     // Working buffers of one mutation (see the same in `ledger.rs`).
+    /// `place_stretch`'s local hashes of the blocks it places.
+    static LOCALS: Cell<Vec<LocalBlockHash>> = const { Cell::new(Vec::new()) };
     /// `remove`'s stretches of named blocks.
     static STRETCHES: Cell<Vec<Segment>> = const { Cell::new(Vec::new()) };
     /// `remove`'s runs touched.
@@ -854,10 +868,13 @@ impl<N: RunNode> RunLedger<N> {
         let mut range = (0u32, 0u32);
         // Held blocks (consecutive in one run) that gain `tier`.
         let mut gaining: Option<Segment> = None;
+        // New blocks at consecutive positions, in the table but not yet placed in runs.
+        let mut fresh: Option<Fresh> = None;
         for (i, block) in blocks.iter().enumerate() {
             // The block's position if it is new, written before the table is probed, so one
             // probe finds a held block or adds this one.
             if range.1 == 0 {
+                self.place_fresh(sink, blocks, tier, fresh.take(), &mut open, report);
                 range = self.alloc((blocks.len() - i) as u32);
             }
             self.hashes[range.0 as usize] = block.external;
@@ -869,6 +886,8 @@ impl<N: RunNode> RunLedger<N> {
                 |i| hash_of(hashes[i as usize]),
             );
             if let Some(pos) = held {
+                // (It may be one of the fresh blocks, named twice: place them first.)
+                self.place_fresh(sink, blocks, tier, fresh.take(), &mut open, report);
                 open = NIL;
                 let r = match gaining {
                     Some(s) if (s.start..s.end).contains(&pos) => s.run,
@@ -910,24 +929,21 @@ impl<N: RunNode> RunLedger<N> {
                 previous = Some(pos);
             } else {
                 self.gain(sink, tier, gaining.take());
-                let pos = range.0;
-                range.0 += 1;
-                range.1 -= 1;
-                self.place(
-                    sink,
-                    block,
-                    TierSet::only(tier),
+                let stretch = fresh.get_or_insert(Fresh {
+                    first: i,
+                    pos: range.0,
+                    len: 0,
                     previous,
                     previous_hash,
-                    &mut open,
-                    pos,
-                );
-                report.stored += 1;
-                self.touch(pos);
-                previous = Some(pos);
+                });
+                stretch.len += 1;
+                previous = Some(range.0);
+                range.0 += 1;
+                range.1 -= 1;
             }
             previous_hash = Some(block.external);
         }
+        self.place_fresh(sink, blocks, tier, fresh.take(), &mut open, report);
         self.gain(sink, tier, gaining.take());
         self.free_range(range.0, range.1);
         #[cfg(debug_assertions)]
@@ -947,64 +963,116 @@ impl<N: RunNode> RunLedger<N> {
         self.propagate(sink, m);
     }
 
-    /// Places a new block, already at `pos` in the arena and the table, whose parent is
-    /// `previous` (held) or, when that is `None`, `previous_hash` (not held, or no parent):
-    /// extends `open` when the block continues it, else starts a run. Then runs waiting for this
-    /// block as their parent hang under it.
-    #[allow(clippy::too_many_arguments)]
-    fn place<M: Membership<Node = N>>(
+    /// Places a store's fresh blocks (see [`Fresh`]) on `tier` and records them as stored now.
+    fn place_fresh<M: Membership<Node = N>>(
         &mut self,
         sink: &mut M,
-        block: &StoredBlock,
+        blocks: &[StoredBlock],
+        tier: Tier,
+        fresh: Option<Fresh>,
+        open: &mut u32,
+        report: &mut ApplyReport,
+    ) {
+        let Some(f) = fresh else { return };
+        let stretch = &blocks[f.first..f.first + f.len as usize];
+        self.place_stretch(
+            sink,
+            stretch,
+            TierSet::only(tier),
+            f.previous,
+            f.previous_hash,
+            open,
+            f.pos,
+        );
+        report.stored += u64::from(f.len);
+        for pos in f.pos..f.pos + f.len {
+            self.touch(pos);
+        }
+    }
+
+    /// Places new blocks, already at positions `pos..` in the arena and the table, each the
+    /// parent of the next; the first one's parent is `previous` (held) or, when that is `None`,
+    /// `previous_hash` (not held, or no parent). They extend `open` while they continue it (on
+    /// a rooted run: while the backend's path stays on one stretch, [`Membership::extend_path`]),
+    /// else start a run. Then runs waiting for one of them as their parent hang under it.
+    #[allow(clippy::too_many_arguments)]
+    fn place_stretch<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        blocks: &[StoredBlock],
         tiers: TierSet,
         previous: Option<u32>,
         previous_hash: Option<ExternalBlockHash>,
         open: &mut u32,
         pos: u32,
     ) {
+        let n = blocks.len() as u32;
         for tier in tiers.iter() {
-            self.per_tier[tier.index()] += 1;
+            self.per_tier[tier.index()] += u64::from(n);
         }
-        let o = *open;
-        if o != NIL && self.end(o) == pos && self.runs[o as usize].tiers == tiers {
-            let run = self.runs[o as usize];
-            if run.level == UNROOTED {
-                if let Some(locals) = self.locals.get_mut(&o) {
-                    locals.push(block.local);
-                }
-                self.runs[o as usize].len += 1;
-            } else {
-                let last = run.node.advance(run.len - 1);
-                let node = sink.child(Some(last), block.local);
-                if node == last.advance(1) {
-                    self.runs[o as usize].len += 1;
+        let mut locals = LOCALS.take();
+        locals.clear();
+        locals.extend(blocks.iter().map(|b| b.local));
+        let mut placed = 0;
+        while placed < n {
+            let at = pos + placed;
+            let o = *open;
+            if o != NIL && self.end(o) == at && self.runs[o as usize].tiers == tiers {
+                let run = self.runs[o as usize];
+                if run.level == UNROOTED {
+                    if let Some(unrooted) = self.locals.get_mut(&o) {
+                        unrooted.extend_from_slice(&locals[placed as usize..]);
+                    }
+                    self.runs[o as usize].len += n - placed;
+                    placed = n;
                 } else {
-                    let r = self.new_run(Self::bare(pos, 1, node, tiers, run.level, HAS_PARENT));
-                    self.link_child(o, pos - 1, r);
-                    *open = r;
+                    let last = run.node.advance(run.len - 1);
+                    let (first, added) =
+                        sink.extend_path(last, &locals[placed as usize..], run.level);
+                    let added = added.max(1) as u32;
+                    if first == last.advance(1) {
+                        self.runs[o as usize].len += added;
+                    } else {
+                        let r = self
+                            .new_run(Self::bare(at, added, first, tiers, run.level, HAS_PARENT));
+                        self.link_child(o, at - 1, r);
+                        *open = r;
+                    }
+                    placed += added;
                 }
-                sink.add(node, run.level);
+            } else {
+                *open = self.start_run(
+                    sink,
+                    at,
+                    locals[placed as usize],
+                    tiers,
+                    previous,
+                    previous_hash,
+                );
+                placed += 1;
             }
-        } else {
-            *open = self.start_run(sink, pos, block.local, tiers, previous, previous_hash);
         }
-        if !self.dangling.is_empty()
-            && let Some(waiting) = self.dangling.remove(&block.external)
-        {
-            for w in waiting {
-                if self.runs[w as usize].start == pos {
-                    // A block naming itself as parent can never be reached; keep it aside.
+        LOCALS.set(locals);
+        if !self.dangling.is_empty() {
+            for (at, block) in (pos..).zip(blocks) {
+                let Some(waiting) = self.dangling.remove(&block.external) else {
                     continue;
+                };
+                for w in waiting {
+                    if self.runs[w as usize].start == at {
+                        // A block naming itself as parent can never be reached; keep it aside.
+                        continue;
+                    }
+                    self.dangling_parent.remove(&w);
+                    let holder = self.run_of(at);
+                    self.link_child(holder, at, w);
+                    self.propagate(sink, w);
                 }
-                self.dangling_parent.remove(&w);
-                let holder = self.run_of(pos);
-                self.link_child(holder, pos, w);
-                self.propagate(sink, w);
             }
         }
     }
 
-    /// Starts a one-block run at `pos` (see [`RunLedger::place`]).
+    /// Starts a one-block run at `pos` (see [`RunLedger::place_stretch`]).
     fn start_run<M: Membership<Node = N>>(
         &mut self,
         sink: &mut M,
@@ -1060,12 +1128,12 @@ impl<N: RunNode> RunLedger<N> {
         self.table.insert(hash_of(block.external), pos, |i| {
             hash_of(hashes[i as usize])
         });
-        self.place(
+        self.place_stretch(
             sink,
-            &StoredBlock {
+            &[StoredBlock {
                 external: block.external,
                 local: block.local,
-            },
+            }],
             block.tiers,
             previous,
             block.parent,
