@@ -180,7 +180,7 @@ thread_local! {
     static LEVEL_CHANGES: Cell<Vec<(u32, Level)>> = const { Cell::new(Vec::new()) };
     /// `remove`'s blocks touched.
     static TOUCHED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
-    /// `remove`'s deletion stack.
+    /// [`delete_emptied`]'s stack (both ledgers').
     static DELETIONS: Cell<Vec<(u32, bool)>> = const { Cell::new(Vec::new()) };
 }
 
@@ -429,35 +429,8 @@ impl<N: NodeBits> Ledger<N> {
         for &slot in &touched {
             self.propagate(sink, slot);
         }
-        let mut stack = DELETIONS.take();
-        stack.clear();
-        for &slot in &touched {
-            if self.slots[slot as usize].tiers.is_empty()
-                && self.slots[slot as usize].flags & (FREED | VISITING) == 0
-            {
-                self.slots[slot as usize].flags |= VISITING;
-                stack.push((slot, false));
-            }
-            // Depth-first: a block is freed after its emptied children (second visit). A block
-            // is pushed once (`VISITING`): parent links may form a cycle.
-            while let Some((slot, children_done)) = stack.pop() {
-                if children_done {
-                    self.delete(slot);
-                    continue;
-                }
-                stack.push((slot, true));
-                let mut children = Children::of(self, slot);
-                while let Some(child) = children.next(self) {
-                    let c = &mut self.slots[child as usize];
-                    if c.tiers.is_empty() && c.flags & (FREED | VISITING) == 0 {
-                        c.flags |= VISITING;
-                        stack.push((child, false));
-                    }
-                }
-            }
-        }
+        delete_emptied(self, &touched);
         TOUCHED.set(touched);
-        DELETIONS.set(stack);
         #[cfg(debug_assertions)]
         self.check_links();
     }
@@ -701,6 +674,19 @@ impl<N: NodeBits> LevelForest<N> for Ledger<N> {
         }
     }
 
+    fn take_for_deletion(&mut self, slot: u32) -> bool {
+        let s = &mut self.slots[slot as usize];
+        let take = s.tiers.is_empty() && s.flags & (FREED | VISITING) == 0;
+        if take {
+            s.flags |= VISITING;
+        }
+        take
+    }
+
+    fn delete(&mut self, slot: u32) {
+        Ledger::delete(self, slot);
+    }
+
     /// Moves one block to `level`, adding the new membership before removing the old one so the
     /// backend never sees the node empty (and frees it) in between.
     fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32, level: Level) {
@@ -753,6 +739,43 @@ pub(crate) trait LevelForest<N> {
     fn each_child(&self, item: u32, f: impl FnMut(u32));
     /// Moves it to `level`, reporting the membership change to `sink`.
     fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, item: u32, level: Level);
+    /// If it is held on no tier and not yet taken, marks it taken for deletion and says so.
+    fn take_for_deletion(&mut self, item: u32) -> bool;
+    /// Deletes an item taken for deletion (held on no tier, already unrooted).
+    fn delete(&mut self, item: u32);
+}
+
+/// Deletes the items among `touched` held on no tier, and their descendants held on no tier,
+/// children before parents (so a removed chain never passes through the dangling table). An item
+/// is taken once: parent links may form a cycle.
+pub(crate) fn delete_emptied<N, L: LevelForest<N>>(ledger: &mut L, touched: &[u32]) {
+    let mut stack = DELETIONS.take();
+    stack.clear();
+    for &item in touched {
+        if ledger.take_for_deletion(item) {
+            stack.push((item, false));
+        }
+        // Depth-first: an item is deleted on its second visit, after its emptied children.
+        while let Some((item, children_done)) = stack.pop() {
+            if children_done {
+                ledger.delete(item);
+                continue;
+            }
+            stack.push((item, true));
+            let children = stack.len();
+            ledger.each_child(item, |child| stack.push((child, false)));
+            let mut kept = children;
+            for i in children..stack.len() {
+                let child = stack[i].0;
+                if ledger.take_for_deletion(child) {
+                    stack[kept] = (child, false);
+                    kept += 1;
+                }
+            }
+            stack.truncate(kept);
+        }
+    }
+    DELETIONS.set(stack);
 }
 
 /// Recomputes `item`'s level and, when it changed, its membership and its descendants'.

@@ -35,7 +35,7 @@ use std::hash::BuildHasher;
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
-use crate::ledger::{LevelForest, Membership, NodeBits, propagate};
+use crate::ledger::{LevelForest, Membership, NodeBits, delete_emptied, propagate};
 use crate::model::{
     ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED, table_bytes,
 };
@@ -108,8 +108,6 @@ thread_local! {
     static STRETCHES: Cell<Vec<Segment>> = const { Cell::new(Vec::new()) };
     /// `remove`'s runs touched.
     static TOUCHED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
-    /// `remove`'s deletion stack.
-    static DELETIONS: Cell<Vec<(u32, bool)>> = const { Cell::new(Vec::new()) };
 }
 
 /// Per-block recency for capacity-bounded backends (as in the per-block ledger).
@@ -1217,35 +1215,8 @@ impl<N: RunNode> RunLedger<N> {
         for &r in &touched {
             self.propagate(sink, r);
         }
-        let mut stack = DELETIONS.take();
-        stack.clear();
-        for &r in &touched {
-            let run = &mut self.runs[r as usize];
-            if run.tiers.is_empty() && run.flags & (FREE | VISITING) == 0 {
-                run.flags |= VISITING;
-                stack.push((r, false));
-            }
-            // Depth-first: a run is deleted after its emptied child runs (second visit). A run
-            // is pushed once (`VISITING`): parent links may form a cycle.
-            while let Some((r, children_done)) = stack.pop() {
-                if children_done {
-                    self.delete_run(r);
-                    continue;
-                }
-                stack.push((r, true));
-                let mut child = self.runs[r as usize].first_child;
-                while child != NIL {
-                    let c = &mut self.runs[child as usize];
-                    if c.tiers.is_empty() && c.flags & (FREE | VISITING) == 0 {
-                        c.flags |= VISITING;
-                        stack.push((child, false));
-                    }
-                    child = c.next_sibling;
-                }
-            }
-        }
+        delete_emptied(self, &touched);
         TOUCHED.set(touched);
-        DELETIONS.set(stack);
         #[cfg(debug_assertions)]
         self.check();
     }
@@ -1479,5 +1450,18 @@ impl<N: RunNode> LevelForest<N> for RunLedger<N> {
 
     fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, level: Level) {
         RunLedger::set_level(self, sink, r, level);
+    }
+
+    fn take_for_deletion(&mut self, r: u32) -> bool {
+        let run = &mut self.runs[r as usize];
+        let take = run.tiers.is_empty() && run.flags & (FREE | VISITING) == 0;
+        if take {
+            run.flags |= VISITING;
+        }
+        take
+    }
+
+    fn delete(&mut self, r: u32) {
+        self.delete_run(r);
     }
 }
