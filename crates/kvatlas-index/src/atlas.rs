@@ -115,6 +115,15 @@ struct Edge {
     covers: Vec<Cover>,
 }
 
+impl Edge {
+    /// Whether a child edge may attach at `offset`: every child attaches at or below
+    /// `max_child_offset`, so an edge without children, or an offset past that mark, has none.
+    #[inline]
+    fn may_branch_at(&self, offset: u32) -> bool {
+        self.children != 0 && offset <= self.max_child_offset
+    }
+}
+
 /// Per-level counts of one rank's rooted blocks over the offsets `lo..hi` of an edge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Span {
@@ -161,13 +170,13 @@ enum ForestOp {
         capacity: u32,
         edge: u32,
     },
-    /// [`Forest::extend_edge`].
+    /// [`Forest::extend_edge`] with one local (kept apart: no allocation per recorded block).
     ExtendEdge {
         edge: u32,
         local: LocalBlockHash,
         reserve: u32,
     },
-    /// [`Forest::extend_edge_with`].
+    /// [`Forest::extend_edge`] with several locals.
     ExtendEdgeWith {
         edge: u32,
         locals: Box<[LocalBlockHash]>,
@@ -215,12 +224,12 @@ impl Forest {
                 edge,
                 local,
                 reserve,
-            } => self.extend_edge(edge, local, reserve as usize),
+            } => self.extend_edge(edge, &[local], reserve as usize),
             ForestOp::ExtendEdgeWith {
                 edge,
                 ref locals,
                 reserve,
-            } => self.extend_edge_with(edge, locals, reserve as usize),
+            } => self.extend_edge(edge, locals, reserve as usize),
             ForestOp::Settle {
                 edge,
                 slot,
@@ -293,33 +302,25 @@ impl Forest {
         edge
     }
 
-    /// Appends `local` to `edge`'s run (the path extends its last block), reserving room for
-    /// `reserve` blocks when the run is full.
-    fn extend_edge(&mut self, edge: u32, local: LocalBlockHash, reserve: usize) {
-        let locals = &mut self.edges[edge as usize].locals;
-        if locals.len() == locals.capacity() {
-            locals.reserve_exact(reserve);
-        }
-        locals.push(local);
-        self.record(|| ForestOp::ExtendEdge {
-            edge,
-            local,
-            reserve: reserve as u32,
-        });
-    }
-
-    /// Appends several locals to `edge`'s run at once (the path extends its last block and no
-    /// branch can attach there or beyond), reserving room for `reserve` blocks when short.
-    fn extend_edge_with(&mut self, edge: u32, more: &[LocalBlockHash], reserve: usize) {
+    /// Appends `more` to `edge`'s run (the path extends its last block, and no branch can
+    /// attach where the appended blocks go), reserving room for `reserve` blocks when short.
+    fn extend_edge(&mut self, edge: u32, more: &[LocalBlockHash], reserve: usize) {
         let locals = &mut self.edges[edge as usize].locals;
         if locals.capacity() - locals.len() < more.len() {
             locals.reserve_exact(reserve.max(more.len()));
         }
         locals.extend_from_slice(more);
-        self.record(|| ForestOp::ExtendEdgeWith {
-            edge,
-            locals: more.into(),
-            reserve: reserve as u32,
+        self.record(|| match *more {
+            [local] => ForestOp::ExtendEdge {
+                edge,
+                local,
+                reserve: reserve as u32,
+            },
+            _ => ForestOp::ExtendEdgeWith {
+                edge,
+                locals: more.into(),
+                reserve: reserve as u32,
+            },
         });
     }
 
@@ -455,8 +456,7 @@ impl Forest {
     /// ending on a leaf edge, and of a stored run extending a fresh edge block by block.
     #[inline]
     fn child_edge(&self, edge: u32, offset: u32, local: LocalBlockHash) -> Option<u32> {
-        let e = &self.edges[edge as usize];
-        if e.children == 0 || offset > e.max_child_offset {
+        if !self.edges[edge as usize].may_branch_at(offset) {
             return None;
         }
         self.branches.get(&self.edges, edge, offset, local)
@@ -849,7 +849,7 @@ impl Membership for Sink<'_> {
         }
         if target as usize == len {
             // The path extends the edge's last block: append in place.
-            forest.extend_edge(parent.edge, local, remaining);
+            forest.extend_edge(parent.edge, &[local], remaining);
             return NodeRef {
                 edge: parent.edge,
                 offset: target,
@@ -885,12 +885,11 @@ impl Membership for Sink<'_> {
                 added += 1;
                 continue;
             }
-            if target as usize == e.locals.len() && (e.children == 0 || target > e.max_child_offset)
-            {
+            if target as usize == e.locals.len() && !e.may_branch_at(target) {
                 // `expected` counts the blocks still to come after the first one.
                 let reserve = self.expected;
                 self.forest
-                    .extend_edge_with(first.edge, &locals[added..], reserve);
+                    .extend_edge(first.edge, &locals[added..], reserve);
                 added = locals.len();
             }
             break;
