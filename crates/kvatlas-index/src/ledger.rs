@@ -26,11 +26,10 @@
 //! for dangling blocks, whose missing parent's hash is kept in a side table.
 
 use std::cell::Cell;
-use std::hash::BuildHasher;
 use std::marker::PhantomData;
 
 use kvatlas_hash::LocalBlockHash;
-use rustc_hash::{FxBuildHasher, FxHashMap};
+use rustc_hash::FxHashMap;
 
 use std::collections::BTreeMap;
 
@@ -38,7 +37,7 @@ use crate::model::{
     ApplyReport, ExternalBlockHash, IndexStats, Level, Mutation, StoredBlock, Tier, TierSet,
     UNROOTED, Worker, WorkerBlocks, table_bytes,
 };
-use crate::slot_table::SlotTable;
+use crate::slot_table::{SlotTable, hash_of};
 use crate::snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 
 /// A backend's node handle, storable in one `u64`.
@@ -214,10 +213,6 @@ impl<N> Default for Ledger<N> {
     }
 }
 
-fn hash_of(external: ExternalBlockHash) -> u64 {
-    FxBuildHasher.hash_one(external.get())
-}
-
 impl<N: NodeBits> Ledger<N> {
     /// Blocks held per tier.
     pub(crate) fn per_tier(&self) -> [u64; 4] {
@@ -353,7 +348,7 @@ impl<N: NodeBits> Ledger<N> {
                         self.slots[slot as usize].tiers = tiers.with(tier);
                         self.per_tier[tier.index()] += 1;
                         report.stored += 1;
-                        self.propagate(sink, slot);
+                        propagate(self, sink, slot);
                     }
                 }
                 None => {
@@ -427,7 +422,7 @@ impl<N: NodeBits> Ledger<N> {
             touched.push(slot);
         }
         for &slot in &touched {
-            self.propagate(sink, slot);
+            propagate(self, sink, slot);
         }
         delete_emptied(self, &touched);
         TOUCHED.set(touched);
@@ -556,7 +551,7 @@ impl<N: NodeBits> Ledger<N> {
                 self.link(index, child);
             }
         }
-        self.propagate(sink, index);
+        propagate(self, sink, index);
         index
     }
 
@@ -631,8 +626,9 @@ impl<N: NodeBits> Ledger<N> {
         c.parent_slot = NIL;
         c.next_sibling = NIL;
     }
+}
 
-    /// The level `slot` should have given its tiers and its parent.
+impl<N: NodeBits> LevelForest<N> for Ledger<N> {
     fn wanted_level(&self, slot: u32) -> Level {
         let s = &self.slots[slot as usize];
         let own = s.tiers.best_level();
@@ -643,16 +639,6 @@ impl<N: NodeBits> Ledger<N> {
             return UNROOTED;
         }
         own.max(self.slots[s.parent_slot as usize].level)
-    }
-
-    fn propagate<M: Membership<Node = N>>(&mut self, sink: &mut M, slot: u32) {
-        propagate(self, sink, slot);
-    }
-}
-
-impl<N: NodeBits> LevelForest<N> for Ledger<N> {
-    fn wanted_level(&self, slot: u32) -> Level {
-        Ledger::wanted_level(self, slot)
     }
 
     fn level(&self, slot: u32) -> Level {

@@ -30,16 +30,15 @@
 //!   `node.advance(0..len)`, an unrooted one's local hashes are in `locals`.
 
 use std::cell::Cell;
-use std::hash::BuildHasher;
 
 use kvatlas_hash::LocalBlockHash;
-use rustc_hash::{FxBuildHasher, FxHashMap};
+use rustc_hash::FxHashMap;
 
 use crate::ledger::{LevelForest, Membership, NodeBits, delete_emptied, propagate};
 use crate::model::{
     ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED, table_bytes,
 };
-use crate::slot_table::SlotTable;
+use crate::slot_table::{SlotTable, hash_of};
 use crate::snapshot::SnapshotBlock;
 
 /// A node handle along which consecutive blocks of a path can be addressed by offset.
@@ -173,10 +172,6 @@ impl<N> Default for RunLedger<N> {
             recency: None,
         }
     }
-}
-
-fn hash_of(external: ExternalBlockHash) -> u64 {
-    FxBuildHasher.hash_one(external.get())
 }
 
 /// Makes room for `len` elements without doubling: a rank's arrays grow in steps over its
@@ -758,9 +753,11 @@ impl<N: RunNode> RunLedger<N> {
             self.put_free(start, len);
         }
     }
+}
 
-    // ---- levels -------------------------------------------------------------------------------
+// ---- levels ---------------------------------------------------------------------------------
 
+impl<N: RunNode> LevelForest<N> for RunLedger<N> {
     /// The level run `r` should have given its tiers and its parent.
     fn wanted_level(&self, r: u32) -> Level {
         let run = &self.runs[r as usize];
@@ -774,10 +771,24 @@ impl<N: RunNode> RunLedger<N> {
         }
     }
 
-    /// Recomputes run `r`'s level and, when it changed, its memberships and its descendants'
-    /// (see [`propagate`]).
-    fn propagate<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32) {
-        propagate(self, sink, r);
+    fn level(&self, r: u32) -> Level {
+        self.runs[r as usize].level
+    }
+
+    fn own_level(&self, r: u32) -> Level {
+        self.runs[r as usize].tiers.best_level()
+    }
+
+    fn has_children(&self, r: u32) -> bool {
+        self.runs[r as usize].first_child != NIL
+    }
+
+    fn each_child(&self, r: u32, mut f: impl FnMut(u32)) {
+        let mut child = self.runs[r as usize].first_child;
+        while child != NIL {
+            f(child);
+            child = self.runs[child as usize].next_sibling;
+        }
     }
 
     /// Moves run `r` to `level`: new memberships before old ones are dropped (so the backend
@@ -814,6 +825,21 @@ impl<N: RunNode> RunLedger<N> {
         }
     }
 
+    fn take_for_deletion(&mut self, r: u32) -> bool {
+        let run = &mut self.runs[r as usize];
+        let take = run.tiers.is_empty() && run.flags & (FREE | VISITING) == 0;
+        if take {
+            run.flags |= VISITING;
+        }
+        take
+    }
+
+    fn delete(&mut self, r: u32) {
+        self.delete_run(r);
+    }
+}
+
+impl<N: RunNode> RunLedger<N> {
     /// Roots the unrooted run `r` (its parent, if any, is rooted) at `level`: asks the backend
     /// for each block's node, cutting the run where the path leaves a stretch.
     fn root<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, level: Level) {
@@ -958,7 +984,7 @@ impl<N: RunNode> RunLedger<N> {
         let Some(s) = segment else { return };
         let m = self.isolate(s.run, s.lo, s.hi);
         self.runs[m as usize].tiers = self.runs[m as usize].tiers.with(tier);
-        self.propagate(sink, m);
+        propagate(self, sink, m);
     }
 
     /// Places a store's fresh blocks (see [`Fresh`]) on `tier` and records them as stored now.
@@ -1064,7 +1090,7 @@ impl<N: RunNode> RunLedger<N> {
                     self.dangling_parent.remove(&w);
                     let holder = self.run_of(at);
                     self.link_child(holder, at, w);
-                    self.propagate(sink, w);
+                    propagate(self, sink, w);
                 }
             }
         }
@@ -1213,7 +1239,7 @@ impl<N: RunNode> RunLedger<N> {
         }
         STRETCHES.set(stretches);
         for &r in &touched {
-            self.propagate(sink, r);
+            propagate(self, sink, r);
         }
         delete_emptied(self, &touched);
         TOUCHED.set(touched);
@@ -1420,48 +1446,5 @@ impl<N: RunNode> RunLedger<N> {
                 child = self.runs[child as usize].next_sibling;
             }
         }
-    }
-}
-
-impl<N: RunNode> LevelForest<N> for RunLedger<N> {
-    fn wanted_level(&self, r: u32) -> Level {
-        RunLedger::wanted_level(self, r)
-    }
-
-    fn level(&self, r: u32) -> Level {
-        self.runs[r as usize].level
-    }
-
-    fn own_level(&self, r: u32) -> Level {
-        self.runs[r as usize].tiers.best_level()
-    }
-
-    fn has_children(&self, r: u32) -> bool {
-        self.runs[r as usize].first_child != NIL
-    }
-
-    fn each_child(&self, r: u32, mut f: impl FnMut(u32)) {
-        let mut child = self.runs[r as usize].first_child;
-        while child != NIL {
-            f(child);
-            child = self.runs[child as usize].next_sibling;
-        }
-    }
-
-    fn set_level<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, level: Level) {
-        RunLedger::set_level(self, sink, r, level);
-    }
-
-    fn take_for_deletion(&mut self, r: u32) -> bool {
-        let run = &mut self.runs[r as usize];
-        let take = run.tiers.is_empty() && run.flags & (FREE | VISITING) == 0;
-        if take {
-            run.flags |= VISITING;
-        }
-        take
-    }
-
-    fn delete(&mut self, r: u32) {
-        self.delete_run(r);
     }
 }

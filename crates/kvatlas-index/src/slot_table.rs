@@ -2,9 +2,17 @@
 //! entries are the positions only (2 bytes each while they fit), and every lookup compares the
 //! engine hash stored at the candidate position.
 
-use hashbrown::HashTable;
+use std::hash::BuildHasher;
 
-use crate::model::table_bytes;
+use hashbrown::HashTable;
+use rustc_hash::FxBuildHasher;
+
+use crate::model::{ExternalBlockHash, table_bytes};
+
+/// The hash a [`SlotTable`] files an engine hash under (every ledger's, so that one is used).
+pub(crate) fn hash_of(external: ExternalBlockHash) -> u64 {
+    FxBuildHasher.hash_one(external.get())
+}
 
 /// Slot indices hashed by engine hash: 2-byte entries while every slot index fits (a rank with
 /// fewer than 65,535 slots — nearly always), 4-byte entries beyond.
