@@ -1754,77 +1754,55 @@ mod tests {
     #[test]
     fn runs_stay_whole_and_the_arena_is_reused() {
         let worker = Worker::new(3, 0);
-        let chain = |from: u64, len: u64| -> Vec<StoredBlock> {
-            (from..from + len)
+        let hashes = |from: u64, len: u64| -> Vec<ExternalBlockHash> {
+            (from..from + len).map(ExternalBlockHash::new).collect()
+        };
+        // `len` blocks from `from`, each the parent of the next, under `parent`.
+        let store = |tier, parent: Option<u64>, from: u64, len: u64| Mutation::Stored {
+            worker,
+            tier,
+            parent: parent.map(ExternalBlockHash::new),
+            blocks: (from..from + len)
                 .map(|i| StoredBlock {
                     external: ExternalBlockHash::new(i),
                     local: LocalBlockHash::new(i * 31 + 1),
                 })
-                .collect()
+                .collect(),
         };
-        let hashes = |from: u64, len: u64| -> Vec<ExternalBlockHash> {
-            (from..from + len).map(ExternalBlockHash::new).collect()
+        let remove = |tier, blocks: Vec<ExternalBlockHash>| Mutation::Removed {
+            worker,
+            tier,
+            blocks,
         };
         let ledger = |atlas: &Atlas| -> (usize, usize, usize) {
             let (_, l) = &atlas.books.ledgers[&worker];
             (l.run_count(), l.arena_len(), l.len())
         };
         let mut atlas = Atlas::new();
-        atlas.apply(&Mutation::Stored {
-            worker,
-            tier: Tier::Device,
-            parent: None,
-            blocks: chain(0, 1000),
-        });
+        atlas.apply(&store(Tier::Device, None, 0, 1000));
         assert_eq!(ledger(&atlas), (1, 1000, 1000));
         // Leaf-first eviction, named deepest first: the run shrinks, the arena with it.
         let mut descending = hashes(900, 100);
         descending.reverse();
-        atlas.apply(&Mutation::Removed {
-            worker,
-            tier: Tier::Device,
-            blocks: descending,
-        });
+        atlas.apply(&remove(Tier::Device, descending));
         assert_eq!(ledger(&atlas), (1, 900, 900));
         // A block in the middle gains a tier: three runs; a middle block removed: the run
         // after it hangs dangling, still one piece.
-        atlas.apply(&Mutation::Stored {
-            worker,
-            tier: Tier::Host,
-            parent: Some(ExternalBlockHash::new(99)),
-            blocks: chain(100, 1),
-        });
+        atlas.apply(&store(Tier::Host, Some(99), 100, 1));
         assert_eq!(ledger(&atlas).0, 3);
-        atlas.apply(&Mutation::Removed {
-            worker,
-            tier: Tier::Device,
-            blocks: hashes(500, 1),
-        });
+        atlas.apply(&remove(Tier::Device, hashes(500, 1)));
         assert_eq!(ledger(&atlas), (4, 900, 899));
         // A continuation stored after the removal fills the hole, not the arena's end.
-        atlas.apply(&Mutation::Stored {
-            worker,
-            tier: Tier::Device,
-            parent: Some(ExternalBlockHash::new(499)),
-            blocks: chain(5000, 1),
-        });
+        atlas.apply(&store(Tier::Device, Some(499), 5000, 1));
         assert_eq!(ledger(&atlas), (5, 900, 900));
         // Everything named in a scrambled order, some twice: nothing left, the arena empty.
         let mut all: Vec<ExternalBlockHash> = hashes(0, 900);
         all.push(ExternalBlockHash::new(5000));
         all.sort_by_key(|h| h.get().wrapping_mul(0x9e37_79b9_7f4a_7c15));
         all.extend(hashes(10, 5));
-        let report = atlas.apply(&Mutation::Removed {
-            worker,
-            tier: Tier::Device,
-            blocks: all,
-        });
+        let report = atlas.apply(&remove(Tier::Device, all));
         assert_eq!((report.removed, report.unknown_removes), (900, 6));
-        let report = atlas.apply(&Mutation::Removed {
-            worker,
-            tier: Tier::Host,
-            blocks: hashes(100, 1),
-        });
+        let report = atlas.apply(&remove(Tier::Host, hashes(100, 1)));
         assert_eq!(report.removed, 1);
         assert!(!atlas.books.ledgers.contains_key(&worker));
         assert_eq!(atlas.stats().memberships, 0);
