@@ -321,17 +321,7 @@ impl<N: NodeBits> Ledger<N> {
         blocks: &[StoredBlock],
         report: &mut ApplyReport,
     ) {
-        // The run's parent, looked up once; then each block's parent is the block before it.
-        let mut previous_slot = match parent {
-            Some(parent) if !blocks.is_empty() => {
-                let found = self.find(parent);
-                if found.is_none() {
-                    report.unknown_parents += 1;
-                }
-                found
-            }
-            _ => None,
-        };
+        let mut previous_slot = held_parent(parent, blocks, report, |p| self.find(p));
         let mut previous = parent;
         sink.expect(blocks.len());
         for block in blocks {
@@ -629,16 +619,15 @@ impl<N: NodeBits> Ledger<N> {
 }
 
 impl<N: NodeBits> LevelForest<N> for Ledger<N> {
-    fn wanted_level(&self, slot: u32) -> Level {
+    fn parent(&self, slot: u32) -> Parent {
         let s = &self.slots[slot as usize];
-        let own = s.tiers.best_level();
         if s.flags & HAS_PARENT == 0 {
-            return own;
+            Parent::None
+        } else if s.parent_slot == NIL {
+            Parent::Missing
+        } else {
+            Parent::Held(s.parent_slot)
         }
-        if s.parent_slot == NIL {
-            return UNROOTED;
-        }
-        own.max(self.slots[s.parent_slot as usize].level)
     }
 
     fn level(&self, slot: u32) -> Level {
@@ -709,12 +698,30 @@ impl<N: NodeBits> LevelForest<N> for Ledger<N> {
     }
 }
 
+/// An item's parent, as its level sees it.
+pub(crate) enum Parent {
+    /// It starts a sequence.
+    None,
+    /// Its parent is not held (or not reachable): it is unrooted.
+    Missing,
+    /// The held item holding its parent.
+    Held(u32),
+}
+
 /// A ledger seen as a forest of items (blocks, or runs of blocks) with levels: what level
 /// propagation needs. An item's level is the max of its own tiers' best level and its parent's
 /// ([`UNROOTED`] without a held parent).
 pub(crate) trait LevelForest<N> {
+    /// Where `item`'s parent stands.
+    fn parent(&self, item: u32) -> Parent;
     /// The level `item` should have given its tiers and its parent's level.
-    fn wanted_level(&self, item: u32) -> Level;
+    fn wanted_level(&self, item: u32) -> Level {
+        match self.parent(item) {
+            Parent::None => self.own_level(item),
+            Parent::Missing => UNROOTED,
+            Parent::Held(parent) => self.own_level(item).max(self.level(parent)),
+        }
+    }
     /// The level it has.
     fn level(&self, item: u32) -> Level;
     /// The best level of its own tiers.
@@ -729,6 +736,22 @@ pub(crate) trait LevelForest<N> {
     fn take_for_deletion(&mut self, item: u32) -> bool;
     /// Deletes an item taken for deletion (held on no tier, already unrooted).
     fn delete(&mut self, item: u32);
+}
+
+/// The held block a stored run's `parent` names, looked up once (each later block's parent is
+/// the block before it); a parent not held is counted in `report`.
+pub(crate) fn held_parent(
+    parent: Option<ExternalBlockHash>,
+    blocks: &[StoredBlock],
+    report: &mut ApplyReport,
+    find: impl FnOnce(ExternalBlockHash) -> Option<u32>,
+) -> Option<u32> {
+    let parent = parent.filter(|_| !blocks.is_empty())?;
+    let found = find(parent);
+    if found.is_none() {
+        report.unknown_parents += 1;
+    }
+    found
 }
 
 /// Deletes the items among `touched` held on no tier, and their descendants held on no tier,

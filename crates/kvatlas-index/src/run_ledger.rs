@@ -34,7 +34,9 @@ use std::cell::Cell;
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::FxHashMap;
 
-use crate::ledger::{LevelForest, Membership, NodeBits, delete_emptied, propagate};
+use crate::ledger::{
+    LevelForest, Membership, NodeBits, Parent, delete_emptied, held_parent, propagate,
+};
 use crate::model::{
     ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED, table_bytes,
 };
@@ -758,16 +760,14 @@ impl<N: RunNode> RunLedger<N> {
 // ---- levels ---------------------------------------------------------------------------------
 
 impl<N: RunNode> LevelForest<N> for RunLedger<N> {
-    /// The level run `r` should have given its tiers and its parent.
-    fn wanted_level(&self, r: u32) -> Level {
+    fn parent(&self, r: u32) -> Parent {
         let run = &self.runs[r as usize];
-        let own = run.tiers.best_level();
         if run.flags & HAS_PARENT == 0 {
-            own
+            Parent::None
         } else if run.parent_run == NIL {
-            UNROOTED
+            Parent::Missing
         } else {
-            own.max(self.runs[run.parent_run as usize].level)
+            Parent::Held(run.parent_run)
         }
     }
 
@@ -874,16 +874,7 @@ impl<N: RunNode> RunLedger<N> {
         blocks: &[StoredBlock],
         report: &mut ApplyReport,
     ) {
-        let mut previous = match parent {
-            Some(parent) if !blocks.is_empty() => {
-                let found = self.find(parent);
-                if found.is_none() {
-                    report.unknown_parents += 1;
-                }
-                found
-            }
-            _ => None,
-        };
+        let mut previous = held_parent(parent, blocks, report, |p| self.find(p));
         let mut previous_hash = parent;
         sink.expect(blocks.len());
         // The run being built from this store's new blocks (its last block is `previous`).
@@ -1112,14 +1103,7 @@ impl<N: RunNode> RunLedger<N> {
         } else {
             0
         };
-        let level = if flags == 0 {
-            tiers.best_level()
-        } else if parent_run == NIL {
-            UNROOTED
-        } else {
-            tiers.best_level().max(self.runs[parent_run as usize].level)
-        };
-        let r = self.new_run(Self::bare(pos, 1, N::from_bits(0), tiers, level, flags));
+        let r = self.new_run(Self::bare(pos, 1, N::from_bits(0), tiers, UNROOTED, flags));
         match (previous, previous_hash) {
             (Some(parent), _) => self.link_child(parent_run, parent, r),
             (None, Some(hash)) => {
@@ -1128,6 +1112,8 @@ impl<N: RunNode> RunLedger<N> {
             }
             (None, None) => {}
         }
+        let level = self.wanted_level(r);
+        self.runs[r as usize].level = level;
         if level == UNROOTED {
             self.locals.insert(r, vec![local]);
         } else {
