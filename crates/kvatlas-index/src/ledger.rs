@@ -191,10 +191,8 @@ pub(crate) struct Ledger<N> {
     slots: Vec<Slot>,
     /// Head of the free slots' list, threaded through their `next_sibling` (`NIL`: none).
     free: u32,
-    /// Held blocks whose parent is not held, by that parent's hash.
-    dangling: FxHashMap<ExternalBlockHash, Vec<u32>>,
-    /// For each such block, its parent's hash.
-    dangling_parent: FxHashMap<u32, ExternalBlockHash>,
+    /// Held blocks whose parent is not held.
+    dangling: Dangling,
     per_tier: [u64; 4],
     node: PhantomData<N>,
 }
@@ -205,8 +203,7 @@ impl<N> Default for Ledger<N> {
             table: SlotTable::default(),
             slots: Vec::new(),
             free: NIL,
-            dangling: FxHashMap::default(),
-            dangling_parent: FxHashMap::default(),
+            dangling: Dangling::default(),
             per_tier: [0; 4],
             node: PhantomData,
         }
@@ -226,15 +223,9 @@ impl<N: NodeBits> Ledger<N> {
 
     /// Approximate heap bytes of this ledger.
     pub(crate) fn heap_bytes(&self) -> u64 {
-        let dangling: usize = self
-            .dangling
-            .values()
-            .map(|v| v.capacity() * 4)
-            .sum::<usize>()
-            + table_bytes(self.dangling.capacity(), 8 + 24)
-            + table_bytes(self.dangling_parent.capacity(), 16);
-        (self.table.heap_bytes() + self.slots.capacity() * std::mem::size_of::<Slot>() + dangling)
-            as u64
+        (self.table.heap_bytes()
+            + self.slots.capacity() * std::mem::size_of::<Slot>()
+            + self.dangling.heap_bytes()) as u64
     }
 
     /// Debug builds: every children list is acyclic and consistent with `parent_slot`, and
@@ -258,9 +249,8 @@ impl<N: NodeBits> Ledger<N> {
                 assert!(steps <= self.slots.len(), "cycle in the children of {slot}");
             }
             if s.parent_slot == NIL && s.flags & HAS_PARENT != 0 {
-                let parent = self.dangling_parent.get(&slot).copied();
                 assert!(
-                    parent.is_some(),
+                    self.dangling.parent_of(slot).is_some(),
                     "dangling slot {slot} has no recorded parent"
                 );
             }
@@ -308,7 +298,7 @@ impl<N: NodeBits> Ledger<N> {
         } else if s.parent_slot != NIL {
             Some(self.slots[s.parent_slot as usize].external)
         } else {
-            self.dangling_parent.get(&slot).copied()
+            self.dangling.parent_of(slot)
         }
     }
 
@@ -523,21 +513,18 @@ impl<N: NodeBits> Ledger<N> {
             match parent_slot {
                 Some(parent_slot) if parent_slot != index => self.link(parent_slot, index),
                 _ => {
-                    self.dangling.entry(parent).or_default().push(index);
-                    self.dangling_parent.insert(index, parent);
+                    self.dangling.wait(index, parent);
                 }
             }
         }
         // Blocks stored earlier whose parent is this block now hang under it.
-        if !self.dangling.is_empty()
-            && let Some(children) = self.dangling.remove(&external)
-        {
+        if let Some(children) = self.dangling.take_waiting(external) {
             for child in children {
                 if child == index {
                     // A block naming itself as parent can never be reached; keep it aside.
                     continue;
                 }
-                self.dangling_parent.remove(&child);
+                self.dangling.adopted(child);
                 self.link(index, child);
             }
         }
@@ -555,20 +542,13 @@ impl<N: NodeBits> Ledger<N> {
             let c = &mut self.slots[child as usize];
             c.parent_slot = NIL;
             c.next_sibling = NIL;
-            self.dangling.entry(s.external).or_default().push(child);
-            self.dangling_parent.insert(child, s.external);
+            self.dangling.wait(child, s.external);
         }
         self.slots[slot as usize].last_child = NIL;
         if s.parent_slot != NIL {
             self.unlink(slot);
-        } else if s.flags & HAS_PARENT != 0
-            && let Some(parent) = self.dangling_parent.remove(&slot)
-            && let Some(waiting) = self.dangling.get_mut(&parent)
-        {
-            waiting.retain(|&c| c != slot);
-            if waiting.is_empty() {
-                self.dangling.remove(&parent);
-            }
+        } else if s.flags & HAS_PARENT != 0 {
+            self.dangling.forget(slot);
         }
         self.table.remove(hash_of(s.external), slot);
         let freed = &mut self.slots[slot as usize];
@@ -695,6 +675,73 @@ impl<N: NodeBits> LevelForest<N> for Ledger<N> {
         let s = &mut self.slots[slot as usize];
         s.level = level;
         s.payload = payload;
+    }
+}
+
+/// Items (blocks, or runs of blocks) whose parent is not held, waiting for it: listed under the
+/// parent's engine hash, which is also kept per item (no record of the parent is left to name
+/// it). A block naming itself as parent stays recorded but leaves the list when it is stored
+/// (it can never be reached).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Dangling {
+    /// Parent hash → the items waiting for it.
+    waiting: FxHashMap<ExternalBlockHash, Vec<u32>>,
+    /// Item → its parent's hash.
+    parents: FxHashMap<u32, ExternalBlockHash>,
+}
+
+impl Dangling {
+    /// Records that `item` waits for the block hashed `parent`.
+    pub(crate) fn wait(&mut self, item: u32, parent: ExternalBlockHash) {
+        self.waiting.entry(parent).or_default().push(item);
+        self.parents.insert(item, parent);
+    }
+
+    /// Whether no item waits.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    /// The hash of the parent `item` waits for.
+    pub(crate) fn parent_of(&self, item: u32) -> Option<ExternalBlockHash> {
+        self.parents.get(&item).copied()
+    }
+
+    /// Takes the list of the items waiting for `parent` (just stored); each one the caller
+    /// links under it must be passed to [`Dangling::adopted`].
+    #[inline]
+    pub(crate) fn take_waiting(&mut self, parent: ExternalBlockHash) -> Option<Vec<u32>> {
+        if self.waiting.is_empty() {
+            return None;
+        }
+        self.waiting.remove(&parent)
+    }
+
+    /// `item` (taken by [`Dangling::take_waiting`]) has its parent now.
+    pub(crate) fn adopted(&mut self, item: u32) {
+        self.parents.remove(&item);
+    }
+
+    /// `item` is deleted while waiting.
+    pub(crate) fn forget(&mut self, item: u32) {
+        if let Some(parent) = self.parents.remove(&item)
+            && let Some(waiting) = self.waiting.get_mut(&parent)
+        {
+            waiting.retain(|&w| w != item);
+            if waiting.is_empty() {
+                self.waiting.remove(&parent);
+            }
+        }
+    }
+
+    /// Approximate heap bytes.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.waiting
+            .values()
+            .map(|v| v.capacity() * 4)
+            .sum::<usize>()
+            + table_bytes(self.waiting.capacity(), 8 + 24)
+            + table_bytes(self.parents.capacity(), 16)
     }
 }
 

@@ -35,7 +35,7 @@ use kvatlas_hash::LocalBlockHash;
 use rustc_hash::FxHashMap;
 
 use crate::ledger::{
-    LevelForest, Membership, NodeBits, Parent, delete_emptied, held_parent, propagate,
+    Dangling, LevelForest, Membership, NodeBits, Parent, delete_emptied, held_parent, propagate,
 };
 use crate::model::{
     ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED, table_bytes,
@@ -146,10 +146,8 @@ pub(crate) struct RunLedger<N> {
     free_blocks: u64,
     /// Local hashes of the blocks of unrooted runs.
     locals: FxHashMap<u32, Vec<LocalBlockHash>>,
-    /// Runs whose parent is not held, by that parent's hash.
-    dangling: FxHashMap<ExternalBlockHash, Vec<u32>>,
-    /// For each such run, its parent's hash.
-    dangling_parent: FxHashMap<u32, ExternalBlockHash>,
+    /// Runs whose parent is not held.
+    dangling: Dangling,
     per_tier: [u64; 4],
     recency: Option<Recency>,
 }
@@ -168,8 +166,7 @@ impl<N> Default for RunLedger<N> {
             class_entries: 0,
             free_blocks: 0,
             locals: FxHashMap::default(),
-            dangling: FxHashMap::default(),
-            dangling_parent: FxHashMap::default(),
+            dangling: Dangling::default(),
             per_tier: [0; 4],
             recency: None,
         }
@@ -366,13 +363,6 @@ impl<N: RunNode> RunLedger<N> {
             .map(|v| v.capacity() * 8)
             .sum::<usize>()
             + table_bytes(self.locals.capacity(), 4 + 24);
-        let dangling: usize = self
-            .dangling
-            .values()
-            .map(|v| v.capacity() * 4)
-            .sum::<usize>()
-            + table_bytes(self.dangling.capacity(), 8 + 24)
-            + table_bytes(self.dangling_parent.capacity(), 16);
         let recency = self.recency.as_ref().map_or(0, |r| {
             r.stamps.capacity() * 8 + r.candidates.capacity() * 16
         });
@@ -385,7 +375,7 @@ impl<N: RunNode> RunLedger<N> {
             + table_bytes(self.holes.capacity(), 8)
             + self.classes.iter().map(|c| c.capacity() * 4).sum::<usize>()
             + locals
-            + dangling
+            + self.dangling.heap_bytes()
             + recency) as u64
     }
 
@@ -475,7 +465,7 @@ impl<N: RunNode> RunLedger<N> {
         } else if run.parent != NIL {
             Some(self.hashes[run.parent as usize])
         } else {
-            self.dangling_parent.get(&r).copied()
+            self.dangling.parent_of(r)
         }
     }
 
@@ -1070,7 +1060,7 @@ impl<N: RunNode> RunLedger<N> {
         LOCALS.set(locals);
         if !self.dangling.is_empty() {
             for (at, block) in (pos..).zip(blocks) {
-                let Some(waiting) = self.dangling.remove(&block.external) else {
+                let Some(waiting) = self.dangling.take_waiting(block.external) else {
                     continue;
                 };
                 for w in waiting {
@@ -1078,7 +1068,7 @@ impl<N: RunNode> RunLedger<N> {
                         // A block naming itself as parent can never be reached; keep it aside.
                         continue;
                     }
-                    self.dangling_parent.remove(&w);
+                    self.dangling.adopted(w);
                     let holder = self.run_of(at);
                     self.link_child(holder, at, w);
                     propagate(self, sink, w);
@@ -1107,8 +1097,7 @@ impl<N: RunNode> RunLedger<N> {
         match (previous, previous_hash) {
             (Some(parent), _) => self.link_child(parent_run, parent, r),
             (None, Some(hash)) => {
-                self.dangling.entry(hash).or_default().push(r);
-                self.dangling_parent.insert(r, hash);
+                self.dangling.wait(r, hash);
             }
             (None, None) => {}
         }
@@ -1267,8 +1256,7 @@ impl<N: RunNode> RunLedger<N> {
             if child != d {
                 let hash = self.hashes[self.runs[child as usize].parent as usize];
                 self.unlink_child(child);
-                self.dangling.entry(hash).or_default().push(child);
-                self.dangling_parent.insert(child, hash);
+                self.dangling.wait(child, hash);
             }
             child = next;
         }
@@ -1277,14 +1265,8 @@ impl<N: RunNode> RunLedger<N> {
             if run.parent_run != d {
                 self.became_leaf(run.parent);
             }
-        } else if run.flags & HAS_PARENT != 0
-            && let Some(parent) = self.dangling_parent.remove(&d)
-            && let Some(waiting) = self.dangling.get_mut(&parent)
-        {
-            waiting.retain(|&w| w != d);
-            if waiting.is_empty() {
-                self.dangling.remove(&parent);
-            }
+        } else if run.flags & HAS_PARENT != 0 {
+            self.dangling.forget(d);
         }
         for pos in run.start..run.start + run.len {
             self.table.remove(hash_of(self.hashes[pos as usize]), pos);
@@ -1422,7 +1404,7 @@ impl<N: RunNode> RunLedger<N> {
                 assert!(listed, "run {r} is not in its parent's child list");
             } else if run.flags & HAS_PARENT != 0 {
                 assert!(
-                    self.dangling_parent.contains_key(&r),
+                    self.dangling.parent_of(r).is_some(),
                     "dangling run {r} has no recorded parent"
                 );
             }
