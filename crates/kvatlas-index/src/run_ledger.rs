@@ -875,77 +875,100 @@ impl<N: RunNode> RunLedger<N> {
         let mut gaining: Option<Segment> = None;
         // New blocks at consecutive positions, in the table but not yet placed in runs.
         let mut fresh: Option<Fresh> = None;
-        for (i, block) in blocks.iter().enumerate() {
-            // The block's position if it is new, written before the table is probed, so one
-            // probe finds a held block or adds this one.
+        let mut i = 0;
+        while i < blocks.len() {
             if range.1 == 0 {
                 self.place_fresh(sink, blocks, tier, fresh.take(), &mut open, report);
                 range = self.alloc((blocks.len() - i) as u32);
             }
-            self.hashes[range.0 as usize] = block.external;
-            let hashes = &self.hashes;
-            let held = self.table.find_or_insert(
-                hash_of(block.external),
-                range.0,
-                |i| hashes[i as usize] == block.external,
-                |i| hash_of(hashes[i as usize]),
-            );
-            if let Some(pos) = held {
-                // (It may be one of the fresh blocks, named twice: place them first.)
-                self.place_fresh(sink, blocks, tier, fresh.take(), &mut open, report);
-                open = NIL;
-                let r = match gaining {
-                    Some(s) if (s.start..s.end).contains(&pos) => s.run,
-                    _ => self.run_of(pos),
-                };
-                let mut tiers = self.runs[r as usize].tiers;
-                if gaining.is_some_and(|s| (s.lo..s.hi).contains(&pos)) {
-                    // Named earlier in this store: it already gains the tier.
-                    tiers = tiers.with(tier);
-                }
-                if self.local_with(r, pos, |node| sink.local(node)) != block.local
-                    || self.parent_hash(r, pos) != previous_hash
-                {
-                    self.gain(sink, tier, gaining.take());
-                    report.conflicting_stores += 1;
-                } else if tiers.contains(tier) {
-                    self.gain(sink, tier, gaining.take());
-                    report.duplicate_stores += 1;
-                    self.touch(pos);
-                } else {
-                    match &mut gaining {
-                        Some(s) if s.run == r && s.hi == pos => s.hi += 1,
-                        _ => {
-                            self.gain(sink, tier, gaining.take());
-                            let run = &self.runs[r as usize];
-                            gaining = Some(Segment {
-                                run: r,
-                                start: run.start,
-                                end: run.start + run.len,
-                                lo: pos,
-                                hi: pos + 1,
-                            });
-                        }
+            // New blocks, one after another, until a held one or the end of the free range:
+            // each block's position is written before the table is probed, so one probe finds
+            // a held block or adds this one. (Kept tight: this is a long store's whole work.)
+            let first = i;
+            let limit = blocks.len().min(i + range.1 as usize);
+            let mut held = None;
+            {
+                let hashes = &mut self.hashes;
+                let table = &mut self.table;
+                while i < limit {
+                    let external = blocks[i].external;
+                    let pos = range.0 + (i - first) as u32;
+                    hashes[pos as usize] = external;
+                    let hashes = &*hashes;
+                    held = table.find_or_insert(
+                        hash_of(external),
+                        pos,
+                        |h| hashes[h as usize] == external,
+                        |h| hash_of(hashes[h as usize]),
+                    );
+                    if held.is_some() {
+                        break;
                     }
-                    self.per_tier[tier.index()] += 1;
-                    report.stored += 1;
-                    self.touch(pos);
+                    i += 1;
                 }
-                previous = Some(pos);
-            } else {
+            }
+            if i > first {
+                let len = (i - first) as u32;
                 self.gain(sink, tier, gaining.take());
-                let stretch = fresh.get_or_insert(Fresh {
-                    first: i,
+                // (Fresh blocks are placed whenever a held block or a new range comes, so none
+                // are waiting here.)
+                debug_assert!(fresh.is_none());
+                fresh = Some(Fresh {
+                    first,
                     pos: range.0,
-                    len: 0,
+                    len,
                     previous,
                     previous_hash,
                 });
-                stretch.len += 1;
-                previous = Some(range.0);
-                range.0 += 1;
-                range.1 -= 1;
+                previous = Some(range.0 + len - 1);
+                previous_hash = Some(blocks[i - 1].external);
+                range.0 += len;
+                range.1 -= len;
             }
+            let Some(pos) = held else { continue };
+            let block = &blocks[i];
+            i += 1;
+            // (It may be one of the fresh blocks, named twice: place them first.)
+            self.place_fresh(sink, blocks, tier, fresh.take(), &mut open, report);
+            open = NIL;
+            let r = match gaining {
+                Some(s) if (s.start..s.end).contains(&pos) => s.run,
+                _ => self.run_of(pos),
+            };
+            let mut tiers = self.runs[r as usize].tiers;
+            if gaining.is_some_and(|s| (s.lo..s.hi).contains(&pos)) {
+                // Named earlier in this store: it already gains the tier.
+                tiers = tiers.with(tier);
+            }
+            if self.local_with(r, pos, |node| sink.local(node)) != block.local
+                || self.parent_hash(r, pos) != previous_hash
+            {
+                self.gain(sink, tier, gaining.take());
+                report.conflicting_stores += 1;
+            } else if tiers.contains(tier) {
+                self.gain(sink, tier, gaining.take());
+                report.duplicate_stores += 1;
+                self.touch(pos);
+            } else {
+                match &mut gaining {
+                    Some(s) if s.run == r && s.hi == pos => s.hi += 1,
+                    _ => {
+                        self.gain(sink, tier, gaining.take());
+                        let run = &self.runs[r as usize];
+                        gaining = Some(Segment {
+                            run: r,
+                            start: run.start,
+                            end: run.start + run.len,
+                            lo: pos,
+                            hi: pos + 1,
+                        });
+                    }
+                }
+                self.per_tier[tier.index()] += 1;
+                report.stored += 1;
+                self.touch(pos);
+            }
+            previous = Some(pos);
             previous_hash = Some(block.external);
         }
         self.place_fresh(sink, blocks, tier, fresh.take(), &mut open, report);
@@ -990,8 +1013,10 @@ impl<N: RunNode> RunLedger<N> {
             f.pos,
         );
         report.stored += u64::from(f.len);
-        for pos in f.pos..f.pos + f.len {
-            self.touch(pos);
+        if self.recency.is_some() {
+            for pos in f.pos..f.pos + f.len {
+                self.touch(pos);
+            }
         }
     }
 

@@ -77,6 +77,7 @@ impl SlotTable {
 
     /// In one probe: the slot whose entry satisfies `eq`, or else `slot` added (it must not be
     /// in the table yet) and `None`. `rehash` gives any present slot's hash.
+    #[inline]
     pub(crate) fn find_or_insert(
         &mut self,
         hash: u64,
