@@ -19,8 +19,9 @@
 //! - the children list of `b` holds exactly the held blocks whose parent hash is `b`'s hash;
 //!   held blocks whose parent is not held are listed under that hash in `dangling`.
 //!
-//! Memory: a block costs one 32-byte slot plus a 2-byte entry (4 bytes past 65,535 slots) of a
-//! hash table of slot indices.
+//! Memory: a block costs one 32-byte slot plus its entry in a hash table of slot indices (a
+//! 2-byte index and a 2-byte tag in 64-byte buckets, 5.7–7.1 bytes per entry; 4-byte entries in
+//! hashbrown past 65,536 slots).
 //! A rooted block keeps its node handle (the backend knows the node's local hash); an unrooted
 //! one keeps its local hash in the same word. A parent hash is the parent slot's own hash, except
 //! for dangling blocks, whose missing parent's hash is kept in a side table.

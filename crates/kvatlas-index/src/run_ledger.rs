@@ -5,7 +5,8 @@
 //!
 //! A block is a **position** in the rank's arena. The only per-block data is its engine hash
 //! (`hashes[position]`, 8 bytes) and its entry in a table of positions keyed by engine hash
-//! (2 bytes while positions fit in 16 bits). Everything else belongs to a [`Run`]: consecutive
+//! (a 2-byte position and a 2-byte tag in 64-byte buckets while positions fit in 16 bits,
+//! [`crate::tag_table`]). Everything else belongs to a [`Run`]: consecutive
 //! positions `start..start + len` where every block but the first has the block before it as its
 //! parent, all on the same tiers and therefore at the same level, and — when rooted — at
 //! consecutive offsets of one stretch of the backend's path (`node.advance(k)` is block `k`'s
@@ -48,6 +49,12 @@ pub(crate) trait RunNode: NodeBits + PartialEq {
     /// The node `blocks` positions further along the same stretch of path.
     fn advance(self, blocks: u32) -> Self;
 }
+
+/// How many blocks ahead a run's deletion starts loading the table buckets it will clear. (A
+/// deletion's removals wait on their buckets; prefetching halved the synthetic remove's p50 in
+/// noisy hours and steadied it. Stores prefetching the same way got slower, 9.2 → 10.9 µs:
+/// their probes already overlap.)
+const PREFETCH_AHEAD: usize = 12;
 
 /// Marks "none" in run and position links.
 const NIL: u32 = u32::MAX;
@@ -898,6 +905,7 @@ impl<N: RunNode> RunLedger<N> {
                     held = table.find_or_insert(
                         hash_of(external),
                         pos,
+                        limit - i,
                         |h| hashes[h as usize] == external,
                         |h| hash_of(hashes[h as usize]),
                     );
@@ -1293,8 +1301,12 @@ impl<N: RunNode> RunLedger<N> {
         } else if run.flags & HAS_PARENT != 0 {
             self.dangling.forget(d);
         }
-        for pos in run.start..run.start + run.len {
-            self.table.remove(hash_of(self.hashes[pos as usize]), pos);
+        let (start, end) = (run.start as usize, (run.start + run.len) as usize);
+        for pos in start..end {
+            if let Some(&ahead) = self.hashes[..end].get(pos + PREFETCH_AHEAD) {
+                self.table.prefetch(hash_of(ahead));
+            }
+            self.table.remove(hash_of(self.hashes[pos]), pos as u32);
         }
         self.starts.remove(&run.start);
         // The start bit stays: the positions become a hole (or leave the arena).

@@ -1,30 +1,37 @@
 //! A hash table of block positions keyed by engine hash, shared by the per-rank ledgers: the
-//! entries are the positions only (2 bytes each while they fit), and every lookup compares the
-//! engine hash stored at the candidate position.
-
-use std::hash::BuildHasher;
+//! entries are the positions only (2 bytes each, beside a 2-byte tag, while they fit), and a
+//! lookup compares the engine hash stored at a candidate position whose tag matches.
 
 use hashbrown::HashTable;
-use rustc_hash::FxBuildHasher;
 
 use crate::model::{ExternalBlockHash, table_bytes};
+use crate::tag_table::TagTable;
 
-/// The hash a [`SlotTable`] files an engine hash under (every ledger's, so that one is used).
+/// The hash a [`SlotTable`] files an engine hash under (every ledger's, so that one is used):
+/// a folded multiply (the 128-bit product's halves XORed), so that every bit of the engine hash
+/// reaches every bit of the result — the tables take the bucket, the tag and hashbrown's 7-bit
+/// tag from different bits. Unseeded, like the Fx hash it replaced: engine hashes are not
+/// expected to be chosen against it, and crafted collisions cost time, never unbounded memory.
+#[inline]
 pub(crate) fn hash_of(external: ExternalBlockHash) -> u64 {
-    FxBuildHasher.hash_one(external.get())
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    const SALT: u64 = 0x243F_6A88_85A3_08D3;
+    let product = u128::from(external.get() ^ SALT) * u128::from(K);
+    (product as u64) ^ ((product >> 64) as u64)
 }
 
-/// Slot indices hashed by engine hash: 2-byte entries while every slot index fits (a rank with
-/// fewer than 65,535 slots — nearly always), 4-byte entries beyond.
+/// Slot indices hashed by engine hash: 2-byte entries beside 2-byte tags in cache-line buckets
+/// ([`TagTable`]) while every slot index fits (a rank with at most 65,536 slots — nearly always),
+/// 4-byte entries in hashbrown beyond (rare enough that its plainer code wins).
 #[derive(Debug, Clone)]
 pub(crate) enum SlotTable {
-    Narrow(HashTable<u16>),
+    Narrow(TagTable),
     Wide(HashTable<u32>),
 }
 
 impl Default for SlotTable {
     fn default() -> Self {
-        Self::Narrow(HashTable::new())
+        Self::Narrow(TagTable::default())
     }
 }
 
@@ -38,8 +45,16 @@ impl SlotTable {
 
     pub(crate) fn heap_bytes(&self) -> usize {
         match self {
-            Self::Narrow(t) => table_bytes(t.capacity(), 2),
+            Self::Narrow(t) => t.heap_bytes(),
             Self::Wide(t) => table_bytes(t.capacity(), 4),
+        }
+    }
+
+    /// Starts loading where `hash` would be probed (the narrow form only).
+    #[inline]
+    pub(crate) fn prefetch(&self, hash: u64) {
+        if let Self::Narrow(t) = self {
+            t.prefetch(hash);
         }
     }
 
@@ -47,7 +62,7 @@ impl SlotTable {
     #[inline]
     pub(crate) fn find(&self, hash: u64, eq: impl Fn(u32) -> bool) -> Option<u32> {
         match self {
-            Self::Narrow(t) => t.find(hash, |&i| eq(u32::from(i))).map(|&i| u32::from(i)),
+            Self::Narrow(t) => t.find(hash, eq),
             Self::Wide(t) => t.find(hash, |&i| eq(i)).copied(),
         }
     }
@@ -58,17 +73,13 @@ impl SlotTable {
             && u16::try_from(slot).is_err()
         {
             let mut wide = HashTable::with_capacity(t.len() + 1);
-            for &i in t.iter() {
-                let i = u32::from(i);
+            for i in t.iter() {
                 wide.insert_unique(rehash(i), i, |&j| rehash(j));
             }
             *self = Self::Wide(wide);
         }
         match self {
-            Self::Narrow(t) => {
-                let narrow = slot as u16;
-                t.insert_unique(hash, narrow, |&i| rehash(u32::from(i)));
-            }
+            Self::Narrow(t) => t.insert(hash, slot as u16, rehash),
             Self::Wide(t) => {
                 t.insert_unique(hash, slot, |&i| rehash(i));
             }
@@ -76,12 +87,14 @@ impl SlotTable {
     }
 
     /// In one probe: the slot whose entry satisfies `eq`, or else `slot` added (it must not be
-    /// in the table yet) and `None`. `rehash` gives any present slot's hash.
+    /// in the table yet) and `None`. `rehash` gives any present slot's hash; `more` is how many
+    /// entries the caller may add from this one on (a growing table makes room for them all).
     #[inline]
     pub(crate) fn find_or_insert(
         &mut self,
         hash: u64,
         slot: u32,
+        more: usize,
         eq: impl Fn(u32) -> bool,
         rehash: impl Fn(u32) -> u64,
     ) -> Option<u32> {
@@ -94,15 +107,7 @@ impl SlotTable {
             return found;
         }
         match self {
-            Self::Narrow(t) => {
-                match t.entry(hash, |&i| eq(u32::from(i)), |&i| rehash(u32::from(i))) {
-                    hashbrown::hash_table::Entry::Occupied(o) => Some(u32::from(*o.get())),
-                    hashbrown::hash_table::Entry::Vacant(v) => {
-                        v.insert(slot as u16);
-                        None
-                    }
-                }
-            }
+            Self::Narrow(t) => t.find_or_insert(hash, slot as u16, more, eq, rehash),
             Self::Wide(t) => match t.entry(hash, |&i| eq(i), |&i| rehash(i)) {
                 hashbrown::hash_table::Entry::Occupied(o) => Some(*o.get()),
                 hashbrown::hash_table::Entry::Vacant(v) => {
@@ -116,11 +121,7 @@ impl SlotTable {
     /// Removes the entry of `slot`, hashed `hash`.
     pub(crate) fn remove(&mut self, hash: u64, slot: u32) {
         match self {
-            Self::Narrow(t) => {
-                if let Ok(entry) = t.find_entry(hash, |&i| u32::from(i) == slot) {
-                    entry.remove();
-                }
-            }
+            Self::Narrow(t) => t.remove(hash, slot),
             Self::Wide(t) => {
                 if let Ok(entry) = t.find_entry(hash, |&i| i == slot) {
                     entry.remove();
@@ -135,7 +136,7 @@ impl SlotTable {
     /// dependent work); one sequential pass streams the table in at memory bandwidth instead.
     pub(crate) fn warm(&self) {
         let sum = match self {
-            Self::Narrow(t) => t.iter().fold(0u32, |a, &i| a.wrapping_add(u32::from(i))),
+            Self::Narrow(t) => return t.warm(),
             Self::Wide(t) => t.iter().fold(0u32, |a, &i| a.wrapping_add(i)),
         };
         std::hint::black_box(sum);
@@ -144,7 +145,7 @@ impl SlotTable {
     /// Every slot index in the table.
     pub(crate) fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
         match self {
-            Self::Narrow(t) => Box::new(t.iter().map(|&i| u32::from(i))),
+            Self::Narrow(t) => Box::new(t.iter()),
             Self::Wide(t) => Box::new(t.iter().copied()),
         }
     }
