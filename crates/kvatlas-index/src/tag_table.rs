@@ -414,7 +414,10 @@ impl TagTable {
 
     /// Reads every bucket once, front to back (see [`crate::slot_table::SlotTable::warm`]).
     pub(crate) fn warm(&self) {
-        let sum = self.buckets.iter().fold(0u16, |a, b| a.wrapping_add(b.tags[0]));
+        let sum = self
+            .buckets
+            .iter()
+            .fold(0u16, |a, b| a.wrapping_add(b.tags[0]));
         std::hint::black_box(sum);
     }
 
@@ -451,7 +454,11 @@ mod tests {
                 }
                 count += 1;
                 let h = hash(u32::from(bucket.slots[lane]));
-                assert_eq!(bucket.tags[lane], tag_of(h), "tag of bucket {b} lane {lane}");
+                assert_eq!(
+                    bucket.tags[lane],
+                    tag_of(h),
+                    "tag of bucket {b} lane {lane}"
+                );
                 let mut passed = t.home(h);
                 while passed != b {
                     overflow[passed] += 1;
@@ -461,7 +468,11 @@ mod tests {
         }
         assert_eq!(count, t.len);
         for (b, bucket) in t.buckets.iter().enumerate() {
-            assert_eq!(u32::from(bucket.overflow()), overflow[b], "overflow count of {b}");
+            assert_eq!(
+                u32::from(bucket.overflow()),
+                overflow[b],
+                "overflow count of {b}"
+            );
         }
     }
 
@@ -532,11 +543,19 @@ mod tests {
         let hash = |p: u32| hash_of(ExternalBlockHash::new(u64::from(p)));
         let mut table = TagTable::default();
         for p in 0..3000u32 {
-            assert!(table.find_or_insert(hash(p), p as u16, 3000 - p as usize, |_| false, hash).is_none());
+            assert!(
+                table
+                    .find_or_insert(hash(p), p as u16, 3000 - p as usize, |_| false, hash)
+                    .is_none()
+            );
             assert!(table.buckets.len() * LANES * LOAD_NUM / LOAD_DEN >= 3000);
         }
         check(&table, &hash);
-        assert!(table.heap_bytes() * 10 <= 3000 * 57 + 640, "{} bytes", table.heap_bytes());
+        assert!(
+            table.heap_bytes() * 10 <= 3000 * 57 + 640,
+            "{} bytes",
+            table.heap_bytes()
+        );
     }
 
     proptest! {
@@ -568,7 +587,11 @@ mod tests {
             assert_eq!(table.len(), 0);
             assert!(table.buckets.iter().all(|b| b.overflow() == 0));
             for q in new..new + 4000 {
-                assert!(table.find_or_insert(hash(q), q as u16, 1, |i| i == q, hash).is_none());
+                assert!(
+                    table
+                        .find_or_insert(hash(q), q as u16, 1, |i| i == q, hash)
+                        .is_none()
+                );
             }
             check(&table, &hash);
         }
@@ -583,20 +606,36 @@ mod tests {
         let hash = |p: u32| hash_of(ExternalBlockHash::new(u64::from(p) * 7919 + 1));
         let mut table = TagTable::default();
         for p in 0..8192u32 {
-            assert!(table.find_or_insert(hash(p), p as u16, 1, |_| false, hash).is_none());
+            assert!(
+                table
+                    .find_or_insert(hash(p), p as u16, 1, |_| false, hash)
+                    .is_none()
+            );
         }
         check(&table, &hash);
-        assert!(table.heap_bytes() * 10 <= 8192 * 72, "{} bytes", table.heap_bytes());
+        assert!(
+            table.heap_bytes() * 10 <= 8192 * 72,
+            "{} bytes",
+            table.heap_bytes()
+        );
         for p in 0..8192u32 {
             assert_eq!(table.find(hash(p), |i| i == p), Some(p));
         }
         let same = |_: u32| 0x1234_5678_9ABC_DEF0_u64;
         let mut table = TagTable::default();
         for p in 0..1000u32 {
-            assert!(table.find_or_insert(same(p), p as u16, 1, |i| i == p, same).is_none());
+            assert!(
+                table
+                    .find_or_insert(same(p), p as u16, 1, |i| i == p, same)
+                    .is_none()
+            );
         }
         check(&table, &same);
-        assert!(table.heap_bytes() * 10 <= 1000 * 72 + 640, "{} bytes", table.heap_bytes());
+        assert!(
+            table.heap_bytes() * 10 <= 1000 * 72 + 640,
+            "{} bytes",
+            table.heap_bytes()
+        );
         for p in (0..1000u32).step_by(3) {
             table.remove(same(p), p);
         }
