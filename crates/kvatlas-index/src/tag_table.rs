@@ -67,6 +67,20 @@ impl Bucket {
         }
     }
 
+    /// The first lane tagged `tag` whose slot satisfies `eq`.
+    #[inline]
+    fn lane_where(&self, tag: u16, eq: impl Fn(u32) -> bool) -> Option<usize> {
+        let mut matches = self.lanes_tagged(tag);
+        while matches != 0 {
+            let lane = matches.trailing_zeros() as usize;
+            if eq(u32::from(self.slots[lane])) {
+                return Some(lane);
+            }
+            matches &= matches - 1;
+        }
+        None
+    }
+
     #[inline]
     fn overflow(&self) -> u16 {
         self.tags[LANES]
@@ -211,13 +225,8 @@ impl TagTable {
         // (Overflow counts may all be non-zero after removals: stop after one round.)
         for _ in 0..self.buckets.len() {
             let bucket = &self.buckets[b];
-            let mut matches = bucket.lanes_tagged(tag);
-            while matches != 0 {
-                let slot = u32::from(bucket.slots[matches.trailing_zeros() as usize]);
-                if eq(slot) {
-                    return Some(slot);
-                }
-                matches &= matches - 1;
+            if let Some(lane) = bucket.lane_where(tag, &eq) {
+                return Some(u32::from(bucket.slots[lane]));
             }
             if bucket.overflow() == 0 {
                 break;
@@ -246,13 +255,8 @@ impl TagTable {
         let tag = tag_of(hash);
         let home = self.home(hash);
         let bucket = &mut self.buckets[home];
-        let mut matches = bucket.lanes_tagged(tag);
-        while matches != 0 {
-            let found = u32::from(bucket.slots[matches.trailing_zeros() as usize]);
-            if eq(found) {
-                return Some(found);
-            }
-            matches &= matches - 1;
+        if let Some(lane) = bucket.lane_where(tag, &eq) {
+            return Some(u32::from(bucket.slots[lane]));
         }
         let free = bucket.lanes_tagged(0);
         if bucket.overflow() == 0 && free != 0 {
@@ -302,13 +306,8 @@ impl TagTable {
             }
             b = self.next(b);
             let bucket = &self.buckets[b];
-            let mut matches = bucket.lanes_tagged(tag);
-            while matches != 0 {
-                let found = u32::from(bucket.slots[matches.trailing_zeros() as usize]);
-                if eq(found) {
-                    return Some(found);
-                }
-                matches &= matches - 1;
+            if let Some(lane) = bucket.lane_where(tag, &eq) {
+                return Some(u32::from(bucket.slots[lane]));
             }
             if free.is_none() && bucket.lanes_tagged(0) != 0 {
                 free = Some(b);
@@ -366,20 +365,15 @@ impl TagTable {
         let mut b = home;
         for _ in 0..self.buckets.len() {
             let bucket = &mut self.buckets[b];
-            let mut matches = bucket.lanes_tagged(tag);
-            while matches != 0 {
-                let lane = matches.trailing_zeros() as usize;
-                if u32::from(bucket.slots[lane]) == slot {
-                    bucket.tags[lane] = 0;
-                    self.len -= 1;
-                    let mut passed = home;
-                    while passed != b {
-                        self.buckets[passed].add_overflow(-1);
-                        passed = self.next(passed);
-                    }
-                    return;
+            if let Some(lane) = bucket.lane_where(tag, |found| found == slot) {
+                bucket.tags[lane] = 0;
+                self.len -= 1;
+                let mut passed = home;
+                while passed != b {
+                    self.buckets[passed].add_overflow(-1);
+                    passed = self.next(passed);
                 }
-                matches &= matches - 1;
+                return;
             }
             if bucket.overflow() == 0 {
                 return;
