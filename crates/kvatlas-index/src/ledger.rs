@@ -256,6 +256,11 @@ impl<N: NodeBits> Ledger<N> {
                 );
             }
         }
+        self.dangling.check(|slot| {
+            self.slots.get(slot as usize).is_some_and(|s| {
+                s.flags & FREED == 0 && s.flags & HAS_PARENT != 0 && s.parent_slot == NIL
+            })
+        });
     }
 
     #[inline]
@@ -732,6 +737,22 @@ impl Dangling {
             if waiting.is_empty() {
                 self.waiting.remove(&parent);
             }
+        }
+    }
+
+    /// Debug builds: every waiting item is recorded under the parent it waits for, and every
+    /// recorded item satisfies `is_dangling` (a leftover record, say of an item adopted or
+    /// deleted, would only leak memory; this is how tests see it).
+    #[cfg(debug_assertions)]
+    pub(crate) fn check(&self, is_dangling: impl Fn(u32) -> bool) {
+        for (parent, items) in &self.waiting {
+            assert!(!items.is_empty(), "empty waiting list under {parent:?}");
+            for item in items {
+                assert_eq!(self.parents.get(item), Some(parent), "waiting item {item}");
+            }
+        }
+        for &item in self.parents.keys() {
+            assert!(is_dangling(item), "item {item} is recorded as dangling but is not");
         }
     }
 

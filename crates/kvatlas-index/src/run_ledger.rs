@@ -1451,5 +1451,10 @@ impl<N: RunNode> RunLedger<N> {
                 child = self.runs[child as usize].next_sibling;
             }
         }
+        self.dangling.check(|r| {
+            self.runs.get(r as usize).is_some_and(|run| {
+                run.flags & FREE == 0 && run.flags & HAS_PARENT != 0 && run.parent_run == NIL
+            })
+        });
     }
 }
