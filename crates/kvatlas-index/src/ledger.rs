@@ -752,7 +752,10 @@ impl Dangling {
             }
         }
         for &item in self.parents.keys() {
-            assert!(is_dangling(item), "item {item} is recorded as dangling but is not");
+            assert!(
+                is_dangling(item),
+                "item {item} is recorded as dangling but is not"
+            );
         }
     }
 
