@@ -146,8 +146,8 @@ const WARM_DIVISOR: usize = 16;
 /// more than the probes it would warm (Workload A's ranks hold at most 512 blocks).
 const WARM_MIN_BLOCKS: usize = 4096;
 
-/// Marks "no slot" in the intrusive lists.
-const NIL: u32 = u32::MAX;
+/// Marks "none" in the ledgers' links (no slot, run or position).
+pub(crate) const NIL: u32 = u32::MAX;
 /// `Slot::flags`: the block has a parent.
 const HAS_PARENT: u8 = 1;
 /// `Slot::flags`: the slot is on the free list.

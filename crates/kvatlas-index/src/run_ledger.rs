@@ -36,7 +36,8 @@ use kvatlas_hash::LocalBlockHash;
 use rustc_hash::FxHashMap;
 
 use crate::ledger::{
-    Dangling, LevelForest, Membership, NodeBits, Parent, delete_emptied, held_parent, propagate,
+    Dangling, LevelForest, Membership, NIL, NodeBits, Parent, delete_emptied, held_parent,
+    propagate,
 };
 use crate::model::{
     ApplyReport, ExternalBlockHash, Level, StoredBlock, Tier, TierSet, UNROOTED, table_bytes,
@@ -56,8 +57,6 @@ pub(crate) trait RunNode: NodeBits + PartialEq {
 /// their probes already overlap.)
 const PREFETCH_AHEAD: usize = 12;
 
-/// Marks "none" in run and position links.
-const NIL: u32 = u32::MAX;
 /// `Run::flags`: the run's first block has a parent.
 const HAS_PARENT: u8 = 1;
 /// `Run::flags`: on `remove`'s deletion stack (parent links can form cycles).
@@ -881,6 +880,9 @@ impl<N: RunNode> RunLedger<N> {
         // Held blocks (consecutive in one run) that gain `tier`.
         let mut gaining: Option<Segment> = None;
         // New blocks at consecutive positions, in the table but not yet placed in runs.
+        // (Placed before anything else happens: when a held block or a new range comes, and at
+        // the end. Placing them right after the loop instead measured ≈ 1 µs slower per 1024-block
+        // store, from code generation alone.)
         let mut fresh: Option<Fresh> = None;
         let mut i = 0;
         while i < blocks.len() {

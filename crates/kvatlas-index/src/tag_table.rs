@@ -165,7 +165,7 @@ const LOAD_DEN: usize = 4;
 pub(crate) struct TagTable {
     buckets: Vec<Bucket>,
     len: usize,
-    /// `max_entries(buckets.len())`.
+    /// `max_entries(buckets.len())`, kept because every insert compares `len` with it.
     max_len: usize,
 }
 
