@@ -9,6 +9,11 @@
 //!    transitively, through normal dependencies.
 //! 4. Nothing depends on `kvatlas-bench` or `xtask` (of any dependency kind).
 //! 5. Every Rust source file under `crates/` opens with a `//!` module doc.
+//! 6. `kvatlas-proto`, built on its own (`cargo tree -p kvatlas-proto`), reaches no internal
+//!    crate but `kvatlas-hash` and none of axum, zmq, metrics exporters or logging setup: a
+//!    router that imports it gets the generated code, its gRPC runtime and the hash crate only.
+//! 7. The `kvatlas` binary is thin: one file, `main.rs`, with `main` as its only function and no
+//!    `impl` blocks (its commands live in `kvatlas_server::cli`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -41,16 +46,24 @@ const ALLOWED_INTERNAL: &[(&str, &[&str])] = &[
     ("kvatlas-hash", &[]),
     ("kvatlas-index", &["kvatlas-hash"]),
     ("kvatlas-events", &["kvatlas-hash", "kvatlas-index"]),
+    ("kvatlas-proto", &["kvatlas-hash"]),
     (
         "kvatlas-server",
-        &["kvatlas-hash", "kvatlas-index", "kvatlas-events"],
+        &[
+            "kvatlas-hash",
+            "kvatlas-index",
+            "kvatlas-events",
+            "kvatlas-proto",
+        ],
     ),
+    ("kvatlas", &["kvatlas-server"]),
     (
         "kvatlas-bench",
         &[
             "kvatlas-hash",
             "kvatlas-index",
             "kvatlas-events",
+            "kvatlas-proto",
             "kvatlas-server",
         ],
     ),
@@ -60,13 +73,30 @@ const ALLOWED_INTERNAL: &[(&str, &[&str])] = &[
 const HASH_ALLOWED_EXTERNAL: &[&str] = &["xxhash-rust"];
 const HASH_OPTIONAL_EXTERNAL: &[&str] = &["serde"];
 const SANS_RUNTIME: &[&str] = &["kvatlas-index", "kvatlas-events"];
-const RUNTIME_CRATES: &[&str] = &["tokio", "tonic", "prost", "hyper"];
+const RUNTIME_CRATES: &[&str] = &["tokio", "tonic", "prost", "hyper", "axum"];
+/// What a router importing `kvatlas-proto` must not get.
+const PROTO_BANNED: &[&str] = &[
+    "kvatlas-index",
+    "kvatlas-events",
+    "kvatlas-server",
+    "axum",
+    "zmq",
+    "zmq-sys",
+    "metrics",
+    "prometheus",
+    "tracing-subscriber",
+];
+/// The binary's one source file, and the longest it may be.
+const BINARY_MAIN: &str = "crates/kvatlas/src/main.rs";
+const BINARY_MAX_LINES: usize = 100;
 const LEAVES: &[&str] = &["kvatlas-bench", "xtask"];
 
 pub(crate) fn run(root: &Path) -> Result<()> {
     let graph = load_graph(root)?;
     let mut violations = check_layering(&graph);
     violations.extend(check_module_docs(&root.join("crates"))?);
+    violations.extend(check_proto_tree(&proto_tree(root)?));
+    violations.extend(check_thin_binary(root)?);
     if violations.is_empty() {
         eprintln!(
             "tidy: layering and module docs OK ({} workspace crates)",
@@ -235,6 +265,111 @@ fn graph_from_metadata(metadata: &Value) -> Result<Graph> {
     Ok(graph)
 }
 
+/// The packages `kvatlas-proto` reaches through normal dependencies when built on its own.
+fn proto_tree(root: &Path) -> Result<BTreeSet<String>> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let output = Command::new(cargo)
+        .args([
+            "tree",
+            "-p",
+            "kvatlas-proto",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+            "--locked",
+        ])
+        .current_dir(root)
+        .output()
+        .context("running cargo tree -p kvatlas-proto")?;
+    if !output.status.success() {
+        bail!(
+            "cargo tree -p kvatlas-proto failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .map(str::to_string)
+        .collect())
+}
+
+/// Rule 6: what `kvatlas-proto` reaches on its own.
+pub(crate) fn check_proto_tree(reached: &BTreeSet<String>) -> Vec<String> {
+    reached
+        .iter()
+        .filter(|name| {
+            PROTO_BANNED.contains(&name.as_str())
+                || (name.starts_with("kvatlas-")
+                    && !matches!(name.as_str(), "kvatlas-proto" | "kvatlas-hash"))
+        })
+        .map(|name| {
+            format!(
+                "forbidden edge kvatlas-proto -> {name}: a router importing kvatlas-proto must \
+                 get only the generated code, its gRPC runtime and kvatlas-hash"
+            )
+        })
+        .collect()
+}
+
+/// Rule 7: the binary is one thin `main.rs`.
+fn check_thin_binary(root: &Path) -> Result<Vec<String>> {
+    let src = root.join("crates/kvatlas/src");
+    let mut violations = Vec::new();
+    for entry in std::fs::read_dir(&src).with_context(|| format!("reading {}", src.display()))? {
+        let path = entry?.path();
+        if path.file_name().is_some_and(|n| n != "main.rs") {
+            violations.push(format!(
+                "{} is in the binary crate: the binary is main.rs alone; put logic in \
+                 kvatlas-server",
+                path.display()
+            ));
+        }
+    }
+    let text = std::fs::read_to_string(root.join(BINARY_MAIN))
+        .with_context(|| format!("reading {BINARY_MAIN}"))?;
+    violations.extend(check_main(&text));
+    Ok(violations)
+}
+
+/// Rule 7 on the text of `main.rs`: `main` is its only function, it has no `impl`, and it is
+/// short.
+pub(crate) fn check_main(text: &str) -> Vec<String> {
+    let mut violations = Vec::new();
+    let code: Vec<&str> = text
+        .lines()
+        .map(str::trim_start)
+        .filter(|l| !l.starts_with("//"))
+        .collect();
+    let functions: Vec<&str> = code
+        .iter()
+        .filter(|l| l.starts_with("fn ") || l.contains(" fn ") || l.starts_with("async fn "))
+        .copied()
+        .collect();
+    if functions.iter().any(|l| !l.starts_with("fn main(")) || functions.len() != 1 {
+        violations.push(format!(
+            "{BINARY_MAIN} defines functions other than main ({functions:?}): the binary holds no \
+             logic; move it to kvatlas_server::cli"
+        ));
+    }
+    if code
+        .iter()
+        .any(|l| l.starts_with("impl ") || l.starts_with("impl<"))
+    {
+        violations.push(format!(
+            "{BINARY_MAIN} has an impl block: the binary holds no logic"
+        ));
+    }
+    let lines = text.lines().count();
+    if lines > BINARY_MAX_LINES {
+        violations.push(format!(
+            "{BINARY_MAIN} is {lines} lines long; a thin binary stays under {BINARY_MAX_LINES}"
+        ));
+    }
+    violations
+}
+
 /// Rule 5: every `.rs` file under `dir` starts with a `//!` doc comment.
 fn check_module_docs(dir: &Path) -> Result<Vec<String>> {
     let mut violations = Vec::new();
@@ -374,6 +509,35 @@ mod tests {
         let violations = check_layering(&graph);
         assert_eq!(violations.len(), 1, "{violations:?}");
         assert!(violations[0].starts_with("forbidden edge kvatlas-hash -> bytemuck"));
+    }
+
+    #[test]
+    fn the_proto_crate_reaches_only_hash_and_its_runtime() {
+        let clean: BTreeSet<String> = ["kvatlas-proto", "kvatlas-hash", "tonic", "prost", "tokio"]
+            .map(String::from)
+            .into();
+        assert_eq!(check_proto_tree(&clean), Vec::<String>::new());
+        let mut dirty = clean;
+        dirty.extend(["axum", "kvatlas-index", "kvatlas-future"].map(String::from));
+        let violations = check_proto_tree(&dirty);
+        assert_eq!(violations.len(), 3, "{violations:?}");
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.contains("kvatlas-proto -> axum"))
+        );
+    }
+
+    #[test]
+    fn the_binary_must_stay_thin() {
+        let thin = "//! doc\nuse clap::Parser;\nfn main() -> ExitCode {\n    run()\n}\n";
+        assert_eq!(check_main(thin), Vec::<String>::new());
+        let helper = format!("{thin}fn helper() {{}}\n");
+        assert_eq!(check_main(&helper).len(), 1);
+        let method = format!("{thin}impl Cli {{\n    pub fn go(&self) {{}}\n}}\n");
+        assert_eq!(check_main(&method).len(), 2, "{:?}", check_main(&method));
+        let long = format!("{thin}{}", "// line\n".repeat(BINARY_MAX_LINES));
+        assert_eq!(check_main(&long).len(), 1);
     }
 
     #[test]

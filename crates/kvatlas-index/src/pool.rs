@@ -117,6 +117,12 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
         self.lanes.len()
     }
 
+    /// Tasks waiting in the lanes, not yet taken by a writer (a gauge of how far the writers
+    /// are behind).
+    pub fn queued(&self) -> usize {
+        self.lanes.iter().map(Sender::len).sum()
+    }
+
     fn lane(&self, worker: Worker) -> &Sender<Task> {
         let hash = FxBuildHasher.hash_one(worker);
         &self.lanes[(hash % self.lanes.len() as u64) as usize]

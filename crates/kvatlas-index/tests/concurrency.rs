@@ -406,8 +406,14 @@ fn thread_pool_queues_are_bounded() -> std::io::Result<()> {
     }
     // At most one mutation in the writer's hands and one in the queue.
     assert!(full >= 8, "only {full} of 10 enqueues were refused");
+    assert!(
+        pool.queued() <= 1,
+        "{} queued in a lane of 1",
+        pool.queued()
+    );
     drop(held);
     let report = pool.flush();
     assert_eq!(report.stored as usize, 10 - full);
+    assert_eq!(pool.queued(), 0, "a flush leaves nothing queued");
     Ok(())
 }

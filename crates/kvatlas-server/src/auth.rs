@@ -1,0 +1,301 @@
+//! Bearer-token authentication and per-tenant authorization.
+//!
+//! The token file has one token per line, optionally followed by `tenants=a,b` (the token may
+//! only use those tenants; without it, every tenant) and `name=LABEL` (how logs name the
+//! caller); `#` starts a comment:
+//!
+//! ```text
+//! # kvatlas tokens
+//! 7f3c9a51e2d84b06a1c5f0e9d2b47a38                       name=router
+//! 0c8e41f7a29b5d36e4a1f8c07b92d5e3 tenants=team-a,team-b  name=team-a-router
+//! ```
+//!
+//! Tokens are compared in constant time: the SHA-256 of the presented token against the SHA-256
+//! of each configured one, every one of them, with `subtle` (neither a token's length nor how
+//! much of it matched shows in the timing). A token must be at least [`MIN_TOKEN_BYTES`] long.
+//!
+//! A [`Caller`] is attached to every authenticated request; a tenant-limited caller never sees
+//! another tenant's index, workers or scores (PERMISSION_DENIED when it names one; lists leave
+//! them out). Health checks need no token; everything else does once a token file is given.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use ring::digest::{SHA256, digest};
+use subtle::ConstantTimeEq;
+
+use crate::error::ServiceError;
+
+/// The shortest token accepted, in bytes.
+pub const MIN_TOKEN_BYTES: usize = 16;
+
+/// Why a token file was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TokenFileError {
+    /// The file could not be read.
+    #[error("cannot read the token file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line is malformed.
+    #[error("token file {path} line {line}: {why}")]
+    Line {
+        /// The file.
+        path: String,
+        /// The 1-based line number.
+        line: usize,
+        /// What is wrong (the token itself is never printed).
+        why: String,
+    },
+    /// The file holds no token.
+    #[error("token file {path} holds no token")]
+    Empty {
+        /// The file.
+        path: String,
+    },
+}
+
+/// Who is calling, as far as authorization is concerned.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The token's name (`anonymous` without authentication).
+    pub name: Arc<str>,
+    /// The tenants it may use (`None` = every tenant).
+    pub tenants: Option<Arc<BTreeSet<String>>>,
+}
+
+impl Caller {
+    /// The caller of a server without authentication: every tenant.
+    pub fn anonymous() -> Self {
+        Self {
+            name: Arc::from("anonymous"),
+            tenants: None,
+        }
+    }
+
+    /// Whether it may use `tenant`.
+    pub fn may_use(&self, tenant: &str) -> bool {
+        self.tenants.as_ref().is_none_or(|t| t.contains(tenant))
+    }
+
+    /// Whether it may use every tenant.
+    pub fn unrestricted(&self) -> bool {
+        self.tenants.is_none()
+    }
+
+    /// PERMISSION_DENIED unless it may use `tenant`.
+    ///
+    /// # Errors
+    /// [`ServiceError::PermissionDenied`].
+    pub fn check(&self, tenant: &str) -> Result<(), ServiceError> {
+        if self.may_use(tenant) {
+            Ok(())
+        } else {
+            Err(ServiceError::PermissionDenied(format!(
+                "the token {:?} is not allowed tenant {tenant:?}",
+                self.name
+            )))
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Token {
+    sha256: [u8; 32],
+    caller: Caller,
+}
+
+/// The configured tokens.
+#[derive(Debug)]
+pub struct Tokens {
+    tokens: Vec<Token>,
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest(&SHA256, bytes).as_ref());
+    out
+}
+
+impl Tokens {
+    /// Reads a token file (format in the module docs).
+    ///
+    /// # Errors
+    /// [`TokenFileError`] naming the file and line (never the token).
+    pub fn from_file(path: &Path) -> Result<Self, TokenFileError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| TokenFileError::Read {
+            path: name.clone(),
+            source,
+        })?;
+        Self::parse(&text, &name)
+    }
+
+    /// Parses a token file's text; `path` names it in errors.
+    ///
+    /// # Errors
+    /// [`TokenFileError::Line`] or [`TokenFileError::Empty`].
+    pub fn parse(text: &str, path: &str) -> Result<Self, TokenFileError> {
+        let mut tokens = Vec::new();
+        for (number, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or_default().trim();
+            if line.is_empty() {
+                continue;
+            }
+            let bad = |why: String| TokenFileError::Line {
+                path: path.to_owned(),
+                line: number + 1,
+                why,
+            };
+            let mut words = line.split_whitespace();
+            let secret = words.next().unwrap_or_default();
+            if secret.len() < MIN_TOKEN_BYTES {
+                return Err(bad(format!(
+                    "the token is {} bytes long; at least {MIN_TOKEN_BYTES} are required",
+                    secret.len()
+                )));
+            }
+            let mut caller = Caller {
+                name: Arc::from(format!("line {}", number + 1)),
+                tenants: None,
+            };
+            for word in words {
+                match word.split_once('=') {
+                    Some(("tenants", list)) => {
+                        let tenants: BTreeSet<String> = list
+                            .split(',')
+                            .map(str::trim)
+                            .filter(|t| !t.is_empty())
+                            .map(str::to_owned)
+                            .collect();
+                        if tenants.is_empty() {
+                            return Err(bad("tenants= lists no tenant".into()));
+                        }
+                        caller.tenants = Some(Arc::new(tenants));
+                    }
+                    Some(("name", label)) if !label.is_empty() => caller.name = Arc::from(label),
+                    _ => {
+                        return Err(bad(format!(
+                            "unknown field {word:?} (expected tenants=A,B or name=LABEL)"
+                        )));
+                    }
+                }
+            }
+            tokens.push(Token {
+                sha256: sha256(secret.as_bytes()),
+                caller,
+            });
+        }
+        if tokens.is_empty() {
+            return Err(TokenFileError::Empty {
+                path: path.to_owned(),
+            });
+        }
+        Ok(Self { tokens })
+    }
+
+    /// The caller a bearer token authenticates, comparing against every token in constant time.
+    pub fn authenticate(&self, presented: &str) -> Option<Caller> {
+        let presented = sha256(presented.as_bytes());
+        let mut found = None;
+        for token in &self.tokens {
+            if bool::from(token.sha256.ct_eq(&presented)) {
+                found = Some(token.caller.clone());
+            }
+        }
+        found
+    }
+
+    /// The caller of an `authorization` header value (`Bearer TOKEN`).
+    ///
+    /// # Errors
+    /// UNAUTHENTICATED, saying whether the header is missing, malformed or the token unknown.
+    pub fn authorize_header(&self, header: Option<&str>) -> Result<Caller, ServiceError> {
+        let Some(header) = header else {
+            return Err(ServiceError::Unauthenticated(
+                "missing credentials: send the header `authorization: Bearer <token>`".into(),
+            ));
+        };
+        let token = header
+            .strip_prefix("Bearer ")
+            .or_else(|| header.strip_prefix("bearer "))
+            .ok_or_else(|| {
+                ServiceError::Unauthenticated(
+                    "the authorization header must be `Bearer <token>`".into(),
+                )
+            })?;
+        self.authenticate(token.trim())
+            .ok_or_else(|| ServiceError::Unauthenticated("unknown bearer token".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = "\
+# comment
+0123456789abcdef-admin               name=admin
+0123456789abcdef-team   tenants=a,b  # a team's router
+";
+
+    #[test]
+    fn tokens_authenticate_and_limit_tenants() {
+        let tokens = Tokens::parse(FILE, "tokens").expect("parses");
+        let admin = tokens
+            .authenticate("0123456789abcdef-admin")
+            .expect("admin token");
+        assert_eq!(&*admin.name, "admin");
+        assert!(admin.unrestricted() && admin.may_use("anything"));
+        let team = tokens
+            .authenticate("0123456789abcdef-team")
+            .expect("team token");
+        assert!(team.may_use("a") && team.may_use("b") && !team.may_use("c"));
+        assert!(matches!(
+            team.check("c"),
+            Err(ServiceError::PermissionDenied(_))
+        ));
+        assert!(tokens.authenticate("0123456789abcdef-adm").is_none());
+        assert!(tokens.authenticate("").is_none());
+    }
+
+    #[test]
+    fn headers_must_be_bearer_tokens() {
+        let tokens = Tokens::parse(FILE, "tokens").expect("parses");
+        assert!(
+            tokens
+                .authorize_header(Some("Bearer 0123456789abcdef-admin"))
+                .is_ok()
+        );
+        for header in [
+            None,
+            Some("Basic 0123456789abcdef-admin"),
+            Some("Bearer nope"),
+        ] {
+            assert!(matches!(
+                tokens.authorize_header(header),
+                Err(ServiceError::Unauthenticated(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn bad_files_are_refused_without_echoing_tokens() {
+        for (text, needle) in [
+            ("short", "at least 16"),
+            ("0123456789abcdef tenants=", "no tenant"),
+            ("0123456789abcdef role=admin", "unknown field"),
+            ("# nothing\n", "holds no token"),
+        ] {
+            let error = Tokens::parse(text, "f").expect_err(text).to_string();
+            assert!(error.contains(needle), "{text}: {error}");
+            assert!(!error.contains("0123456789abcdef"), "{error}");
+        }
+    }
+}

@@ -1,0 +1,1061 @@
+//! The `kvatlas` command line: the arguments of every subcommand and what each does. The binary
+//! (`crates/kvatlas`) only parses, sets up logging with [`init_logging`] and calls these.
+//!
+//! - [`serve`]: settings come from flags, then `KVATLAS_*` environment variables, then a TOML
+//!   file (`--config`, the same names in snake_case), then the defaults; it serves until SIGINT
+//!   or SIGTERM and prints what every index held when it stopped.
+//! - [`query`], [`workers`], [`indexes`], [`register`], [`unregister`]: gRPC clients; a table by
+//!   default, JSON with `--json`; a failed call exits non-zero with the server's message.
+
+use std::fmt::Write as _;
+use std::io::Read as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvatlas_hash::BlockSize;
+use kvatlas_proto::client::{Client, ClientError, ConnectOptions};
+use kvatlas_proto::v1;
+use serde_json::{Value, json};
+
+use crate::config::{
+    ConfigError, IndexSettings, Limits, ServerConfig, TlsFiles, WorkerDefaults, parse_engine,
+    parse_worker_list,
+};
+use crate::registry::{DEFAULT_TENANT, IndexKey};
+use crate::server::{RunningServer, ShutdownReport, StartError};
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CliError {
+    /// A setting is invalid.
+    #[error("{0}")]
+    Config(String),
+    /// The server did not start.
+    #[error(transparent)]
+    Start(#[from] StartError),
+    /// A file could not be read.
+    #[error("cannot read {what}: {source}")]
+    Read {
+        /// The file.
+        what: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The input (tokens or hashes) is malformed.
+    #[error("{0}")]
+    Input(String),
+    /// The call failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The runtime could not be started.
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+}
+
+impl From<ConfigError> for CliError {
+    fn from(error: ConfigError) -> Self {
+        CliError::Config(error.to_string())
+    }
+}
+
+impl CliError {
+    /// The process exit code: 2 for usage and input errors, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Config(_) | CliError::Input(_) => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Sets up logging to stderr with a `tracing` filter (`info`, `kvatlas_server=debug`, ...).
+///
+/// # Errors
+/// [`CliError::Config`] for a malformed filter.
+pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), CliError> {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .map_err(|e| CliError::Config(format!("bad log filter {filter:?}: {e}")))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    let installed = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+    installed.map_err(|e| CliError::Config(format!("cannot set up logging: {e}")))
+}
+
+fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, CliError> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = threads {
+        builder.worker_threads(threads.max(1));
+    }
+    builder.enable_all().build().map_err(CliError::Runtime)
+}
+
+// ---------------------------------------------------------------------------------------------
+// serve
+// ---------------------------------------------------------------------------------------------
+
+/// `kvatlas serve`: run the index service.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// A TOML file with any of these settings (snake_case names); flags and environment
+    /// variables override it.
+    #[arg(long, env = "KVATLAS_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:50051; port 0 picks a free port].
+    #[arg(long, env = "KVATLAS_GRPC_ADDR")]
+    pub grpc_addr: Option<SocketAddr>,
+    /// HTTP listen address for /health, /ready, /metrics [default: 127.0.0.1:8090].
+    #[arg(long, env = "KVATLAS_HTTP_ADDR")]
+    pub http_addr: Option<SocketAddr>,
+    /// Workers to register at start: `ID[:DP_RANK]=ENDPOINT,...` (Dynamo's form), each
+    /// optionally followed by `replay=ENDPOINT`, `topic=PREFIX`, `engine=vllm|sglang`, `bind`.
+    #[arg(long, env = "KVATLAS_WORKERS")]
+    pub workers: Option<String>,
+    /// The model of the `--workers` [default: default].
+    #[arg(long, alias = "model-name", env = "KVATLAS_MODEL")]
+    pub model: Option<String>,
+    /// The tenant of the `--workers` [default: default].
+    #[arg(long, alias = "tenant-id", env = "KVATLAS_TENANT")]
+    pub tenant: Option<String>,
+    /// The engines' block size of the `--workers` (required with --workers).
+    #[arg(long, env = "KVATLAS_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
+    /// The engine of the `--workers`: vllm or sglang [default: vllm].
+    #[arg(long, env = "KVATLAS_ENGINE")]
+    pub engine: Option<String>,
+    /// Index writer threads per index [default: 2].
+    #[arg(long, env = "KVATLAS_WRITER_THREADS")]
+    pub writer_threads: Option<usize>,
+    /// Mutations queued per writer thread before producers wait [default: 16384].
+    #[arg(long, env = "KVATLAS_WRITER_QUEUE")]
+    pub writer_queue: Option<usize>,
+    /// Most (rank, block, tier) memberships per index; beyond it the least recently used are
+    /// evicted [default: unbounded].
+    #[arg(long, env = "KVATLAS_CAPACITY")]
+    pub capacity: Option<u64>,
+    /// Refuse queries (health NOT_SERVING) until this many worker ranks are registered
+    /// [default: 0].
+    #[arg(long, env = "KVATLAS_MIN_INITIAL_WORKERS")]
+    pub min_initial_workers: Option<usize>,
+    /// Most token ids per query [default: 1048576].
+    #[arg(long, env = "KVATLAS_MAX_QUERY_TOKENS")]
+    pub max_query_tokens: Option<usize>,
+    /// Largest gRPC message in bytes [default: 16 MiB].
+    #[arg(long, env = "KVATLAS_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<usize>,
+    /// Most requests and open streams served at once; beyond it requests are shed with
+    /// RESOURCE_EXHAUSTED [default: 1024].
+    #[arg(long, env = "KVATLAS_MAX_CONCURRENT_REQUESTS")]
+    pub max_concurrent_requests: Option<usize>,
+    /// Most indexes [default: 1024].
+    #[arg(long, env = "KVATLAS_MAX_INDEXES")]
+    pub max_indexes: Option<usize>,
+    /// Most registered worker ranks [default: 4096].
+    #[arg(long, env = "KVATLAS_MAX_REGISTERED_RANKS")]
+    pub max_registered_ranks: Option<usize>,
+    /// Bearer-token file: one token per line, optionally `tenants=A,B` and `name=LABEL`.
+    #[arg(long, env = "KVATLAS_AUTH_TOKENS")]
+    pub auth_tokens: Option<PathBuf>,
+    /// Accept listening beyond loopback without authentication.
+    #[arg(long, env = "KVATLAS_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
+    /// TLS certificate chain (PEM) for both listeners.
+    #[arg(long, env = "KVATLAS_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, env = "KVATLAS_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Seconds a graceful shutdown may take [default: 10].
+    #[arg(long, env = "KVATLAS_SHUTDOWN_TIMEOUT")]
+    pub shutdown_timeout_secs: Option<u64>,
+    /// Async runtime threads serving requests [default: one per core].
+    #[arg(long, env = "KVATLAS_RUNTIME_THREADS")]
+    pub runtime_threads: Option<usize>,
+}
+
+/// The TOML file of `--config`: the same settings.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServeFile {
+    grpc_addr: Option<SocketAddr>,
+    http_addr: Option<SocketAddr>,
+    workers: Option<String>,
+    model: Option<String>,
+    tenant: Option<String>,
+    block_size: Option<u32>,
+    engine: Option<String>,
+    writer_threads: Option<usize>,
+    writer_queue: Option<usize>,
+    capacity: Option<u64>,
+    min_initial_workers: Option<usize>,
+    max_query_tokens: Option<usize>,
+    max_message_bytes: Option<usize>,
+    max_concurrent_requests: Option<usize>,
+    max_indexes: Option<usize>,
+    max_registered_ranks: Option<usize>,
+    auth_tokens: Option<PathBuf>,
+    allow_unauthenticated: Option<bool>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    shutdown_timeout_secs: Option<u64>,
+    runtime_threads: Option<usize>,
+}
+
+impl ServeArgs {
+    /// The server configuration and runtime threads: flags and environment, then the file,
+    /// then the defaults.
+    ///
+    /// # Errors
+    /// [`CliError::Config`] for an unreadable or malformed file or an invalid setting.
+    pub fn resolve(&self) -> Result<(ServerConfig, Option<usize>), CliError> {
+        let file: ServeFile = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
+                    what: path.display().to_string(),
+                    source,
+                })?;
+                toml::from_str(&text)
+                    .map_err(|e| CliError::Config(format!("{}: {e}", path.display())))?
+            }
+            None => ServeFile::default(),
+        };
+        let defaults = ServerConfig::default();
+        let limits = Limits::default();
+        let index = IndexSettings::default();
+        let mut config = ServerConfig {
+            grpc_addr: self
+                .grpc_addr
+                .or(file.grpc_addr)
+                .unwrap_or(defaults.grpc_addr),
+            http_addr: self
+                .http_addr
+                .or(file.http_addr)
+                .unwrap_or(defaults.http_addr),
+            index: IndexSettings {
+                writer_threads: self
+                    .writer_threads
+                    .or(file.writer_threads)
+                    .unwrap_or(index.writer_threads),
+                writer_queue: self
+                    .writer_queue
+                    .or(file.writer_queue)
+                    .unwrap_or(index.writer_queue),
+                capacity: self.capacity.or(file.capacity),
+                listener: index.listener,
+            },
+            min_initial_workers: self
+                .min_initial_workers
+                .or(file.min_initial_workers)
+                .unwrap_or(0),
+            limits: Limits {
+                max_query_tokens: self
+                    .max_query_tokens
+                    .or(file.max_query_tokens)
+                    .unwrap_or(limits.max_query_tokens),
+                max_message_bytes: self
+                    .max_message_bytes
+                    .or(file.max_message_bytes)
+                    .unwrap_or(limits.max_message_bytes),
+                max_concurrent_requests: self
+                    .max_concurrent_requests
+                    .or(file.max_concurrent_requests)
+                    .unwrap_or(limits.max_concurrent_requests),
+                max_indexes: self
+                    .max_indexes
+                    .or(file.max_indexes)
+                    .unwrap_or(limits.max_indexes),
+                max_registered_ranks: self
+                    .max_registered_ranks
+                    .or(file.max_registered_ranks)
+                    .unwrap_or(limits.max_registered_ranks),
+            },
+            auth_tokens: self.auth_tokens.clone().or(file.auth_tokens),
+            allow_unauthenticated: self.allow_unauthenticated
+                || file.allow_unauthenticated.unwrap_or(false),
+            tls: match (
+                self.tls_cert.clone().or(file.tls_cert),
+                self.tls_key.clone().or(file.tls_key),
+            ) {
+                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+                (None, None) => None,
+                _ => {
+                    return Err(CliError::Config(
+                        "TLS needs both a certificate (--tls-cert) and a key (--tls-key)".into(),
+                    ));
+                }
+            },
+            workers: Vec::new(),
+            shutdown_timeout: self
+                .shutdown_timeout_secs
+                .or(file.shutdown_timeout_secs)
+                .map_or(defaults.shutdown_timeout, Duration::from_secs),
+        };
+        if let Some(list) = self.workers.clone().or(file.workers) {
+            let block_size = self.block_size.or(file.block_size).ok_or_else(|| {
+                CliError::Config("--workers needs --block-size (the engines' block size)".into())
+            })?;
+            let block_size = BlockSize::new(block_size)
+                .map_err(|e| CliError::Config(format!("--block-size: {e}")))?;
+            let engine_name = self
+                .engine
+                .clone()
+                .or(file.engine)
+                .unwrap_or_else(|| "vllm".into());
+            let engine = parse_engine(&engine_name).ok_or_else(|| {
+                CliError::Config(format!("--engine {engine_name:?}: expected vllm or sglang"))
+            })?;
+            let defaults = WorkerDefaults {
+                index: IndexKey::new(
+                    self.model
+                        .clone()
+                        .or(file.model)
+                        .unwrap_or_else(|| "default".into()),
+                    self.tenant
+                        .clone()
+                        .or(file.tenant)
+                        .unwrap_or_else(|| DEFAULT_TENANT.into()),
+                ),
+                block_size,
+                engine,
+            };
+            config.workers = parse_worker_list(&list, &defaults)?;
+        }
+        config.validate()?;
+        Ok((config, self.runtime_threads.or(file.runtime_threads)))
+    }
+}
+
+/// `kvatlas serve`: serves until SIGINT or SIGTERM, then prints what every index held.
+///
+/// # Errors
+/// A bad setting, or a server that cannot start.
+pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
+    let (config, threads) = args.resolve()?;
+    let runtime = runtime(threads)?;
+    let report = runtime.block_on(async {
+        let server = RunningServer::start(config).await?;
+        Ok::<_, CliError>(server.run_until_signal().await)
+    })?;
+    print!("{}", shutdown_summary(&report));
+    Ok(())
+}
+
+/// The lines `serve` prints at the end, one per index.
+pub fn shutdown_summary(report: &ShutdownReport) -> String {
+    let mut out = String::new();
+    for index in &report.indexes {
+        let _ = writeln!(
+            out,
+            "index model={} tenant={}: {} memberships, digest {:#018x}, {} events applied",
+            index.key.model,
+            index.key.tenant,
+            index.memberships,
+            index.digest,
+            index.events_applied
+        );
+        for (worker, seq) in &index.last_seq {
+            let _ = writeln!(
+                out,
+                "  worker {} rank {}: last applied seq {}",
+                worker.worker_id,
+                worker.dp_rank,
+                seq.map_or_else(|| "-".to_owned(), |s| s.to_string())
+            );
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client commands
+// ---------------------------------------------------------------------------------------------
+
+/// How the client commands reach a server.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConnectArgs {
+    /// The server's gRPC address.
+    #[arg(long, env = "KVATLAS_SERVER", default_value = "http://127.0.0.1:50051")]
+    pub server: String,
+    /// A file holding the bearer token (its first line).
+    #[arg(long, env = "KVATLAS_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// A PEM CA certificate to trust for an https:// server.
+    #[arg(long, env = "KVATLAS_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
+    /// Seconds to wait for an answer.
+    #[arg(long, default_value_t = 10)]
+    pub timeout_secs: u64,
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>, CliError> {
+    std::fs::read(path).map_err(|source| CliError::Read {
+        what: path.display().to_string(),
+        source,
+    })
+}
+
+impl ConnectArgs {
+    async fn connect(&self) -> Result<Client, CliError> {
+        let token = match &self.token_file {
+            Some(path) => {
+                let text = String::from_utf8_lossy(&read_file(path)?).into_owned();
+                Some(text.lines().next().unwrap_or_default().trim().to_owned())
+            }
+            None => None,
+        };
+        let options = ConnectOptions {
+            token,
+            timeout: Some(Duration::from_secs(self.timeout_secs.max(1))),
+            ca_certificate_pem: self.ca_cert.as_deref().map(read_file).transpose()?,
+        };
+        Ok(Client::connect_with(&self.server, &options).await?)
+    }
+}
+
+/// `kvatlas query`: which workers hold how much of a prompt.
+#[derive(Debug, Clone, clap::Args)]
+pub struct QueryArgs {
+    #[command(flatten)]
+    /// The server.
+    pub connect: ConnectArgs,
+    /// The model.
+    #[arg(long)]
+    pub model: String,
+    /// The tenant.
+    #[arg(long, default_value = DEFAULT_TENANT)]
+    pub tenant: String,
+    /// A file of token ids (whitespace or comma separated; `-` = stdin); the server hashes them.
+    #[arg(long, conflicts_with = "hashes", required_unless_present = "hashes")]
+    pub tokens: Option<PathBuf>,
+    /// A file of local block hashes (decimal or 0x-hex; `-` = stdin).
+    #[arg(long)]
+    pub hashes: Option<PathBuf>,
+    /// The LoRA adapter of the prompt (token queries).
+    #[arg(long, default_value = "")]
+    pub lora_name: String,
+    /// The cache salt of the prompt (token queries).
+    #[arg(long, default_value = "")]
+    pub cache_salt: String,
+    /// Stop once at most one worker still matches.
+    #[arg(long)]
+    pub early_exit: bool,
+    /// Keep only the best k workers.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Leave out workers matching fewer blocks.
+    #[arg(long, default_value_t = 0)]
+    pub min_blocks: u32,
+    /// Only these instance ids (repeatable).
+    #[arg(long = "instance")]
+    pub instances: Vec<u64>,
+    /// Score the device tier only.
+    #[arg(long)]
+    pub device_only: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn read_input(path: &Path) -> Result<String, CliError> {
+    if path == Path::new("-") {
+        let mut text = String::new();
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .map_err(|source| CliError::Read {
+                what: "standard input".into(),
+                source,
+            })?;
+        Ok(text)
+    } else {
+        Ok(String::from_utf8_lossy(&read_file(path)?).into_owned())
+    }
+}
+
+fn numbers<T>(
+    text: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    what: &str,
+) -> Result<Vec<T>, CliError> {
+    text.split(|c: char| c.is_whitespace() || matches!(c, ',' | '[' | ']'))
+        .filter(|t| !t.is_empty())
+        .map(|t| parse(t).ok_or_else(|| CliError::Input(format!("{t:?} is not a {what}"))))
+        .collect()
+}
+
+fn parse_hash(text: &str) -> Option<u64> {
+    match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => text.parse().ok(),
+    }
+}
+
+/// `kvatlas query`.
+///
+/// # Errors
+/// Unreadable or malformed input, or the server's error.
+pub fn query(args: &QueryArgs) -> Result<String, CliError> {
+    let input = match (&args.tokens, &args.hashes) {
+        (Some(path), _) => v1::query_request::Input::Tokens(v1::TokenIds {
+            ids: numbers(&read_input(path)?, |t| t.parse().ok(), "token id (u32)")?,
+        }),
+        (None, Some(path)) => v1::query_request::Input::LocalHashes(v1::LocalHashes {
+            hashes: numbers(&read_input(path)?, parse_hash, "local hash (u64)")?,
+        }),
+        (None, None) => return Err(CliError::Input("give --tokens or --hashes".into())),
+    };
+    let request = v1::QueryRequest {
+        index: Some(v1::IndexSelector {
+            model: args.model.clone(),
+            tenant: args.tenant.clone(),
+        }),
+        lora_name: args.lora_name.clone(),
+        cache_salt: args.cache_salt.clone(),
+        input: Some(input),
+        options: Some(v1::QueryOptions {
+            early_exit: args.early_exit,
+            top_k: args.top_k,
+            min_blocks: args.min_blocks,
+            instance_ids: args.instances.clone(),
+            device_only: args.device_only,
+        }),
+        request_id: 0,
+    };
+    let answer = runtime(Some(1))?.block_on(async {
+        let mut client = args.connect.connect().await?;
+        let answer = client
+            .raw()
+            .query(request)
+            .await
+            .map_err(ClientError::from)?;
+        Ok::<_, CliError>(answer.into_inner())
+    })?;
+    Ok(if args.json {
+        format!("{}\n", query_json(&answer))
+    } else {
+        query_table(&answer, &args.model, &args.tenant)
+    })
+}
+
+fn query_json(answer: &v1::QueryResponse) -> Value {
+    json!({
+        "block_size": answer.block_size,
+        "query_blocks": answer.query_blocks,
+        "last_event_unix_micros": answer.last_event_unix_micros,
+        "events_applied": answer.events_applied,
+        "matches": answer.matches.iter().map(|m| json!({
+            "instance_id": m.instance_id,
+            "dp_rank": m.dp_rank,
+            "device_blocks": m.device_blocks,
+            "host_blocks": m.host_blocks,
+            "longest_blocks": m.longest_blocks,
+            "matched_tokens": m.matched_tokens,
+            "longest_matched_tokens": m.longest_matched_tokens,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Formats rows as left-aligned columns.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (cell, width) in cells.zip(&widths) {
+            let _ = write!(text, "{cell:<width$}  ");
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut header.iter().copied());
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+fn query_table(answer: &v1::QueryResponse, model: &str, tenant: &str) -> String {
+    let freshness = if answer.last_event_unix_micros > 0 {
+        let now = crate::served_index::unix_micros_now();
+        format!(
+            "last event {:.3} s ago",
+            (now - answer.last_event_unix_micros).max(0) as f64 / 1e6
+        )
+    } else {
+        "no event applied yet".to_owned()
+    };
+    let mut out = format!(
+        "model {model} tenant {tenant}: block size {}, prompt {} blocks, {} events applied, {freshness}\n",
+        answer.block_size, answer.query_blocks, answer.events_applied
+    );
+    if answer.matches.is_empty() {
+        out.push_str("no worker holds the prompt's first block\n");
+        return out;
+    }
+    let rows: Vec<Vec<String>> = answer
+        .matches
+        .iter()
+        .map(|m| {
+            vec![
+                m.instance_id.to_string(),
+                m.dp_rank.to_string(),
+                m.device_blocks.to_string(),
+                m.host_blocks.to_string(),
+                m.longest_blocks.to_string(),
+                m.matched_tokens.to_string(),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &["INSTANCE", "DP", "DEVICE", "HOST", "LONGEST", "TOKENS"],
+        &rows,
+    ));
+    out
+}
+
+/// `kvatlas workers` and `kvatlas indexes`: list.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    /// The server.
+    pub connect: ConnectArgs,
+    /// Only this model.
+    #[arg(long, default_value = "")]
+    pub model: String,
+    /// Only this tenant.
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn selector_json(selector: Option<&v1::IndexSelector>) -> (String, String) {
+    selector.map_or_else(Default::default, |s| (s.model.clone(), s.tenant.clone()))
+}
+
+fn enum_name<E: TryFrom<i32> + std::fmt::Debug>(value: i32) -> String {
+    E::try_from(value).map_or_else(|_| value.to_string(), |e| format!("{e:?}").to_lowercase())
+}
+
+/// `kvatlas workers`.
+///
+/// # Errors
+/// The server's error.
+pub fn workers(args: &ListArgs) -> Result<String, CliError> {
+    let listed = runtime(Some(1))?.block_on(async {
+        let mut client = args.connect.connect().await?;
+        let listed = client
+            .raw()
+            .list_workers(v1::ListWorkersRequest {
+                model: args.model.clone(),
+                tenant: args.tenant.clone(),
+            })
+            .await
+            .map_err(ClientError::from)?;
+        Ok::<_, CliError>(listed.into_inner())
+    })?;
+    if args.json {
+        let workers: Vec<Value> = listed
+            .workers
+            .iter()
+            .map(|w| {
+                let (model, tenant) = selector_json(w.index.as_ref());
+                let counters = w.counters.clone().unwrap_or_default();
+                let blocks = w.blocks.unwrap_or_default();
+                json!({
+                    "model": model, "tenant": tenant,
+                    "instance_id": w.instance_id, "dp_rank": w.dp_rank,
+                    "source": enum_name::<v1::WorkerSource>(w.source),
+                    "engine": enum_name::<v1::EngineKind>(w.engine),
+                    "status": enum_name::<v1::WorkerStatus>(w.status),
+                    "endpoint": w.endpoint, "replay_endpoint": w.replay_endpoint,
+                    "last_error": w.last_error, "last_seq": w.last_seq,
+                    "micros_since_last_batch": w.micros_since_last_batch,
+                    "blocks": {"device": blocks.device, "host": blocks.host, "disk": blocks.disk, "external": blocks.external},
+                    "counters": {
+                        "batches_received": counters.batches_received,
+                        "batches_applied": counters.batches_applied,
+                        "batches_replayed": counters.batches_replayed,
+                        "duplicates": counters.duplicates, "gaps": counters.gaps,
+                        "resyncs": counters.resyncs, "restarts": counters.restarts,
+                        "decode_errors": counters.decode_errors,
+                        "dropped": counters.dropped,
+                    },
+                })
+            })
+            .collect();
+        return Ok(format!("{}\n", Value::Array(workers)));
+    }
+    if listed.workers.is_empty() {
+        return Ok("no worker registered\n".into());
+    }
+    let rows: Vec<Vec<String>> = listed
+        .workers
+        .iter()
+        .map(|w| {
+            let (model, tenant) = selector_json(w.index.as_ref());
+            let counters = w.counters.clone().unwrap_or_default();
+            let blocks = w.blocks.unwrap_or_default();
+            vec![
+                model,
+                tenant,
+                w.instance_id.to_string(),
+                w.dp_rank.to_string(),
+                enum_name::<v1::WorkerSource>(w.source),
+                enum_name::<v1::WorkerStatus>(w.status),
+                w.last_seq.map_or_else(|| "-".into(), |s| s.to_string()),
+                counters.batches_applied.to_string(),
+                counters.gaps.to_string(),
+                counters.resyncs.to_string(),
+                format!(
+                    "{}/{}/{}",
+                    blocks.device,
+                    blocks.host,
+                    blocks.disk + blocks.external
+                ),
+                w.endpoint.clone(),
+                w.last_error.clone(),
+            ]
+        })
+        .collect();
+    Ok(table(
+        &[
+            "MODEL",
+            "TENANT",
+            "INSTANCE",
+            "DP",
+            "SOURCE",
+            "STATUS",
+            "LAST_SEQ",
+            "BATCHES",
+            "GAPS",
+            "RESYNCS",
+            "BLOCKS(D/H/O)",
+            "ENDPOINT",
+            "LAST_ERROR",
+        ],
+        &rows,
+    ))
+}
+
+/// `kvatlas indexes`.
+///
+/// # Errors
+/// The server's error.
+pub fn indexes(args: &ListArgs) -> Result<String, CliError> {
+    let listed = runtime(Some(1))?.block_on(async {
+        let mut client = args.connect.connect().await?;
+        let listed = client
+            .raw()
+            .list_indexes(v1::ListIndexesRequest {
+                model: args.model.clone(),
+                tenant: args.tenant.clone(),
+            })
+            .await
+            .map_err(ClientError::from)?;
+        Ok::<_, CliError>(listed.into_inner())
+    })?;
+    if args.json {
+        let indexes: Vec<Value> = listed
+            .indexes
+            .iter()
+            .map(|i| {
+                let (model, tenant) = selector_json(i.index.as_ref());
+                json!({
+                    "model": model, "tenant": tenant, "block_size": i.block_size,
+                    "registered_ranks": i.registered_ranks, "ranks_with_blocks": i.ranks_with_blocks,
+                    "memberships": i.memberships, "heap_bytes": i.heap_bytes, "capacity": i.capacity,
+                    "last_event_unix_micros": i.last_event_unix_micros,
+                    "events_applied": i.events_applied, "events_queued": i.events_queued,
+                })
+            })
+            .collect();
+        return Ok(format!("{}\n", Value::Array(indexes)));
+    }
+    if listed.indexes.is_empty() {
+        return Ok("no index\n".into());
+    }
+    let rows: Vec<Vec<String>> = listed
+        .indexes
+        .iter()
+        .map(|i| {
+            let (model, tenant) = selector_json(i.index.as_ref());
+            vec![
+                model,
+                tenant,
+                i.block_size.to_string(),
+                i.registered_ranks.to_string(),
+                i.ranks_with_blocks.to_string(),
+                i.memberships.to_string(),
+                format!("{:.1}", i.heap_bytes as f64 / (1 << 20) as f64),
+                i.events_applied.to_string(),
+                i.events_queued.to_string(),
+            ]
+        })
+        .collect();
+    Ok(table(
+        &[
+            "MODEL",
+            "TENANT",
+            "BLOCK",
+            "REGISTERED",
+            "RANKS",
+            "MEMBERSHIPS",
+            "HEAP_MIB",
+            "EVENTS",
+            "QUEUED",
+        ],
+        &rows,
+    ))
+}
+
+/// `kvatlas register`: start listening to an engine rank's ZMQ publisher.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RegisterArgs {
+    #[command(flatten)]
+    /// The server.
+    pub connect: ConnectArgs,
+    /// The model.
+    #[arg(long)]
+    pub model: String,
+    /// The tenant.
+    #[arg(long, default_value = DEFAULT_TENANT)]
+    pub tenant: String,
+    /// The worker (engine instance) id.
+    #[arg(long)]
+    pub instance_id: u64,
+    /// The data-parallel rank.
+    #[arg(long, default_value_t = 0)]
+    pub dp_rank: u32,
+    /// The engine's block size.
+    #[arg(long)]
+    pub block_size: u32,
+    /// vllm or sglang.
+    #[arg(long, default_value = "vllm")]
+    pub engine: String,
+    /// The engine's ZMQ PUB endpoint.
+    #[arg(long)]
+    pub endpoint: String,
+    /// The engine's replay ROUTER endpoint.
+    #[arg(long, default_value = "")]
+    pub replay_endpoint: String,
+    /// The SUB topic prefix.
+    #[arg(long, default_value = "")]
+    pub topic: String,
+    /// Bind the endpoint (engines connect) instead of connecting.
+    #[arg(long)]
+    pub bind: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvatlas register`.
+///
+/// # Errors
+/// An unknown engine, or the server's error.
+pub fn register(args: &RegisterArgs) -> Result<String, CliError> {
+    let engine = match parse_engine(&args.engine) {
+        Some(kvatlas_events::EngineKind::Vllm) => v1::EngineKind::Vllm,
+        Some(kvatlas_events::EngineKind::Sglang) => v1::EngineKind::Sglang,
+        None => {
+            return Err(CliError::Input(format!(
+                "--engine {:?}: expected vllm or sglang",
+                args.engine
+            )));
+        }
+    };
+    let request = v1::RegisterWorkerRequest {
+        index: Some(v1::IndexSelector {
+            model: args.model.clone(),
+            tenant: args.tenant.clone(),
+        }),
+        instance_id: args.instance_id,
+        dp_rank: args.dp_rank,
+        block_size: args.block_size,
+        engine: engine as i32,
+        endpoint: args.endpoint.clone(),
+        replay_endpoint: args.replay_endpoint.clone(),
+        topic: args.topic.clone(),
+        socket_mode: if args.bind {
+            v1::SocketMode::Bind
+        } else {
+            v1::SocketMode::Connect
+        } as i32,
+    };
+    let response = runtime(Some(1))?.block_on(async {
+        let mut client = args.connect.connect().await?;
+        let response = client
+            .raw()
+            .register_worker(request)
+            .await
+            .map_err(ClientError::from)?;
+        Ok::<_, CliError>(response.into_inner())
+    })?;
+    let worker = response.worker.unwrap_or_default();
+    Ok(if args.json {
+        format!(
+            "{}\n",
+            json!({
+                "created_index": response.created_index,
+                "already_registered": response.already_registered,
+                "endpoint": worker.endpoint,
+                "status": enum_name::<v1::WorkerStatus>(worker.status),
+            })
+        )
+    } else {
+        format!(
+            "worker {} rank {} {} for model {} tenant {} ({}; {})\n",
+            args.instance_id,
+            args.dp_rank,
+            if response.already_registered {
+                "was already registered"
+            } else {
+                "registered"
+            },
+            args.model,
+            args.tenant,
+            worker.endpoint,
+            if response.created_index {
+                "new index"
+            } else {
+                "existing index"
+            }
+        )
+    })
+}
+
+/// `kvatlas unregister`: stop a worker's listeners and remove its blocks.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UnregisterArgs {
+    #[command(flatten)]
+    /// The server.
+    pub connect: ConnectArgs,
+    /// The model.
+    #[arg(long)]
+    pub model: String,
+    /// The tenant.
+    #[arg(long, default_value = DEFAULT_TENANT, conflicts_with = "all_tenants")]
+    pub tenant: String,
+    /// Every tenant of the model.
+    #[arg(long)]
+    pub all_tenants: bool,
+    /// The worker (engine instance) id.
+    #[arg(long)]
+    pub instance_id: u64,
+    /// Only this data-parallel rank.
+    #[arg(long)]
+    pub dp_rank: Option<u32>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvatlas unregister`.
+///
+/// # Errors
+/// The server's error.
+pub fn unregister(args: &UnregisterArgs) -> Result<String, CliError> {
+    let request = v1::UnregisterWorkerRequest {
+        index: Some(v1::IndexSelector {
+            model: args.model.clone(),
+            tenant: args.tenant.clone(),
+        }),
+        instance_id: args.instance_id,
+        dp_rank: args.dp_rank,
+        all_tenants: args.all_tenants,
+    };
+    let response = runtime(Some(1))?.block_on(async {
+        let mut client = args.connect.connect().await?;
+        let response = client
+            .raw()
+            .unregister_worker(request)
+            .await
+            .map_err(ClientError::from)?;
+        Ok::<_, CliError>(response.into_inner())
+    })?;
+    Ok(if args.json {
+        format!(
+            "{}\n",
+            json!({
+                "ranks_removed": response.ranks_removed,
+                "listeners_stopped": response.listeners_stopped,
+                "blocks_removed": response.blocks_removed,
+            })
+        )
+    } else {
+        format!(
+            "worker {}: {} rank(s) removed, {} listener(s) stopped, {} block memberships removed\n",
+            args.instance_id,
+            response.ranks_removed,
+            response.listeners_stopped,
+            response.blocks_removed
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn number_lists_accept_common_forms() {
+        let tokens = numbers("[1, 2,3]\n4\t5", |t| t.parse::<u32>().ok(), "token").expect("ok");
+        assert_eq!(tokens, [1, 2, 3, 4, 5]);
+        let hashes = numbers("0x10 17", parse_hash, "hash").expect("ok");
+        assert_eq!(hashes, [16, 17]);
+        let error = numbers("1 x", |t| t.parse::<u32>().ok(), "token id").expect_err("x");
+        assert!(error.to_string().contains("\"x\" is not a token id"));
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("kvatlas-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join("serve.toml");
+        std::fs::write(
+            &file,
+            "grpc_addr = \"127.0.0.1:7000\"\nwriter_threads = 3\nworkers = \"1=tcp://h:1\"\n\
+             block_size = 32\nmodel = \"m\"\n",
+        )
+        .expect("write");
+        let args = ServeArgs {
+            config: Some(file.clone()),
+            writer_threads: Some(5),
+            ..ServeArgs::default()
+        };
+        let (config, _) = args.resolve().expect("resolves");
+        assert_eq!(config.grpc_addr.port(), 7000, "from the file");
+        assert_eq!(config.index.writer_threads, 5, "the flag wins");
+        assert_eq!(config.http_addr.port(), crate::DEFAULT_HTTP_PORT, "default");
+        assert_eq!(config.workers.len(), 1);
+        assert_eq!(config.workers[0].block_size.get(), 32);
+        assert_eq!(config.workers[0].index.model, "m");
+        std::fs::write(&file, "grpc_adr = \"127.0.0.1:7000\"\n").expect("write");
+        let error = args.resolve().expect_err("typo").to_string();
+        assert!(error.contains("grpc_adr"), "{error}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

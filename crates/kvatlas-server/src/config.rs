@@ -1,0 +1,364 @@
+//! The server's configuration: addresses, index and writer settings, limits, authentication,
+//! TLS and the workers to register at start, with the safety rules checked before anything
+//! listens ([`ServerConfig::validate`]).
+//!
+//! Defaults are safe: both listeners on loopback; a non-loopback address without an auth token
+//! file is refused unless [`ServerConfig::allow_unauthenticated`] says otherwise.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvatlas_events::{EngineKind, ListenerOptions, SocketMode};
+use kvatlas_hash::BlockSize;
+
+use crate::registry::{IndexKey, WorkerRegistration};
+
+/// The default gRPC port (the usual gRPC port; llm-d's indexer example uses it too).
+pub const DEFAULT_GRPC_PORT: u16 = 50051;
+/// The default HTTP port (Dynamo's standalone indexer's default).
+pub const DEFAULT_HTTP_PORT: u16 = 8090;
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A value is out of range or malformed.
+    #[error("{0}")]
+    Invalid(String),
+    /// Listening beyond loopback without authentication.
+    #[error(
+        "refusing to listen on {addr} without authentication: anyone who can reach it could \
+         read every tenant's scores and register workers. Give an auth token file \
+         (--auth-tokens FILE), or --allow-unauthenticated to accept that"
+    )]
+    Unauthenticated {
+        /// The non-loopback address.
+        addr: SocketAddr,
+    },
+}
+
+/// Limits that protect the server from oversized or too many requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most token ids in one query (local-hash queries: blocks times the block size).
+    pub max_query_tokens: usize,
+    /// Largest gRPC message accepted, in bytes.
+    pub max_message_bytes: usize,
+    /// Most requests (unary calls and open streams) served at once; beyond it requests are shed
+    /// with RESOURCE_EXHAUSTED.
+    pub max_concurrent_requests: usize,
+    /// Most indexes (model, tenant pairs).
+    pub max_indexes: usize,
+    /// Most registered worker ranks over all indexes (each ZMQ listener is a thread).
+    pub max_registered_ranks: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_query_tokens: 1 << 20,
+            max_message_bytes: 16 << 20,
+            max_concurrent_requests: 1024,
+            max_indexes: 1024,
+            max_registered_ranks: 4096,
+        }
+    }
+}
+
+/// PEM files of the server's TLS certificate chain and private key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain (PEM).
+    pub cert: PathBuf,
+    /// The private key (PEM).
+    pub key: PathBuf,
+}
+
+/// How the indexes are built and fed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexSettings {
+    /// Writer threads per index (sticky per worker rank).
+    pub writer_threads: usize,
+    /// Mutations queued per writer thread before producers wait.
+    pub writer_queue: usize,
+    /// Most (rank, block, tier) memberships per index before the least recently used are
+    /// evicted (`None` = unbounded).
+    pub capacity: Option<u64>,
+    /// The ZMQ listeners' timeouts and buffers.
+    pub listener: ListenerOptions,
+}
+
+impl Default for IndexSettings {
+    fn default() -> Self {
+        Self {
+            writer_threads: 2,
+            writer_queue: 16_384,
+            capacity: None,
+            listener: ListenerOptions::default(),
+        }
+    }
+}
+
+/// Everything `kvatlas serve` needs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The gRPC listen address (port 0 picks a free port).
+    pub grpc_addr: SocketAddr,
+    /// The HTTP listen address (`/health`, `/ready`, `/metrics`; port 0 picks a free port).
+    pub http_addr: SocketAddr,
+    /// Index and writer settings.
+    pub index: IndexSettings,
+    /// The startup gate: queries are refused (UNAVAILABLE, health NOT_SERVING) until this many
+    /// worker ranks are registered.
+    pub min_initial_workers: usize,
+    /// Request limits.
+    pub limits: Limits,
+    /// The bearer-token file (see `auth`); `None` = no authentication.
+    pub auth_tokens: Option<PathBuf>,
+    /// Accept a non-loopback listen address without authentication.
+    pub allow_unauthenticated: bool,
+    /// TLS for both listeners.
+    pub tls: Option<TlsFiles>,
+    /// Worker ranks registered at start.
+    pub workers: Vec<WorkerRegistration>,
+    /// How long a graceful shutdown may take before open streams are cut.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            grpc_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DEFAULT_GRPC_PORT),
+            http_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DEFAULT_HTTP_PORT),
+            index: IndexSettings::default(),
+            min_initial_workers: 0,
+            limits: Limits::default(),
+            auth_tokens: None,
+            allow_unauthenticated: false,
+            tls: None,
+            workers: Vec::new(),
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// A configuration listening on loopback ports chosen by the OS (for tests and tools).
+    pub fn ephemeral() -> Self {
+        let any_port = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+        Self {
+            grpc_addr: any_port,
+            http_addr: any_port,
+            ..Self::default()
+        }
+    }
+
+    /// Checks ranges and the safety rule (no unauthenticated non-loopback listener unless
+    /// allowed).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the offending setting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = |value: usize, name: &str| {
+            if value == 0 {
+                Err(ConfigError::Invalid(format!("{name} must be at least 1")))
+            } else {
+                Ok(())
+            }
+        };
+        positive(self.index.writer_threads, "writer threads")?;
+        positive(self.index.writer_queue, "the writer queue")?;
+        positive(self.limits.max_query_tokens, "max query tokens")?;
+        positive(self.limits.max_message_bytes, "max message bytes")?;
+        positive(
+            self.limits.max_concurrent_requests,
+            "max concurrent requests",
+        )?;
+        positive(self.limits.max_indexes, "max indexes")?;
+        positive(self.limits.max_registered_ranks, "max registered ranks")?;
+        if self.index.capacity == Some(0) {
+            return Err(ConfigError::Invalid(
+                "the index capacity must be at least 1 membership (leave it unset for no bound)"
+                    .into(),
+            ));
+        }
+        if self.auth_tokens.is_none() && !self.allow_unauthenticated {
+            for addr in [self.grpc_addr, self.http_addr] {
+                if !addr.ip().is_loopback() {
+                    return Err(ConfigError::Unauthenticated { addr });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Defaults for the workers of a `--workers` list (Dynamo's `--model-name`, `--tenant-id`,
+/// `--block-size`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerDefaults {
+    /// The index they belong to.
+    pub index: IndexKey,
+    /// The engines' block size.
+    pub block_size: BlockSize,
+    /// The engine.
+    pub engine: EngineKind,
+}
+
+/// Parses a `--workers` list: Dynamo's `ID[:DP_RANK]=ENDPOINT,...` form, where each worker may
+/// be followed by options that apply to it: `replay=ENDPOINT`, `topic=PREFIX`,
+/// `engine=vllm|sglang`, `bind`. For example
+/// `1=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,2:1=tcp://10.0.0.6:5557`.
+///
+/// # Errors
+/// [`ConfigError::Invalid`] naming the malformed item.
+pub fn parse_worker_list(
+    list: &str,
+    defaults: &WorkerDefaults,
+) -> Result<Vec<WorkerRegistration>, ConfigError> {
+    let mut workers: Vec<WorkerRegistration> = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let bad = |why: &str| ConfigError::Invalid(format!("--workers item {item:?}: {why}"));
+        if item == "bind" {
+            last_worker(&mut workers, item)?.mode = SocketMode::Bind;
+            continue;
+        }
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| bad("expected ID[:DP_RANK]=ENDPOINT or an option"))?;
+        match key {
+            "replay" => last_worker(&mut workers, item)?.replay_endpoint = Some(value.to_owned()),
+            "topic" => last_worker(&mut workers, item)?.topic = value.to_owned(),
+            "engine" => {
+                let engine = parse_engine(value)
+                    .ok_or_else(|| bad("unknown engine (expected vllm or sglang)"))?;
+                last_worker(&mut workers, item)?.engine = engine;
+            }
+            _ => {
+                let (id, rank) = match key.split_once(':') {
+                    Some((id, rank)) => (id, Some(rank)),
+                    None => (key, None),
+                };
+                let instance_id = id
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad("the worker id is not an unsigned integer"))?;
+                let dp_rank = rank
+                    .map(|r| r.trim().parse())
+                    .transpose()
+                    .map_err(|_| bad("the dp rank is not an unsigned integer"))?
+                    .unwrap_or(0);
+                if value.trim().is_empty() {
+                    return Err(bad("empty endpoint"));
+                }
+                workers.push(WorkerRegistration {
+                    index: defaults.index.clone(),
+                    instance_id,
+                    dp_rank,
+                    block_size: defaults.block_size,
+                    engine: defaults.engine,
+                    endpoint: value.trim().to_owned(),
+                    replay_endpoint: None,
+                    topic: String::new(),
+                    mode: SocketMode::Connect,
+                });
+            }
+        }
+    }
+    Ok(workers)
+}
+
+/// The worker an option item applies to: the last one listed before it.
+fn last_worker<'a>(
+    workers: &'a mut [WorkerRegistration],
+    item: &str,
+) -> Result<&'a mut WorkerRegistration, ConfigError> {
+    workers.last_mut().ok_or_else(|| {
+        ConfigError::Invalid(format!(
+            "--workers item {item:?}: an option before any worker"
+        ))
+    })
+}
+
+/// `vllm` or `sglang` (case-insensitively).
+pub fn parse_engine(name: &str) -> Option<EngineKind> {
+    if name.eq_ignore_ascii_case("vllm") {
+        Some(EngineKind::Vllm)
+    } else if name.eq_ignore_ascii_case("sglang") {
+        Some(EngineKind::Sglang)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> WorkerDefaults {
+        WorkerDefaults {
+            index: IndexKey::new("m", "default"),
+            block_size: BlockSize::new(16).expect("16"),
+            engine: EngineKind::Vllm,
+        }
+    }
+
+    #[test]
+    fn dynamo_worker_lists_parse() {
+        let workers =
+            parse_worker_list("1=tcp://h:5557, 2:1=tcp://h:5558", &defaults()).expect("parses");
+        let ids: Vec<_> = workers.iter().map(|w| (w.instance_id, w.dp_rank)).collect();
+        assert_eq!(ids, [(1, 0), (2, 1)]);
+        assert_eq!(workers[1].endpoint, "tcp://h:5558");
+        assert!(workers.iter().all(|w| w.replay_endpoint.is_none()));
+    }
+
+    #[test]
+    fn options_attach_to_the_worker_before_them() {
+        let workers = parse_worker_list(
+            "1=tcp://h:5557,replay=tcp://h:5560,engine=sglang,bind,2=tcp://h:5558,topic=kv",
+            &defaults(),
+        )
+        .expect("parses");
+        assert_eq!(workers[0].replay_endpoint.as_deref(), Some("tcp://h:5560"));
+        assert_eq!(workers[0].engine, EngineKind::Sglang);
+        assert_eq!(workers[0].mode, SocketMode::Bind);
+        assert_eq!(workers[1].topic, "kv");
+        assert_eq!(workers[1].engine, EngineKind::Vllm);
+        assert_eq!(workers[1].mode, SocketMode::Connect);
+    }
+
+    #[test]
+    fn malformed_items_are_named() {
+        for (list, needle) in [
+            ("x=tcp://h:1", "worker id"),
+            ("1:y=tcp://h:1", "dp rank"),
+            ("replay=tcp://h:1", "before any worker"),
+            ("1=", "empty endpoint"),
+            ("1=tcp://h:1,engine=trt", "unknown engine"),
+            ("1", "expected ID"),
+        ] {
+            let error = parse_worker_list(list, &defaults())
+                .expect_err(list)
+                .to_string();
+            assert!(error.contains(needle), "{list}: {error}");
+        }
+    }
+
+    #[test]
+    fn public_addresses_need_auth_unless_allowed() {
+        let mut config = ServerConfig::default();
+        config.validate().expect("loopback is fine");
+        config.grpc_addr = "0.0.0.0:50051".parse().expect("addr");
+        assert!(matches!(
+            config.validate(),
+            Err(ConfigError::Unauthenticated { .. })
+        ));
+        config.allow_unauthenticated = true;
+        config.validate().expect("explicitly allowed");
+        config.allow_unauthenticated = false;
+        config.auth_tokens = Some("tokens".into());
+        config.validate().expect("authenticated");
+    }
+}

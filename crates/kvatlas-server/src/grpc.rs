@@ -1,0 +1,693 @@
+//! The `kvatlas.v1.Indexer` gRPC service: request validation, proto ↔ domain conversion, status
+//! codes, the concurrency limit and the per-RPC metrics.
+//!
+//! Queries run inline on the handler's task (a walk of the `ConcurrentAtlas` takes microseconds
+//! and never waits for a writer); registrations, unregistrations and lists, which start or join
+//! listener threads or take the index's writer side for statistics, run on the blocking pool.
+//! Every failure becomes a status from [`status`], the one place `ServiceError`s are mapped.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kvatlas_events::{EngineKind, ListenerStatus, SocketMode};
+use kvatlas_index::Mutation;
+use kvatlas_proto::v1::{self, indexer_server::Indexer, query_request};
+use tokio_stream::Stream;
+use tokio_util::sync::WaitForCancellationFutureOwned;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::auth::Caller;
+use crate::error::ServiceError;
+use crate::metrics::Rpc;
+use crate::publish::{Admission, Publisher};
+use crate::query::{Answer, QueryInput, QueryOptions};
+use crate::registry::{
+    FeedCounters, IndexKey, RankSource, RankView, WorkerRegistration, block_size_field,
+};
+use crate::state::State;
+
+/// The service; cheap to clone.
+#[derive(Debug, Clone)]
+pub(crate) struct IndexerService {
+    state: Arc<State>,
+}
+
+impl IndexerService {
+    pub(crate) fn new(state: Arc<State>) -> Self {
+        Self { state }
+    }
+}
+
+/// The gRPC status of a service error.
+pub(crate) fn status(error: ServiceError) -> Status {
+    match error {
+        ServiceError::InvalidArgument(m) => Status::invalid_argument(m),
+        ServiceError::NotFound(m) => Status::not_found(m),
+        ServiceError::FailedPrecondition(m) => Status::failed_precondition(m),
+        ServiceError::AlreadyExists(m) => Status::already_exists(m),
+        ServiceError::ResourceExhausted(m) => Status::resource_exhausted(m),
+        ServiceError::Unavailable(m) => Status::unavailable(m),
+        ServiceError::Unauthenticated(m) => Status::unauthenticated(m),
+        ServiceError::PermissionDenied(m) => Status::permission_denied(m),
+        ServiceError::Internal(m) => Status::internal(m),
+    }
+}
+
+/// The interceptor in front of the service: authenticates the `authorization` header and
+/// attaches the [`Caller`] (anonymous without authentication) to the request.
+pub(crate) fn authenticate(state: &State, mut request: Request<()>) -> Result<Request<()>, Status> {
+    let header = request
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok());
+    let caller = state.authenticate(header).map_err(status)?;
+    request.extensions_mut().insert(caller);
+    Ok(request)
+}
+
+fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
+    request
+        .extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or_else(|| Status::internal("the request was not authenticated"))
+}
+
+fn key_of(selector: Option<&v1::IndexSelector>) -> Result<IndexKey, ServiceError> {
+    let selector = selector.ok_or_else(|| {
+        ServiceError::InvalidArgument(
+            "index is missing: name the model (and tenant) whose index to use".into(),
+        )
+    })?;
+    let key = IndexKey::new(selector.model.clone(), selector.tenant.clone());
+    key.validate()?;
+    Ok(key)
+}
+
+fn selector_of(key: &IndexKey) -> v1::IndexSelector {
+    v1::IndexSelector {
+        model: key.model.clone(),
+        tenant: key.tenant.clone(),
+    }
+}
+
+/// Runs a blocking registry operation off the async workers.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ServiceError> + Send + 'static,
+) -> Result<T, ServiceError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ServiceError::Internal(format!("the operation failed: {e}")))?
+}
+
+impl IndexerService {
+    /// Records a finished request's latency and code, passing the result through.
+    fn finish<T>(
+        &self,
+        rpc: Rpc,
+        started: Instant,
+        result: Result<T, Status>,
+    ) -> Result<T, Status> {
+        let code = match &result {
+            Ok(_) => 0,
+            Err(status) => status.code() as i32,
+        };
+        self.state.metrics.record(rpc, started.elapsed(), code);
+        result
+    }
+
+    /// Answers one query (unary or one stream message).
+    fn answer(
+        &self,
+        caller: &Caller,
+        request: &v1::QueryRequest,
+    ) -> Result<v1::QueryResponse, ServiceError> {
+        let key = key_of(request.index.as_ref())?;
+        caller.check(&key.tenant)?;
+        self.state.check_ready()?;
+        let input = match &request.input {
+            Some(query_request::Input::Tokens(tokens)) => QueryInput::Tokens(&tokens.ids),
+            Some(query_request::Input::LocalHashes(hashes)) => {
+                QueryInput::LocalHashes(&hashes.hashes)
+            }
+            None => {
+                return Err(ServiceError::InvalidArgument(
+                    "input is missing: give the prompt as tokens or local_hashes".into(),
+                ));
+            }
+        };
+        let options = request
+            .options
+            .as_ref()
+            .map_or_else(QueryOptions::default, |o| QueryOptions {
+                early_exit: o.early_exit,
+                top_k: (o.top_k > 0).then_some(o.top_k as usize),
+                min_blocks: o.min_blocks,
+                instances: o.instance_ids.clone(),
+                device_only: o.device_only,
+            });
+        let entry = self.state.registry.require(&key)?;
+        let answer = entry.query(
+            input,
+            &request.lora_name,
+            &request.cache_salt,
+            &options,
+            self.state.limits.max_query_tokens,
+        )?;
+        Ok(response_of(&answer))
+    }
+}
+
+fn response_of(answer: &Answer) -> v1::QueryResponse {
+    let block = u64::from(answer.block_size.get());
+    v1::QueryResponse {
+        matches: answer
+            .matches
+            .workers
+            .iter()
+            .map(|m| v1::WorkerMatch {
+                instance_id: m.worker.worker_id,
+                dp_rank: m.worker.dp_rank,
+                device_blocks: m.device,
+                host_blocks: m.host,
+                longest_blocks: m.disk,
+                matched_tokens: u64::from(m.device) * block,
+                longest_matched_tokens: u64::from(m.disk) * block,
+            })
+            .collect(),
+        block_size: answer.block_size.get(),
+        query_blocks: u32::try_from(answer.query_blocks).unwrap_or(u32::MAX),
+        last_event_unix_micros: answer.last_event_unix_micros,
+        events_applied: answer.events_applied,
+    }
+}
+
+fn engine_of(value: i32) -> Result<EngineKind, ServiceError> {
+    match v1::EngineKind::try_from(value) {
+        Ok(v1::EngineKind::Unspecified | v1::EngineKind::Vllm) => Ok(EngineKind::Vllm),
+        Ok(v1::EngineKind::Sglang) => Ok(EngineKind::Sglang),
+        Err(_) => Err(ServiceError::InvalidArgument(format!(
+            "engine is {value}, not an engine kind (1 vLLM, 2 SGLang)"
+        ))),
+    }
+}
+
+fn mode_of(value: i32) -> Result<SocketMode, ServiceError> {
+    match v1::SocketMode::try_from(value) {
+        Ok(v1::SocketMode::Connect) => Ok(SocketMode::Connect),
+        Ok(v1::SocketMode::Bind) => Ok(SocketMode::Bind),
+        Err(_) => Err(ServiceError::InvalidArgument(format!(
+            "socket_mode is {value}, not a socket mode (0 connect, 1 bind)"
+        ))),
+    }
+}
+
+fn registration_of(
+    request: &v1::RegisterWorkerRequest,
+) -> Result<WorkerRegistration, ServiceError> {
+    Ok(WorkerRegistration {
+        index: key_of(request.index.as_ref())?,
+        instance_id: request.instance_id,
+        dp_rank: request.dp_rank,
+        block_size: block_size_field(request.block_size, "block_size")?,
+        engine: engine_of(request.engine)?,
+        endpoint: request.endpoint.trim().to_owned(),
+        replay_endpoint: Some(request.replay_endpoint.trim().to_owned()).filter(|e| !e.is_empty()),
+        topic: request.topic.clone(),
+        mode: mode_of(request.socket_mode)?,
+    })
+}
+
+fn counters_of(c: &FeedCounters) -> v1::WorkerCounters {
+    v1::WorkerCounters {
+        batches_received: c.batches_received,
+        batches_applied: c.batches_applied,
+        batches_replayed: c.batches_replayed,
+        duplicates: c.duplicates,
+        gaps: c.gaps,
+        replays_completed: c.replays_completed,
+        replays_failed: c.replays_failed,
+        resyncs: c.resyncs,
+        restarts: c.restarts,
+        bad_frames: c.bad_frames,
+        decode_errors: c.decode_errors,
+        mutations_enqueued: c.mutations_enqueued,
+        backpressure_waits: c.backpressure_waits,
+        dropped: c
+            .drops
+            .iter()
+            .map(|(reason, n)| (reason.to_string(), n))
+            .collect(),
+    }
+}
+
+fn worker_info(view: &RankView) -> v1::WorkerInfo {
+    let mut info = v1::WorkerInfo {
+        index: Some(selector_of(&view.index)),
+        instance_id: view.worker.worker_id,
+        dp_rank: view.worker.dp_rank,
+        status: match view.status {
+            ListenerStatus::Pending => v1::WorkerStatus::Pending,
+            ListenerStatus::Active => v1::WorkerStatus::Active,
+            ListenerStatus::Failed => v1::WorkerStatus::Failed,
+            ListenerStatus::Stopped => v1::WorkerStatus::Stopped,
+        } as i32,
+        last_error: view.last_error.clone().unwrap_or_default(),
+        last_seq: view.last_seq,
+        micros_since_last_batch: view.micros_since_last_batch,
+        counters: Some(counters_of(&view.counters)),
+        blocks: Some(v1::BlockCounts {
+            device: view.blocks[0],
+            host: view.blocks[1],
+            disk: view.blocks[2],
+            external: view.blocks[3],
+        }),
+        ..v1::WorkerInfo::default()
+    };
+    match &view.source {
+        RankSource::Zmq(registration) => {
+            info.source = v1::WorkerSource::Zmq as i32;
+            info.engine = match registration.engine {
+                EngineKind::Vllm => v1::EngineKind::Vllm,
+                EngineKind::Sglang => v1::EngineKind::Sglang,
+            } as i32;
+            info.endpoint.clone_from(&registration.endpoint);
+            info.replay_endpoint = registration.replay_endpoint.clone().unwrap_or_default();
+            info.topic.clone_from(&registration.topic);
+            info.socket_mode = match registration.mode {
+                SocketMode::Connect => v1::SocketMode::Connect,
+                SocketMode::Bind => v1::SocketMode::Bind,
+            } as i32;
+        }
+        RankSource::Grpc => info.source = v1::WorkerSource::Grpc as i32,
+        RankSource::BatchRank => info.source = v1::WorkerSource::BatchRank as i32,
+    }
+    info
+}
+
+/// Whether a (model, tenant) passes a list request's filters and the caller's tenants.
+fn listed(caller: &Caller, model: &str, tenant: &str, key: &IndexKey) -> bool {
+    (model.is_empty() || model == key.model)
+        && (tenant.is_empty() || tenant == key.tenant)
+        && caller.may_use(&key.tenant)
+}
+
+#[tonic::async_trait]
+impl Indexer for IndexerService {
+    async fn query(
+        &self,
+        request: Request<v1::QueryRequest>,
+    ) -> Result<Response<v1::QueryResponse>, Status> {
+        let started = Instant::now();
+        let result = (|| {
+            let _permit = self.state.admit(Rpc::Query).map_err(status)?;
+            let caller = caller_of(&request)?;
+            self.answer(&caller, request.get_ref())
+                .map(Response::new)
+                .map_err(status)
+        })();
+        self.finish(Rpc::Query, started, result)
+    }
+
+    type QueryStreamStream = QueryAnswers;
+
+    async fn query_stream(
+        &self,
+        request: Request<Streaming<v1::QueryRequest>>,
+    ) -> Result<Response<Self::QueryStreamStream>, Status> {
+        let started = Instant::now();
+        let result = (|| {
+            let permit = self.state.admit(Rpc::QueryStream).map_err(status)?;
+            let caller = caller_of(&request)?;
+            Ok(Response::new(QueryAnswers {
+                service: self.clone(),
+                caller,
+                inbound: request.into_inner(),
+                shutdown: Box::pin(self.state.shutdown.clone().cancelled_owned()),
+                _permit: permit,
+                done: false,
+            }))
+        })();
+        if result.is_err() {
+            return self.finish(Rpc::QueryStream, started, result);
+        }
+        result
+    }
+
+    async fn register_worker(
+        &self,
+        request: Request<v1::RegisterWorkerRequest>,
+    ) -> Result<Response<v1::RegisterWorkerResponse>, Status> {
+        let started = Instant::now();
+        let result = async {
+            let _permit = self.state.admit(Rpc::RegisterWorker)?;
+            let caller =
+                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let registration = registration_of(request.get_ref())?;
+            caller.check(&registration.index.tenant)?;
+            let registry = Arc::clone(&self.state.registry);
+            let registered = blocking(move || registry.register(registration)).await?;
+            self.state.update_gate();
+            Ok(Response::new(v1::RegisterWorkerResponse {
+                created_index: registered.created_index,
+                already_registered: registered.already_registered,
+                worker: Some(worker_info(&registered.view)),
+            }))
+        }
+        .await
+        .map_err(status);
+        self.finish(Rpc::RegisterWorker, started, result)
+    }
+
+    async fn unregister_worker(
+        &self,
+        request: Request<v1::UnregisterWorkerRequest>,
+    ) -> Result<Response<v1::UnregisterWorkerResponse>, Status> {
+        let started = Instant::now();
+        let result = async {
+            let _permit = self.state.admit(Rpc::UnregisterWorker)?;
+            let caller =
+                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let message = request.get_ref();
+            let key = key_of(message.index.as_ref())?;
+            let tenant = if message.all_tenants {
+                if !caller.unrestricted() {
+                    return Err(ServiceError::PermissionDenied(format!(
+                        "the token {:?} is limited to some tenants and cannot unregister across \
+                         all tenants; name the tenant",
+                        caller.name
+                    )));
+                }
+                None
+            } else {
+                caller.check(&key.tenant)?;
+                Some(key.tenant.clone())
+            };
+            let (instance, rank) = (message.instance_id, message.dp_rank);
+            let registry = Arc::clone(&self.state.registry);
+            let done = blocking(move || {
+                registry.unregister(&key.model, tenant.as_deref(), instance, rank, |t| {
+                    caller.may_use(t)
+                })
+            })
+            .await?;
+            Ok(Response::new(v1::UnregisterWorkerResponse {
+                ranks_removed: done.ranks_removed,
+                listeners_stopped: done.listeners_stopped,
+                blocks_removed: done.blocks_removed,
+                indexes: done.indexes.iter().map(selector_of).collect(),
+            }))
+        }
+        .await
+        .map_err(status);
+        self.finish(Rpc::UnregisterWorker, started, result)
+    }
+
+    async fn list_workers(
+        &self,
+        request: Request<v1::ListWorkersRequest>,
+    ) -> Result<Response<v1::ListWorkersResponse>, Status> {
+        let started = Instant::now();
+        let result = async {
+            let _permit = self.state.admit(Rpc::ListWorkers)?;
+            let caller =
+                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let filter = request.into_inner();
+            let entries: Vec<_> = self
+                .state
+                .registry
+                .all()
+                .into_iter()
+                .filter(|e| listed(&caller, &filter.model, &filter.tenant, &e.key))
+                .collect();
+            let workers = blocking(move || {
+                Ok(entries
+                    .iter()
+                    .flat_map(|entry| entry.rank_views(&entry.blocks_per_rank()))
+                    .map(|view| worker_info(&view))
+                    .collect())
+            })
+            .await?;
+            Ok(Response::new(v1::ListWorkersResponse { workers }))
+        }
+        .await
+        .map_err(status);
+        self.finish(Rpc::ListWorkers, started, result)
+    }
+
+    async fn list_indexes(
+        &self,
+        request: Request<v1::ListIndexesRequest>,
+    ) -> Result<Response<v1::ListIndexesResponse>, Status> {
+        let started = Instant::now();
+        let result = async {
+            let _permit = self.state.admit(Rpc::ListIndexes)?;
+            let caller =
+                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let filter = request.into_inner();
+            let entries: Vec<_> = self
+                .state
+                .registry
+                .all()
+                .into_iter()
+                .filter(|e| listed(&caller, &filter.model, &filter.tenant, &e.key))
+                .collect();
+            let indexes = blocking(move || {
+                Ok(entries
+                    .iter()
+                    .map(|entry| {
+                        let index = entry.index();
+                        let stats = kvatlas_index::SharedKvIndex::stats(index);
+                        let totals = index.totals();
+                        v1::IndexInfo {
+                            index: Some(selector_of(&entry.key)),
+                            block_size: entry.block_size.get(),
+                            registered_ranks: u32::try_from(entry.feeds.lock().len())
+                                .unwrap_or(u32::MAX),
+                            ranks_with_blocks: u32::try_from(stats.workers.len())
+                                .unwrap_or(u32::MAX),
+                            memberships: stats.memberships,
+                            heap_bytes: stats.heap_bytes,
+                            capacity: index.capacity().unwrap_or(0),
+                            last_event_unix_micros: index.last_event_unix_micros(),
+                            events_applied: index.events_applied(),
+                            events_queued: entry.pool.queued() as u64,
+                            anomalies: Some(v1::IndexAnomalies {
+                                unknown_parents: totals.unknown_parents,
+                                unknown_removes: totals.unknown_removes,
+                                duplicate_stores: totals.duplicate_stores,
+                                conflicting_stores: totals.conflicting_stores,
+                                evicted: totals.evicted,
+                            }),
+                        }
+                    })
+                    .collect())
+            })
+            .await?;
+            Ok(Response::new(v1::ListIndexesResponse { indexes }))
+        }
+        .await
+        .map_err(status);
+        self.finish(Rpc::ListIndexes, started, result)
+    }
+
+    async fn publish_events(
+        &self,
+        request: Request<Streaming<v1::PublishEventsRequest>>,
+    ) -> Result<Response<v1::PublishEventsResponse>, Status> {
+        let started = Instant::now();
+        let result = self.publish(request).await;
+        self.finish(Rpc::PublishEvents, started, result)
+    }
+}
+
+impl IndexerService {
+    /// `PublishEvents` (see `publish`): reads, checks and applies messages until the client
+    /// closes the stream or a shutdown starts, then waits until everything is applied and
+    /// acknowledges it.
+    async fn publish(
+        &self,
+        request: Request<Streaming<v1::PublishEventsRequest>>,
+    ) -> Result<Response<v1::PublishEventsResponse>, Status> {
+        let _permit = self.state.admit(Rpc::PublishEvents).map_err(status)?;
+        let caller = caller_of(&request)?;
+        let mut inbound = request.into_inner();
+        let mut publisher = Publisher::new(
+            self.state.next_stream_id(),
+            Arc::clone(&self.state.registry),
+        );
+        let shutdown = self.state.shutdown.clone();
+        let failure = loop {
+            let message = tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break None,
+                message = inbound.message() => message,
+            };
+            let message = match message {
+                Ok(Some(message)) => message,
+                Ok(None) => break None,
+                Err(status) => break Some(status),
+            };
+            if let Err(error) = self.publish_one(&caller, &mut publisher, &message).await {
+                let applied = publisher.counts.messages_applied;
+                break Some(status(match error {
+                    ServiceError::InvalidArgument(m) => ServiceError::InvalidArgument(format!(
+                        "message {} (instance {} rank {}): {m}; the {applied} message(s) before it \
+                         were applied",
+                        publisher.counts.messages_received + 1,
+                        message.instance_id,
+                        message.dp_rank
+                    )),
+                    other => other,
+                }));
+            }
+        };
+        // Everything enqueued is applied before the stream's messages are acknowledged.
+        let indexes = publisher.fed_indexes();
+        blocking(move || {
+            for entry in indexes {
+                entry.pool.flush();
+            }
+            Ok(())
+        })
+        .await
+        .map_err(status)?;
+        self.state.update_gate();
+        match failure {
+            Some(status) => Err(status),
+            None => Ok(Response::new(publisher.response())),
+        }
+    }
+
+    async fn publish_one(
+        &self,
+        caller: &Caller,
+        publisher: &mut Publisher,
+        message: &v1::PublishEventsRequest,
+    ) -> Result<(), ServiceError> {
+        let tenant = message.index.as_ref().map_or("", |s| s.tenant.as_str());
+        caller.check(if tenant.is_empty() {
+            crate::registry::DEFAULT_TENANT
+        } else {
+            tenant
+        })?;
+        let prepared = publisher.prepare(message)?;
+        let resync = match publisher.admit(&prepared)? {
+            Admission::Duplicate => return Ok(()),
+            Admission::Apply { resync } => resync,
+        };
+        let events = prepared.mutations.len();
+        if resync {
+            enqueue(
+                &prepared.entry.pool,
+                Mutation::Cleared {
+                    worker: prepared.worker,
+                },
+            )
+            .await?;
+        }
+        for mutation in prepared.mutations {
+            enqueue(&prepared.entry.pool, mutation).await?;
+        }
+        publisher.applied(events);
+        Ok(())
+    }
+}
+
+/// Enqueues a mutation, waiting (without blocking the runtime) while its lane is full.
+async fn enqueue(
+    pool: &kvatlas_index::ThreadPool<crate::served_index::ServedIndex>,
+    mutation: Mutation,
+) -> Result<(), ServiceError> {
+    let mut mutation = mutation;
+    let mut backoff = Duration::from_micros(50);
+    loop {
+        match pool.try_enqueue(mutation) {
+            Ok(()) => return Ok(()),
+            Err(kvatlas_index::EnqueueError::Full(back)) => {
+                mutation = back;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(5));
+            }
+            Err(kvatlas_index::EnqueueError::Stopped(_)) => {
+                return Err(ServiceError::Internal(
+                    "the index writers have stopped".into(),
+                ));
+            }
+        }
+    }
+}
+
+/// The answers of a `QueryStream`: each inbound query answered inline when the response stream
+/// is polled, in order; ends with UNAVAILABLE when a shutdown starts.
+pub(crate) struct QueryAnswers {
+    service: IndexerService,
+    caller: Caller,
+    inbound: Streaming<v1::QueryRequest>,
+    shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
+    _permit: crate::state::Permit,
+    done: bool,
+}
+
+impl std::fmt::Debug for QueryAnswers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueryAnswers").finish_non_exhaustive()
+    }
+}
+
+impl Stream for QueryAnswers {
+    type Item = Result<v1::QueryStreamResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        if self.shutdown.as_mut().poll(cx).is_ready() {
+            self.done = true;
+            return Poll::Ready(Some(Err(Status::unavailable(
+                "the server is shutting down",
+            ))));
+        }
+        match Pin::new(&mut self.inbound).poll_next(cx) {
+            Poll::Ready(Some(Ok(request))) => {
+                let started = Instant::now();
+                let outcome = match self.service.answer(&self.caller, &request) {
+                    Ok(response) => {
+                        self.service
+                            .state
+                            .metrics
+                            .record(Rpc::QueryStream, started.elapsed(), 0);
+                        v1::query_stream_response::Outcome::Response(response)
+                    }
+                    Err(error) => {
+                        let status = status(error);
+                        self.service.state.metrics.record(
+                            Rpc::QueryStream,
+                            started.elapsed(),
+                            status.code() as i32,
+                        );
+                        v1::query_stream_response::Outcome::Error(v1::QueryError {
+                            code: status.code() as u32,
+                            message: status.message().to_owned(),
+                        })
+                    }
+                };
+                Poll::Ready(Some(Ok(v1::QueryStreamResponse {
+                    request_id: request.request_id,
+                    outcome: Some(outcome),
+                })))
+            }
+            Poll::Ready(Some(Err(status))) => {
+                self.done = true;
+                Poll::Ready(Some(Err(status)))
+            }
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! The HTTP side: `/health` (liveness: 200 while the process serves), `/ready` (200 once the
+//! startup gate is open, 503 with the reason before and during shutdown) and `/metrics`
+//! (Prometheus; with authentication on, it needs a token allowed every tenant, because its labels
+//! name every index).
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State as AxumState;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+
+use crate::error::ServiceError;
+use crate::state::State;
+
+/// The HTTP routes.
+pub(crate) fn router(state: Arc<State>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// A plain-text error response.
+pub(crate) fn error_response(error: &ServiceError) -> Response {
+    let code =
+        StatusCode::from_u16(error.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (code, format!("{error}\n")).into_response()
+}
+
+async fn health(AxumState(state): AxumState<Arc<State>>) -> Response {
+    state.metrics.http("/health", 200);
+    (StatusCode::OK, "ok\n").into_response()
+}
+
+async fn ready(AxumState(state): AxumState<Arc<State>>) -> Response {
+    match state.check_ready() {
+        Ok(()) => {
+            state.metrics.http("/ready", 200);
+            (StatusCode::OK, "ready\n").into_response()
+        }
+        Err(error) => {
+            state.metrics.http("/ready", 503);
+            error_response(&error)
+        }
+    }
+}
+
+async fn metrics(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -> Response {
+    let header_value = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let allowed = state.authenticate(header_value).and_then(|caller| {
+        if caller.unrestricted() {
+            Ok(())
+        } else {
+            Err(ServiceError::PermissionDenied(format!(
+                "the token {:?} is limited to some tenants; /metrics names every index, so it \
+                 needs a token allowed every tenant",
+                caller.name
+            )))
+        }
+    });
+    if let Err(error) = allowed {
+        state.metrics.http("/metrics", error.http_status());
+        return error_response(&error);
+    }
+    state.metrics.http("/metrics", 200);
+    let ready = state.ready();
+    let registry = Arc::clone(&state.registry);
+    let state_for_render = Arc::clone(&state);
+    // Index statistics take each index's writer side briefly: off the async workers.
+    let body =
+        tokio::task::spawn_blocking(move || state_for_render.metrics.render(&registry, ready))
+            .await
+            .unwrap_or_else(|e| format!("# rendering failed: {e}\n"));
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}

@@ -1,0 +1,54 @@
+//! kvatlas's service: the global KV-cache index as a server that routers call over gRPC.
+//!
+//! | Module | Does |
+//! |---|---|
+//! | `registry` | one index per (model, tenant): its `ConcurrentAtlas` behind a writer pool, its ZMQ listeners, who feeds each worker rank |
+//! | `query` | answering a query inline: hashing the prompt as the engines' events are hashed, one walk, the options |
+//! | `publish` | `PublishEvents`: engine-neutral events pushed over gRPC, checked whole, sequenced per rank |
+//! | `grpc` | the `kvatlas.v1.Indexer` service: validation, proto ↔ domain conversion, status codes |
+//! | `http` | `/health`, `/ready`, `/metrics` |
+//! | `metrics` | the Prometheus instruments and exposition |
+//! | `auth` | bearer tokens (constant-time), per-tenant permissions |
+//! | `config`, `tls`, `server` | configuration and its safety rules, TLS, start and graceful shutdown |
+//! | [`cli`] | the `kvatlas` command line: `serve` and the client commands |
+//!
+//! ```no_run
+//! use kvatlas_server::{RunningServer, ServerConfig};
+//!
+//! # async fn run() -> Result<(), kvatlas_server::StartError> {
+//! let server = RunningServer::start(ServerConfig::default()).await?;
+//! println!("gRPC on {}", server.grpc_addr());
+//! let report = server.run_until_signal().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! This is the only kvatlas crate with an async runtime: tokio, tonic and axum stop here, and the
+//! index and event crates below it stay runtime-free (`cargo xtask tidy`).
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod auth;
+pub mod cli;
+mod config;
+mod error;
+mod grpc;
+mod http;
+mod metrics;
+mod publish;
+mod query;
+mod registry;
+mod served_index;
+mod server;
+mod state;
+mod tls;
+
+pub use auth::{Caller, MIN_TOKEN_BYTES, TokenFileError, Tokens};
+pub use config::{
+    ConfigError, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, IndexSettings, Limits, ServerConfig,
+    TlsFiles, WorkerDefaults, parse_engine, parse_worker_list,
+};
+pub use error::ServiceError;
+pub use registry::{DEFAULT_TENANT, FeedCounters, IndexKey, MAX_NAME_BYTES, WorkerRegistration};
+pub use server::{IndexReport, RunningServer, ShutdownReport, StartError};

@@ -1,0 +1,549 @@
+//! Prometheus metrics in the text exposition format (version 0.0.4), all prefixed `kvatlas_`.
+//!
+//! Request instruments are atomics updated on the request path (a histogram per RPC, counters
+//! per RPC and status code, shed requests, requests in flight); index and listener figures are
+//! read from the registry when `/metrics` is scraped. Every instrument belongs to one server
+//! (no global recorder), so several servers in one process — tests do that — keep their own.
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `kvatlas_request_duration_seconds` | histogram | `rpc` (each `QueryStream` message counts as one request) |
+//! | `kvatlas_requests_total` | counter | `rpc`, `code` (gRPC status name; errors are `code!="OK"`) |
+//! | `kvatlas_requests_shed_total` | counter | `rpc` (refused at the concurrency limit) |
+//! | `kvatlas_requests_in_flight` | gauge | |
+//! | `kvatlas_auth_failures_total` | counter | (missing or unknown credentials) |
+//! | `kvatlas_http_requests_total` | counter | `route`, `status` |
+//! | `kvatlas_ready` | gauge | (1 once the startup gate is open) |
+//! | `kvatlas_registered_ranks` | gauge | |
+//! | `kvatlas_index_memberships`, `_worker_ranks`, `_heap_bytes`, `_capacity`, `_queue_depth`, `_last_event_timestamp_seconds` | gauge | `model`, `tenant` |
+//! | `kvatlas_events_applied_total` | counter | `model`, `tenant` (index mutations applied) |
+//! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
+//! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
+//! | `kvatlas_batches_total` | counter | `model`, `tenant`, `outcome` (`received`, `applied`, `replayed`, `duplicate`, `decode_error`, `bad_frame`) |
+//! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`) |
+//! | `kvatlas_listeners` | gauge | `model`, `tenant`, `status` |
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::registry::Registry;
+
+/// The RPCs of `kvatlas.v1.Indexer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rpc {
+    Query,
+    QueryStream,
+    RegisterWorker,
+    UnregisterWorker,
+    ListWorkers,
+    ListIndexes,
+    PublishEvents,
+}
+
+impl Rpc {
+    const ALL: [Rpc; 7] = [
+        Rpc::Query,
+        Rpc::QueryStream,
+        Rpc::RegisterWorker,
+        Rpc::UnregisterWorker,
+        Rpc::ListWorkers,
+        Rpc::ListIndexes,
+        Rpc::PublishEvents,
+    ];
+
+    const fn name(self) -> &'static str {
+        match self {
+            Rpc::Query => "Query",
+            Rpc::QueryStream => "QueryStream",
+            Rpc::RegisterWorker => "RegisterWorker",
+            Rpc::UnregisterWorker => "UnregisterWorker",
+            Rpc::ListWorkers => "ListWorkers",
+            Rpc::ListIndexes => "ListIndexes",
+            Rpc::PublishEvents => "PublishEvents",
+        }
+    }
+}
+
+/// The gRPC status code names, by code number.
+const CODE_NAMES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
+
+/// Latency bucket upper bounds, in seconds.
+const BOUNDS: [f64; 16] = [
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1,
+    0.25, 1.0, 5.0,
+];
+
+/// A fixed-bucket histogram of durations.
+#[derive(Debug, Default)]
+struct Histogram {
+    /// Observations per bucket (not cumulative); the last one is `+Inf`.
+    buckets: [AtomicU64; BOUNDS.len() + 1],
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, elapsed: Duration) {
+        let seconds = elapsed.as_secs_f64();
+        let bucket = BOUNDS
+            .iter()
+            .position(|&bound| seconds <= bound)
+            .unwrap_or(BOUNDS.len());
+        if let Some(count) = self.buckets.get(bucket) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_nanos.fetch_add(
+            u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// Per-RPC instruments.
+#[derive(Debug, Default)]
+struct RpcInstruments {
+    latency: Histogram,
+    codes: [AtomicU64; CODE_NAMES.len()],
+    shed: AtomicU64,
+}
+
+/// A server's request instruments (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    rpcs: [RpcInstruments; Rpc::ALL.len()],
+    in_flight: AtomicU64,
+    auth_failures: AtomicU64,
+    http: Mutex<std::collections::BTreeMap<(&'static str, u16), u64>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            rpcs: Default::default(),
+            in_flight: AtomicU64::new(0),
+            auth_failures: AtomicU64::new(0),
+            http: Mutex::new(std::collections::BTreeMap::new()),
+        }
+    }
+}
+
+impl Metrics {
+    fn rpc(&self, rpc: Rpc) -> &RpcInstruments {
+        // Indexed by the enum's declaration order, which `Rpc::ALL` lists.
+        &self.rpcs[rpc as usize]
+    }
+
+    /// Records one finished request: its latency and status code number.
+    pub(crate) fn record(&self, rpc: Rpc, elapsed: Duration, code: i32) {
+        let instruments = self.rpc(rpc);
+        instruments.latency.observe(elapsed);
+        let code = usize::try_from(code)
+            .ok()
+            .filter(|c| *c < CODE_NAMES.len())
+            .unwrap_or(2);
+        instruments.codes[code].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a request shed at the concurrency limit.
+    pub(crate) fn shed(&self, rpc: Rpc) {
+        self.rpc(rpc).shed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a request refused for missing or unknown credentials.
+    pub(crate) fn auth_failure(&self) {
+        self.auth_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The requests-in-flight gauge.
+    pub(crate) fn in_flight(&self) -> &AtomicU64 {
+        &self.in_flight
+    }
+
+    /// Records one HTTP request.
+    pub(crate) fn http(&self, route: &'static str, status: u16) {
+        *self.http.lock().entry((route, status)).or_insert(0) += 1;
+    }
+
+    /// The exposition text: these instruments plus the registry's figures.
+    pub(crate) fn render(&self, registry: &Registry, ready: bool) -> String {
+        let mut out = String::with_capacity(16 << 10);
+        self.render_requests(&mut out);
+        render_indexes(&mut out, registry, ready);
+        out
+    }
+
+    fn render_requests(&self, out: &mut String) {
+        header(
+            out,
+            "kvatlas_request_duration_seconds",
+            "histogram",
+            "gRPC request latency (each QueryStream message is one request).",
+        );
+        for rpc in Rpc::ALL {
+            let h = &self.rpc(rpc).latency;
+            let mut cumulative = 0;
+            for (i, count) in h.buckets.iter().enumerate() {
+                cumulative += count.load(Ordering::Relaxed);
+                let le = BOUNDS
+                    .get(i)
+                    .map_or_else(|| "+Inf".to_owned(), |b| format!("{b}"));
+                let _ = writeln!(
+                    out,
+                    "kvatlas_request_duration_seconds_bucket{{rpc=\"{}\",le=\"{le}\"}} {cumulative}",
+                    rpc.name()
+                );
+            }
+            let sum = h.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+            let _ = writeln!(
+                out,
+                "kvatlas_request_duration_seconds_sum{{rpc=\"{}\"}} {sum}",
+                rpc.name()
+            );
+            let _ = writeln!(
+                out,
+                "kvatlas_request_duration_seconds_count{{rpc=\"{}\"}} {cumulative}",
+                rpc.name()
+            );
+        }
+        header(
+            out,
+            "kvatlas_requests_total",
+            "counter",
+            "gRPC requests by status code.",
+        );
+        for rpc in Rpc::ALL {
+            for (code, count) in self.rpc(rpc).codes.iter().enumerate() {
+                let count = count.load(Ordering::Relaxed);
+                if count > 0 || code == 0 {
+                    let _ = writeln!(
+                        out,
+                        "kvatlas_requests_total{{rpc=\"{}\",code=\"{}\"}} {count}",
+                        rpc.name(),
+                        CODE_NAMES[code]
+                    );
+                }
+            }
+        }
+        header(
+            out,
+            "kvatlas_requests_shed_total",
+            "counter",
+            "Requests refused at the concurrency limit.",
+        );
+        for rpc in Rpc::ALL {
+            let _ = writeln!(
+                out,
+                "kvatlas_requests_shed_total{{rpc=\"{}\"}} {}",
+                rpc.name(),
+                self.rpc(rpc).shed.load(Ordering::Relaxed)
+            );
+        }
+        header(
+            out,
+            "kvatlas_requests_in_flight",
+            "gauge",
+            "gRPC requests and open streams being served.",
+        );
+        let _ = writeln!(
+            out,
+            "kvatlas_requests_in_flight {}",
+            self.in_flight.load(Ordering::Relaxed)
+        );
+        header(
+            out,
+            "kvatlas_auth_failures_total",
+            "counter",
+            "Requests refused for missing or unknown credentials (gRPC and HTTP).",
+        );
+        let _ = writeln!(
+            out,
+            "kvatlas_auth_failures_total {}",
+            self.auth_failures.load(Ordering::Relaxed)
+        );
+        header(
+            out,
+            "kvatlas_http_requests_total",
+            "counter",
+            "HTTP requests by route and status.",
+        );
+        for ((route, status), count) in self.http.lock().iter() {
+            let _ = writeln!(
+                out,
+                "kvatlas_http_requests_total{{route=\"{route}\",status=\"{status}\"}} {count}"
+            );
+        }
+    }
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// A label value escaped for the exposition format.
+fn escape(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => escaped.push_str("\\\\"),
+            '"' => escaped.push_str("\\\""),
+            '\n' => escaped.push_str("\\n"),
+            c => escaped.push(c),
+        }
+    }
+    escaped
+}
+
+fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
+    header(
+        out,
+        "kvatlas_ready",
+        "gauge",
+        "1 once the startup gate is open and the server is not shutting down.",
+    );
+    let _ = writeln!(out, "kvatlas_ready {}", u8::from(ready));
+    header(
+        out,
+        "kvatlas_registered_ranks",
+        "gauge",
+        "Registered worker ranks (ZMQ listeners and gRPC feeds).",
+    );
+    let _ = writeln!(
+        out,
+        "kvatlas_registered_ranks {}",
+        registry.registered_ranks()
+    );
+
+    struct Row {
+        labels: String,
+        stats: kvatlas_index::IndexStats,
+        capacity: u64,
+        queued: usize,
+        last_event: i64,
+        applied: u64,
+        totals: kvatlas_index::ApplyReport,
+        counters: crate::registry::FeedCounters,
+        listeners: std::collections::BTreeMap<&'static str, u64>,
+    }
+    let rows: Vec<Row> = registry
+        .all()
+        .iter()
+        .map(|entry| {
+            let index = entry.index();
+            Row {
+                labels: format!(
+                    "model=\"{}\",tenant=\"{}\"",
+                    escape(&entry.key.model),
+                    escape(&entry.key.tenant)
+                ),
+                stats: kvatlas_index::SharedKvIndex::stats(index),
+                capacity: index.capacity().unwrap_or(0),
+                queued: entry.pool.queued(),
+                last_event: index.last_event_unix_micros(),
+                applied: index.events_applied(),
+                totals: index.totals(),
+                counters: entry.total_counters(),
+                listeners: entry.listener_statuses(),
+            }
+        })
+        .collect();
+
+    /// A gauge: name, help, value of a row.
+    type Gauge = (&'static str, &'static str, fn(&Row) -> f64);
+    let gauges: [Gauge; 6] = [
+        (
+            "kvatlas_index_memberships",
+            "(rank, block, tier) memberships held.",
+            |r| r.stats.memberships as f64,
+        ),
+        (
+            "kvatlas_index_worker_ranks",
+            "Worker ranks holding at least one block.",
+            |r| r.stats.workers.len() as f64,
+        ),
+        (
+            "kvatlas_index_heap_bytes",
+            "Heap bytes the index estimates it uses.",
+            |r| r.stats.heap_bytes as f64,
+        ),
+        (
+            "kvatlas_index_capacity",
+            "Most memberships held before evicting (0 = unbounded).",
+            |r| r.capacity as f64,
+        ),
+        (
+            "kvatlas_index_queue_depth",
+            "Mutations waiting for the index writers.",
+            |r| r.queued as f64,
+        ),
+        (
+            "kvatlas_index_last_event_timestamp_seconds",
+            "When the index last applied an event (Unix time; 0 = never).",
+            |r| r.last_event as f64 / 1e6,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        header(out, name, "gauge", help);
+        for row in &rows {
+            let _ = writeln!(out, "{name}{{{}}} {}", row.labels, value(row));
+        }
+    }
+    header(
+        out,
+        "kvatlas_events_applied_total",
+        "counter",
+        "Index mutations applied.",
+    );
+    for row in &rows {
+        let _ = writeln!(
+            out,
+            "kvatlas_events_applied_total{{{}}} {}",
+            row.labels, row.applied
+        );
+    }
+    header(
+        out,
+        "kvatlas_events_dropped_total",
+        "counter",
+        "Events or batches dropped, by reason.",
+    );
+    for row in &rows {
+        for (reason, count) in row.counters.drops.iter() {
+            let _ = writeln!(
+                out,
+                "kvatlas_events_dropped_total{{{},reason=\"{reason}\"}} {count}",
+                row.labels
+            );
+        }
+    }
+    header(
+        out,
+        "kvatlas_index_anomalies_total",
+        "counter",
+        "Anomalies the index absorbed, and capacity evictions.",
+    );
+    for row in &rows {
+        let t = &row.totals;
+        for (kind, count) in [
+            ("unknown_parent", t.unknown_parents),
+            ("unknown_remove", t.unknown_removes),
+            ("duplicate_store", t.duplicate_stores),
+            ("conflicting_store", t.conflicting_stores),
+            ("evicted", t.evicted),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvatlas_index_anomalies_total{{{},kind=\"{kind}\"}} {count}",
+                row.labels
+            );
+        }
+    }
+    header(
+        out,
+        "kvatlas_batches_total",
+        "counter",
+        "Event batches by outcome.",
+    );
+    for row in &rows {
+        let c = &row.counters;
+        for (outcome, count) in [
+            ("received", c.batches_received),
+            ("applied", c.batches_applied),
+            ("replayed", c.batches_replayed),
+            ("duplicate", c.duplicates),
+            ("decode_error", c.decode_errors),
+            ("bad_frame", c.bad_frames),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvatlas_batches_total{{{},outcome=\"{outcome}\"}} {count}",
+                row.labels
+            );
+        }
+    }
+    header(
+        out,
+        "kvatlas_sequence_events_total",
+        "counter",
+        "Gaps, resyncs, engine restarts and replays.",
+    );
+    for row in &rows {
+        let c = &row.counters;
+        for (kind, count) in [
+            ("gap", c.gaps),
+            ("resync", c.resyncs),
+            ("restart", c.restarts),
+            ("replay_completed", c.replays_completed),
+            ("replay_failed", c.replays_failed),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvatlas_sequence_events_total{{{},kind=\"{kind}\"}} {count}",
+                row.labels
+            );
+        }
+    }
+    header(
+        out,
+        "kvatlas_listeners",
+        "gauge",
+        "ZMQ listeners by status.",
+    );
+    for row in &rows {
+        for status in ["pending", "active", "failed", "stopped"] {
+            let _ = writeln!(
+                out,
+                "kvatlas_listeners{{{},status=\"{status}\"}} {}",
+                row.labels,
+                row.listeners.get(status).copied().unwrap_or(0)
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_and_labels_escaped() {
+        let metrics = Metrics::default();
+        metrics.record(Rpc::Query, Duration::from_micros(20), 0);
+        metrics.record(Rpc::Query, Duration::from_millis(2), 5);
+        let mut out = String::new();
+        metrics.render_requests(&mut out);
+        assert!(
+            out.contains("kvatlas_request_duration_seconds_bucket{rpc=\"Query\",le=\"0.00001\"} 0")
+        );
+        assert!(
+            out.contains(
+                "kvatlas_request_duration_seconds_bucket{rpc=\"Query\",le=\"0.000025\"} 1"
+            )
+        );
+        assert!(
+            out.contains("kvatlas_request_duration_seconds_bucket{rpc=\"Query\",le=\"+Inf\"} 2")
+        );
+        assert!(out.contains("kvatlas_request_duration_seconds_count{rpc=\"Query\"} 2"));
+        assert!(out.contains("kvatlas_requests_total{rpc=\"Query\",code=\"NOT_FOUND\"} 1"));
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

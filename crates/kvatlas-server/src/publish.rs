@@ -1,0 +1,414 @@
+//! `PublishEvents`: KV events pushed over gRPC in kvatlas's engine-neutral form, for engines or
+//! sidecars that cannot use ZMQ (and for tests).
+//!
+//! Each message is one batch of one worker rank's events. It is checked whole before anything is
+//! applied ([`Publisher::prepare`]: the index, the block size, every event); a bad message ends
+//! the stream with INVALID_ARGUMENT naming the event and field, and everything before it stays
+//! applied. Then the rank's sequence number is checked ([`Publisher::admit`]), with the
+//! listener's rules for a source without replay:
+//!
+//! | the batch's `seq` | outcome |
+//! |---|---|
+//! | absent | applied (unsequenced) |
+//! | the rank's first, or last + 1 | applied |
+//! | at or below the last applied | a duplicate: dropped and counted (a retry is harmless) |
+//! | 0 after a higher number | an engine restart: the rank is cleared (counted), then applied |
+//! | beyond last + 1 | a gap: the lost batches cannot be recovered, so the rank is cleared (counted, and reported in `last_error`), then the batch is applied |
+//!
+//! A rank fed over gRPC is registered by its first message (source `GRPC` in `ListWorkers`); it
+//! cannot also have a ZMQ listener, and one stream at a time feeds it, so its events reach its
+//! writer lane in order.
+
+use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier, Worker};
+use kvatlas_proto::v1::{self, kv_event};
+
+use crate::error::ServiceError;
+use crate::registry::{Feed, GrpcFeed, IndexEntry, IndexKey, Registry, block_size_field};
+
+/// A checked message, ready to apply.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub(crate) entry: Arc<IndexEntry>,
+    pub(crate) worker: Worker,
+    pub(crate) seq: Option<u64>,
+    pub(crate) mutations: Vec<Mutation>,
+}
+
+/// What to do with a prepared message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// Apply it, after clearing the rank if `resync`.
+    Apply {
+        /// Clear the rank first (a gap or an engine restart).
+        resync: bool,
+    },
+    /// Drop it: its sequence number was already applied.
+    Duplicate,
+}
+
+/// One `PublishEvents` stream's state: the ranks it feeds and its counts.
+#[derive(Debug)]
+pub(crate) struct Publisher {
+    stream: u64,
+    registry: Arc<Registry>,
+    /// The ranks this stream fed, with their index.
+    fed: BTreeMap<(IndexKey, Worker), Arc<IndexEntry>>,
+    pub(crate) counts: v1::PublishEventsResponse,
+}
+
+impl Publisher {
+    /// A new stream's state; `stream` identifies it among open streams.
+    pub(crate) fn new(stream: u64, registry: Arc<Registry>) -> Self {
+        Self {
+            stream,
+            registry,
+            fed: BTreeMap::new(),
+            counts: v1::PublishEventsResponse::default(),
+        }
+    }
+
+    /// Checks a message whole and converts its events (nothing is applied).
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT naming the bad field, NOT_FOUND for an unknown index without a block
+    /// size, FAILED_PRECONDITION for a block-size mismatch.
+    pub(crate) fn prepare(
+        &self,
+        message: &v1::PublishEventsRequest,
+    ) -> Result<Prepared, ServiceError> {
+        let selector = message.index.clone().unwrap_or_default();
+        let key = IndexKey::new(selector.model, selector.tenant);
+        let block_size = (message.block_size != 0)
+            .then(|| block_size_field(message.block_size, "block_size"))
+            .transpose()?;
+        let (entry, _) = self.registry.index_for(&key, block_size)?;
+        let worker = Worker::new(message.instance_id, message.dp_rank);
+        let mutations = convert_events(&entry, worker, &message.events)?;
+        Ok(Prepared {
+            entry,
+            worker,
+            seq: message.seq,
+            mutations,
+        })
+    }
+
+    /// Checks the rank's feed and sequence number and records the batch (see the module docs).
+    ///
+    /// # Errors
+    /// FAILED_PRECONDITION if a ZMQ listener or another stream feeds the rank,
+    /// RESOURCE_EXHAUSTED at the registered-rank limit.
+    pub(crate) fn admit(&mut self, prepared: &Prepared) -> Result<Admission, ServiceError> {
+        let entry = &prepared.entry;
+        let worker = prepared.worker;
+        let mut feeds = entry.feeds.lock();
+        let feed = match feeds.entry(worker) {
+            Entry::Vacant(vacant) => {
+                self.registry.reserve_rank()?;
+                tracing::info!(
+                    model = %entry.key.model,
+                    tenant = %entry.key.tenant,
+                    instance_id = worker.worker_id,
+                    dp_rank = worker.dp_rank,
+                    "worker rank fed over PublishEvents"
+                );
+                vacant.insert(Feed::Grpc(GrpcFeed::default()))
+            }
+            Entry::Occupied(occupied) => occupied.into_mut(),
+        };
+        let Feed::Grpc(grpc) = feed else {
+            return Err(ServiceError::FailedPrecondition(format!(
+                "worker {} rank {} of {} is fed by a ZMQ listener; unregister it before \
+                 publishing its events over gRPC",
+                worker.worker_id, worker.dp_rank, entry.key
+            )));
+        };
+        match grpc.stream {
+            Some(other) if other != self.stream => {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "worker {} rank {} of {} is being fed by another PublishEvents stream; one \
+                     stream at a time feeds a rank (its events must stay in order)",
+                    worker.worker_id, worker.dp_rank, entry.key
+                )));
+            }
+            _ => grpc.stream = Some(self.stream),
+        }
+        self.fed
+            .entry((entry.key.clone(), worker))
+            .or_insert_with(|| Arc::clone(entry));
+        grpc.counters.batches_received += 1;
+        grpc.last_batch = Some(Instant::now());
+        self.counts.messages_received += 1;
+        let admission = match sequence(grpc, prepared.seq) {
+            Sequenced::InOrder => Admission::Apply { resync: false },
+            Sequenced::Duplicate => {
+                grpc.counters.duplicates += 1;
+                self.counts.duplicates += 1;
+                Admission::Duplicate
+            }
+            Sequenced::Gap => {
+                self.counts.gaps += 1;
+                Admission::Apply { resync: true }
+            }
+            Sequenced::Restart => Admission::Apply { resync: true },
+        };
+        if let Admission::Apply { resync } = admission {
+            grpc.counters.batches_applied += 1;
+            grpc.counters.mutations_enqueued += prepared.mutations.len() as u64;
+            if resync {
+                grpc.counters.resyncs += 1;
+                self.counts.resyncs += 1;
+            }
+        }
+        Ok(admission)
+    }
+
+    /// Counts an applied message.
+    pub(crate) fn applied(&mut self, events: usize) {
+        self.counts.messages_applied += 1;
+        self.counts.events_applied += events as u64;
+    }
+
+    /// The indexes this stream fed (to flush before acknowledging).
+    pub(crate) fn fed_indexes(&self) -> Vec<Arc<IndexEntry>> {
+        let mut seen = BTreeMap::new();
+        for ((key, _), entry) in &self.fed {
+            seen.entry(key.clone()).or_insert_with(|| Arc::clone(entry));
+        }
+        seen.into_values().collect()
+    }
+
+    /// The response: the counts and every fed rank's last applied sequence number.
+    pub(crate) fn response(&self) -> v1::PublishEventsResponse {
+        let mut response = self.counts.clone();
+        response.ranks = self
+            .fed
+            .iter()
+            .map(|((key, worker), entry)| {
+                let last_seq = match entry.feeds.lock().get(worker) {
+                    Some(Feed::Grpc(grpc)) => grpc.last_seq,
+                    _ => None,
+                };
+                v1::RankProgress {
+                    index: Some(v1::IndexSelector {
+                        model: key.model.clone(),
+                        tenant: key.tenant.clone(),
+                    }),
+                    instance_id: worker.worker_id,
+                    dp_rank: worker.dp_rank,
+                    last_seq,
+                }
+            })
+            .collect();
+        response
+    }
+}
+
+impl Drop for Publisher {
+    /// Releases the ranks this stream fed, so another stream may feed them.
+    fn drop(&mut self) {
+        for ((_, worker), entry) in &self.fed {
+            if let Some(Feed::Grpc(grpc)) = entry.feeds.lock().get_mut(worker)
+                && grpc.stream == Some(self.stream)
+            {
+                grpc.stream = None;
+            }
+        }
+    }
+}
+
+/// Where a batch's sequence number falls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sequenced {
+    /// Unsequenced, the rank's first, or the next one.
+    InOrder,
+    /// At or below the last applied.
+    Duplicate,
+    /// Beyond the next one.
+    Gap,
+    /// 0 after a higher number.
+    Restart,
+}
+
+/// The sequencing rules of the module docs, recording gaps and restarts in `grpc` and moving
+/// its last sequence number.
+fn sequence(grpc: &mut GrpcFeed, seq: Option<u64>) -> Sequenced {
+    let Some(seq) = seq else {
+        return Sequenced::InOrder;
+    };
+    let outcome = match grpc.last_seq {
+        None => Sequenced::InOrder,
+        Some(last) if last.checked_add(1) == Some(seq) => Sequenced::InOrder,
+        Some(last) if seq == 0 && last > 0 => {
+            grpc.counters.restarts += 1;
+            grpc.last_error = Some(format!(
+                "engine restart: sequence number 0 after {last}; the rank was cleared"
+            ));
+            Sequenced::Restart
+        }
+        Some(last) if seq <= last => return Sequenced::Duplicate,
+        Some(last) => {
+            grpc.counters.gaps += 1;
+            grpc.last_error = Some(format!(
+                "gap: batches {}..={} never arrived; the rank was cleared and is rebuilt from \
+                 later events",
+                last + 1,
+                seq - 1
+            ));
+            Sequenced::Gap
+        }
+    };
+    grpc.last_seq = Some(seq);
+    outcome
+}
+
+/// The tier of a proto enum value.
+fn tier_of(value: i32, field: &str) -> Result<Tier, ServiceError> {
+    match v1::StorageTier::try_from(value) {
+        Ok(v1::StorageTier::Device) => Ok(Tier::Device),
+        Ok(v1::StorageTier::Host) => Ok(Tier::Host),
+        Ok(v1::StorageTier::Disk) => Ok(Tier::Disk),
+        Ok(v1::StorageTier::External) => Ok(Tier::External),
+        Err(_) => Err(ServiceError::InvalidArgument(format!(
+            "{field} is {value}, not a storage tier (0 device, 1 host, 2 disk, 3 external)"
+        ))),
+    }
+}
+
+/// Converts and checks a message's events for `worker` (all or none).
+fn convert_events(
+    entry: &IndexEntry,
+    worker: Worker,
+    events: &[v1::KvEvent],
+) -> Result<Vec<Mutation>, ServiceError> {
+    let block = entry.block_size.as_usize();
+    let mut mutations = Vec::with_capacity(events.len());
+    for (i, event) in events.iter().enumerate() {
+        let invalid = |what: String| ServiceError::InvalidArgument(format!("events[{i}]: {what}"));
+        let mutation = match &event.event {
+            None => {
+                return Err(invalid(
+                    "no event set (one of stored, removed, cleared)".into(),
+                ));
+            }
+            Some(kv_event::Event::Stored(stored)) => {
+                let n = stored.block_hashes.len();
+                if n == 0 {
+                    return Err(invalid("stored.block_hashes is empty".into()));
+                }
+                let tier = tier_of(stored.tier, &format!("events[{i}].stored.tier"))?;
+                let locals: Vec<u64> =
+                    match (stored.token_ids.is_empty(), stored.local_hashes.is_empty()) {
+                        (false, true) => {
+                            let expected = n.saturating_mul(block);
+                            if stored.token_ids.len() != expected {
+                                return Err(invalid(format!(
+                                    "stored has {} token ids for {n} blocks of {block} tokens; \
+                                 exactly {expected} are needed (only full blocks are indexed)",
+                                    stored.token_ids.len()
+                                )));
+                            }
+                            let hasher = entry.hasher_for(&stored.lora_name, &stored.cache_salt);
+                            stored
+                                .token_ids
+                                .chunks_exact(block)
+                                .map(|chunk| hasher.hash_block(chunk).get())
+                                .collect()
+                        }
+                        (true, false) => {
+                            if stored.local_hashes.len() != n {
+                                return Err(invalid(format!(
+                                    "stored has {} local hashes for {n} block hashes; give one per \
+                                 block",
+                                    stored.local_hashes.len()
+                                )));
+                            }
+                            if !stored.lora_name.is_empty() || !stored.cache_salt.is_empty() {
+                                return Err(invalid(
+                                    "stored.lora_name and stored.cache_salt apply to token_ids \
+                                 only: local hashes already carry them"
+                                        .into(),
+                                ));
+                            }
+                            stored.local_hashes.clone()
+                        }
+                        (false, false) => {
+                            return Err(invalid(
+                                "stored gives both token_ids and local_hashes; give one".into(),
+                            ));
+                        }
+                        (true, true) => {
+                            return Err(invalid(
+                                "stored gives neither token_ids nor local_hashes; the index needs \
+                             one of them to place the blocks"
+                                    .into(),
+                            ));
+                        }
+                    };
+                Mutation::Stored {
+                    worker,
+                    tier,
+                    parent: stored.parent_hash.map(ExternalBlockHash::new),
+                    blocks: stored
+                        .block_hashes
+                        .iter()
+                        .zip(locals)
+                        .map(|(&external, local)| StoredBlock {
+                            external: ExternalBlockHash::new(external),
+                            local: kvatlas_hash::LocalBlockHash::new(local),
+                        })
+                        .collect(),
+                }
+            }
+            Some(kv_event::Event::Removed(removed)) => {
+                if removed.block_hashes.is_empty() {
+                    return Err(invalid("removed.block_hashes is empty".into()));
+                }
+                Mutation::Removed {
+                    worker,
+                    tier: tier_of(removed.tier, &format!("events[{i}].removed.tier"))?,
+                    blocks: removed
+                        .block_hashes
+                        .iter()
+                        .copied()
+                        .map(ExternalBlockHash::new)
+                        .collect(),
+                }
+            }
+            Some(kv_event::Event::Cleared(_)) => Mutation::Cleared { worker },
+        };
+        mutations.push(mutation);
+    }
+    Ok(mutations)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequence_rules() {
+        let mut feed = GrpcFeed::default();
+        use Sequenced::*;
+        assert_eq!(sequence(&mut feed, Some(5)), InOrder, "any first number");
+        assert_eq!(sequence(&mut feed, Some(6)), InOrder);
+        assert_eq!(sequence(&mut feed, Some(6)), Duplicate);
+        assert_eq!(sequence(&mut feed, Some(2)), Duplicate);
+        assert_eq!(sequence(&mut feed, None), InOrder, "unsequenced");
+        assert_eq!(sequence(&mut feed, Some(9)), Gap, "7..=8 lost");
+        assert_eq!(feed.counters.gaps, 1);
+        assert!(
+            feed.last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("7..=8"))
+        );
+        assert_eq!(sequence(&mut feed, Some(0)), Restart);
+        assert_eq!(feed.counters.restarts, 1);
+        assert_eq!(sequence(&mut feed, Some(1)), InOrder);
+        assert_eq!(feed.last_seq, Some(1));
+    }
+}

@@ -1,0 +1,929 @@
+//! The registry: one index per (model, tenant), each with its writer pool, its ZMQ listeners and
+//! the record of which source feeds each worker rank.
+//!
+//! ```text
+//!  Registry ── (model, tenant) ──► IndexEntry
+//!                                   ├─ pool: ThreadPool<ServedIndex>   writer threads, sticky per rank
+//!                                   ├─ listeners: Listeners            one thread per ZMQ source
+//!                                   └─ feeds: Worker → Feed            who feeds each rank
+//! ```
+//!
+//! Invariants:
+//! - an index's block size never changes: it is fixed when the index is created (by the first
+//!   registration or publication) and every later registration must name the same size;
+//! - a worker rank has at most one feed — one ZMQ listener or one `PublishEvents` stream at a
+//!   time — so its mutations reach its writer lane in the order the engine produced them;
+//! - unregistering stops the rank's listener, waits until the writers applied everything it
+//!   queued, then removes the rank's blocks: nothing it sent arrives afterwards;
+//! - counters never go backwards: a stopped feed's counters are kept in the index's retired
+//!   totals.
+//!
+//! Queries do not go through any of this: they take the index's `Arc` and read the
+//! `ConcurrentAtlas` inline (see `query`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use kvatlas_events::{
+    DropCounters, EngineKind, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
+    ListenerState, ListenerStatus, Listeners, MutationSink, SocketMode, Source,
+};
+use kvatlas_hash::{BlockHasher, BlockSize};
+use kvatlas_index::{Mutation, SharedKvIndex, ThreadPool, Worker};
+use parking_lot::{Mutex, RwLock};
+
+use crate::config::{IndexSettings, Limits};
+use crate::error::ServiceError;
+use crate::served_index::ServedIndex;
+
+/// The tenant of a request that names none.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// Longest model or tenant name accepted, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// Longest endpoint or topic accepted, in bytes.
+const MAX_ENDPOINT_BYTES: usize = 1024;
+
+/// Most seeded (LoRA, salt) hashers an index caches before emptying the cache.
+const MAX_SEEDED_HASHERS: usize = 256;
+
+/// Which index: a model within a tenant.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct IndexKey {
+    /// The model name.
+    pub model: String,
+    /// The tenant.
+    pub tenant: String,
+}
+
+impl IndexKey {
+    /// The key of `model` in `tenant` (an empty tenant is [`DEFAULT_TENANT`]).
+    pub fn new(model: impl Into<String>, tenant: impl Into<String>) -> Self {
+        let tenant = tenant.into();
+        Self {
+            model: model.into(),
+            tenant: if tenant.is_empty() {
+                DEFAULT_TENANT.to_owned()
+            } else {
+                tenant
+            },
+        }
+    }
+
+    /// Checks the names: a model is required, both at most [`MAX_NAME_BYTES`].
+    ///
+    /// # Errors
+    /// [`ServiceError::InvalidArgument`] naming the field.
+    pub fn validate(&self) -> Result<(), ServiceError> {
+        if self.model.is_empty() {
+            return Err(ServiceError::InvalidArgument(
+                "index.model is empty: every request names the model whose index it uses".into(),
+            ));
+        }
+        for (field, value) in [("index.model", &self.model), ("index.tenant", &self.tenant)] {
+            if value.len() > MAX_NAME_BYTES {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "{field} is {} bytes long; at most {MAX_NAME_BYTES} are accepted",
+                    value.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for IndexKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "model {:?} tenant {:?}", self.model, self.tenant)
+    }
+}
+
+/// One engine rank's ZMQ publisher, registered with the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerRegistration {
+    /// The index its blocks go to.
+    pub index: IndexKey,
+    /// The worker (engine instance) id.
+    pub instance_id: u64,
+    /// The data-parallel rank.
+    pub dp_rank: u32,
+    /// The engine's block size.
+    pub block_size: BlockSize,
+    /// The engine.
+    pub engine: EngineKind,
+    /// The PUB endpoint.
+    pub endpoint: String,
+    /// The replay ROUTER endpoint.
+    pub replay_endpoint: Option<String>,
+    /// The SUB topic prefix.
+    pub topic: String,
+    /// Connect or bind.
+    pub mode: SocketMode,
+}
+
+impl WorkerRegistration {
+    /// The rank it feeds.
+    pub fn worker(&self) -> Worker {
+        Worker::new(self.instance_id, self.dp_rank)
+    }
+
+    fn validate(&self) -> Result<(), ServiceError> {
+        self.index.validate()?;
+        if self.endpoint.is_empty() {
+            return Err(ServiceError::InvalidArgument(
+                "endpoint is empty: give the engine's ZMQ PUB address, e.g. tcp://10.0.0.5:5557"
+                    .into(),
+            ));
+        }
+        for (field, value) in [
+            ("endpoint", self.endpoint.as_str()),
+            (
+                "replay_endpoint",
+                self.replay_endpoint.as_deref().unwrap_or_default(),
+            ),
+            ("topic", self.topic.as_str()),
+        ] {
+            if value.len() > MAX_ENDPOINT_BYTES {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "{field} is {} bytes long; at most {MAX_ENDPOINT_BYTES} are accepted",
+                    value.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A rank's event counters, the same for both kinds of feed (monotonic).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FeedCounters {
+    /// Event batches received.
+    pub batches_received: u64,
+    /// Batches applied in sequence order.
+    pub batches_applied: u64,
+    /// Of those, recovered through replay.
+    pub batches_replayed: u64,
+    /// Batches dropped as duplicates.
+    pub duplicates: u64,
+    /// Gaps in the sequence numbers.
+    pub gaps: u64,
+    /// Replays completed.
+    pub replays_completed: u64,
+    /// Replays failed.
+    pub replays_failed: u64,
+    /// Times the rank was cleared and rebuilt.
+    pub resyncs: u64,
+    /// Of those, engine restarts.
+    pub restarts: u64,
+    /// Messages with broken framing.
+    pub bad_frames: u64,
+    /// Batches that failed to decode.
+    pub decode_errors: u64,
+    /// Mutations handed to the writers.
+    pub mutations_enqueued: u64,
+    /// Times the writers were full.
+    pub backpressure_waits: u64,
+    /// Events dropped, by reason.
+    pub drops: DropCounters,
+}
+
+impl FeedCounters {
+    /// Adds another feed's counters.
+    pub fn add(&mut self, other: &FeedCounters) {
+        self.batches_received += other.batches_received;
+        self.batches_applied += other.batches_applied;
+        self.batches_replayed += other.batches_replayed;
+        self.duplicates += other.duplicates;
+        self.gaps += other.gaps;
+        self.replays_completed += other.replays_completed;
+        self.replays_failed += other.replays_failed;
+        self.resyncs += other.resyncs;
+        self.restarts += other.restarts;
+        self.bad_frames += other.bad_frames;
+        self.decode_errors += other.decode_errors;
+        self.mutations_enqueued += other.mutations_enqueued;
+        self.backpressure_waits += other.backpressure_waits;
+        for (reason, n) in other.drops.iter() {
+            self.drops.add(reason, n);
+        }
+    }
+}
+
+impl From<&ListenerCounters> for FeedCounters {
+    fn from(c: &ListenerCounters) -> Self {
+        Self {
+            batches_received: c.batches_received,
+            batches_applied: c.batches_applied,
+            batches_replayed: c.batches_replayed,
+            duplicates: c.duplicates,
+            gaps: c.gaps,
+            replays_completed: c.replays_completed,
+            replays_failed: c.replays_failed,
+            resyncs: c.resyncs,
+            restarts: c.restarts,
+            bad_frames: c.bad_frames,
+            decode_errors: c.batch_decode_errors,
+            mutations_enqueued: c.mutations_enqueued,
+            backpressure_waits: c.backpressure_waits,
+            drops: c.drops,
+        }
+    }
+}
+
+/// A rank fed over `PublishEvents`.
+#[derive(Debug, Default)]
+pub(crate) struct GrpcFeed {
+    /// The last applied sequence number (`None` before the first sequenced batch).
+    pub(crate) last_seq: Option<u64>,
+    /// The stream feeding the rank now, if one is open.
+    pub(crate) stream: Option<u64>,
+    pub(crate) counters: FeedCounters,
+    pub(crate) last_batch: Option<Instant>,
+    pub(crate) last_error: Option<String>,
+}
+
+/// Who feeds a worker rank.
+#[derive(Debug)]
+pub(crate) enum Feed {
+    /// A ZMQ listener.
+    Zmq {
+        listener: ListenerId,
+        registration: WorkerRegistration,
+    },
+    /// `PublishEvents` streams.
+    Grpc(GrpcFeed),
+}
+
+/// A registered rank as `ListWorkers` shows it.
+#[derive(Debug, Clone)]
+pub(crate) struct RankView {
+    pub(crate) index: IndexKey,
+    pub(crate) worker: Worker,
+    pub(crate) source: RankSource,
+    pub(crate) status: ListenerStatus,
+    pub(crate) last_error: Option<String>,
+    pub(crate) last_seq: Option<u64>,
+    pub(crate) micros_since_last_batch: Option<u64>,
+    pub(crate) counters: FeedCounters,
+    pub(crate) blocks: [u64; 4],
+}
+
+/// Where a rank's events come from, as `ListWorkers` shows it.
+#[derive(Debug, Clone)]
+pub(crate) enum RankSource {
+    /// A ZMQ listener (the endpoint is the one bound in bind mode).
+    Zmq(WorkerRegistration),
+    /// `PublishEvents`.
+    Grpc,
+    /// Blocks under a rank no feed registered (a batch's rank overrode the registered one).
+    BatchRank,
+}
+
+/// The result of a registration.
+#[derive(Debug, Clone)]
+pub(crate) struct Registered {
+    pub(crate) created_index: bool,
+    pub(crate) already_registered: bool,
+    pub(crate) view: RankView,
+}
+
+/// The result of an unregistration.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Unregistered {
+    pub(crate) ranks_removed: u32,
+    pub(crate) listeners_stopped: u32,
+    pub(crate) blocks_removed: u64,
+    pub(crate) indexes: Vec<IndexKey>,
+}
+
+/// One index and everything that feeds it (see the module docs).
+pub(crate) struct IndexEntry {
+    pub(crate) key: IndexKey,
+    pub(crate) block_size: BlockSize,
+    /// The hasher of prompts without LoRA or salt.
+    pub(crate) hasher: BlockHasher,
+    /// Hashers seeded with a (LoRA, salt) pair, cached.
+    seeded: Mutex<HashMap<(String, String), BlockHasher>>,
+    pub(crate) pool: Arc<ThreadPool<ServedIndex>>,
+    listeners: Listeners,
+    pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
+    /// Counters of feeds that were stopped.
+    retired: Mutex<FeedCounters>,
+}
+
+impl fmt::Debug for IndexEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IndexEntry")
+            .field("key", &self.key)
+            .field("block_size", &self.block_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IndexEntry {
+    fn new(
+        key: IndexKey,
+        block_size: BlockSize,
+        settings: &IndexSettings,
+        zmq: &zmq::Context,
+    ) -> Result<Self, ServiceError> {
+        let pool = ThreadPool::new(
+            ServedIndex::new(settings.capacity),
+            settings.writer_threads,
+            settings.writer_queue,
+        )
+        .map_err(|e| ServiceError::Internal(format!("cannot start the index writers: {e}")))?;
+        let pool = Arc::new(pool);
+        let sink: Arc<dyn MutationSink> = pool.clone();
+        Ok(Self {
+            key,
+            block_size,
+            hasher: BlockHasher::with_block_size(block_size),
+            seeded: Mutex::new(HashMap::new()),
+            pool,
+            listeners: Listeners::with_context(zmq.clone(), sink),
+            feeds: Mutex::new(BTreeMap::new()),
+            retired: Mutex::new(FeedCounters::default()),
+        })
+    }
+
+    /// The served index.
+    pub(crate) fn index(&self) -> &ServedIndex {
+        self.pool.index()
+    }
+
+    /// The hasher for prompts with this LoRA name and cache salt (empty = none).
+    pub(crate) fn hasher_for(&self, lora_name: &str, cache_salt: &str) -> BlockHasher {
+        if lora_name.is_empty() && cache_salt.is_empty() {
+            return self.hasher.clone();
+        }
+        let mut seeded = self.seeded.lock();
+        if let Some(hasher) = seeded.get(&(lora_name.to_owned(), cache_salt.to_owned())) {
+            return hasher.clone();
+        }
+        if seeded.len() >= MAX_SEEDED_HASHERS {
+            seeded.clear();
+        }
+        let hasher = self
+            .hasher
+            .clone()
+            .with_lora_name(lora_name)
+            .with_cache_salt(cache_salt);
+        seeded.insert(
+            (lora_name.to_owned(), cache_salt.to_owned()),
+            hasher.clone(),
+        );
+        hasher
+    }
+
+    fn listener_states(&self) -> BTreeMap<ListenerId, ListenerState> {
+        self.listeners
+            .list()
+            .into_iter()
+            .map(|state| (state.id, state))
+            .collect()
+    }
+
+    /// The counters of every feed, live and retired, summed (monotonic).
+    pub(crate) fn total_counters(&self) -> FeedCounters {
+        let mut total = self.retired.lock().clone();
+        for state in self.listeners.list() {
+            total.add(&FeedCounters::from(&state.counters));
+        }
+        for feed in self.feeds.lock().values() {
+            if let Feed::Grpc(grpc) = feed {
+                total.add(&grpc.counters);
+            }
+        }
+        total
+    }
+
+    /// Listener counts by status.
+    pub(crate) fn listener_statuses(&self) -> BTreeMap<&'static str, u64> {
+        let mut counts = BTreeMap::new();
+        for state in self.listeners.list() {
+            *counts.entry(state.status.as_str()).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// The registered ranks (and the unregistered ranks holding blocks), with `blocks` per rank.
+    pub(crate) fn rank_views(&self, blocks: &BTreeMap<Worker, [u64; 4]>) -> Vec<RankView> {
+        let states = self.listener_states();
+        let feeds = self.feeds.lock();
+        let mut views: Vec<RankView> = feeds
+            .iter()
+            .map(|(worker, feed)| self.view_of(*worker, feed, &states, blocks))
+            .collect();
+        for (worker, held) in blocks {
+            if !feeds.contains_key(worker) {
+                views.push(RankView {
+                    index: self.key.clone(),
+                    worker: *worker,
+                    source: RankSource::BatchRank,
+                    status: ListenerStatus::Active,
+                    last_error: None,
+                    last_seq: None,
+                    micros_since_last_batch: None,
+                    counters: FeedCounters::default(),
+                    blocks: *held,
+                });
+            }
+        }
+        views.sort_by_key(|v| v.worker);
+        views
+    }
+
+    fn view_of(
+        &self,
+        worker: Worker,
+        feed: &Feed,
+        states: &BTreeMap<ListenerId, ListenerState>,
+        blocks: &BTreeMap<Worker, [u64; 4]>,
+    ) -> RankView {
+        let held = blocks.get(&worker).copied().unwrap_or_default();
+        match feed {
+            Feed::Zmq {
+                listener,
+                registration,
+            } => {
+                let state = states.get(listener);
+                let mut registration = registration.clone();
+                if let Some(state) = state {
+                    // In bind mode, the address actually bound (a `*` port resolved).
+                    registration.endpoint.clone_from(&state.endpoint);
+                }
+                RankView {
+                    index: self.key.clone(),
+                    worker,
+                    source: RankSource::Zmq(registration),
+                    status: state.map_or(ListenerStatus::Stopped, |s| s.status),
+                    last_error: state.and_then(|s| s.last_error.clone()),
+                    last_seq: state.and_then(|s| s.last_seq),
+                    micros_since_last_batch: state
+                        .and_then(|s| s.since_last_batch)
+                        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+                    counters: state
+                        .map(|s| FeedCounters::from(&s.counters))
+                        .unwrap_or_default(),
+                    blocks: held,
+                }
+            }
+            Feed::Grpc(grpc) => RankView {
+                index: self.key.clone(),
+                worker,
+                source: RankSource::Grpc,
+                status: if grpc.last_batch.is_some() {
+                    ListenerStatus::Active
+                } else {
+                    ListenerStatus::Pending
+                },
+                last_error: grpc.last_error.clone(),
+                last_seq: grpc.last_seq,
+                micros_since_last_batch: grpc
+                    .last_batch
+                    .map(|t| u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)),
+                counters: grpc.counters.clone(),
+                blocks: held,
+            },
+        }
+    }
+
+    /// Blocks held per rank and tier (from the index's statistics).
+    pub(crate) fn blocks_per_rank(&self) -> BTreeMap<Worker, [u64; 4]> {
+        self.index()
+            .stats()
+            .workers
+            .into_iter()
+            .map(|w| (w.worker, w.per_tier))
+            .collect()
+    }
+
+    /// Starts a ZMQ listener for `registration` unless the same registration exists.
+    fn register_zmq(
+        &self,
+        registration: WorkerRegistration,
+        settings: &IndexSettings,
+    ) -> Result<bool, ServiceError> {
+        let worker = registration.worker();
+        let mut feeds = self.feeds.lock();
+        match feeds.get(&worker) {
+            Some(Feed::Zmq {
+                registration: existing,
+                ..
+            }) => {
+                return if *existing == registration {
+                    Ok(true)
+                } else {
+                    Err(ServiceError::AlreadyExists(format!(
+                        "worker {} rank {} of {} is already registered with endpoint {:?}; \
+                         unregister it first to change its registration",
+                        worker.worker_id, worker.dp_rank, self.key, existing.endpoint
+                    )))
+                };
+            }
+            Some(Feed::Grpc(_)) => {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "worker {} rank {} of {} is fed over PublishEvents; unregister it before \
+                     registering a ZMQ listener for it",
+                    worker.worker_id, worker.dp_rank, self.key
+                )));
+            }
+            None => {}
+        }
+        let source = Source {
+            worker_id: registration.instance_id,
+            dp_rank: registration.dp_rank,
+            block_size: registration.block_size,
+            engine: registration.engine,
+        };
+        let mut config = ListenerConfig::new(source, registration.endpoint.clone())
+            .with_topic(registration.topic.clone().into_bytes())
+            .with_mode(registration.mode)
+            .with_options(settings.listener);
+        if let Some(replay) = &registration.replay_endpoint {
+            config = config.with_replay_endpoint(replay.clone());
+        }
+        let listener = self
+            .listeners
+            .start(config)
+            .map_err(|e| listener_error(&e, &registration))?;
+        feeds.insert(
+            worker,
+            Feed::Zmq {
+                listener,
+                registration,
+            },
+        );
+        Ok(false)
+    }
+
+    /// Removes the feeds of `instance_id` (one rank, or all), stops their listeners and removes
+    /// their blocks once everything they queued was applied. Returns (ranks, listeners, blocks).
+    fn unregister(&self, instance_id: u64, dp_rank: Option<u32>) -> (u32, u32, u64) {
+        let removed: Vec<(Worker, Feed)> = {
+            let mut feeds = self.feeds.lock();
+            let ranks: Vec<Worker> = feeds
+                .keys()
+                .filter(|w| w.worker_id == instance_id && dp_rank.is_none_or(|r| r == w.dp_rank))
+                .copied()
+                .collect();
+            ranks
+                .into_iter()
+                .filter_map(|w| feeds.remove(&w).map(|f| (w, f)))
+                .collect()
+        };
+        if removed.is_empty() {
+            return (0, 0, 0);
+        }
+        let mut listeners_stopped = 0;
+        for (_, feed) in &removed {
+            let counters = match feed {
+                Feed::Zmq { listener, .. } => match self.listeners.stop(*listener) {
+                    Ok(state) => {
+                        listeners_stopped += 1;
+                        FeedCounters::from(&state.counters)
+                    }
+                    Err(_) => FeedCounters::default(),
+                },
+                Feed::Grpc(grpc) => grpc.counters.clone(),
+            };
+            self.retired.lock().add(&counters);
+        }
+        // The listeners are stopped: wait for what they queued, then remove the blocks. Removing
+        // directly (not through a lane) is safe: no feed of these ranks is left to write.
+        let report = match dp_rank {
+            None => self.pool.remove_worker(instance_id),
+            Some(rank) => {
+                let mut report = self.pool.flush();
+                report.merge(&self.pool.index().apply(&Mutation::Cleared {
+                    worker: Worker::new(instance_id, rank),
+                }));
+                report
+            }
+        };
+        (
+            u32::try_from(removed.len()).unwrap_or(u32::MAX),
+            listeners_stopped,
+            report.cleared,
+        )
+    }
+
+    /// Stops every listener (at shutdown); their queued mutations stay in the writer lanes.
+    pub(crate) fn stop_listeners(&self) -> Vec<ListenerState> {
+        let states = self.listeners.stop_all();
+        let mut retired = self.retired.lock();
+        for state in &states {
+            retired.add(&FeedCounters::from(&state.counters));
+        }
+        drop(retired);
+        let mut feeds = self.feeds.lock();
+        feeds.retain(|_, feed| matches!(feed, Feed::Grpc(_)));
+        states
+    }
+
+    /// Whether nothing is registered and nothing held (an index a failed registration created).
+    fn unused(&self) -> bool {
+        self.feeds.lock().is_empty() && self.index().events_applied() == 0
+    }
+}
+
+/// Maps a listener start error to what the client is told.
+fn listener_error(error: &ListenerError, registration: &WorkerRegistration) -> ServiceError {
+    match error {
+        ListenerError::Endpoint { endpoint, source } => ServiceError::InvalidArgument(format!(
+            "endpoint {endpoint:?} rejected by ZMQ ({source}); expected tcp://HOST:PORT, \
+             ipc://PATH or inproc://NAME{}",
+            if registration.mode == SocketMode::Bind {
+                " (bind mode: the address must be local and free)"
+            } else {
+                ""
+            }
+        )),
+        ListenerError::DuplicateSource { .. } => ServiceError::AlreadyExists(error.to_string()),
+        other => ServiceError::Internal(format!("cannot start the listener: {other}")),
+    }
+}
+
+/// The registry of indexes (see the module docs).
+pub(crate) struct Registry {
+    indexes: RwLock<BTreeMap<IndexKey, Arc<IndexEntry>>>,
+    settings: IndexSettings,
+    limits: Limits,
+    zmq: zmq::Context,
+    /// Registered ranks over all indexes (ZMQ listeners and gRPC feeds).
+    registered: AtomicUsize,
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registry")
+            .field("indexes", &self.indexes.read().len())
+            .field("registered", &self.registered.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Registry {
+    pub(crate) fn new(settings: IndexSettings, limits: Limits) -> Self {
+        Self {
+            indexes: RwLock::new(BTreeMap::new()),
+            settings,
+            limits,
+            zmq: zmq::Context::new(),
+            registered: AtomicUsize::new(0),
+        }
+    }
+
+    /// Registered ranks over all indexes.
+    pub(crate) fn registered_ranks(&self) -> usize {
+        self.registered.load(Ordering::Acquire)
+    }
+
+    /// The index of `key`, if it exists.
+    pub(crate) fn get(&self, key: &IndexKey) -> Option<Arc<IndexEntry>> {
+        self.indexes.read().get(key).cloned()
+    }
+
+    /// The index of `key`, or NOT_FOUND naming what exists.
+    pub(crate) fn require(&self, key: &IndexKey) -> Result<Arc<IndexEntry>, ServiceError> {
+        self.get(key).ok_or_else(|| self.not_found(key))
+    }
+
+    fn not_found(&self, key: &IndexKey) -> ServiceError {
+        let indexes = self.indexes.read();
+        let tenants: Vec<&str> = indexes
+            .keys()
+            .filter(|k| k.model == key.model)
+            .map(|k| k.tenant.as_str())
+            .collect();
+        let hint = if tenants.is_empty() {
+            format!(
+                "the server has {} index(es), none for this model; register a worker for it first",
+                indexes.len()
+            )
+        } else {
+            format!("this model's tenants are {tenants:?}")
+        };
+        ServiceError::NotFound(format!("no index for {key} ({hint})"))
+    }
+
+    /// Every index, sorted by key.
+    pub(crate) fn all(&self) -> Vec<Arc<IndexEntry>> {
+        self.indexes.read().values().cloned().collect()
+    }
+
+    /// The index of `key`, created with `block_size` if absent; `true` if it was created.
+    ///
+    /// # Errors
+    /// FAILED_PRECONDITION if it exists with another block size, NOT_FOUND if it does not exist
+    /// and no block size is given, RESOURCE_EXHAUSTED at the index limit.
+    pub(crate) fn index_for(
+        &self,
+        key: &IndexKey,
+        block_size: Option<BlockSize>,
+    ) -> Result<(Arc<IndexEntry>, bool), ServiceError> {
+        key.validate()?;
+        if let Some(entry) = self.get(key) {
+            check_block_size(&entry, block_size)?;
+            return Ok((entry, false));
+        }
+        let Some(block_size) = block_size else {
+            return Err(self.not_found(key));
+        };
+        let mut indexes = self.indexes.write();
+        if let Some(entry) = indexes.get(key) {
+            check_block_size(entry, Some(block_size))?;
+            return Ok((Arc::clone(entry), false));
+        }
+        if indexes.len() >= self.limits.max_indexes {
+            return Err(ServiceError::ResourceExhausted(format!(
+                "the server holds its limit of {} indexes; cannot create one for {key}",
+                self.limits.max_indexes
+            )));
+        }
+        let entry = Arc::new(IndexEntry::new(
+            key.clone(),
+            block_size,
+            &self.settings,
+            &self.zmq,
+        )?);
+        indexes.insert(key.clone(), Arc::clone(&entry));
+        tracing::info!(
+            model = %key.model,
+            tenant = %key.tenant,
+            block_size = block_size.get(),
+            "created index"
+        );
+        Ok((entry, true))
+    }
+
+    /// Counts one more registered rank, within the limit.
+    pub(crate) fn reserve_rank(&self) -> Result<(), ServiceError> {
+        let max = self.limits.max_registered_ranks;
+        self.registered
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .map(|_| ())
+            .map_err(|_| {
+                ServiceError::ResourceExhausted(format!(
+                    "the server holds its limit of {max} registered worker ranks"
+                ))
+            })
+    }
+
+    /// Gives back ranks counted by [`Registry::reserve_rank`].
+    pub(crate) fn release_ranks(&self, n: usize) {
+        if n > 0 {
+            self.registered.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Registers a ZMQ worker rank (see [`WorkerRegistration`]).
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT for bad names or endpoints, FAILED_PRECONDITION for a block-size
+    /// mismatch or a rank fed over gRPC, ALREADY_EXISTS for a different registration of the
+    /// rank, RESOURCE_EXHAUSTED at a limit.
+    pub(crate) fn register(
+        &self,
+        registration: WorkerRegistration,
+    ) -> Result<Registered, ServiceError> {
+        registration.validate()?;
+        let (entry, created_index) =
+            self.index_for(&registration.index, Some(registration.block_size))?;
+        let result = self.reserve_rank().and_then(|()| {
+            let outcome = entry.register_zmq(registration.clone(), &self.settings);
+            if !matches!(outcome, Ok(false)) {
+                // Already registered (nothing new) or failed: the rank was not added.
+                self.release_ranks(1);
+            }
+            outcome
+        });
+        match result {
+            Ok(already_registered) => {
+                if !already_registered {
+                    tracing::info!(
+                        model = %registration.index.model,
+                        tenant = %registration.index.tenant,
+                        instance_id = registration.instance_id,
+                        dp_rank = registration.dp_rank,
+                        endpoint = %registration.endpoint,
+                        "registered worker"
+                    );
+                }
+                let blocks = entry.blocks_per_rank();
+                let view = entry
+                    .rank_views(&blocks)
+                    .into_iter()
+                    .find(|v| v.worker == registration.worker())
+                    .ok_or_else(|| {
+                        ServiceError::Internal("the registered rank is not listed".into())
+                    })?;
+                Ok(Registered {
+                    created_index,
+                    already_registered,
+                    view,
+                })
+            }
+            Err(error) => {
+                if created_index && entry.unused() {
+                    self.indexes.write().remove(&registration.index);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Unregisters `instance_id` (one rank or all) from the index of `model` in `tenant`, or in
+    /// every tenant the caller may use (`tenant = None`).
+    ///
+    /// # Errors
+    /// NOT_FOUND if no index or no registration matched.
+    pub(crate) fn unregister(
+        &self,
+        model: &str,
+        tenant: Option<&str>,
+        instance_id: u64,
+        dp_rank: Option<u32>,
+        may_use: impl Fn(&str) -> bool,
+    ) -> Result<Unregistered, ServiceError> {
+        let entries: Vec<Arc<IndexEntry>> = self
+            .indexes
+            .read()
+            .values()
+            .filter(|e| {
+                e.key.model == model
+                    && tenant.is_none_or(|t| t == e.key.tenant)
+                    && may_use(&e.key.tenant)
+            })
+            .cloned()
+            .collect();
+        if entries.is_empty() {
+            return Err(match tenant {
+                Some(tenant) => self.not_found(&IndexKey::new(model, tenant)),
+                None => ServiceError::NotFound(format!("no index for model {model:?}")),
+            });
+        }
+        let mut result = Unregistered::default();
+        for entry in entries {
+            let (ranks, listeners, blocks) = entry.unregister(instance_id, dp_rank);
+            self.release_ranks(ranks as usize);
+            if ranks > 0 {
+                result.indexes.push(entry.key.clone());
+                tracing::info!(
+                    model = %entry.key.model,
+                    tenant = %entry.key.tenant,
+                    instance_id,
+                    ?dp_rank,
+                    ranks,
+                    blocks,
+                    "unregistered worker"
+                );
+            }
+            result.ranks_removed += ranks;
+            result.listeners_stopped += listeners;
+            result.blocks_removed += blocks;
+        }
+        if result.ranks_removed == 0 {
+            let rank = dp_rank.map_or_else(String::new, |r| format!(" rank {r}"));
+            return Err(ServiceError::NotFound(format!(
+                "worker {instance_id}{rank} is not registered for model {model:?}{}",
+                tenant.map_or_else(|| " in any tenant".to_owned(), |t| format!(" tenant {t:?}"))
+            )));
+        }
+        Ok(result)
+    }
+}
+
+fn check_block_size(entry: &IndexEntry, wanted: Option<BlockSize>) -> Result<(), ServiceError> {
+    match wanted {
+        Some(size) if size != entry.block_size => Err(ServiceError::FailedPrecondition(format!(
+            "the index for {} has block size {} but this request gives {}: an index's block \
+             size is fixed by its first registration (use another tenant, or fix the engine's \
+             block size)",
+            entry.key,
+            entry.block_size.get(),
+            size.get()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A block size from a request field.
+///
+/// # Errors
+/// INVALID_ARGUMENT naming `field` when it is 0 or too large.
+pub(crate) fn block_size_field(value: u32, field: &str) -> Result<BlockSize, ServiceError> {
+    BlockSize::new(value).map_err(|_| {
+        ServiceError::InvalidArgument(format!(
+            "{field} is {value}; it must be between 1 and {} tokens",
+            BlockSize::MAX
+        ))
+    })
+}

@@ -1,0 +1,144 @@
+//! The state every request handler shares: the registry, the metrics, the limits, the tokens,
+//! the startup gate and the shutdown signal.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::{Caller, Tokens};
+use crate::config::Limits;
+use crate::error::ServiceError;
+use crate::metrics::{Metrics, Rpc};
+use crate::registry::Registry;
+
+/// Shared by every handler of one server.
+#[derive(Debug)]
+pub(crate) struct State {
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) metrics: Metrics,
+    pub(crate) limits: Limits,
+    /// `None` = no authentication.
+    pub(crate) tokens: Option<Tokens>,
+    /// Registered ranks needed before queries are answered.
+    pub(crate) min_initial_workers: usize,
+    gate_open: AtomicBool,
+    shutting_down: AtomicBool,
+    /// Cancelled when a graceful shutdown starts: streams stop reading and answer.
+    pub(crate) shutdown: CancellationToken,
+    next_stream: AtomicU64,
+}
+
+impl State {
+    pub(crate) fn new(
+        registry: Arc<Registry>,
+        limits: Limits,
+        tokens: Option<Tokens>,
+        min_initial_workers: usize,
+    ) -> Self {
+        Self {
+            registry,
+            metrics: Metrics::default(),
+            limits,
+            tokens,
+            min_initial_workers,
+            gate_open: AtomicBool::new(false),
+            shutting_down: AtomicBool::new(false),
+            shutdown: CancellationToken::new(),
+            next_stream: AtomicU64::new(1),
+        }
+    }
+
+    /// Opens the startup gate once enough ranks are registered; `true` if it is open.
+    pub(crate) fn update_gate(&self) -> bool {
+        if self.gate_open.load(Ordering::Acquire) {
+            return true;
+        }
+        if self.registry.registered_ranks() >= self.min_initial_workers {
+            if !self.gate_open.swap(true, Ordering::AcqRel) {
+                tracing::info!(
+                    registered = self.registry.registered_ranks(),
+                    "startup gate open: serving queries"
+                );
+            }
+            return true;
+        }
+        false
+    }
+
+    /// Whether queries are answered: the gate is open and no shutdown has started.
+    pub(crate) fn ready(&self) -> bool {
+        !self.shutting_down.load(Ordering::Acquire) && self.update_gate()
+    }
+
+    /// UNAVAILABLE with the reason unless [`State::ready`].
+    pub(crate) fn check_ready(&self) -> Result<(), ServiceError> {
+        if self.shutting_down.load(Ordering::Acquire) {
+            return Err(ServiceError::Unavailable(
+                "the server is shutting down".into(),
+            ));
+        }
+        if !self.update_gate() {
+            return Err(ServiceError::Unavailable(format!(
+                "not ready: {} of the {} worker ranks the startup gate waits for are registered \
+                 (--min-initial-workers)",
+                self.registry.registered_ranks(),
+                self.min_initial_workers
+            )));
+        }
+        Ok(())
+    }
+
+    /// Marks the start of a graceful shutdown.
+    pub(crate) fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+        self.shutdown.cancel();
+    }
+
+    /// The caller of an `authorization` header value.
+    pub(crate) fn authenticate(&self, header: Option<&str>) -> Result<Caller, ServiceError> {
+        match &self.tokens {
+            None => Ok(Caller::anonymous()),
+            Some(tokens) => tokens.authorize_header(header).inspect_err(|_| {
+                self.metrics.auth_failure();
+            }),
+        }
+    }
+
+    /// A fresh stream id.
+    pub(crate) fn next_stream_id(&self) -> u64 {
+        self.next_stream.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Admits one request within the concurrency limit, or sheds it.
+    pub(crate) fn admit(self: &Arc<Self>, rpc: Rpc) -> Result<Permit, ServiceError> {
+        let in_flight = self.metrics.in_flight();
+        let before = in_flight.fetch_add(1, Ordering::AcqRel);
+        if before >= self.limits.max_concurrent_requests as u64 {
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.shed(rpc);
+            return Err(ServiceError::ResourceExhausted(format!(
+                "the server is at its limit of {} concurrent requests; retry with backoff",
+                self.limits.max_concurrent_requests
+            )));
+        }
+        Ok(Permit {
+            state: Arc::clone(self),
+        })
+    }
+}
+
+/// One admitted request; dropping it frees its place.
+#[derive(Debug)]
+pub(crate) struct Permit {
+    state: Arc<State>,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.state
+            .metrics
+            .in_flight()
+            .fetch_sub(1, Ordering::AcqRel);
+    }
+}
