@@ -360,9 +360,9 @@ fn serve_grpc(
     let reflection_v1alpha = reflection()
         .build_v1alpha()
         .map_err(|e| StartError::Grpc(format!("reflection: {e}")))?;
-    let mut builder = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .max_concurrent_streams(u32::try_from(limits.max_concurrent_requests).ok());
+    // The concurrency limit is enforced per request (shedding with RESOURCE_EXHAUSTED), not as
+    // HTTP/2's per-connection stream limit, which makes clients queue silently instead.
+    let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
     if let Some(tls) = tls {
         builder = builder
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(tls.identity()))

@@ -1,0 +1,683 @@
+//! What the server does at its edges: malformed, oversized and invalid requests get a status
+//! that names the problem and leave the index untouched; authentication on every RPC but health,
+//! per-tenant tokens; the concurrency limit sheds; TLS on both listeners; the metrics tell what
+//! happened.
+
+mod common;
+
+use std::path::PathBuf;
+
+use bytes::{Buf, BufMut};
+use common::*;
+use kvatlas_index::{KvIndex, ReferenceIndex, Worker};
+use kvatlas_proto::client::{Client, ConnectOptions};
+use kvatlas_proto::v1::{self, query_request};
+use kvatlas_server::{Limits, RunningServer, ServerConfig, TlsFiles};
+use tonic::Code;
+use tonic::codec::{DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+const MODEL: &str = "m";
+const BLOCK: u32 = 4;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvatlas-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn token_query(model: &str, tenant: &str, tokens: Vec<u32>) -> v1::QueryRequest {
+    v1::QueryRequest {
+        index: selector(model, tenant),
+        input: Some(query_request::Input::Tokens(v1::TokenIds { ids: tokens })),
+        ..v1::QueryRequest::default()
+    }
+}
+
+/// A codec sending and receiving raw bytes, to put arbitrary bytes on the wire.
+#[derive(Debug, Default, Clone)]
+struct RawCodec;
+#[derive(Debug)]
+struct RawBytes;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawBytes;
+    type Decoder = RawBytes;
+    fn encoder(&mut self) -> RawBytes {
+        RawBytes
+    }
+    fn decoder(&mut self) -> RawBytes {
+        RawBytes
+    }
+}
+
+impl Encoder for RawBytes {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, buf: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        buf.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl Decoder for RawBytes {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let mut out = vec![0; buf.remaining()];
+        buf.copy_to_slice(&mut out);
+        Ok(Some(out))
+    }
+}
+
+async fn raw_call(url: &str, path: &'static str, body: Vec<u8>) -> Result<Vec<u8>, tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .expect("url")
+        .connect()
+        .await
+        .expect("connects");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    grpc.unary(
+        tonic::Request::new(body),
+        tonic::codegen::http::uri::PathAndQuery::from_static(path),
+        RawCodec,
+    )
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors_and_change_nothing() {
+    let config = ServerConfig {
+        limits: Limits {
+            max_query_tokens: 64,
+            max_message_bytes: 4096,
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    };
+    let mut h = start(config).await;
+    let batches = script(1, MODEL, &[Worker::new(1, 0), Worker::new(2, 0)], 50, BLOCK);
+    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
+    h.client
+        .publish_events(tokio_stream::iter(messages))
+        .await
+        .expect("published");
+    let mut reference = ReferenceIndex::new();
+    for b in &batches {
+        b.mutations.iter().for_each(|m| {
+            reference.apply(m);
+        });
+    }
+    let tokens = prompt_tokens(&[0, 1, 2], BLOCK);
+    let mut hashes_with_salt = token_query(MODEL, "", Vec::new());
+    hashes_with_salt.input = Some(query_request::Input::LocalHashes(v1::LocalHashes {
+        hashes: vec![1, 2],
+    }));
+    hashes_with_salt.cache_salt = "s".into();
+    let cases: Vec<(v1::QueryRequest, Code, &str)> = vec![
+        (
+            v1::QueryRequest::default(),
+            Code::InvalidArgument,
+            "index is missing",
+        ),
+        (
+            token_query("", "", tokens.clone()),
+            Code::InvalidArgument,
+            "index.model is empty",
+        ),
+        (
+            token_query(&"x".repeat(300), "", tokens.clone()),
+            Code::InvalidArgument,
+            "at most 256",
+        ),
+        (
+            v1::QueryRequest {
+                index: selector(MODEL, ""),
+                ..v1::QueryRequest::default()
+            },
+            Code::InvalidArgument,
+            "input is missing",
+        ),
+        (
+            token_query(MODEL, "", vec![7; 65]),
+            Code::InvalidArgument,
+            "at most 64",
+        ),
+        (
+            hashes_with_salt,
+            Code::InvalidArgument,
+            "apply to token queries only",
+        ),
+        (
+            token_query("unknown-model", "", tokens.clone()),
+            Code::NotFound,
+            "no index for model \"unknown-model\"",
+        ),
+        (
+            token_query(MODEL, "tenant-x", tokens.clone()),
+            Code::NotFound,
+            "tenants are [\"default\"]",
+        ),
+    ];
+    for (request, code, needle) in cases {
+        let status = h.client.query(request.clone()).await.expect_err("refused");
+        assert_eq!(status.code(), code, "{request:?}: {status:?}");
+        assert!(status.message().contains(needle), "{needle}: {status:?}");
+    }
+    let registrations: Vec<(v1::RegisterWorkerRequest, Code, &str)> = vec![
+        (
+            v1::RegisterWorkerRequest {
+                index: selector(MODEL, ""),
+                block_size: 0,
+                endpoint: "tcp://127.0.0.1:5557".into(),
+                ..v1::RegisterWorkerRequest::default()
+            },
+            Code::InvalidArgument,
+            "block_size is 0",
+        ),
+        (
+            v1::RegisterWorkerRequest {
+                index: selector(MODEL, ""),
+                block_size: BLOCK,
+                engine: 9,
+                endpoint: "tcp://127.0.0.1:5557".into(),
+                ..v1::RegisterWorkerRequest::default()
+            },
+            Code::InvalidArgument,
+            "engine is 9",
+        ),
+        (
+            v1::RegisterWorkerRequest {
+                index: selector(MODEL, ""),
+                block_size: BLOCK,
+                ..v1::RegisterWorkerRequest::default()
+            },
+            Code::InvalidArgument,
+            "endpoint is empty",
+        ),
+        (
+            v1::RegisterWorkerRequest {
+                index: selector(MODEL, ""),
+                block_size: BLOCK * 2,
+                endpoint: "tcp://127.0.0.1:5557".into(),
+                ..v1::RegisterWorkerRequest::default()
+            },
+            Code::FailedPrecondition,
+            "has block size 4 but this request gives 8",
+        ),
+    ];
+    for (request, code, needle) in registrations {
+        let status = h
+            .client
+            .register_worker(request.clone())
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), code, "{request:?}: {status:?}");
+        assert!(status.message().contains(needle), "{needle}: {status:?}");
+    }
+    // Bytes that are not a QueryRequest: a packed fixed64 field of 7 bytes.
+    let malformed = vec![0x2a, 0x09, 0x0a, 0x07, 1, 2, 3, 4, 5, 6, 7];
+    let status = raw_call(&h.url, "/kvatlas.v1.Indexer/Query", malformed)
+        .await
+        .expect_err("malformed");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("malformed QueryRequest"),
+        "{status:?}"
+    );
+    // A message over the size limit.
+    let status = h
+        .client
+        .query(token_query(MODEL, "", vec![70_000; 2_000]))
+        .await
+        .expect_err("too large");
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    assert!(status.message().contains("too large"), "{status:?}");
+    // None of it changed the index, and good queries are still answered exactly.
+    let report_digest = reference.snapshot().digest();
+    let mut rng = Rng(3);
+    for _ in 0..20 {
+        let (tokens, locals) = random_prompt(&mut rng, BLOCK);
+        let answer = h
+            .client
+            .query(token_query(MODEL, "", tokens))
+            .await
+            .expect("query")
+            .into_inner();
+        assert_eq!(
+            answer_rows(&answer),
+            reference_rows(&reference_answer(&reference, &locals))
+        );
+    }
+    let report = h.server.shutdown().await;
+    assert_eq!(report.indexes[0].digest, report_digest);
+}
+
+fn token_file(dir: &std::path::Path) -> PathBuf {
+    let path = dir.join("tokens");
+    std::fs::write(
+        &path,
+        "# admin\nadmin-0123456789abcdef name=admin\nteam-a-0123456789abcdef tenants=a name=team-a\n",
+    )
+    .expect("write tokens");
+    path
+}
+
+async fn authed(url: &str, token: Option<&str>) -> Client {
+    Client::connect_with(
+        url,
+        &ConnectOptions {
+            token: token.map(str::to_owned),
+            ..ConnectOptions::default()
+        },
+    )
+    .await
+    .expect("connects")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
+    let dir = temp_dir("auth");
+    let h = start(ServerConfig {
+        auth_tokens: Some(token_file(&dir)),
+        ..ServerConfig::default()
+    })
+    .await;
+    let hasher = kvatlas_hash::BlockHasher::new(BLOCK).expect("size");
+    let tokens = prompt_tokens(&[1], BLOCK);
+    let store = |tenant: &str| v1::PublishEventsRequest {
+        index: selector(MODEL, tenant),
+        instance_id: 1,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: vec![1],
+                local_hashes: hasher.local_hashes(&tokens).map(|l| l.get()).collect(),
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    for token in [None, Some("wrong-token-0123456789")] {
+        let mut client = authed(&h.url, token).await;
+        let raw = client.raw();
+        let calls: Vec<(&str, tonic::Status)> = vec![
+            (
+                "Query",
+                raw.query(token_query(MODEL, "a", tokens.clone()))
+                    .await
+                    .expect_err(""),
+            ),
+            (
+                "QueryStream",
+                raw.query_stream(tokio_stream::iter(Vec::<v1::QueryRequest>::new()))
+                    .await
+                    .expect_err(""),
+            ),
+            (
+                "RegisterWorker",
+                raw.register_worker(v1::RegisterWorkerRequest::default())
+                    .await
+                    .expect_err(""),
+            ),
+            (
+                "UnregisterWorker",
+                raw.unregister_worker(v1::UnregisterWorkerRequest::default())
+                    .await
+                    .expect_err(""),
+            ),
+            (
+                "ListWorkers",
+                raw.list_workers(v1::ListWorkersRequest::default())
+                    .await
+                    .expect_err(""),
+            ),
+            (
+                "ListIndexes",
+                raw.list_indexes(v1::ListIndexesRequest::default())
+                    .await
+                    .expect_err(""),
+            ),
+            (
+                "PublishEvents",
+                raw.publish_events(tokio_stream::iter([store("a")]))
+                    .await
+                    .expect_err(""),
+            ),
+        ];
+        for (rpc, status) in calls {
+            assert_eq!(
+                status.code(),
+                Code::Unauthenticated,
+                "{rpc} {token:?}: {status:?}"
+            );
+        }
+    }
+    // Health needs no token.
+    let channel = tonic::transport::Endpoint::from_shared(h.url.clone())
+        .expect("url")
+        .connect()
+        .await
+        .expect("connects");
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("health without a token");
+
+    let mut admin = authed(&h.url, Some("admin-0123456789abcdef")).await;
+    let mut team = authed(&h.url, Some("team-a-0123456789abcdef")).await;
+    admin
+        .raw()
+        .publish_events(tokio_stream::iter([store("a"), store("b")]))
+        .await
+        .expect("admin publishes to any tenant");
+    let status = team
+        .raw()
+        .publish_events(tokio_stream::iter([store("b")]))
+        .await
+        .expect_err("team-a may not feed tenant b");
+    assert_eq!(status.code(), Code::PermissionDenied);
+    let answer = team
+        .raw()
+        .query(token_query(MODEL, "a", tokens.clone()))
+        .await
+        .expect("its own tenant")
+        .into_inner();
+    assert_eq!(answer.matches.len(), 1);
+    let status = team
+        .raw()
+        .query(token_query(MODEL, "b", tokens.clone()))
+        .await
+        .expect_err("another tenant");
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(status.message().contains("\"team-a\""), "{status:?}");
+    let listed = team
+        .raw()
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    let tenants: Vec<_> = listed
+        .indexes
+        .iter()
+        .map(|i| i.index.clone().unwrap_or_default().tenant)
+        .collect();
+    assert_eq!(tenants, ["a"], "only its tenants are listed");
+    let status = team
+        .raw()
+        .unregister_worker(v1::UnregisterWorkerRequest {
+            index: selector(MODEL, ""),
+            instance_id: 1,
+            all_tenants: true,
+            ..v1::UnregisterWorkerRequest::default()
+        })
+        .await
+        .expect_err("not across tenants");
+    assert_eq!(status.code(), Code::PermissionDenied);
+    let all = admin
+        .raw()
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(all.indexes.len(), 2);
+
+    let http = h.server.http_addr();
+    assert_eq!(http_get(http, "/metrics", None).0, 401);
+    assert_eq!(
+        http_get(http, "/metrics", Some("team-a-0123456789abcdef")).0,
+        403
+    );
+    let (status, body) = http_get(http, "/metrics", Some("admin-0123456789abcdef"));
+    assert_eq!(status, 200);
+    assert!(
+        metric(&body, "kvatlas_auth_failures_total").is_some_and(|n| n >= 15.0),
+        "{body}"
+    );
+    assert_eq!(http_get(http, "/health", None).0, 200);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_addresses_without_auth_are_refused_at_start() {
+    let config = ServerConfig {
+        grpc_addr: "0.0.0.0:0".parse().expect("addr"),
+        ..ServerConfig::ephemeral()
+    };
+    let error = RunningServer::start(config).await.expect_err("refused");
+    assert!(
+        error.to_string().contains("refusing to listen on 0.0.0.0"),
+        "{error}"
+    );
+    let config = ServerConfig {
+        auth_tokens: Some("/nonexistent/tokens".into()),
+        ..ServerConfig::ephemeral()
+    };
+    let error = RunningServer::start(config)
+        .await
+        .expect_err("no token file");
+    assert!(error.to_string().contains("/nonexistent/tokens"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_concurrency_limit_are_shed() {
+    let config = ServerConfig {
+        limits: Limits {
+            max_concurrent_requests: 1,
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    };
+    let mut h = start(config).await;
+    // An open QueryStream holds the only place.
+    let (tx, rx) = tokio::sync::mpsc::channel::<v1::QueryRequest>(1);
+    let mut stream = h
+        .client
+        .query_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("stream opens")
+        .into_inner();
+    let status = h
+        .client
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect_err("shed");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(
+        status.message().contains("limit of 1 concurrent"),
+        "{status:?}"
+    );
+    drop(tx);
+    assert!(stream.message().await.expect("ends cleanly").is_none());
+    let mut client = h.client.clone();
+    wait_until("the place to be free", || {
+        let mut client = client.clone();
+        async move {
+            client
+                .list_indexes(v1::ListIndexesRequest::default())
+                .await
+                .is_ok()
+        }
+    })
+    .await;
+    let (_, body) = http_get(h.server.http_addr(), "/metrics", None);
+    assert_eq!(
+        metric(&body, "kvatlas_requests_shed_total{rpc=\"ListIndexes\"}"),
+        Some(1.0),
+        "{body}"
+    );
+    let _ = client.list_indexes(v1::ListIndexesRequest::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_tell_what_happened() {
+    let mut h = start(ServerConfig::default()).await;
+    let engine = VllmPublisher::bind();
+    h.client
+        .register_worker(v1::RegisterWorkerRequest {
+            index: selector(MODEL, ""),
+            instance_id: 50,
+            block_size: BLOCK,
+            endpoint: engine.endpoint.clone(),
+            ..v1::RegisterWorkerRequest::default()
+        })
+        .await
+        .expect("registers");
+    let batches = script(
+        2,
+        MODEL,
+        &[Worker::new(1, 0), Worker::new(2, 0)],
+        200,
+        BLOCK,
+    );
+    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
+    h.client
+        .publish_events(tokio_stream::iter(messages))
+        .await
+        .expect("published");
+    let mut reference = ReferenceIndex::new();
+    let mut mutations = 0;
+    for b in &batches {
+        for m in &b.mutations {
+            reference.apply(m);
+            mutations += 1;
+        }
+    }
+    let memberships: u32 = reference
+        .snapshot()
+        .workers
+        .iter()
+        .flat_map(|w| &w.blocks)
+        .map(|b| b.tiers.bits().count_ones())
+        .sum();
+    for _ in 0..3 {
+        h.client
+            .query(token_query(MODEL, "", prompt_tokens(&[0, 0], BLOCK)))
+            .await
+            .expect("query");
+    }
+    let _ = h.client.query(token_query("nope", "", vec![1])).await;
+    let (status, body) = http_get(h.server.http_addr(), "/metrics", None);
+    assert_eq!(status, 200);
+    let labels = "model=\"m\",tenant=\"default\"";
+    for (series, value) in [
+        (
+            format!("kvatlas_events_applied_total{{{labels}}}"),
+            f64::from(mutations),
+        ),
+        (
+            format!("kvatlas_index_memberships{{{labels}}}"),
+            f64::from(memberships),
+        ),
+        (
+            format!("kvatlas_batches_total{{{labels},outcome=\"applied\"}}"),
+            batches.len() as f64,
+        ),
+        (
+            format!("kvatlas_listeners{{{labels},status=\"pending\"}}"),
+            1.0,
+        ),
+        (
+            "kvatlas_requests_total{rpc=\"Query\",code=\"OK\"}".into(),
+            3.0,
+        ),
+        (
+            "kvatlas_requests_total{rpc=\"Query\",code=\"NOT_FOUND\"}".into(),
+            1.0,
+        ),
+        (
+            "kvatlas_requests_total{rpc=\"PublishEvents\",code=\"OK\"}".into(),
+            1.0,
+        ),
+        (
+            "kvatlas_request_duration_seconds_count{rpc=\"Query\"}".into(),
+            4.0,
+        ),
+        ("kvatlas_registered_ranks".into(), 3.0),
+        ("kvatlas_ready".into(), 1.0),
+    ] {
+        assert_eq!(metric(&body, &series), Some(value), "{series}\n{body}");
+    }
+    assert!(body.contains("# TYPE kvatlas_request_duration_seconds histogram"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_serves_both_listeners() {
+    let dir = temp_dir("tls");
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
+    let cert_pem = certified.cert.pem();
+    std::fs::write(dir.join("cert.pem"), &cert_pem).expect("write");
+    std::fs::write(dir.join("key.pem"), certified.signing_key.serialize_pem()).expect("write");
+    let server = RunningServer::start(ServerConfig {
+        tls: Some(TlsFiles {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+        }),
+        ..ServerConfig::ephemeral()
+    })
+    .await
+    .expect("starts with TLS");
+    let url = format!("https://{}", server.grpc_addr());
+    let mut client = Client::connect_with(
+        &url,
+        &ConnectOptions {
+            ca_certificate_pem: Some(cert_pem.clone().into_bytes()),
+            ..ConnectOptions::default()
+        },
+    )
+    .await
+    .expect("TLS client connects");
+    client
+        .raw()
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect("a call over TLS");
+    // Plaintext is not served.
+    let plain = format!("http://{}", server.grpc_addr());
+    if let Ok(mut plain) = Client::connect(&plain).await {
+        plain
+            .raw()
+            .list_indexes(v1::ListIndexesRequest::default())
+            .await
+            .expect_err("plaintext against TLS");
+    }
+    // HTTPS on the HTTP listener.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(cert_pem.as_bytes()).expect("pem"))
+        .expect("root");
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(server.http_addr())
+        .await
+        .expect("tcp");
+    let mut tls = connector
+        .connect(ServerName::try_from("127.0.0.1").expect("name"), tcp)
+        .await
+        .expect("TLS handshake");
+    tls.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    let mut response = String::new();
+    tls.read_to_string(&mut response).await.ok();
+    assert_eq!(
+        parse_http(&response),
+        (200, "ok\n".to_owned()),
+        "{response}"
+    );
+    server.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
