@@ -382,6 +382,12 @@ pub struct ListenerCounters {
     pub backpressure_micros: u64,
     /// Mutations abandoned because the listener was stopped while waiting on a full sink.
     pub mutations_abandoned: u64,
+    /// Connections to the engine made (connect mode) or accepted (bind mode).
+    pub connects: u64,
+    /// Failed connection attempts, retried (the engine down or unreachable).
+    pub connect_retries: u64,
+    /// Connections the engine closed.
+    pub disconnects: u64,
     /// Events and batches dropped, by reason (decode and conversion).
     pub drops: DropCounters,
 }
@@ -433,6 +439,9 @@ struct SharedCounters {
     backpressure_waits: AtomicU64,
     backpressure_micros: AtomicU64,
     mutations_abandoned: AtomicU64,
+    connects: AtomicU64,
+    connect_retries: AtomicU64,
+    disconnects: AtomicU64,
     drops: [AtomicU64; Reason::COUNT],
 }
 
@@ -470,6 +479,9 @@ impl SharedCounters {
             backpressure_waits: get(&self.backpressure_waits),
             backpressure_micros: get(&self.backpressure_micros),
             mutations_abandoned: get(&self.mutations_abandoned),
+            connects: get(&self.connects),
+            connect_retries: get(&self.connect_retries),
+            disconnects: get(&self.disconnects),
             drops,
         }
     }
@@ -603,6 +615,19 @@ impl Listener {
             let endpoint = endpoint.to_owned();
             move |source| ListenerError::Endpoint { endpoint, source }
         };
+        // Connection events (refused, retried, connected, disconnected) for `last_error`; a
+        // listener without them still works, so a failure here is only logged.
+        let monitor = match monitor_socket(context, &sub) {
+            Ok(monitor) => Some(monitor),
+            Err(error) => {
+                tracing::warn!(
+                    target: "kvatlas_events::listener",
+                    "no connection monitor for {}: {error}",
+                    config.endpoint
+                );
+                None
+            }
+        };
         let endpoint = match config.mode {
             SocketMode::Connect => {
                 sub.connect(&config.endpoint)
@@ -640,6 +665,8 @@ impl Listener {
         let mut worker = ListenerThread {
             context: context.clone(),
             sub,
+            monitor,
+            connection_error: None,
             replay: None,
             sequencer: Sequencer::new(config.options.sequencer),
             converter: Converter::new(source),
@@ -730,6 +757,33 @@ impl Drop for Listener {
     }
 }
 
+/// Monitors `sub`'s connection events on a fresh inproc endpoint; returns the PAIR that
+/// receives them.
+fn monitor_socket(context: &zmq::Context, sub: &zmq::Socket) -> Result<zmq::Socket, zmq::Error> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let endpoint = format!(
+        "inproc://kvatlas-listener-monitor-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let events = [
+        zmq::SocketEvent::CONNECTED,
+        zmq::SocketEvent::ACCEPTED,
+        zmq::SocketEvent::CONNECT_RETRIED,
+        zmq::SocketEvent::DISCONNECTED,
+        zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL,
+        zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL,
+        zmq::SocketEvent::HANDSHAKE_FAILED_AUTH,
+    ]
+    .iter()
+    .fold(0, |mask, event| mask | (*event as i32));
+    sub.monitor(&endpoint, events)?;
+    let pair = context.socket(zmq::PAIR)?;
+    pair.set_linger(0)?;
+    pair.connect(&endpoint)?;
+    Ok(pair)
+}
+
 fn millis_i32(d: Duration, name: &'static str) -> Result<i32, ListenerError> {
     i32::try_from(d.as_millis()).map_err(|_| ListenerError::InvalidOption {
         name,
@@ -802,6 +856,10 @@ struct ListenerThread {
     context: zmq::Context,
     config: ListenerConfig,
     sub: zmq::Socket,
+    /// The PAIR receiving the SUB's connection events, if it could be set up.
+    monitor: Option<zmq::Socket>,
+    /// The connection error this thread last reported in `last_error` (cleared on connect).
+    connection_error: Option<String>,
     replay: Option<ReplayState>,
     sequencer: Sequencer<Vec<u8>>,
     converter: Converter,
@@ -846,21 +904,31 @@ impl ListenerThread {
                 None => recv_timeout,
             };
             let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-            let (live_ready, replay_ready) = {
-                let mut items = Vec::with_capacity(2);
+            let (live_ready, monitor_ready, replay_ready) = {
+                let mut items = Vec::with_capacity(3);
                 items.push(self.sub.as_poll_item(zmq::POLLIN));
+                if let Some(monitor) = &self.monitor {
+                    items.push(monitor.as_poll_item(zmq::POLLIN));
+                }
+                let replay_at = items.len();
                 if let Some(replay) = &self.replay {
                     items.push(replay.dealer.as_poll_item(zmq::POLLIN));
                 }
                 match zmq::poll(&mut items, timeout_ms) {
                     Ok(_) => (
                         items.first().is_some_and(zmq::PollItem::is_readable),
-                        items.get(1).is_some_and(zmq::PollItem::is_readable),
+                        self.monitor.is_some()
+                            && items.get(1).is_some_and(zmq::PollItem::is_readable),
+                        self.replay.is_some()
+                            && items.get(replay_at).is_some_and(zmq::PollItem::is_readable),
                     ),
-                    Err(zmq::Error::EINTR) => (false, false),
+                    Err(zmq::Error::EINTR) => (false, false, false),
                     Err(error) => return self.fail(format!("zmq poll: {error}")),
                 }
             };
+            if monitor_ready {
+                self.read_monitor();
+            }
             if replay_ready && let Err(exit) = self.read_replay() {
                 return exit;
             }
@@ -875,6 +943,63 @@ impl ListenerThread {
                 if let Err(exit) = self.drive() {
                     return exit;
                 }
+            }
+        }
+    }
+
+    /// Reads the SUB's connection events: a failed or lost connection is reported in
+    /// `last_error` (and counted) until a connection is made again.
+    fn read_monitor(&mut self) {
+        let Some(monitor) = &self.monitor else {
+            return;
+        };
+        while let Ok(Some(received)) = receive(monitor, zmq::DONTWAIT) {
+            let (Some(head), Some(address)) = (received.frames.first(), received.frames.get(1))
+            else {
+                continue;
+            };
+            let Some(event) = head.get(..2).map(|b| u16::from_le_bytes([b[0], b[1]])) else {
+                continue;
+            };
+            let value = head
+                .get(2..6)
+                .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let address = String::from_utf8_lossy(address);
+            let counters = &self.shared.counters;
+            let error = match zmq::SocketEvent::from_raw(event) {
+                zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
+                    bump(&counters.connects);
+                    if let Some(ours) = self.connection_error.take() {
+                        let mut last = self.shared.last_error.lock();
+                        if last.as_deref() == Some(ours.as_str()) {
+                            *last = None;
+                        }
+                    }
+                    None
+                }
+                zmq::SocketEvent::CONNECT_RETRIED => {
+                    bump(&counters.connect_retries);
+                    Some(format!(
+                        "cannot reach the engine at {address}: the connection attempt failed \
+                         (the engine may be down or the address wrong); retrying in {value} ms"
+                    ))
+                }
+                zmq::SocketEvent::DISCONNECTED => {
+                    bump(&counters.disconnects);
+                    Some(format!(
+                        "the engine at {address} closed the connection; reconnecting"
+                    ))
+                }
+                zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL
+                | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL
+                | zmq::SocketEvent::HANDSHAKE_FAILED_AUTH => Some(format!(
+                    "the ZMQ handshake with {address} failed: is it an engine's ZMQ PUB?"
+                )),
+                _ => None,
+            };
+            if let Some(error) = error {
+                self.shared.set_error(error.clone());
+                self.connection_error = Some(error);
             }
         }
     }

@@ -961,3 +961,52 @@ fn a_slow_index_backpressures_the_socket_and_replay_heals_the_drops() {
     h.reference_apply(&tail);
     h.assert_index_matches_reference();
 }
+
+#[test]
+fn an_engine_that_is_down_is_reported_until_it_comes_up() {
+    let mut h = Harness::new();
+    // A free port, with nobody listening yet.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let pub_at = format!("tcp://127.0.0.1:{port}");
+    let config = ListenerConfig::new(source(), pub_at.clone()).with_options(fast_options());
+    let id = h.listeners.start(config).expect("listener starts");
+    wait_for("the failed connection to be reported", || {
+        let s = state(&h.listeners, id);
+        s.counters.connect_retries > 0
+            && s.last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("cannot reach the engine at tcp://127.0.0.1:"))
+    });
+    assert_eq!(state(&h.listeners, id).status, ListenerStatus::Pending);
+    // The engine comes up on that port: the listener connects, and the error is gone.
+    let mut engine = Publisher::start(
+        &h.ctx,
+        &pub_at,
+        false,
+        "tcp://127.0.0.1:*",
+        1,
+        PublisherOptions::default(),
+    );
+    let warm = engine.warm_up(&h.listeners, id);
+    let s = state(&h.listeners, id);
+    assert_eq!(s.status, ListenerStatus::Active);
+    assert!(s.counters.connects >= 1, "{s:?}");
+    assert!(
+        s.last_error
+            .as_deref()
+            .is_none_or(|e| !e.contains("cannot reach")),
+        "{s:?}"
+    );
+    let events = event_stream(3, 5);
+    publish_all(&mut engine, &events, |_| true);
+    let tail = engine.pump(&h.listeners, id);
+    // Warm-up batches it missed before subscribing made it resync a still empty rank (they
+    // hold no events); everything after is applied.
+    h.reference_apply(&warm);
+    h.reference_apply(&events);
+    h.reference_apply(&tail);
+    h.assert_index_matches_reference();
+}

@@ -235,6 +235,9 @@ fn counters_of(c: &FeedCounters) -> v1::WorkerCounters {
         decode_errors: c.decode_errors,
         mutations_enqueued: c.mutations_enqueued,
         backpressure_waits: c.backpressure_waits,
+        connects: c.connects,
+        connect_retries: c.connect_retries,
+        disconnects: c.disconnects,
         dropped: c
             .drops
             .iter()

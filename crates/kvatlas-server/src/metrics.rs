@@ -20,7 +20,7 @@
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
 //! | `kvatlas_batches_total` | counter | `model`, `tenant`, `outcome` (`received`, `applied`, `replayed`, `duplicate`, `decode_error`, `bad_frame`) |
-//! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`) |
+//! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`, `connect`, `connect_retry`, `disconnect`) |
 //! | `kvatlas_listeners` | gauge | `model`, `tenant`, `status` |
 
 use std::fmt::Write as _;
@@ -484,7 +484,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
         out,
         "kvatlas_sequence_events_total",
         "counter",
-        "Gaps, resyncs, engine restarts and replays.",
+        "Gaps, resyncs, engine restarts, replays and connection events.",
     );
     for row in &rows {
         let c = &row.counters;
@@ -494,6 +494,9 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
             ("restart", c.restarts),
             ("replay_completed", c.replays_completed),
             ("replay_failed", c.replays_failed),
+            ("connect", c.connects),
+            ("connect_retry", c.connect_retries),
+            ("disconnect", c.disconnects),
         ] {
             let _ = writeln!(
                 out,

@@ -187,6 +187,12 @@ pub struct FeedCounters {
     pub mutations_enqueued: u64,
     /// Times the writers were full.
     pub backpressure_waits: u64,
+    /// Connections to the engine made or accepted.
+    pub connects: u64,
+    /// Failed connection attempts, retried.
+    pub connect_retries: u64,
+    /// Connections the engine closed.
+    pub disconnects: u64,
     /// Events dropped, by reason.
     pub drops: DropCounters,
 }
@@ -207,6 +213,9 @@ impl FeedCounters {
         self.decode_errors += other.decode_errors;
         self.mutations_enqueued += other.mutations_enqueued;
         self.backpressure_waits += other.backpressure_waits;
+        self.connects += other.connects;
+        self.connect_retries += other.connect_retries;
+        self.disconnects += other.disconnects;
         for (reason, n) in other.drops.iter() {
             self.drops.add(reason, n);
         }
@@ -229,6 +238,9 @@ impl From<&ListenerCounters> for FeedCounters {
             decode_errors: c.batch_decode_errors,
             mutations_enqueued: c.mutations_enqueued,
             backpressure_waits: c.backpressure_waits,
+            connects: c.connects,
+            connect_retries: c.connect_retries,
+            disconnects: c.disconnects,
             drops: c.drops,
         }
     }

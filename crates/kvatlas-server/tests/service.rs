@@ -518,14 +518,29 @@ async fn an_unreachable_engine_stays_pending_and_harms_nothing() {
         })
         .await
         .expect("registration of a down engine is accepted");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let listed = h
-        .client
-        .list_workers(v1::ListWorkersRequest::default())
-        .await
-        .expect("list")
-        .into_inner();
-    assert_eq!(listed.workers[0].status, v1::WorkerStatus::Pending as i32);
+    // It stays pending, and says why.
+    let mut client = h.client.clone();
+    wait_until("the failed connection to be reported", || {
+        let mut client = client.clone();
+        async move {
+            let listed = client
+                .list_workers(v1::ListWorkersRequest::default())
+                .await
+                .expect("list")
+                .into_inner();
+            let worker = &listed.workers[0];
+            assert_eq!(worker.status, v1::WorkerStatus::Pending as i32);
+            worker
+                .last_error
+                .contains("cannot reach the engine at tcp://127.0.0.1:")
+                && worker
+                    .counters
+                    .as_ref()
+                    .is_some_and(|c| c.connect_retries > 0)
+        }
+    })
+    .await;
+    let _ = &mut client;
     let answer = h
         .client
         .query(token_query(MODEL, "", prompt_tokens(&[0], BLOCK)))
