@@ -56,7 +56,16 @@ const ALLOWED_INTERNAL: &[(&str, &[&str])] = &[
             "kvatlas-proto",
         ],
     ),
-    ("kvatlas", &["kvatlas-server"]),
+    // The binary's tests also drive a server with the proto client and the reference model.
+    (
+        "kvatlas",
+        &[
+            "kvatlas-server",
+            "kvatlas-proto",
+            "kvatlas-index",
+            "kvatlas-hash",
+        ],
+    ),
     (
         "kvatlas-bench",
         &[

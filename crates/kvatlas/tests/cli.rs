@@ -1,0 +1,465 @@
+//! The `kvatlas` binary as an operator uses it: `serve` on ephemeral loopback ports, the client
+//! commands against it (tables, `--json`, exit codes and the server's message on failure), a
+//! config file, the safety refusal, and SIGTERM with the final per-index summary.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvatlas_hash::BlockHasher;
+use kvatlas_index::{
+    ExternalBlockHash, KvIndex, Mutation, ReferenceIndex, StoredBlock, Tier, Worker,
+};
+use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvatlas");
+const WAIT: Duration = Duration::from_secs(20);
+const BLOCK: u32 = 4;
+
+/// A running `kvatlas serve` and the addresses it logged.
+struct Served {
+    child: Child,
+    grpc: String,
+    http: String,
+    stderr: mpsc::Receiver<String>,
+}
+
+impl Served {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .arg("serve")
+            .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("KVATLAS_CONFIG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kvatlas serve starts");
+        let (tx, stderr) = mpsc::channel();
+        let pipe = child.stderr.take().expect("stderr");
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let line = loop {
+            let line = stderr
+                .recv_timeout(WAIT)
+                .expect("the server logs its addresses");
+            if line.contains("kvatlas serving") {
+                break line;
+            }
+        };
+        let after = |marker: &str| {
+            let rest = &line[line.find(marker).expect("marker") + marker.len()..];
+            rest.split([',', ' ']).next().expect("address").to_owned()
+        };
+        Self {
+            grpc: format!("http://{}", after("gRPC on ")),
+            http: after("HTTP on "),
+            child,
+            stderr,
+        }
+    }
+
+    /// SIGTERM, then the exit status and stdout.
+    fn terminate(mut self) -> (std::process::ExitStatus, String) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        let output = self.child.wait_with_output().expect("exits");
+        drop(self.stderr);
+        (
+            output.status,
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    }
+}
+
+fn kvatlas(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvatlas runs");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
+    } else {
+        drop(child.stdin.take());
+    }
+    child.wait_with_output().expect("exits")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn tokens(symbols: &[u32]) -> Vec<u32> {
+    symbols
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &s)| (0..BLOCK).map(move |j| s * 1000 + i as u32 * 10 + j))
+        .collect()
+}
+
+/// Worker `w` stores the blocks of `symbols`; returns the message and its mutation.
+fn store(worker: u64, symbols: &[u32]) -> (v1::PublishEventsRequest, Mutation) {
+    let hasher = BlockHasher::new(BLOCK).expect("size");
+    let locals: Vec<_> = hasher.local_hashes(&tokens(symbols)).collect();
+    let hashes: Vec<u64> = (0..symbols.len() as u64)
+        .map(|i| worker * 100 + i)
+        .collect();
+    let message = v1::PublishEventsRequest {
+        index: Some(v1::IndexSelector {
+            model: "m".into(),
+            tenant: String::new(),
+        }),
+        instance_id: worker,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: hashes.clone(),
+                token_ids: tokens(symbols),
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    let mutation = Mutation::Stored {
+        worker: Worker::new(worker, 0),
+        tier: Tier::Device,
+        parent: None,
+        blocks: hashes
+            .iter()
+            .zip(locals)
+            .map(|(&h, local)| StoredBlock {
+                external: ExternalBlockHash::new(h),
+                local,
+            })
+            .collect(),
+    };
+    (message, mutation)
+}
+
+fn publish(url: &str, messages: Vec<v1::PublishEventsRequest>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut client = IndexerClient::connect(url.to_owned())
+            .await
+            .expect("connects");
+        client
+            .publish_events(tokio_stream::iter(messages))
+            .await
+            .expect("published");
+    });
+}
+
+#[test]
+fn serve_query_list_register_and_stop() {
+    let served = Served::start(&[]);
+    let server = served.grpc.clone();
+    let (m1, s1) = store(1, &[1, 2, 3]);
+    let (m2, s2) = store(2, &[1, 2]);
+    publish(&server, vec![m1, m2]);
+
+    // A table by default, from a file or stdin.
+    let dir = std::env::temp_dir().join(format!("kvatlas-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let prompt = tokens(&[1, 2, 3, 4]);
+    let listed: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    std::fs::write(dir.join("prompt.txt"), listed.join(" ")).expect("write");
+    let path = dir.join("prompt.txt").display().to_string();
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "m", "--tokens", &path,
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(table.contains("block size 4, prompt 4 blocks"), "{table}");
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("INSTANCE"))
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ["1", "0", "3", "3", "3", "12"],
+            ["2", "0", "2", "2", "2", "8"]
+        ]
+    );
+
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "m", "--tokens", "-", "--json", "--top-k", "1",
+        ],
+        Some(&format!("[{}]", listed.join(","))),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["matches"].as_array().map(Vec::len), Some(1));
+    assert_eq!(json["matches"][0]["instance_id"], 1);
+    assert_eq!(json["matches"][0]["matched_tokens"], 12);
+    assert_eq!(json["events_applied"], 2);
+
+    // Local hashes, as a router computes them.
+    let hasher = BlockHasher::new(BLOCK).expect("size");
+    let hashes: Vec<String> = hasher
+        .local_hashes(&prompt)
+        .map(|h| format!("{:#x}", h.get()))
+        .collect();
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "m", "--hashes", "-", "--json",
+        ],
+        Some(&hashes.join("\n")),
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["matches"].as_array().map(Vec::len), Some(2));
+
+    // A failed query exits non-zero with the server's message.
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "nope", "--tokens", &path,
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let error = text(&out.stderr);
+    assert!(
+        error.contains("NOT_FOUND") && error.contains("no index for model \"nope\""),
+        "{error}"
+    );
+    // Bad input is a usage error.
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "m", "--tokens", "-",
+        ],
+        Some("1 2 x"),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("\"x\" is not a token id"));
+
+    // Register, list, unregister.
+    let out = kvatlas(
+        &[
+            "register",
+            "--server",
+            &server,
+            "--model",
+            "m",
+            "--instance-id",
+            "9",
+            "--block-size",
+            "4",
+            "--endpoint",
+            "tcp://127.0.0.1:9",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("worker 9 rank 0 registered"));
+    let out = kvatlas(
+        &[
+            "register",
+            "--server",
+            &server,
+            "--model",
+            "m",
+            "--instance-id",
+            "10",
+            "--block-size",
+            "8",
+            "--endpoint",
+            "tcp://127.0.0.1:9",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("FAILED_PRECONDITION"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = kvatlas(&["workers", "--server", &server, "--json"], None);
+    let workers: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let sources: Vec<_> = workers
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|w| {
+            (
+                w["instance_id"].as_u64(),
+                w["source"].as_str().map(str::to_owned),
+            )
+        })
+        .collect();
+    assert_eq!(
+        sources,
+        [
+            (Some(1), Some("grpc".to_owned())),
+            (Some(2), Some("grpc".to_owned())),
+            (Some(9), Some("zmq".to_owned())),
+        ]
+    );
+    let out = kvatlas(&["workers", "--server", &server], None);
+    assert!(text(&out.stdout).contains("tcp://127.0.0.1:9"));
+    let out = kvatlas(&["indexes", "--server", &server], None);
+    let indexes = text(&out.stdout);
+    assert!(
+        indexes.lines().nth(1).is_some_and(|l| l.starts_with("m ")),
+        "{indexes}"
+    );
+    let out = kvatlas(
+        &[
+            "unregister",
+            "--server",
+            &server,
+            "--model",
+            "m",
+            "--instance-id",
+            "2",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("1 rank(s) removed"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    // /health over HTTP while serving.
+    let mut http = std::net::TcpStream::connect(&served.http).expect("http");
+    http.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .expect("write");
+    let mut response = String::new();
+    std::io::Read::read_to_string(&mut http, &mut response).expect("read");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+
+    // SIGTERM: a clean exit and the summary of what the index held.
+    let (status, stdout) = served.terminate();
+    assert!(status.success(), "{status:?}");
+    let mut reference = ReferenceIndex::new();
+    reference.apply(&s1);
+    reference.apply(&s2);
+    reference.remove_worker(2);
+    let digest = format!("digest {:#018x}", reference.snapshot().digest());
+    assert!(
+        stdout.contains("index model=m tenant=default: 3 memberships"),
+        "{stdout}"
+    );
+    assert!(stdout.contains(&digest), "{stdout}\nwanted {digest}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn serve_takes_a_config_file_and_refuses_unsafe_settings() {
+    let dir = std::env::temp_dir().join(format!("kvatlas-cli-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("serve.toml");
+    std::fs::write(&file, "min_initial_workers = 3\nwriter_threads = 1\n").expect("write");
+    let served = Served::start(&["--config", &file.display().to_string()]);
+    let out = kvatlas(
+        &[
+            "query",
+            "--server",
+            &served.grpc,
+            "--model",
+            "m",
+            "--tokens",
+            "-",
+        ],
+        Some("1 2 3 4"),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let error = text(&out.stderr);
+    assert!(
+        error.contains("UNAVAILABLE") && error.contains("0 of the 3"),
+        "{error}"
+    );
+    let (status, _) = served.terminate();
+    assert!(status.success());
+
+    // A typo in the file, a public address without auth, a malformed --workers list.
+    std::fs::write(&file, "min_initial_worker = 3\n").expect("write");
+    let config = file.display().to_string();
+    let cases: [(&[&str], i32, &str); 3] = [
+        (&["serve", "--config", &config], 2, "min_initial_worker"),
+        (
+            &[
+                "serve",
+                "--grpc-addr",
+                "0.0.0.0:0",
+                "--http-addr",
+                "127.0.0.1:0",
+            ],
+            2,
+            "refusing to listen on 0.0.0.0:0 without authentication",
+        ),
+        (
+            &[
+                "serve",
+                "--grpc-addr",
+                "127.0.0.1:0",
+                "--workers",
+                "1=tcp://h:1",
+                "--block-size",
+                "16",
+                "--workers",
+                "x",
+            ],
+            2,
+            "",
+        ),
+    ];
+    for (args, code, needle) in cases {
+        let out = kvatlas(args, None);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains(needle),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    let out = kvatlas(
+        &[
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--workers",
+            "x=tcp://h:1",
+            "--block-size",
+            "16",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("the worker id is not an unsigned integer"));
+    let _ = std::fs::remove_dir_all(dir);
+}
