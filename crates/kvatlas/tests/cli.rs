@@ -66,7 +66,7 @@ impl Served {
     }
 
     /// SIGTERM, then the exit status and stdout.
-    fn terminate(mut self) -> (std::process::ExitStatus, String) {
+    fn terminate(self) -> (std::process::ExitStatus, String) {
         let status = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
