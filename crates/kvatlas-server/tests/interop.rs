@@ -493,7 +493,7 @@ fn grpcurl_lists_describes_and_calls() {
         "-H",
         &auth,
         "-d",
-        &publish,
+        publish,
         &addr,
         "kvatlas.v1.Indexer/PublishEvents",
     ]);
