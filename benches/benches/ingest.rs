@@ -22,7 +22,7 @@ use kvatlas_events::{Converter, DropCounters, decode_batch};
 use kvatlas_index::{Atlas, Locked};
 
 fn stream() -> IngestStream {
-    let trace = load_trace(&default_trace_path()).expect("the shared Mooncake trace");
+    let trace = load_trace(&default_trace_path()).expect("the trace in data/traces");
     let requests = std::env::var("KVATLAS_INGEST_REQUESTS")
         .ok()
         .and_then(|v| v.parse().ok())

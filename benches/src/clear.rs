@@ -140,7 +140,7 @@ mod tests {
 
     #[test]
     fn every_backend_is_empty_after_each_clear_all_and_refills_exactly() {
-        let mut trace = load_trace(&default_trace_path()).expect("shared trace present");
+        let mut trace = load_trace(&default_trace_path()).expect("the trace in data/traces");
         trace.truncate(400);
         for eviction in Eviction::ALL {
             let stream = generate(&trace, &EngineConfig::new(8, 64, eviction, 5));
@@ -157,7 +157,7 @@ mod tests {
 
     #[test]
     fn a_wrong_stream_is_caught() {
-        let mut trace = load_trace(&default_trace_path()).expect("shared trace present");
+        let mut trace = load_trace(&default_trace_path()).expect("the trace in data/traces");
         trace.truncate(100);
         let mut stream = generate(&trace, &EngineConfig::new(4, 64, Eviction::LeafFirst, 5));
         // One worker too few cleared: that worker's blocks survive the clear-all.

@@ -266,7 +266,7 @@ mod tests {
 
     #[test]
     fn a_short_concurrent_run_ends_in_the_expected_states() {
-        let mut trace = load_trace(&default_trace_path()).expect("shared trace present");
+        let mut trace = load_trace(&default_trace_path()).expect("the trace in data/traces");
         trace.truncate(300);
         let stream = generate(&trace, &EngineConfig::new(8, 64, Eviction::LeafFirst, 42));
         let config = ConcurrentConfig {

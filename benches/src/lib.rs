@@ -9,7 +9,8 @@
 //! the offered load; [`synthetic`], [`concurrent`] and [`clear`] are peer-baseline.md's
 //! Workloads B, C and D;
 //! [`plot`] draws the sweep and latency CDF; [`ingest`] turns the trace into vLLM msgpack event
-//! batches for the KV-event ingestion benchmarks.
+//! batches for the KV-event ingestion benchmarks; [`service`] loads a `kvatlas serve` process with
+//! Workload A and measures its gRPC queries (`cargo xtask bench service`).
 
 pub mod clear;
 pub mod concurrent;
@@ -18,5 +19,6 @@ pub mod ingest;
 pub mod openloop;
 pub mod plot;
 pub mod replay;
+pub mod service;
 pub mod synthetic;
 pub mod trace;

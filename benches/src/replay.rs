@@ -384,7 +384,7 @@ mod tests {
     use crate::trace::{TraceRequest, default_trace_path, load_trace};
 
     fn slice(n: usize) -> Vec<TraceRequest> {
-        let mut trace = load_trace(&default_trace_path()).expect("shared trace present");
+        let mut trace = load_trace(&default_trace_path()).expect("the trace in data/traces");
         trace.truncate(n);
         trace
     }

@@ -24,10 +24,9 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
-/// The shared Mooncake conversation trace, beside the project (`../shared/traces/`).
+/// The Mooncake conversation trace shipped in the repository (`data/traces/`, Apache-2.0).
 pub fn default_trace_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/mooncake_conversation_trace.jsonl")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/traces/mooncake_conversation_trace.jsonl")
 }
 
 /// Reads a JSONL trace; blank lines are skipped, a malformed line is an error naming it.
@@ -162,7 +161,7 @@ mod tests {
 
         // On the shared trace: every request has exactly k times its blocks, and sharing is
         // preserved (distinct ids multiply by k too).
-        let original = load_trace(&default_trace_path()).expect("shared trace present");
+        let original = load_trace(&default_trace_path()).expect("the trace in data/traces");
         let mut scaled = original[..500].to_vec();
         scale_length(&mut scaled, 3).expect("fits");
         for (a, b) in original.iter().zip(&scaled) {
@@ -234,7 +233,7 @@ mod tests {
         assert!(duplicate(trace, 0).is_err());
 
         // On the shared trace: d copies of every block count, and disjoint distinct ids.
-        let original = load_trace(&default_trace_path()).expect("shared trace present");
+        let original = load_trace(&default_trace_path()).expect("the trace in data/traces");
         let part = original[..300].to_vec();
         let blocks: usize = part.iter().map(|r| r.hash_ids.len()).sum();
         let stride = max_hash_id(&part).expect("blocks") + 1;
@@ -255,7 +254,7 @@ mod tests {
 
     #[test]
     fn the_shared_trace_loads() {
-        let trace = load_trace(&default_trace_path()).expect("shared trace present");
+        let trace = load_trace(&default_trace_path()).expect("the trace in data/traces");
         assert_eq!(trace.len(), 12_031);
         assert_eq!(trace[0].hash_ids[..3], [0, 1, 2]);
     }

@@ -21,6 +21,8 @@ tasks:
   tidy               check the crate layering (see docs/ARCHITECTURE.md)
   bench [ARGS…]      run the trace-replay benchmark suite (ARGS go to kvatlas-bench; --quick = smoke run)
   bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
+  bench service [ARGS…] the gRPC service under load: kvatlas serve with the Workload A state
+                     (ARGS go to service-bench: --runs, --seconds, --in-flight, --quick, --json)
   interop            the listener against vLLM's and SGLang's real publishers (downloads wheels once)
   interop setup      only build target/interop (venv, wheels, extracted publisher sources)
 ";
@@ -145,6 +147,27 @@ fn bench(args: &[String]) -> Result<()> {
             cmd,
             "cargo bench -p kvatlas-bench (criterion micro-benchmarks)",
         );
+    }
+    if args.first().map(String::as_str) == Some("service") {
+        let mut build = cargo();
+        build.args(["build", "--release", "--locked", "-p", "kvatlas"]);
+        run(build, "cargo build --release -p kvatlas")?;
+        let binary = workspace_root().join("target/release/kvatlas");
+        let mut cmd = cargo();
+        cmd.args([
+            "run",
+            "--release",
+            "--locked",
+            "-p",
+            "kvatlas-bench",
+            "--bin",
+            "service-bench",
+            "--",
+            "--kvatlas",
+        ])
+        .arg(&binary)
+        .args(&args[1..]);
+        return run(cmd, &format!("service-bench {}", args[1..].join(" ")));
     }
     let mut cmd = cargo();
     cmd.args([

@@ -118,7 +118,7 @@ struct Args {
     /// Events-only passes per backend in the interleaved mode (median reported).
     #[arg(long, default_value_t = 5)]
     passes: usize,
-    /// JSONL trace (default: the shared Mooncake conversation trace).
+    /// JSONL trace (default: the Mooncake conversation trace in data/traces/).
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Seed of the request-to-worker assignment and the synthetic workload.

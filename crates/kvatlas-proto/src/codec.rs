@@ -1,21 +1,30 @@
-//! The protobuf codec of the generated stubs: prost's, except that a message that does not
-//! decode is INVALID_ARGUMENT ("malformed kvatlas.v1.QueryRequest: ...") rather than tonic's
-//! INTERNAL — a client sent bad bytes; nothing failed inside the server.
+//! The protobuf codec of the generated stubs: prost's messages, with two changes that matter at
+//! hundreds of thousands of messages per second, and one that matters to people.
+//!
+//! - **Decoding from the contiguous slice.** tonic hands the decoder a view of its receive
+//!   buffer; decoding through that view advances a `BytesMut` once per field, which for a prompt
+//!   of 1,024 packed token ids is most of the decoding time. The message's bytes are contiguous,
+//!   so it is decoded from a plain `&[u8]` instead.
+//! - **Encoding into a flat buffer.** prost writes varints byte by byte; into tonic's `BytesMut`
+//!   each byte is a capacity check and a copy. The message is encoded into a reused, exactly
+//!   sized `Vec<u8>` and appended in one copy.
+//! - **A message that does not decode is INVALID_ARGUMENT** ("malformed QueryRequest message:
+//!   …") rather than tonic's INTERNAL: a client sent bad bytes; nothing failed inside the server.
 
 use std::marker::PhantomData;
 
 use prost::Message;
+use prost::bytes::{Buf, BufMut};
 use tonic::Status;
-use tonic::codec::{BufferSettings, DecodeBuf, Decoder};
-use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
+use tonic::codec::{BufferSettings, DecodeBuf, Decoder, EncodeBuf, Encoder};
 
 /// The codec `build.rs` names for every method (see the module docs).
-#[derive(Debug, Clone)]
-pub struct Codec<T, U>(ProstCodec<T, U>);
+#[derive(Debug, Clone, Copy)]
+pub struct Codec<T, U>(PhantomData<(T, U)>);
 
 impl<T, U> Default for Codec<T, U> {
     fn default() -> Self {
-        Self(ProstCodec::default())
+        Self(PhantomData)
     }
 }
 
@@ -26,39 +35,75 @@ where
 {
     type Encode = T;
     type Decode = U;
-    type Encoder = ProstEncoder<T>;
+    type Encoder = MessageEncoder<T>;
     type Decoder = MessageDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
-        self.0.encoder()
+        MessageEncoder {
+            scratch: Vec::new(),
+            _message: PhantomData,
+        }
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        MessageDecoder(self.0.decoder(), PhantomData)
+        MessageDecoder(PhantomData)
     }
 }
 
-/// prost's decoder with decode errors reported as INVALID_ARGUMENT, naming the message type.
+/// Encodes into a reused flat buffer, then appends it in one copy (see the module docs).
 #[derive(Debug)]
-pub struct MessageDecoder<U>(ProstDecoder<U>, PhantomData<U>);
+pub struct MessageEncoder<T> {
+    scratch: Vec<u8>,
+    _message: PhantomData<T>,
+}
+
+impl<T: Message> Encoder for MessageEncoder<T> {
+    type Item = T;
+    type Error = Status;
+
+    fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        let len = item.encoded_len();
+        self.scratch.clear();
+        self.scratch.resize(len, 0);
+        let mut slice: &mut [u8] = &mut self.scratch;
+        item.encode_raw(&mut slice);
+        // `encoded_len` is exact, so the slice is full.
+        debug_assert!(slice.is_empty());
+        buf.put_slice(&self.scratch);
+        Ok(())
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        BufferSettings::default()
+    }
+}
+
+/// Decodes from the message's contiguous bytes, reporting failures as INVALID_ARGUMENT naming
+/// the message type.
+#[derive(Debug)]
+pub struct MessageDecoder<U>(PhantomData<U>);
 
 impl<U: Message + Default> Decoder for MessageDecoder<U> {
     type Item = U;
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        self.0.decode(buf).map_err(|status| {
-            if status.code() == tonic::Code::Internal {
-                let name = std::any::type_name::<U>();
-                let name = name.rsplit("::").next().unwrap_or(name);
-                Status::invalid_argument(format!("malformed {name} message: {}", status.message()))
-            } else {
-                status
-            }
+        let len = buf.remaining();
+        let decoded = if buf.chunk().len() >= len {
+            let decoded = U::decode(&buf.chunk()[..len]);
+            buf.advance(len);
+            decoded
+        } else {
+            U::decode(&mut *buf)
+        };
+        decoded.map(Some).map_err(|error| {
+            let name = std::any::type_name::<U>();
+            let name = name.rsplit("::").next().unwrap_or(name);
+            Status::invalid_argument(format!("malformed {name} message: {error}"))
         })
     }
 
     fn buffer_settings(&self) -> BufferSettings {
-        self.0.buffer_settings()
+        BufferSettings::default()
     }
 }

@@ -99,12 +99,21 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), CliError> {
     installed.map_err(|e| CliError::Config(format!("cannot set up logging: {e}")))
 }
 
+/// A multi-thread runtime with `threads` workers (default: one per core but one, left to the
+/// index writers and listeners; at least one). On the 2-core machine of `docs/benchmarks.md`, one
+/// worker serves more queries than two (they share the cores with the writers and the clients)
+/// and more than a current-thread runtime.
 fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, CliError> {
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = threads {
-        builder.worker_threads(threads.max(1));
-    }
-    builder.enable_all().build().map_err(CliError::Runtime)
+    let threads = threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get().saturating_sub(1))
+            .max(1)
+    });
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.max(1))
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -185,7 +194,7 @@ pub struct ServeArgs {
     /// Seconds a graceful shutdown may take [default: 10].
     #[arg(long, env = "KVATLAS_SHUTDOWN_TIMEOUT")]
     pub shutdown_timeout_secs: Option<u64>,
-    /// Async runtime threads serving requests [default: one per core].
+    /// Async runtime threads serving requests [default: one per core but one (at least 1)].
     #[arg(long, env = "KVATLAS_RUNTIME_THREADS")]
     pub runtime_threads: Option<usize>,
 }

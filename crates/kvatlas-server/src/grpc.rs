@@ -119,7 +119,7 @@ impl IndexerService {
     }
 
     /// Answers one query (unary or one stream message).
-    fn answer(
+    pub(crate) fn answer(
         &self,
         caller: &Caller,
         request: &v1::QueryRequest,
@@ -204,7 +204,7 @@ fn mode_of(value: i32) -> Result<SocketMode, ServiceError> {
     }
 }
 
-fn registration_of(
+pub(crate) fn registration_of(
     request: &v1::RegisterWorkerRequest,
 ) -> Result<WorkerRegistration, ServiceError> {
     Ok(WorkerRegistration {

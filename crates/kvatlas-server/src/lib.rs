@@ -33,6 +33,8 @@ mod auth;
 pub mod cli;
 mod config;
 mod error;
+#[cfg(any(test, fuzzing))]
+pub mod fuzzing;
 mod grpc;
 mod http;
 mod metrics;

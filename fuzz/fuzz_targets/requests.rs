@@ -1,0 +1,15 @@
+//! Fuzz target: any bytes as a kvatlas.v1 request (the first byte picks Query, RegisterWorker or
+//! PublishEvents) through the server's validation, conversion and index work, without a network
+//! (`kvatlas_server::fuzzing`). Must never panic, never answer INTERNAL, and stay within the
+//! small server's bounds (ASan and `-rss_limit_mb` catch unbounded allocation).
+
+#![no_main]
+
+use kvatlas_server::ServiceError;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Some(Err(ServiceError::Internal(message))) = kvatlas_server::fuzzing::request(data) {
+        panic!("a request was answered INTERNAL: {message}");
+    }
+});
