@@ -82,9 +82,50 @@ pub struct Point {
     pub errors: u64,
 }
 
+/// The machine's floor: a bare loopback TCP echo of 512 bytes between two threads (no gRPC, no
+/// HTTP/2, blocking sockets), 20,000 round trips: what any request/response over loopback pays
+/// for two thread wakeups on this machine.
+pub fn tcp_echo_floor() -> Result<Point> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut socket, _) = listener.accept()?;
+        socket.set_nodelay(true)?;
+        let mut buf = [0u8; 512];
+        loop {
+            let n = socket.read(&mut buf)?;
+            if n == 0 {
+                return Ok(());
+            }
+            socket.write_all(&buf[..n])?;
+        }
+    });
+    let mut socket = std::net::TcpStream::connect(addr)?;
+    socket.set_nodelay(true)?;
+    let mut buf = [7u8; 512];
+    let mut h = histogram();
+    let started = Instant::now();
+    for _ in 0..20_000 {
+        let at = Instant::now();
+        socket.write_all(&buf)?;
+        let mut got = 0;
+        while got < buf.len() {
+            got += socket.read(&mut buf[got..])?;
+        }
+        let _ = h.record(at.elapsed().as_nanos() as u64);
+    }
+    let elapsed = started.elapsed();
+    drop(socket);
+    let _ = echo.join();
+    Ok(point(1, h.len(), elapsed, &h, 0))
+}
+
 /// One run's figures.
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct RunReport {
+    /// The machine's loopback TCP echo round trip (see [`tcp_echo_floor`]).
+    pub tcp_echo_floor: Point,
     /// Events pushed to load the state.
     pub load_events: usize,
     /// Seconds the load took (publish until acknowledged and applied).
@@ -262,6 +303,8 @@ impl Drop for Server {
 async fn connect(url: &str) -> Result<IndexerClient<Channel>> {
     let channel = Endpoint::from_shared(url.to_owned())?
         .tcp_nodelay(true)
+        .initial_connection_window_size(Some(8 << 20))
+        .initial_stream_window_size(Some(8 << 20))
         .connect()
         .await?;
     Ok(IndexerClient::new(channel).max_decoding_message_size(64 << 20))
@@ -462,6 +505,7 @@ fn run_once(
     memberships: u64,
     prompts: &Arc<Vec<Prompt>>,
 ) -> Result<RunReport> {
+    let tcp_echo_floor = tcp_echo_floor()?;
     let server = Server::start(&settings.kvatlas, &settings.serve_args)?;
     let runtime = if settings.client_threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
@@ -498,6 +542,7 @@ fn run_once(
             bail!("the server holds {held} memberships, the mock engines {memberships}");
         }
         let mut report = RunReport {
+            tcp_echo_floor,
             load_events: messages.len(),
             load_seconds,
             memberships: held,
@@ -588,6 +633,7 @@ fn median_report(runs: &[RunReport]) -> RunReport {
     };
     let scalar = |f: fn(&RunReport) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
     RunReport {
+        tcp_echo_floor: median_point(&runs.iter().map(|r| r.tcp_echo_floor).collect::<Vec<_>>()),
         load_events: runs.first().map_or(0, |r| r.load_events),
         load_seconds: scalar(|r| r.load_seconds),
         memberships: runs.first().map_or(0, |r| r.memberships),
@@ -681,6 +727,7 @@ pub fn markdown(summary: &Summary) -> String {
             p.in_flight, p.qps, p.p50_us, p.p99_us, p.p999_us, p.errors
         );
     };
+    row("the machine's floor: loopback TCP echo, 512 B, no gRPC", &m.tcp_echo_floor);
     row("unary Query, token ids", &m.unary_latency_tokens);
     row("unary Query, local hashes", &m.unary_latency_hashes);
     for (name, points) in [

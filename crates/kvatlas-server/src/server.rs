@@ -33,6 +33,10 @@ use crate::registry::{Feed, IndexKey, Registry};
 use crate::state::State;
 use crate::tls::TlsMaterial;
 
+/// HTTP/2 flow-control windows (per connection and per stream): large enough that busy
+/// connections rarely stop to send WINDOW_UPDATE frames.
+const WINDOW_BYTES: u32 = 8 << 20;
+
 /// How often the health service's status is brought in line with readiness.
 const HEALTH_POLL: Duration = Duration::from_millis(50);
 
@@ -362,7 +366,10 @@ fn serve_grpc(
         .map_err(|e| StartError::Grpc(format!("reflection: {e}")))?;
     // The concurrency limit is enforced per request (shedding with RESOURCE_EXHAUSTED), not as
     // HTTP/2's per-connection stream limit, which makes clients queue silently instead.
-    let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
+    let mut builder = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_connection_window_size(Some(WINDOW_BYTES))
+        .initial_stream_window_size(Some(WINDOW_BYTES));
     if let Some(tls) = tls {
         builder = builder
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(tls.identity()))
