@@ -727,7 +727,10 @@ pub fn markdown(summary: &Summary) -> String {
             p.in_flight, p.qps, p.p50_us, p.p99_us, p.p999_us, p.errors
         );
     };
-    row("the machine's floor: loopback TCP echo, 512 B, no gRPC", &m.tcp_echo_floor);
+    row(
+        "the machine's floor: loopback TCP echo, 512 B, no gRPC",
+        &m.tcp_echo_floor,
+    );
     row("unary Query, token ids", &m.unary_latency_tokens);
     row("unary Query, local hashes", &m.unary_latency_hashes);
     for (name, points) in [
