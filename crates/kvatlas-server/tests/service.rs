@@ -862,7 +862,9 @@ async fn shutdown_applies_and_acknowledges_what_it_read() {
         .expect("task")
         .expect("the stream is acknowledged, not failed")
         .into_inner();
-    assert!(acked.messages_applied > 0 && (acked.messages_applied as usize) < batches.len());
+    // However far the sender got, the stream was open when the shutdown began (the sender
+    // never closes it): every message acknowledged is in the final state, and nothing else.
+    assert!(acked.messages_applied > 100, "{acked:?}");
     let mut reference = ReferenceIndex::new();
     for b in &batches[..acked.messages_applied as usize] {
         b.mutations.iter().for_each(|m| {
