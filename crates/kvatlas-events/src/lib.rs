@@ -63,6 +63,7 @@ pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, deco
 #[cfg(feature = "listener")]
 pub use listener::{
     ApplyInline, Listener, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
-    ListenerOptions, ListenerState, ListenerStatus, Listeners, MutationSink, SinkError, SocketMode,
+    ListenerOptions, ListenerState, ListenerStatus, Listeners, MutationSink, Resume, SinkError,
+    SocketMode,
 };
 pub use sequence::{Action, ReplayId, ResyncReason, SequenceCounters, Sequencer, SequencerConfig};

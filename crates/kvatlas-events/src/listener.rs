@@ -8,7 +8,8 @@
 //!  engine PUB ──► SUB (connect, or bind) ──frames──► Sequencer ──Apply──► decode + convert
 //!  engine ROUTER ◄──► DEALER (one per replay) ──┘         │ Resync → Mutation::Cleared
 //!                                                        ▼
-//!                               MutationSink::try_push (bounded; full → wait = backpressure)
+//!              MutationSink::try_push(Unit: a batch's mutations + its checkpoint)
+//!                                     (bounded; full → wait = backpressure)
 //! ```
 //!
 //! - **One thread per source** polls its SUB (and, while a replay is outstanding, its DEALER)
@@ -21,6 +22,15 @@
 //!   arriving meanwhile and are buffered by the sequencer (bounded).
 //! - **Resync** ([`Action::Resync`]) → a [`Mutation::Cleared`] for every rank the source has fed,
 //!   counted and logged (`tracing`, target `kvatlas_events::listener`).
+//! - **Units and checkpoints**: each applied batch goes to the sink as one [`Unit`] — its
+//!   mutations and a [`Checkpoint`] (the source's rank, the batch's sequence number and
+//!   fingerprint) — so an index that records checkpoints pairs its snapshots exactly with the
+//!   batches they hold.
+//! - **Resume and hold**: a listener can continue a stream applied elsewhere
+//!   ([`ListenerConfig::resume`]: a restored snapshot's checkpoint), and can start *held*
+//!   ([`ListenerConfig::hold`]): it receives and buffers live batches (bounded) but applies nothing
+//!   until [`Listener::release`] gives it the position to continue from — how a new replica
+//!   subscribes first, restores a peer's snapshot, then applies exactly what follows it.
 //! - **Backpressure**: mutations go to a [`MutationSink`] (for example a
 //!   [`kvatlas_index::ThreadPool`], whose lanes are bounded). A full lane makes the listener
 //!   wait (counted in [`ListenerCounters::backpressure_waits`]); it stops reading its socket,
@@ -30,14 +40,14 @@
 //!
 //! [`Listeners`] is the registry a server drives: start, stop, state, list.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvatlas_index::{EnqueueError, Mutation, SharedKvIndex, ThreadPool, Worker};
+use kvatlas_index::{Checkpoint, EnqueueError, Mutation, SharedKvIndex, ThreadPool, Unit, Worker};
 use parking_lot::Mutex;
 
 use crate::convert::{Converter, Source};
@@ -58,52 +68,54 @@ const MAX_TRACKED_RANKS: usize = 64;
 // Sink
 // ---------------------------------------------------------------------------------------------
 
-/// Why a [`MutationSink`] did not take a mutation; the mutation is handed back.
+/// Why a [`MutationSink`] did not take a unit; the unit is handed back.
 #[derive(Debug)]
 pub enum SinkError {
     /// The sink is full right now (the index is not keeping up): try again later.
-    Full(Mutation),
+    Full(Unit),
     /// The sink is gone for good (its writer threads stopped).
-    Closed(Mutation),
+    Closed(Unit),
 }
 
 /// Where a listener hands its mutations: a bounded, per-worker-ordered queue in front of an
 /// index.
 ///
-/// Contract: mutations of one worker rank pushed by one thread are applied in push order
+/// Contract: units of one worker pushed by one thread are applied in push order, each whole
 /// ([`ThreadPool`]'s sticky lanes guarantee it). `try_push` never blocks; the listener waits
 /// and retries on [`SinkError::Full`], which is how backpressure reaches the socket.
 pub trait MutationSink: Send + Sync {
-    /// Hands over one mutation if there is room.
+    /// Hands over one unit (a batch's mutations and its checkpoint) if there is room.
     ///
     /// # Errors
     /// [`SinkError::Full`] to be retried later, [`SinkError::Closed`] for good.
-    fn try_push(&self, mutation: Mutation) -> Result<(), SinkError>;
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError>;
 }
 
 impl<I: SharedKvIndex + 'static> MutationSink for ThreadPool<I> {
-    fn try_push(&self, mutation: Mutation) -> Result<(), SinkError> {
-        self.try_enqueue(mutation).map_err(|error| match error {
-            EnqueueError::Full(m) => SinkError::Full(m),
-            EnqueueError::Stopped(m) => SinkError::Closed(m),
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
+        self.try_enqueue_unit(unit).map_err(|error| match error {
+            EnqueueError::Full(u) => SinkError::Full(u),
+            EnqueueError::Stopped(u) => SinkError::Closed(u),
         })
     }
 }
 
 impl<S: MutationSink + ?Sized> MutationSink for Arc<S> {
-    fn try_push(&self, mutation: Mutation) -> Result<(), SinkError> {
-        (**self).try_push(mutation)
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
+        (**self).try_push(unit)
     }
 }
 
-/// A sink that applies each mutation inline, on the listener's thread, to a shared index (never
+/// A sink that applies each unit inline, on the listener's thread, to a shared index (never
 /// full). Simple, and the listener's own thread pays for the index writes.
 #[derive(Debug)]
 pub struct ApplyInline<I>(pub Arc<I>);
 
 impl<I: SharedKvIndex> MutationSink for ApplyInline<I> {
-    fn try_push(&self, mutation: Mutation) -> Result<(), SinkError> {
-        self.0.apply(&mutation);
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
+        let mut mutations = unit.mutations;
+        let mut checkpoints: Vec<Checkpoint> = unit.checkpoint.into_iter().collect();
+        self.0.apply_checkpointed(&mut mutations, &mut checkpoints);
         Ok(())
     }
 }
@@ -177,6 +189,21 @@ pub struct ListenerConfig {
     pub mode: SocketMode,
     /// Timeouts, buffers and limits.
     pub options: ListenerOptions,
+    /// Continue a stream applied elsewhere up to this position (see [`Resume`]); `None` starts
+    /// fresh.
+    pub resume: Option<Resume>,
+    /// Start held: buffer live batches, apply nothing until [`Listener::release`].
+    pub hold: bool,
+}
+
+/// Where a listener continues a stream applied elsewhere: the checkpoint of a restored snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Resume {
+    /// The sequence number of the last batch applied.
+    pub position: u64,
+    /// `(seq, fingerprint)` of the last batches applied, oldest first (to tell a batch already
+    /// applied from a restarted engine's new one; see [`Sequencer::resume`]).
+    pub recent: Vec<(u64, u64)>,
 }
 
 impl ListenerConfig {
@@ -189,6 +216,8 @@ impl ListenerConfig {
             topic: Vec::new(),
             mode: SocketMode::Connect,
             options: ListenerOptions::default(),
+            resume: None,
+            hold: false,
         }
     }
 
@@ -213,6 +242,18 @@ impl ListenerConfig {
     /// Sets the options.
     pub fn with_options(mut self, options: ListenerOptions) -> Self {
         self.options = options;
+        self
+    }
+
+    /// Continues a stream applied elsewhere (see [`Resume`]).
+    pub fn with_resume(mut self, resume: Option<Resume>) -> Self {
+        self.resume = resume;
+        self
+    }
+
+    /// Starts held (see [`ListenerConfig::hold`]).
+    pub fn held(mut self) -> Self {
+        self.hold = true;
         self
     }
 }
@@ -299,6 +340,8 @@ pub enum ListenerStatus {
     Failed,
     /// The listener was stopped.
     Stopped,
+    /// Started held: live batches are buffered, nothing is applied until it is released.
+    Held,
 }
 
 impl ListenerStatus {
@@ -308,6 +351,7 @@ impl ListenerStatus {
             ListenerStatus::Active => 1,
             ListenerStatus::Failed => 2,
             ListenerStatus::Stopped => 3,
+            ListenerStatus::Held => 4,
         }
     }
 
@@ -316,6 +360,7 @@ impl ListenerStatus {
             0 => ListenerStatus::Pending,
             1 => ListenerStatus::Active,
             2 => ListenerStatus::Failed,
+            4 => ListenerStatus::Held,
             _ => ListenerStatus::Stopped,
         }
     }
@@ -327,6 +372,7 @@ impl ListenerStatus {
             ListenerStatus::Active => "active",
             ListenerStatus::Failed => "failed",
             ListenerStatus::Stopped => "stopped",
+            ListenerStatus::Held => "held",
         }
     }
 }
@@ -382,6 +428,8 @@ pub struct ListenerCounters {
     pub backpressure_micros: u64,
     /// Mutations abandoned because the listener was stopped while waiting on a full sink.
     pub mutations_abandoned: u64,
+    /// Live batches dropped from a held listener's full buffer (replayed after its release).
+    pub held_dropped: u64,
     /// Connections to the engine made (connect mode) or accepted (bind mode).
     pub connects: u64,
     /// Failed connection attempts, retried (the engine down or unreachable).
@@ -439,6 +487,7 @@ struct SharedCounters {
     backpressure_waits: AtomicU64,
     backpressure_micros: AtomicU64,
     mutations_abandoned: AtomicU64,
+    held_dropped: AtomicU64,
     connects: AtomicU64,
     connect_retries: AtomicU64,
     disconnects: AtomicU64,
@@ -479,6 +528,7 @@ impl SharedCounters {
             backpressure_waits: get(&self.backpressure_waits),
             backpressure_micros: get(&self.backpressure_micros),
             mutations_abandoned: get(&self.mutations_abandoned),
+            held_dropped: get(&self.held_dropped),
             connects: get(&self.connects),
             connect_retries: get(&self.connect_retries),
             disconnects: get(&self.disconnects),
@@ -508,6 +558,8 @@ struct Shared {
     last_batch_micros: AtomicU64,
     last_error: Mutex<Option<String>>,
     counters: SharedCounters,
+    /// Set by [`Listener::release`]: the position a held listener continues from.
+    release: Mutex<Option<Option<Resume>>>,
 }
 
 impl Shared {
@@ -652,23 +704,36 @@ impl Listener {
             probe.connect(replay).map_err(endpoint_error(replay))?;
         }
 
+        let initial = if config.hold {
+            ListenerStatus::Held
+        } else {
+            ListenerStatus::Pending
+        };
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
-            status: AtomicU8::new(ListenerStatus::Pending.as_u8()),
-            last_seq: AtomicU64::new(u64::MAX),
+            status: AtomicU8::new(initial.as_u8()),
+            last_seq: AtomicU64::new(config.resume.as_ref().map_or(u64::MAX, |r| r.position)),
             started: Instant::now(),
             last_batch_micros: AtomicU64::new(0),
             last_error: Mutex::new(None),
             counters: SharedCounters::default(),
+            release: Mutex::new(None),
         });
         let source = config.source;
+        let sequencer = match &config.resume {
+            Some(resume) => {
+                Sequencer::resume(config.options.sequencer, resume.position, &resume.recent)
+            }
+            None => Sequencer::new(config.options.sequencer),
+        };
         let mut worker = ListenerThread {
             context: context.clone(),
             sub,
             monitor,
             connection_error: None,
+            held: config.hold.then(VecDeque::new),
             replay: None,
-            sequencer: Sequencer::new(config.options.sequencer),
+            sequencer,
             converter: Converter::new(source),
             ranks: BTreeSet::from([Worker::new(source.worker_id, source.dp_rank)]),
             mutations: Vec::new(),
@@ -705,6 +770,15 @@ impl Listener {
     /// The SUB endpoint (in bind mode, the address actually bound).
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// Releases a listener started held ([`ListenerConfig::hold`]): it continues from `resume`
+    /// (the checkpoint of the snapshot restored meanwhile) or from scratch, then applies the live
+    /// batches it buffered — those the snapshot already holds are dropped as duplicates, a hole
+    /// before them is replayed. Takes effect within one receive timeout; a listener not held
+    /// ignores it.
+    pub fn release(&self, resume: Option<Resume>) {
+        *self.shared.release.lock() = Some(resume);
     }
 
     /// The current state.
@@ -860,6 +934,9 @@ struct ListenerThread {
     monitor: Option<zmq::Socket>,
     /// The connection error this thread last reported in `last_error` (cleared on connect).
     connection_error: Option<String>,
+    /// While held: the live batches received, oldest first (at most the sequencer's buffer;
+    /// the oldest are dropped beyond it, and replayed after the release).
+    held: Option<VecDeque<(u64, Vec<u8>)>>,
     replay: Option<ReplayState>,
     sequencer: Sequencer<Vec<u8>>,
     converter: Converter,
@@ -895,6 +972,14 @@ impl ListenerThread {
         loop {
             if self.shared.stopping() {
                 return Exit::Stopped;
+            }
+            if self.held.is_some() {
+                let released = self.shared.release.lock().take();
+                if let Some(resume) = released
+                    && let Err(exit) = self.release(resume)
+                {
+                    return exit;
+                }
             }
             let timeout = match &self.replay {
                 Some(replay) => replay
@@ -945,6 +1030,31 @@ impl ListenerThread {
                 }
             }
         }
+    }
+
+    /// Leaves the held state: continue from `resume`, then apply what was buffered.
+    fn release(&mut self, resume: Option<Resume>) -> Result<(), Exit> {
+        if let Some(resume) = resume {
+            self.sequencer = Sequencer::resume(
+                self.config.options.sequencer,
+                resume.position,
+                &resume.recent,
+            );
+            self.shared
+                .last_seq
+                .store(resume.position, Ordering::Release);
+        }
+        let held = self.held.take().unwrap_or_default();
+        self.shared.set_status(if held.is_empty() {
+            ListenerStatus::Pending
+        } else {
+            ListenerStatus::Active
+        });
+        for (seq, payload) in held {
+            self.sequencer.handle_live(seq, payload);
+            self.drive()?;
+        }
+        Ok(())
     }
 
     /// Reads the SUB's connection events: a failed or lost connection is reported in
@@ -1030,11 +1140,19 @@ impl ListenerThread {
                         u64::try_from(micros).unwrap_or(u64::MAX - 1) + 1,
                         Ordering::Relaxed,
                     );
+                    let mut frames = received.frames;
+                    let payload = frames.pop().unwrap_or_default();
+                    if let Some(held) = &mut self.held {
+                        if held.len() >= self.config.options.sequencer.max_buffered.max(1) {
+                            held.pop_front();
+                            bump(&self.shared.counters.held_dropped);
+                        }
+                        held.push_back((seq, payload));
+                        continue;
+                    }
                     if self.shared.status() == ListenerStatus::Pending {
                         self.shared.set_status(ListenerStatus::Active);
                     }
-                    let mut frames = received.frames;
-                    let payload = frames.pop().unwrap_or_default();
                     self.sequencer.handle_live(seq, payload);
                     self.drive()?;
                 }
@@ -1119,7 +1237,11 @@ impl ListenerThread {
     fn drive(&mut self) -> Result<(), Exit> {
         while let Some(action) = self.sequencer.poll_action() {
             match action {
-                Action::Apply { seq, payload } => self.apply(seq, &payload)?,
+                Action::Apply {
+                    seq,
+                    payload,
+                    fingerprint,
+                } => self.apply(seq, &payload, fingerprint)?,
                 Action::Replay { id, from, to } => self.start_replay(id, from, to),
                 Action::Resync { reason } => self.resync(reason)?,
             }
@@ -1195,7 +1317,8 @@ impl ListenerThread {
         Ok(dealer)
     }
 
-    fn apply(&mut self, seq: u64, payload: &[u8]) -> Result<(), Exit> {
+    /// Decodes and converts a batch and hands it to the sink as one unit with its checkpoint.
+    fn apply(&mut self, seq: u64, payload: &[u8], fingerprint: u64) -> Result<(), Exit> {
         let mut drops = DropCounters::new();
         self.mutations.clear();
         match decode_batch(payload) {
@@ -1214,23 +1337,18 @@ impl ListenerThread {
             }
         }
         self.shared.counters.add_drops(&drops);
-        let mutations = std::mem::take(&mut self.mutations);
-        let mut result = Ok(());
-        let mut pending = mutations.into_iter();
-        for mutation in pending.by_ref() {
-            if let Err(exit) = self.push(mutation) {
-                result = Err(exit);
-                break;
-            }
-        }
-        let abandoned = pending.len() as u64;
-        if abandoned > 0 {
-            self.shared
-                .counters
-                .mutations_abandoned
-                .fetch_add(abandoned, Ordering::Relaxed);
-        }
-        result?;
+        let source = self.config.source;
+        let unit = Unit {
+            worker_id: source.worker_id,
+            mutations: std::mem::take(&mut self.mutations),
+            // Recorded even for a batch without mutations: the stream has moved past it.
+            checkpoint: Some(Checkpoint {
+                source: Worker::new(source.worker_id, source.dp_rank),
+                position: seq,
+                fingerprint,
+            }),
+        };
+        self.push(unit)?;
         bump(&self.shared.counters.batches_applied);
         self.shared.last_seq.store(seq, Ordering::Release);
         Ok(())
@@ -1252,25 +1370,38 @@ impl ListenerThread {
         if reason == ResyncReason::Restart {
             self.shared.last_seq.store(u64::MAX, Ordering::Release);
         }
-        let ranks: Vec<Worker> = self.ranks.iter().copied().collect();
-        for worker in ranks {
-            self.push(Mutation::Cleared { worker })?;
-            bump(&self.shared.counters.resync_clears);
-        }
+        let mutations: Vec<Mutation> = self
+            .ranks
+            .iter()
+            .map(|&worker| Mutation::Cleared { worker })
+            .collect();
+        let clears = mutations.len() as u64;
+        self.push(Unit {
+            worker_id: source.worker_id,
+            mutations,
+            checkpoint: None,
+        })?;
+        self.shared
+            .counters
+            .resync_clears
+            .fetch_add(clears, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Hands one mutation to the sink, waiting (with a short backoff, checking for stop) while
-    /// it is full.
-    fn push(&mut self, mutation: Mutation) -> Result<(), Exit> {
+    /// Hands one unit to the sink, waiting (with a short backoff, checking for stop) while it
+    /// is full.
+    fn push(&mut self, unit: Unit) -> Result<(), Exit> {
         let counters = &self.shared.counters;
-        let mut mutation = mutation;
+        let mut unit = unit;
         let mut waiting_since = None;
         let mut backoff = Duration::from_micros(20);
         loop {
-            match self.sink.try_push(mutation) {
+            let mutations = unit.mutations.len() as u64;
+            match self.sink.try_push(unit) {
                 Ok(()) => {
-                    bump(&counters.mutations_enqueued);
+                    counters
+                        .mutations_enqueued
+                        .fetch_add(mutations, Ordering::Relaxed);
                     if let Some(since) = waiting_since {
                         let waited = Instant::now().saturating_duration_since(since);
                         counters.backpressure_micros.fetch_add(
@@ -1286,15 +1417,19 @@ impl ListenerThread {
                         bump(&counters.backpressure_waits);
                     }
                     if self.shared.stopping() {
-                        bump(&counters.mutations_abandoned);
+                        counters
+                            .mutations_abandoned
+                            .fetch_add(back.mutations.len() as u64, Ordering::Relaxed);
                         return Err(Exit::Stopped);
                     }
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_millis(1));
-                    mutation = back;
+                    unit = back;
                 }
-                Err(SinkError::Closed(_)) => {
-                    bump(&counters.mutations_abandoned);
+                Err(SinkError::Closed(back)) => {
+                    counters
+                        .mutations_abandoned
+                        .fetch_add(back.mutations.len() as u64, Ordering::Relaxed);
                     return Err(self.fail("the mutation sink is closed".to_owned()));
                 }
             }

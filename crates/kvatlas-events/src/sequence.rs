@@ -48,6 +48,9 @@ pub enum Action<P> {
         seq: u64,
         /// The payload, as fed in.
         payload: P,
+        /// Its fingerprint (XXH3-64 of the payload), to record with the batch so a restarted
+        /// consumer can tell a replayed batch from a new one ([`Sequencer::resume`]).
+        fingerprint: u64,
     },
     /// Ask the engine's replay endpoint for batches `from..to` (send `from` as the start
     /// sequence; read until the end marker), feeding each reply to
@@ -189,6 +192,31 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             actions: VecDeque::new(),
             counters: SequenceCounters::default(),
         }
+    }
+
+    /// A sequencer that continues a stream applied up to `position` elsewhere (a snapshot the
+    /// consumer restored): `recent` holds `(seq, fingerprint)` of the last batches applied there,
+    /// oldest first (at most [`SequencerConfig::recent_window`] are kept).
+    ///
+    /// From there: `position + 1` is applied next; a later batch is a gap (replayed); a batch at
+    /// or below `position` is a duplicate if `recent` holds it with the same fingerprint, and
+    /// otherwise a new engine incarnation (restart: resync). A restart whose new sequence has
+    /// already passed `position` when the consumer comes back cannot be told from a gap: the
+    /// engines' batches carry no incarnation id.
+    pub fn resume(config: SequencerConfig, position: u64, recent: &[(u64, u64)]) -> Self {
+        let mut sequencer = Self::new(config);
+        sequencer.next = position.saturating_add(1);
+        sequencer.last_live = Some(position);
+        let keep = recent.len().min(config.recent_window);
+        sequencer
+            .recent
+            .extend(recent[recent.len() - keep..].iter().copied());
+        sequencer
+    }
+
+    /// `(seq, fingerprint)` of the last batches applied, oldest first.
+    pub fn recent(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.recent.iter().copied()
     }
 
     /// The next action to take, if any.
@@ -371,7 +399,11 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             self.recent.push_back((seq, fingerprint));
         }
         self.next = seq.saturating_add(1);
-        self.actions.push_back(Action::Apply { seq, payload });
+        self.actions.push_back(Action::Apply {
+            seq,
+            payload,
+            fingerprint,
+        });
     }
 
     /// With batches buffered behind a hole and no replay outstanding, asks for the hole.

@@ -24,7 +24,7 @@ use kvatlas_events::{
 };
 use kvatlas_hash::BlockSize;
 use kvatlas_index::{
-    Atlas, KvIndex, Locked, Mutation, ReferenceIndex, SharedKvIndex, ThreadPool, Worker,
+    Atlas, KvIndex, Locked, Mutation, ReferenceIndex, SharedKvIndex, ThreadPool, Unit, Worker,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -790,15 +790,15 @@ struct Congested {
 }
 
 impl MutationSink for Congested {
-    fn try_push(&self, mutation: Mutation) -> Result<(), SinkError> {
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
         if self
             .pushes
             .fetch_add(1, Ordering::Relaxed)
             .is_multiple_of(3)
         {
-            return Err(SinkError::Full(mutation));
+            return Err(SinkError::Full(unit));
         }
-        self.pool.try_push(mutation)
+        self.pool.try_push(unit)
     }
 }
 
@@ -889,7 +889,7 @@ fn the_registry_rejects_bad_input_and_stops_promptly() {
     assert!(h.listeners.state(id).is_err());
 }
 
-/// A sink in front of the pool that takes one mutation per `interval` and is full otherwise
+/// A sink in front of the pool that takes one unit (batch) per `interval` and is full otherwise
 /// (an index that cannot keep up, draining at a fixed rate).
 struct Slow {
     pool: Arc<Pool>,
@@ -898,13 +898,13 @@ struct Slow {
 }
 
 impl MutationSink for Slow {
-    fn try_push(&self, mutation: Mutation) -> Result<(), SinkError> {
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
         let mut last = self.last.lock();
         if last.is_some_and(|t| t.elapsed() < self.interval) {
-            return Err(SinkError::Full(mutation));
+            return Err(SinkError::Full(unit));
         }
         *last = Some(Instant::now());
-        self.pool.try_push(mutation)
+        self.pool.try_push(unit)
     }
 }
 

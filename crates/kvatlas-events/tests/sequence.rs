@@ -39,7 +39,9 @@ impl Harness {
         let mut out = Vec::new();
         while let Some(action) = self.seq.poll_action() {
             out.push(match action {
-                Action::Apply { seq, payload: p } => {
+                Action::Apply {
+                    seq, payload: p, ..
+                } => {
                     assert_eq!(
                         p,
                         payload(self.incarnation, seq),
@@ -355,7 +357,9 @@ proptest::proptest! {
             proptest::prop_assert!(seq.buffered() <= config.max_buffered);
             while let Some(action) = seq.poll_action() {
                 match action {
-                    Action::Apply { seq: s, payload: p } => {
+                    Action::Apply {
+                        seq: s, payload: p, ..
+                    } => {
                         if let Some(last) = last_applied {
                             proptest::prop_assert!(s > last, "applied {s} after {last}");
                         }
@@ -369,4 +373,53 @@ proptest::proptest! {
             }
         }
     }
+}
+
+/// A sequencer resumed after `position` with the fingerprints another sequencer recorded.
+fn resumed(position: u64) -> Harness {
+    let mut first = Harness::new();
+    first.live(0..=position);
+    let recent: Vec<(u64, u64)> = first.seq.recent().collect();
+    Harness {
+        seq: Sequencer::resume(SequencerConfig::default(), position, &recent),
+        incarnation: 0,
+    }
+}
+
+#[test]
+fn a_resumed_sequencer_continues_after_its_position() {
+    let mut h = resumed(9);
+    // Batches the snapshot already held are duplicates; the next one is applied.
+    assert_eq!(h.live([8, 9, 10]), vec![Apply(10)]);
+    assert_eq!(h.seq.counters().duplicates, 2);
+    // A batch beyond the next one is a gap, replayed as usual.
+    assert_eq!(h.live([13]), vec![Replay(11, 13)]);
+    assert_eq!(
+        h.replay(11..13, true),
+        vec![Apply(11), Apply(12), Apply(13)]
+    );
+    assert_eq!(h.seq.counters().resyncs, 0);
+}
+
+#[test]
+fn a_resumed_sequencer_skips_ahead_by_replay() {
+    let mut h = resumed(4);
+    // The engine went on while the consumer was down: the first live batch is 20.
+    assert_eq!(h.live([20]), vec![Replay(5, 20)]);
+    assert_eq!(h.seq.counters().late_joins, 0, "not a late join: resumed");
+    let applied = h.replay(5..21, true);
+    assert_eq!(applied.len(), 16);
+    assert_eq!(applied.first(), Some(&Apply(5)));
+}
+
+#[test]
+fn a_resumed_sequencer_detects_an_engine_that_restarted_meanwhile() {
+    let mut h = resumed(9);
+    // A new incarnation: seq 0 again, other content than what the snapshot recorded.
+    h.incarnation = 1;
+    assert_eq!(
+        h.live([0, 1]),
+        vec![Resync(ResyncReason::Restart), Apply(0), Apply(1)]
+    );
+    assert_eq!(h.seq.counters().restarts, 1);
 }

@@ -2,7 +2,7 @@
 
 use kvatlas_hash::LocalBlockHash;
 
-use crate::model::{ApplyReport, IndexStats, MatchOptions, Matches, Mutation};
+use crate::model::{ApplyReport, Checkpoint, IndexStats, MatchOptions, Matches, Mutation};
 use crate::snapshot::Snapshot;
 
 /// An index owned by one thread at a time (`&mut self` writes, `&self` reads).
@@ -59,6 +59,19 @@ pub trait SharedKvIndex: Send + Sync {
             report.merge(&self.apply_owned(mutation));
         }
         report
+    }
+
+    /// Applies the mutations of `batch` in order, then records `checkpoints`, as one step with
+    /// respect to snapshots (leaving both empty). An index that records checkpoints (a service
+    /// pairing its snapshots with its sources' positions) overrides it; the default applies the
+    /// batch and forgets the checkpoints.
+    fn apply_checkpointed(
+        &self,
+        batch: &mut Vec<Mutation>,
+        checkpoints: &mut Vec<Checkpoint>,
+    ) -> ApplyReport {
+        checkpoints.clear();
+        self.apply_batch(batch)
     }
 
     /// Drops every block of every rank of `worker_id`.

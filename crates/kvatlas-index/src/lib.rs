@@ -42,8 +42,8 @@ pub use concurrent_radix::ConcurrentRadixTree;
 pub use left_right::LeftRight;
 pub use locked::Locked;
 pub use model::{
-    ApplyReport, ExternalBlockHash, IndexStats, MatchOptions, Matches, Mutation, StoredBlock, Tier,
-    TierSet, Worker, WorkerBlocks, WorkerMatch,
+    ApplyReport, Checkpoint, ExternalBlockHash, IndexStats, MatchOptions, Matches, Mutation,
+    StoredBlock, Tier, TierSet, Unit, Worker, WorkerBlocks, WorkerMatch,
 };
 pub use pool::{EnqueueError, ThreadPool};
 pub use positional::PositionalIndexer;

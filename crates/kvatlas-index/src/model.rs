@@ -182,6 +182,37 @@ impl Mutation {
     }
 }
 
+/// How far an event source's stream has been applied: recorded by an index that tracks it
+/// ([`crate::SharedKvIndex::apply_checkpointed`]) in the same step as the mutations before it, so
+/// a snapshot never holds part of the mutations up to a checkpoint without the checkpoint.
+///
+/// Opaque to the index: `position` is typically the source's sequence number of its last
+/// applied batch, `fingerprint` a hash of that batch (to tell a replayed batch from a new one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Checkpoint {
+    /// The source (for example the worker rank whose engine publishes the events).
+    pub source: Worker,
+    /// How far its stream is applied.
+    pub position: u64,
+    /// A fingerprint of the item at `position`.
+    pub fingerprint: u64,
+}
+
+/// Mutations applied together — a snapshot sees all of them or none — followed by an optional
+/// checkpoint. A writer pool never splits a unit.
+///
+/// Invariant: every mutation belongs to a rank of worker `worker_id` (the pool's lane is chosen
+/// by it, so a unit and every other mutation of that worker are applied in order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    /// The worker all mutations belong to.
+    pub worker_id: u64,
+    /// The mutations, in order.
+    pub mutations: Vec<Mutation>,
+    /// Recorded once `mutations` are applied, in the same step.
+    pub checkpoint: Option<Checkpoint>,
+}
+
 /// What applying mutations did, including every anomaly (nothing is dropped silently).
 ///
 /// Anomalies never corrupt other workers' answers; see `docs/index.md` for the exact semantics.

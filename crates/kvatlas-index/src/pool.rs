@@ -1,10 +1,16 @@
 //! `ThreadPool`: the sticky-routing write front of the Flash Indexer story (section 5), with
 //! bounded queues.
 //!
-//! Each worker rank's mutations always go to the same writer thread (chosen by hashing the rank),
-//! so one rank's mutations are applied in order and never concurrently; different ranks' are
-//! applied in parallel by different threads. Reads do not go through the pool: `find_matches`
-//! runs inline on the caller's thread against the shared index.
+//! Each worker's mutations always go to the same writer thread (chosen by hashing the worker id,
+//! so every data-parallel rank of one worker shares a lane), so one worker's mutations are
+//! applied in order and never concurrently; different workers' are applied in parallel by
+//! different threads. Reads do not go through the pool: `find_matches` runs inline on the
+//! caller's thread against the shared index.
+//!
+//! A [`Unit`] — the mutations of one engine batch, say, with a [`Checkpoint`] of its source —
+//! is never split: its mutations and its checkpoint reach
+//! [`SharedKvIndex::apply_checkpointed`] in one call, so an index that records checkpoints can
+//! pair every snapshot with exactly the positions its state reflects.
 //!
 //! Queues are bounded: [`ThreadPool::enqueue`] blocks when the rank's lane is full (backpressure
 //! to the producer) and [`ThreadPool::try_enqueue`] hands the mutation back instead — memory never
@@ -27,25 +33,26 @@ use parking_lot::Mutex;
 use rustc_hash::FxBuildHasher;
 
 use crate::backend::SharedKvIndex;
-use crate::model::{ApplyReport, MatchOptions, Matches, Mutation, Worker};
+use crate::model::{ApplyReport, Checkpoint, MatchOptions, Matches, Mutation, Unit};
 
 /// Most mutations a writer thread applies as one batch.
 const MAX_BATCH: usize = 64;
 
 enum Task {
     Apply(Mutation),
+    Unit(Unit),
     Flush(Sender<()>),
 }
 
-/// Why a mutation was not enqueued; the mutation is handed back.
+/// Why a mutation (or a [`Unit`]) was not enqueued; it is handed back.
 #[derive(Debug, thiserror::Error)]
-pub enum EnqueueError {
-    /// The rank's lane is full: the index is not keeping up.
-    #[error("the writer lane of {:?} is full", .0.worker())]
-    Full(Mutation),
+pub enum EnqueueError<T = Mutation> {
+    /// The worker's lane is full: the index is not keeping up.
+    #[error("the writer lane is full")]
+    Full(T),
     /// The pool's threads have stopped (a writer panicked).
     #[error("the writer pool has stopped")]
-    Stopped(Mutation),
+    Stopped(T),
 }
 
 /// A pool of writer threads in front of a [`SharedKvIndex`] (see the module docs).
@@ -61,6 +68,7 @@ impl std::fmt::Debug for Task {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Task::Apply(m) => f.debug_tuple("Apply").field(m).finish(),
+            Task::Unit(u) => f.debug_tuple("Unit").field(u).finish(),
             Task::Flush(_) => f.write_str("Flush"),
         }
     }
@@ -123,21 +131,22 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
         self.lanes.iter().map(Sender::len).sum()
     }
 
-    fn lane(&self, worker: Worker) -> &Sender<Task> {
-        let hash = FxBuildHasher.hash_one(worker);
+    /// The lane of every rank of `worker_id`.
+    fn lane(&self, worker_id: u64) -> &Sender<Task> {
+        let hash = FxBuildHasher.hash_one(worker_id);
         &self.lanes[(hash % self.lanes.len() as u64) as usize]
     }
 
-    /// Enqueues a mutation on its rank's lane, waiting while the lane is full.
+    /// Enqueues a mutation on its worker's lane, waiting while the lane is full.
     ///
     /// # Errors
     /// [`EnqueueError::Stopped`] if the writer threads have stopped.
     pub fn enqueue(&self, mutation: Mutation) -> Result<(), EnqueueError> {
-        self.lane(mutation.worker())
+        self.lane(mutation.worker().worker_id)
             .send(Task::Apply(mutation))
             .map_err(|e| match e.0 {
                 Task::Apply(m) => EnqueueError::Stopped(m),
-                Task::Flush(_) => unreachable_flush(),
+                _ => unreachable_task(),
             })
     }
 
@@ -147,14 +156,41 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     /// [`EnqueueError::Full`] when the lane is full, [`EnqueueError::Stopped`] if the writers
     /// stopped; the mutation is handed back either way.
     pub fn try_enqueue(&self, mutation: Mutation) -> Result<(), EnqueueError> {
-        self.lane(mutation.worker())
+        self.lane(mutation.worker().worker_id)
             .try_send(Task::Apply(mutation))
             .map_err(|e| match e {
                 TrySendError::Full(Task::Apply(m)) => EnqueueError::Full(m),
                 TrySendError::Disconnected(Task::Apply(m)) => EnqueueError::Stopped(m),
-                TrySendError::Full(Task::Flush(_)) | TrySendError::Disconnected(Task::Flush(_)) => {
-                    unreachable_flush()
-                }
+                _ => unreachable_task(),
+            })
+    }
+
+    /// Enqueues a unit on its worker's lane, waiting while the lane is full (one task, however
+    /// many mutations it holds).
+    ///
+    /// # Errors
+    /// [`EnqueueError::Stopped`] if the writer threads have stopped.
+    pub fn enqueue_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
+        self.lane(unit.worker_id)
+            .send(Task::Unit(unit))
+            .map_err(|e| match e.0 {
+                Task::Unit(u) => EnqueueError::Stopped(u),
+                _ => unreachable_task(),
+            })
+    }
+
+    /// Enqueues a unit if its lane has room.
+    ///
+    /// # Errors
+    /// [`EnqueueError::Full`] when the lane is full, [`EnqueueError::Stopped`] if the writers
+    /// stopped; the unit is handed back either way.
+    pub fn try_enqueue_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
+        self.lane(unit.worker_id)
+            .try_send(Task::Unit(unit))
+            .map_err(|e| match e {
+                TrySendError::Full(Task::Unit(u)) => EnqueueError::Full(u),
+                TrySendError::Disconnected(Task::Unit(u)) => EnqueueError::Stopped(u),
+                _ => unreachable_task(),
             })
     }
 
@@ -189,8 +225,8 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     }
 }
 
-fn unreachable_flush() -> ! {
-    unreachable!("only Task::Apply is sent by enqueue")
+fn unreachable_task() -> ! {
+    unreachable!("a send hands back the task it was given")
 }
 
 fn writer_loop<I: SharedKvIndex>(
@@ -201,29 +237,40 @@ fn writer_loop<I: SharedKvIndex>(
 ) {
     let mut pending = ApplyReport::default();
     let mut batch = Vec::with_capacity(max_batch);
+    let mut checkpoints: Vec<Checkpoint> = Vec::new();
+    // Invariant: a unit's mutations and checkpoint land in the same `apply_checkpointed` call.
+    let apply = |batch: &mut Vec<Mutation>, checkpoints: &mut Vec<Checkpoint>| {
+        if batch.is_empty() && checkpoints.is_empty() {
+            return ApplyReport::default();
+        }
+        if checkpoints.is_empty() {
+            index.apply_batch(batch)
+        } else {
+            index.apply_checkpointed(batch, checkpoints)
+        }
+    };
     while let Ok(task) = receiver.recv() {
         // The task just received, then whatever else is already waiting (up to a batch).
         let mut next = Some(task);
         while let Some(task) = next.take() {
             match task {
-                Task::Apply(mutation) => {
-                    batch.push(mutation);
-                    if batch.len() < max_batch {
-                        next = receiver.try_recv().ok();
-                    }
+                Task::Apply(mutation) => batch.push(mutation),
+                Task::Unit(unit) => {
+                    batch.extend(unit.mutations);
+                    checkpoints.extend(unit.checkpoint);
                 }
                 Task::Flush(ack) => {
-                    if !batch.is_empty() {
-                        pending.merge(&index.apply_batch(&mut batch));
-                    }
+                    pending.merge(&apply(&mut batch, &mut checkpoints));
                     reports.lock().merge(&std::mem::take(&mut pending));
                     let _ = ack.send(());
+                    continue;
                 }
             }
+            if batch.len() < max_batch {
+                next = receiver.try_recv().ok();
+            }
         }
-        if !batch.is_empty() {
-            pending.merge(&index.apply_batch(&mut batch));
-        }
+        pending.merge(&apply(&mut batch, &mut checkpoints));
     }
     reports.lock().merge(&pending);
 }

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    Atlas, ConcurrentAtlas, ConcurrentRadixTree, EnqueueError, ExternalBlockHash, KvIndex,
-    LeftRight, Locked, MatchOptions, Mutation, RadixTree, ReferenceIndex, SharedKvIndex,
-    StoredBlock, ThreadPool, Tier, Worker,
+    Atlas, Checkpoint, ConcurrentAtlas, ConcurrentRadixTree, EnqueueError, ExternalBlockHash,
+    KvIndex, LeftRight, Locked, MatchOptions, Mutation, RadixTree, ReferenceIndex, SharedKvIndex,
+    StoredBlock, ThreadPool, Tier, Unit, Worker,
 };
 
 const CHAIN: u64 = 48;
@@ -416,4 +416,110 @@ fn thread_pool_queues_are_bounded() -> std::io::Result<()> {
     assert_eq!(report.stored as usize, 10 - full);
     assert_eq!(pool.queued(), 0, "a flush leaves nothing queued");
     Ok(())
+}
+
+/// Records, per `apply_checkpointed` call, the mutations it got (as `(worker, first external)`)
+/// and the checkpoints, so the test can check that no unit was split from its checkpoint.
+#[derive(Default)]
+struct Recording(parking_lot::Mutex<Vec<Call>>);
+
+/// One `apply_checkpointed` call: its mutations as `(worker, first external)`, its checkpoints.
+type Call = (Vec<(Worker, u64)>, Vec<Checkpoint>);
+
+impl SharedKvIndex for Recording {
+    fn apply(&self, m: &Mutation) -> kvatlas_index::ApplyReport {
+        self.apply_batch(&mut vec![m.clone()])
+    }
+    fn apply_batch(&self, batch: &mut Vec<Mutation>) -> kvatlas_index::ApplyReport {
+        self.apply_checkpointed(batch, &mut Vec::new())
+    }
+    fn apply_checkpointed(
+        &self,
+        batch: &mut Vec<Mutation>,
+        checkpoints: &mut Vec<Checkpoint>,
+    ) -> kvatlas_index::ApplyReport {
+        let applied = batch
+            .drain(..)
+            .map(|m| match m {
+                Mutation::Stored { worker, blocks, .. } => (worker, blocks[0].external.get()),
+                other => (other.worker(), 0),
+            })
+            .collect();
+        self.0.lock().push((applied, std::mem::take(checkpoints)));
+        kvatlas_index::ApplyReport::default()
+    }
+    fn remove_worker(&self, _: u64) -> kvatlas_index::ApplyReport {
+        kvatlas_index::ApplyReport::default()
+    }
+    fn clear(&self) {}
+    fn find_matches(&self, _: &[LocalBlockHash], _: &MatchOptions) -> kvatlas_index::Matches {
+        kvatlas_index::Matches::default()
+    }
+    fn snapshot(&self) -> kvatlas_index::Snapshot {
+        kvatlas_index::Snapshot::default()
+    }
+    fn restore(&self, _: &kvatlas_index::Snapshot) {}
+    fn stats(&self) -> kvatlas_index::IndexStats {
+        kvatlas_index::IndexStats::default()
+    }
+}
+
+#[test]
+fn thread_pool_never_splits_a_unit_from_its_checkpoint_and_keeps_a_workers_ranks_in_order()
+-> std::io::Result<()> {
+    // Units of 1..=70 mutations (some beyond the pool's largest batch) alternating between two
+    // ranks of one worker, each with a checkpoint numbering it.
+    let pool = ThreadPool::new(Recording::default(), 3, 4)?;
+    let mut sent = Vec::new();
+    for unit in 0..60u64 {
+        let rank = (unit % 2) as u32;
+        let worker = Worker::new(9, rank);
+        let mutations: Vec<Mutation> = (0..=(unit * 7) % 70)
+            .map(|i| store(worker, unit * 1000 + i, unit * 1000 + i + 1))
+            .collect();
+        sent.extend(mutations.iter().map(|m| (m.worker(), first_external(m))));
+        pool.enqueue_unit(Unit {
+            worker_id: 9,
+            mutations,
+            checkpoint: Some(Checkpoint {
+                source: Worker::new(9, 0),
+                position: unit,
+                fingerprint: unit * 31,
+            }),
+        })
+        .map_err(|_| std::io::Error::other("writers stopped"))?;
+    }
+    pool.flush();
+    let calls = pool.index().0.lock().clone();
+    // All of them in order (one lane for every rank of the worker).
+    let applied: Vec<(Worker, u64)> = calls.iter().flat_map(|(m, _)| m.clone()).collect();
+    assert_eq!(applied, sent);
+    // Every unit's mutations all come in one call, with its checkpoint.
+    let unit_end = |u: u64| (0..=u).map(|v| ((v * 7) % 70 + 1) as usize).sum::<usize>();
+    let unit_start = |u: u64| unit_end(u) - ((u * 7) % 70 + 1) as usize;
+    let mut seen = 0usize;
+    let mut next_unit = 0u64;
+    for (mutations, checkpoints) in &calls {
+        let before = seen;
+        seen += mutations.len();
+        for checkpoint in checkpoints {
+            assert_eq!(checkpoint.position, next_unit, "checkpoints in order");
+            assert!(
+                unit_start(next_unit) >= before && unit_end(next_unit) <= seen,
+                "unit {next_unit} ({}..{}) split from its checkpoint (call held {before}..{seen})",
+                unit_start(next_unit),
+                unit_end(next_unit)
+            );
+            next_unit += 1;
+        }
+    }
+    assert_eq!(next_unit, 60);
+    Ok(())
+}
+
+fn first_external(m: &Mutation) -> u64 {
+    match m {
+        Mutation::Stored { blocks, .. } => blocks[0].external.get(),
+        _ => 0,
+    }
 }

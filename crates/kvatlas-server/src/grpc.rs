@@ -256,6 +256,7 @@ fn worker_info(view: &RankView) -> v1::WorkerInfo {
             ListenerStatus::Active => v1::WorkerStatus::Active,
             ListenerStatus::Failed => v1::WorkerStatus::Failed,
             ListenerStatus::Stopped => v1::WorkerStatus::Stopped,
+            ListenerStatus::Held => v1::WorkerStatus::Held,
         } as i32,
         last_error: view.last_error.clone().unwrap_or_default(),
         last_seq: view.last_seq,

@@ -512,7 +512,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
         "ZMQ listeners by status.",
     );
     for row in &rows {
-        for status in ["pending", "active", "failed", "stopped"] {
+        for status in ["pending", "held", "active", "failed", "stopped"] {
             let _ = writeln!(
                 out,
                 "kvatlas_listeners{{{},status=\"{status}\"}} {}",
