@@ -17,6 +17,12 @@ per line; every command is answered by one JSON line on stdout:
     start              create a publisher (a new engine incarnation: its seq restarts at 0)
     publish <step>     publish one scenario batch: store_root, store_chain, remove_store, clear,
                        store_after_clear, empty
+    burst <n> <seed> [leaf]
+                       publish n random batches (stores of 1-4 chained blocks under a held block
+                       or a root, removes of held blocks, rarely a clear) as fast as the
+                       publisher takes them; the answer lists every batch's seq and payload.
+                       With `leaf`, only blocks no held block descends from are removed (the
+                       leaf-first eviction vLLM's and SGLang's caches do) and nothing is cleared
     stop               shut the publisher down (the engine process "dies")
     quit               exit
 
@@ -184,6 +190,8 @@ class Driver:
         self.next_seq = 0
         self.held = {}  # engine hash (u64) -> set of tiers
         self.chains = {}  # named chain -> list of (hash, tokens)
+        self.live = {}  # the random workload's held blocks (engine hash, as published)
+        self.token_cursor = 100_000
         self.encoder = None
 
     def tokens(self, start):
@@ -239,6 +247,58 @@ class Driver:
             return []
         raise ValueError(f"unknown step {name!r}")
 
+    def random_events(self, rng, leaf_only):
+        """1-3 random events over the random workload's own blocks (`self.live`: hash ->
+        parent hash)."""
+        e = self.engine
+        events = []
+        for _ in range(rng.randint(1, 3)):
+            roll = rng.random()
+            if roll < 0.01 and not leaf_only:
+                self.live.clear()
+                self.held.clear()
+                events.append(e.cleared())
+            elif roll < 0.35 and self.live:
+                candidates = sorted(self.live)
+                if leaf_only:
+                    parents = set(self.live.values())
+                    candidates = [h for h in candidates if h not in parents]
+                victims = rng.sample(candidates, min(len(candidates), rng.randint(1, 3)))
+                for victim in victims:
+                    self.live.pop(victim, None)
+                    self.held.pop(victim & MASK64, None)
+                events.append(e.removed(victims, "GPU"))
+            else:
+                parent = rng.choice(sorted(self.live)) if self.live and rng.random() < 0.7 else None
+                hashes, tokens = [], []
+                for _ in range(rng.randint(1, 4)):
+                    self.token_cursor += BLOCK_SIZE
+                    block_tokens = self.tokens(self.token_cursor)
+                    h = e.block_hash(hashes[-1] if hashes else parent, block_tokens)
+                    hashes.append(h)
+                    tokens.extend(block_tokens)
+                    self.live[h] = hashes[-2] if len(hashes) > 1 else parent
+                    self.held.setdefault(h & MASK64, set()).add("Device")
+                events.append(e.stored(hashes, parent, tokens, "GPU"))
+        return events
+
+    def burst(self, count, seed, leaf_only=False):
+        import random
+
+        import msgspec
+
+        if self.publisher is None:
+            raise RuntimeError("burst before start")
+        rng = random.Random(seed)
+        encoder = msgspec.msgpack.Encoder()
+        batches = []
+        for _ in range(count):
+            batch = self.engine.batch(self.random_events(rng, leaf_only))
+            self.publisher.publish(batch)
+            batches.append({"seq": self.next_seq, "payload": encoder.encode(batch).hex()})
+            self.next_seq += 1
+        return {"ok": "burst", "batches": batches}
+
     def start(self):
         deadline = time.time() + 10
         while True:
@@ -253,6 +313,7 @@ class Driver:
         self.next_seq = 0
         # A new engine process starts with an empty cache.
         self.held.clear()
+        self.live.clear()
         return {"ok": "start", "incarnation": self.incarnation}
 
     def publish(self, name):
@@ -314,6 +375,9 @@ def main():
                 reply(driver.start())
             elif command[0] == "publish" and len(command) == 2:
                 reply(driver.publish(command[1]))
+            elif command[0] == "burst" and len(command) in (3, 4):
+                leaf = len(command) == 4 and command[3] == "leaf"
+                reply(driver.burst(int(command[1]), int(command[2]), leaf))
             elif command[0] == "stop":
                 reply(driver.stop())
             elif command[0] == "quit":

@@ -1513,6 +1513,18 @@ impl Listeners {
         Ok(listener.stop())
     }
 
+    /// Releases held listener `id` (see [`Listener::release`]).
+    ///
+    /// # Errors
+    /// [`ListenerError::UnknownListener`].
+    pub fn release(&self, id: ListenerId, resume: Option<Resume>) -> Result<(), ListenerError> {
+        self.listeners
+            .lock()
+            .get(&id)
+            .map(|listener| listener.release(resume))
+            .ok_or(ListenerError::UnknownListener(id))
+    }
+
     /// The state of listener `id`.
     ///
     /// # Errors

@@ -19,8 +19,8 @@ use kvatlas_proto::v1;
 use serde_json::{Value, json};
 
 use crate::config::{
-    ConfigError, IndexSettings, Limits, ServerConfig, TlsFiles, WorkerDefaults, parse_engine,
-    parse_worker_list,
+    ConfigError, DEFAULT_SNAPSHOT_INTERVAL, IndexSettings, Limits, Persistence, ServerConfig,
+    TlsFiles, WorkerDefaults, parse_engine, parse_peer_list, parse_worker_list,
 };
 use crate::registry::{DEFAULT_TENANT, IndexKey};
 use crate::server::{RunningServer, ShutdownReport, StartError};
@@ -130,9 +130,14 @@ pub struct ServeArgs {
     /// gRPC listen address [default: 127.0.0.1:50051; port 0 picks a free port].
     #[arg(long, env = "KVATLAS_GRPC_ADDR")]
     pub grpc_addr: Option<SocketAddr>,
-    /// HTTP listen address for /health, /ready, /metrics [default: 127.0.0.1:8090].
+    /// HTTP listen address for /health, /ready, /metrics, /snapshot and Dynamo's API
+    /// [default: 127.0.0.1:8090].
     #[arg(long, env = "KVATLAS_HTTP_ADDR")]
     pub http_addr: Option<SocketAddr>,
+    /// The HTTP port on the HTTP address's host (Dynamo's `--port`; kvatlas still listens on
+    /// loopback unless --http-addr says otherwise).
+    #[arg(long, env = "KVATLAS_PORT")]
+    pub port: Option<u16>,
     /// Workers to register at start: `ID[:DP_RANK]=ENDPOINT,...` (Dynamo's form), each
     /// optionally followed by `replay=ENDPOINT`, `topic=PREFIX`, `engine=vllm|sglang`, `bind`.
     #[arg(long, env = "KVATLAS_WORKERS")]
@@ -140,8 +145,8 @@ pub struct ServeArgs {
     /// The model of the `--workers` [default: default].
     #[arg(long, alias = "model-name", env = "KVATLAS_MODEL")]
     pub model: Option<String>,
-    /// The tenant of the `--workers` [default: default].
-    #[arg(long, alias = "tenant-id", env = "KVATLAS_TENANT")]
+    /// The tenant of the `--workers` (Dynamo's `--routing-group`) [default: default].
+    #[arg(long, aliases = ["routing-group", "tenant-id"], env = "KVATLAS_TENANT")]
     pub tenant: Option<String>,
     /// The engines' block size of the `--workers` (required with --workers).
     #[arg(long, env = "KVATLAS_BLOCK_SIZE")]
@@ -149,8 +154,8 @@ pub struct ServeArgs {
     /// The engine of the `--workers`: vllm or sglang [default: vllm].
     #[arg(long, env = "KVATLAS_ENGINE")]
     pub engine: Option<String>,
-    /// Index writer threads per index [default: 2].
-    #[arg(long, env = "KVATLAS_WRITER_THREADS")]
+    /// Index writer threads per index (Dynamo's `--threads`) [default: 2].
+    #[arg(long, alias = "threads", env = "KVATLAS_WRITER_THREADS")]
     pub writer_threads: Option<usize>,
     /// Mutations queued per writer thread before producers wait [default: 16384].
     #[arg(long, env = "KVATLAS_WRITER_QUEUE")]
@@ -159,10 +164,23 @@ pub struct ServeArgs {
     /// evicted [default: unbounded].
     #[arg(long, env = "KVATLAS_CAPACITY")]
     pub capacity: Option<u64>,
-    /// Refuse queries (health NOT_SERVING) until this many worker ranks are registered
+    /// Refuse queries (health NOT_SERVING) until this many worker ranks are registered; Dynamo's
+    /// `DYN_ROUTER_MIN_INITIAL_WORKERS` is read when neither this nor the file sets it
     /// [default: 0].
     #[arg(long, env = "KVATLAS_MIN_INITIAL_WORKERS")]
     pub min_initial_workers: Option<usize>,
+    /// The data directory: the newest readable snapshot in it is restored at start, and
+    /// snapshots are written to it periodically and at shutdown [default: none, in memory only].
+    #[arg(long, env = "KVATLAS_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Seconds between data-directory snapshots (skipped while nothing changed); 0 = only at
+    /// shutdown [default: 30].
+    #[arg(long, env = "KVATLAS_SNAPSHOT_INTERVAL_SECS")]
+    pub snapshot_interval_secs: Option<u64>,
+    /// Peers to bootstrap from when there is no local snapshot: comma-separated base URLs of
+    /// kvatlas (native snapshot, exact) or Dynamo indexers (`/dump`), tried in order.
+    #[arg(long, env = "KVATLAS_PEERS")]
+    pub peers: Option<String>,
     /// Most token ids per query [default: 1048576].
     #[arg(long, env = "KVATLAS_MAX_QUERY_TOKENS")]
     pub max_query_tokens: Option<usize>,
@@ -205,6 +223,7 @@ pub struct ServeArgs {
 struct ServeFile {
     grpc_addr: Option<SocketAddr>,
     http_addr: Option<SocketAddr>,
+    port: Option<u16>,
     workers: Option<String>,
     model: Option<String>,
     tenant: Option<String>,
@@ -214,6 +233,9 @@ struct ServeFile {
     writer_queue: Option<usize>,
     capacity: Option<u64>,
     min_initial_workers: Option<usize>,
+    data_dir: Option<PathBuf>,
+    snapshot_interval_secs: Option<u64>,
+    peers: Option<String>,
     max_query_tokens: Option<usize>,
     max_message_bytes: Option<usize>,
     max_concurrent_requests: Option<usize>,
@@ -248,15 +270,35 @@ impl ServeArgs {
         let defaults = ServerConfig::default();
         let limits = Limits::default();
         let index = IndexSettings::default();
+        let mut http_addr = self
+            .http_addr
+            .or(file.http_addr)
+            .unwrap_or(defaults.http_addr);
+        if let Some(port) = self.port.or(file.port) {
+            http_addr.set_port(port);
+        }
+        let min_initial_workers = match self.min_initial_workers.or(file.min_initial_workers) {
+            Some(n) => n,
+            None => dynamo_min_initial_workers()?,
+        };
+        let persistence = self
+            .data_dir
+            .clone()
+            .or(file.data_dir)
+            .map(|data_dir| Persistence {
+                data_dir,
+                interval: match self.snapshot_interval_secs.or(file.snapshot_interval_secs) {
+                    Some(0) => None,
+                    Some(secs) => Some(Duration::from_secs(secs)),
+                    None => Some(DEFAULT_SNAPSHOT_INTERVAL),
+                },
+            });
         let mut config = ServerConfig {
             grpc_addr: self
                 .grpc_addr
                 .or(file.grpc_addr)
                 .unwrap_or(defaults.grpc_addr),
-            http_addr: self
-                .http_addr
-                .or(file.http_addr)
-                .unwrap_or(defaults.http_addr),
+            http_addr,
             index: IndexSettings {
                 writer_threads: self
                     .writer_threads
@@ -269,10 +311,7 @@ impl ServeArgs {
                 capacity: self.capacity.or(file.capacity),
                 listener: index.listener,
             },
-            min_initial_workers: self
-                .min_initial_workers
-                .or(file.min_initial_workers)
-                .unwrap_or(0),
+            min_initial_workers,
             limits: Limits {
                 max_query_tokens: self
                     .max_query_tokens
@@ -315,6 +354,13 @@ impl ServeArgs {
                 .shutdown_timeout_secs
                 .or(file.shutdown_timeout_secs)
                 .map_or(defaults.shutdown_timeout, Duration::from_secs),
+            persistence,
+            peers: self
+                .peers
+                .clone()
+                .or(file.peers)
+                .map(|list| parse_peer_list(&list))
+                .unwrap_or_default(),
         };
         if let Some(list) = self.workers.clone().or(file.workers) {
             let block_size = self.block_size.or(file.block_size).ok_or_else(|| {
@@ -348,6 +394,18 @@ impl ServeArgs {
         }
         config.validate()?;
         Ok((config, self.runtime_threads.or(file.runtime_threads)))
+    }
+}
+
+/// Dynamo's `DYN_ROUTER_MIN_INITIAL_WORKERS`, or 0 if unset.
+fn dynamo_min_initial_workers() -> Result<usize, CliError> {
+    match std::env::var("DYN_ROUTER_MIN_INITIAL_WORKERS") {
+        Ok(value) => value.trim().parse().map_err(|e| {
+            CliError::Config(format!(
+                "DYN_ROUTER_MIN_INITIAL_WORKERS must be a non-negative integer, got {value:?}: {e}"
+            ))
+        }),
+        Err(_) => Ok(0),
     }
 }
 
@@ -388,6 +446,21 @@ pub fn shutdown_summary(report: &ShutdownReport) -> String {
                 seq.map_or_else(|| "-".to_owned(), |s| s.to_string())
             );
         }
+    }
+    match &report.snapshot {
+        Some(Ok(written)) => {
+            let _ = writeln!(
+                out,
+                "snapshot {}: {} bytes, {} memberships",
+                written.path.display(),
+                written.bytes,
+                written.memberships
+            );
+        }
+        Some(Err(error)) => {
+            let _ = writeln!(out, "the final snapshot failed: {error}");
+        }
+        None => {}
     }
     out
 }

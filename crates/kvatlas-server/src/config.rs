@@ -100,6 +100,18 @@ impl Default for IndexSettings {
     }
 }
 
+/// The default time between data-directory snapshots.
+pub const DEFAULT_SNAPSHOT_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Where and how often the server persists its state (see `store`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Persistence {
+    /// The data directory: snapshots are loaded from it at start and written to it.
+    pub data_dir: PathBuf,
+    /// Time between periodic snapshots (`None`: only at shutdown).
+    pub interval: Option<Duration>,
+}
+
 /// Everything `kvatlas serve` needs.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -124,6 +136,11 @@ pub struct ServerConfig {
     pub workers: Vec<WorkerRegistration>,
     /// How long a graceful shutdown may take before open streams are cut.
     pub shutdown_timeout: Duration,
+    /// Snapshots in a data directory (`None`: the state lives in memory only).
+    pub persistence: Option<Persistence>,
+    /// Peers (base URLs of kvatlas or Dynamo indexers' HTTP side) a replica with no local
+    /// snapshot bootstraps from, tried in order.
+    pub peers: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -139,6 +156,8 @@ impl Default for ServerConfig {
             tls: None,
             workers: Vec::new(),
             shutdown_timeout: Duration::from_secs(10),
+            persistence: None,
+            peers: Vec::new(),
         }
     }
 }
@@ -182,6 +201,26 @@ impl ServerConfig {
                 "the index capacity must be at least 1 membership (leave it unset for no bound)"
                     .into(),
             ));
+        }
+        if let Some(Persistence {
+            interval: Some(interval),
+            ..
+        }) = &self.persistence
+            && interval.is_zero()
+        {
+            return Err(ConfigError::Invalid(
+                "the snapshot interval must be positive (leave it unset to snapshot only at \
+                 shutdown)"
+                    .into(),
+            ));
+        }
+        for peer in &self.peers {
+            if !peer.starts_with("http://") {
+                return Err(ConfigError::Invalid(format!(
+                    "peer {peer:?}: expected an http:// URL (a peer's HTTP address, for example \
+                     http://10.0.0.7:8090)"
+                )));
+            }
         }
         if self.auth_tokens.is_none() && !self.allow_unauthenticated {
             for addr in [self.grpc_addr, self.http_addr] {
@@ -279,6 +318,16 @@ fn last_worker<'a>(
             "--workers item {item:?}: an option before any worker"
         ))
     })
+}
+
+/// Parses a `--peers` list: comma-separated URLs, trimmed, empty items dropped (Dynamo's
+/// form).
+pub fn parse_peer_list(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| p.trim_end_matches('/').to_owned())
+        .collect()
 }
 
 /// `vllm` or `sglang` (case-insensitively).

@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use kvatlas_events::{EngineKind, ListenerStatus, SocketMode};
-use kvatlas_index::Mutation;
+use kvatlas_index::{Checkpoint, Mutation, Unit};
 use kvatlas_proto::v1::{self, indexer_server::Indexer, query_request};
 use tokio_stream::Stream;
 use tokio_util::sync::WaitForCancellationFutureOwned;
@@ -505,6 +505,57 @@ impl Indexer for IndexerService {
         let result = self.publish(request).await;
         self.finish(Rpc::PublishEvents, started, result)
     }
+
+    type SnapshotStream = SnapshotChunks;
+
+    async fn snapshot(
+        &self,
+        request: Request<v1::SnapshotRequest>,
+    ) -> Result<Response<Self::SnapshotStream>, Status> {
+        let started = Instant::now();
+        let result = (|| {
+            let permit = self.state.admit(Rpc::Snapshot).map_err(status)?;
+            self.state.check_snapshot_ready().map_err(status)?;
+            let caller = caller_of(&request)?;
+            let filter = request.into_inner();
+            let chunks = crate::snapshot_stream::stream_filtered(
+                Arc::clone(&self.state.registry),
+                move |key| listed(&caller, &filter.model, &filter.tenant, key),
+            );
+            Ok(Response::new(SnapshotChunks {
+                chunks,
+                _permit: permit,
+            }))
+        })();
+        self.finish(Rpc::Snapshot, started, result)
+    }
+}
+
+/// The chunks of a `Snapshot` answer; holds its place among the concurrent requests until the
+/// last chunk is sent.
+pub(crate) struct SnapshotChunks {
+    chunks: tokio_stream::wrappers::ReceiverStream<std::io::Result<bytes::Bytes>>,
+    _permit: crate::state::Permit,
+}
+
+impl std::fmt::Debug for SnapshotChunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotChunks").finish_non_exhaustive()
+    }
+}
+
+impl Stream for SnapshotChunks {
+    type Item = Result<v1::SnapshotChunk, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.chunks).poll_next(cx).map(|chunk| {
+            chunk.map(|chunk| {
+                chunk
+                    .map(|data| v1::SnapshotChunk { data: data.into() })
+                    .map_err(|error| Status::internal(format!("the snapshot failed: {error}")))
+            })
+        })
+    }
 }
 
 impl IndexerService {
@@ -583,35 +634,42 @@ impl IndexerService {
             Admission::Apply { resync } => resync,
         };
         let events = prepared.mutations.len();
+        let mut mutations = Vec::with_capacity(events + 1);
         if resync {
-            enqueue(
-                &prepared.entry.pool,
-                Mutation::Cleared {
-                    worker: prepared.worker,
-                },
-            )
-            .await?;
+            mutations.push(Mutation::Cleared {
+                worker: prepared.worker,
+            });
         }
-        for mutation in prepared.mutations {
-            enqueue(&prepared.entry.pool, mutation).await?;
-        }
+        mutations.extend(prepared.mutations);
+        // One unit: a snapshot holds the whole message or none of it, and its sequence number
+        // with it (a restarted server continues the rank's numbering).
+        let unit = Unit {
+            worker_id: prepared.worker.worker_id,
+            mutations,
+            checkpoint: prepared.seq.map(|seq| Checkpoint {
+                source: prepared.worker,
+                position: seq,
+                fingerprint: 0,
+            }),
+        };
+        enqueue(&prepared.entry.pool, unit).await?;
         publisher.applied(events);
         Ok(())
     }
 }
 
-/// Enqueues a mutation, waiting (without blocking the runtime) while its lane is full.
+/// Enqueues a unit, waiting (without blocking the runtime) while its lane is full.
 async fn enqueue(
     pool: &kvatlas_index::ThreadPool<crate::served_index::ServedIndex>,
-    mutation: Mutation,
+    unit: Unit,
 ) -> Result<(), ServiceError> {
-    let mut mutation = mutation;
+    let mut unit = unit;
     let mut backoff = Duration::from_micros(50);
     loop {
-        match pool.try_enqueue(mutation) {
+        match pool.try_enqueue_unit(unit) {
             Ok(()) => return Ok(()),
             Err(kvatlas_index::EnqueueError::Full(back)) => {
-                mutation = back;
+                unit = back;
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_millis(5));
             }

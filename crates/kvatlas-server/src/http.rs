@@ -1,16 +1,19 @@
 //! The HTTP side: `/health` (liveness: 200 while the process serves), `/ready` (200 once the
-//! startup gate is open, 503 with the reason before and during shutdown) and `/metrics`
+//! startup gate is open, 503 with the reason before and during shutdown), `/metrics`
 //! (Prometheus; with authentication on, it needs a token allowed every tenant, because its labels
-//! name every index).
+//! name every index), `/snapshot` (the native snapshot stream, same token rule), and Dynamo's
+//! standalone-indexer API (`dynamo`).
 
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State as AxumState;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, State as AxumState};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 
+use crate::dynamo;
 use crate::error::ServiceError;
 use crate::state::State;
 
@@ -20,6 +23,23 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .route("/snapshot", get(snapshot))
+        .route("/register", post(dynamo::register))
+        .route("/unregister", post(dynamo::unregister))
+        .route("/workers", get(dynamo::workers))
+        .route(
+            "/query",
+            post(dynamo::query).layer(DefaultBodyLimit::max(dynamo::QUERY_BODY_LIMIT)),
+        )
+        .route(
+            "/query_by_hash",
+            post(dynamo::query_by_hash).layer(DefaultBodyLimit::max(dynamo::QUERY_BODY_LIMIT)),
+        )
+        .route("/dump", get(dynamo::dump_route))
+        .route("/register_peer", post(dynamo::register_peer))
+        .route("/deregister_peer", post(dynamo::deregister_peer))
+        .route("/peers", get(dynamo::peers))
+        .layer(DefaultBodyLimit::max(dynamo::BODY_LIMIT))
         .with_state(state)
 }
 
@@ -32,7 +52,7 @@ pub(crate) fn error_response(error: &ServiceError) -> Response {
 
 async fn health(AxumState(state): AxumState<Arc<State>>) -> Response {
     state.metrics.http("/health", 200);
-    (StatusCode::OK, "ok\n").into_response()
+    StatusCode::OK.into_response()
 }
 
 async fn ready(AxumState(state): AxumState<Arc<State>>) -> Response {
@@ -48,7 +68,12 @@ async fn ready(AxumState(state): AxumState<Arc<State>>) -> Response {
     }
 }
 
-async fn metrics(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -> Response {
+/// An unrestricted caller (every tenant), or the 401/403 response.
+fn unrestricted(
+    state: &State,
+    headers: &HeaderMap,
+    route: &'static str,
+) -> Result<(), Box<Response>> {
     let header_value = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
@@ -57,15 +82,40 @@ async fn metrics(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) ->
             Ok(())
         } else {
             Err(ServiceError::PermissionDenied(format!(
-                "the token {:?} is limited to some tenants; /metrics names every index, so it \
+                "the token {:?} is limited to some tenants; {route} covers every index, so it \
                  needs a token allowed every tenant",
                 caller.name
             )))
         }
     });
-    if let Err(error) = allowed {
-        state.metrics.http("/metrics", error.http_status());
+    allowed.map_err(|error| {
+        state.metrics.http(route, error.http_status());
+        Box::new(error_response(&error))
+    })
+}
+
+/// The native snapshot of every index, streamed (`application/octet-stream`).
+async fn snapshot(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -> Response {
+    if let Err(response) = unrestricted(&state, &headers, "/snapshot") {
+        return *response;
+    }
+    if let Err(error) = state.check_snapshot_ready() {
+        state.metrics.http("/snapshot", error.http_status());
         return error_response(&error);
+    }
+    state.metrics.http("/snapshot", 200);
+    let chunks = crate::snapshot_stream::stream(Arc::clone(&state.registry));
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from_stream(chunks),
+    )
+        .into_response()
+}
+
+async fn metrics(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -> Response {
+    if let Err(response) = unrestricted(&state, &headers, "/metrics") {
+        return *response;
     }
     state.metrics.http("/metrics", 200);
     let ready = state.ready();

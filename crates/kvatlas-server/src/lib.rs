@@ -6,7 +6,11 @@
 //! | `query` | answering a query inline: hashing the prompt as the engines' events are hashed, one walk, the options |
 //! | `publish` | `PublishEvents`: engine-neutral events pushed over gRPC, checked whole, sequenced per rank |
 //! | `grpc` | the `kvatlas.v1.Indexer` service: validation, proto ↔ domain conversion, status codes |
-//! | `http` | `/health`, `/ready`, `/metrics` |
+//! | `http` | `/health`, `/ready`, `/metrics`, `/snapshot` and Dynamo's routes |
+//! | `dynamo` | Dynamo's standalone-indexer HTTP API (1.6.1): register, query, `/dump`, peers |
+//! | [`snapshot`], `snapshot_stream` | the native snapshot format; streaming it over HTTP and gRPC |
+//! | [`store`] | the data directory: snapshots written atomically, the newest readable one loaded |
+//! | `peers` | bootstrapping a replica from a peer's snapshot (or a Dynamo peer's `/dump`) |
 //! | `metrics` | the Prometheus instruments and exposition |
 //! | `auth` | bearer tokens (constant-time), per-tenant permissions |
 //! | `config`, `tls`, `server` | configuration and its safety rules, TLS, start and graceful shutdown |
@@ -32,25 +36,32 @@
 mod auth;
 pub mod cli;
 mod config;
+mod dynamo;
 mod error;
 #[cfg(any(test, fuzzing))]
 pub mod fuzzing;
 mod grpc;
 mod http;
 mod metrics;
+mod peers;
 mod publish;
 mod query;
 mod registry;
 mod served_index;
 mod server;
+pub mod snapshot;
+mod snapshot_stream;
 mod state;
+pub mod store;
 mod tls;
 
 pub use auth::{Caller, MIN_TOKEN_BYTES, TokenFileError, Tokens};
 pub use config::{
-    ConfigError, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, IndexSettings, Limits, ServerConfig,
-    TlsFiles, WorkerDefaults, parse_engine, parse_worker_list,
+    ConfigError, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_SNAPSHOT_INTERVAL, IndexSettings,
+    Limits, Persistence, ServerConfig, TlsFiles, WorkerDefaults, parse_engine, parse_peer_list,
+    parse_worker_list,
 };
 pub use error::ServiceError;
+pub use peers::Bootstrap;
 pub use registry::{DEFAULT_TENANT, FeedCounters, IndexKey, MAX_NAME_BYTES, WorkerRegistration};
-pub use server::{IndexReport, RunningServer, ShutdownReport, StartError};
+pub use server::{IndexReport, Restored, RunningServer, ShutdownReport, StartError};

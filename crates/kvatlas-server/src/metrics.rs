@@ -22,6 +22,10 @@
 //! | `kvatlas_batches_total` | counter | `model`, `tenant`, `outcome` (`received`, `applied`, `replayed`, `duplicate`, `decode_error`, `bad_frame`) |
 //! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`, `connect`, `connect_retry`, `disconnect`) |
 //! | `kvatlas_listeners` | gauge | `model`, `tenant`, `status` |
+//! | `kvatlas_snapshots_total` | counter | `outcome` (`written`, `failed`: data-directory snapshots) |
+//! | `kvatlas_snapshot_last_bytes`, `_last_memberships`, `_last_duration_seconds`, `_last_timestamp_seconds` | gauge | (the last snapshot written) |
+//! | `kvatlas_snapshot_files_rejected_total` | counter | (unreadable snapshot files moved aside at start) |
+//! | `kvatlas_restored_memberships` | gauge | `source` (`data_dir`, `peer_snapshot`, `peer_dump`: what the state at start came from) |
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,10 +45,11 @@ pub(crate) enum Rpc {
     ListWorkers,
     ListIndexes,
     PublishEvents,
+    Snapshot,
 }
 
 impl Rpc {
-    const ALL: [Rpc; 7] = [
+    const ALL: [Rpc; 8] = [
         Rpc::Query,
         Rpc::QueryStream,
         Rpc::RegisterWorker,
@@ -52,6 +57,7 @@ impl Rpc {
         Rpc::ListWorkers,
         Rpc::ListIndexes,
         Rpc::PublishEvents,
+        Rpc::Snapshot,
     ];
 
     const fn name(self) -> &'static str {
@@ -63,6 +69,7 @@ impl Rpc {
             Rpc::ListWorkers => "ListWorkers",
             Rpc::ListIndexes => "ListIndexes",
             Rpc::PublishEvents => "PublishEvents",
+            Rpc::Snapshot => "Snapshot",
         }
     }
 }
@@ -127,9 +134,29 @@ struct RpcInstruments {
     shed: AtomicU64,
 }
 
+/// Snapshot and recovery instruments.
+#[derive(Debug, Default)]
+pub(crate) struct RecoveryInstruments {
+    /// Data-directory snapshots written.
+    pub(crate) written: AtomicU64,
+    /// Data-directory snapshots that failed.
+    pub(crate) failed: AtomicU64,
+    /// The last snapshot written: bytes, memberships, duration (µs), time (Unix µs).
+    pub(crate) last_bytes: AtomicU64,
+    pub(crate) last_memberships: AtomicU64,
+    pub(crate) last_duration_micros: AtomicU64,
+    pub(crate) last_unix_micros: AtomicU64,
+    /// Snapshot files moved aside at start.
+    pub(crate) rejected_files: AtomicU64,
+    /// Where the state at start came from, and how many memberships.
+    pub(crate) restored: Mutex<Option<(&'static str, u64)>>,
+}
+
 /// A server's request instruments (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Metrics {
+    /// Snapshot and recovery instruments.
+    pub(crate) recovery: RecoveryInstruments,
     rpcs: [RpcInstruments; Rpc::ALL.len()],
     in_flight: AtomicU64,
     auth_failures: AtomicU64,
@@ -139,6 +166,7 @@ pub(crate) struct Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self {
+            recovery: RecoveryInstruments::default(),
             rpcs: Default::default(),
             in_flight: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
@@ -188,8 +216,74 @@ impl Metrics {
     pub(crate) fn render(&self, registry: &Registry, ready: bool) -> String {
         let mut out = String::with_capacity(16 << 10);
         self.render_requests(&mut out);
+        self.render_recovery(&mut out);
         render_indexes(&mut out, registry, ready);
         out
+    }
+
+    fn render_recovery(&self, out: &mut String) {
+        let r = &self.recovery;
+        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+        header(
+            out,
+            "kvatlas_snapshots_total",
+            "counter",
+            "Data-directory snapshots by outcome.",
+        );
+        let _ = writeln!(
+            out,
+            "kvatlas_snapshots_total{{outcome=\"written\"}} {}\nkvatlas_snapshots_total{{outcome=\"failed\"}} {}",
+            load(&r.written),
+            load(&r.failed)
+        );
+        for (name, help, value) in [
+            (
+                "kvatlas_snapshot_last_bytes",
+                "Size of the last snapshot written.",
+                load(&r.last_bytes) as f64,
+            ),
+            (
+                "kvatlas_snapshot_last_memberships",
+                "Memberships in the last snapshot written.",
+                load(&r.last_memberships) as f64,
+            ),
+            (
+                "kvatlas_snapshot_last_duration_seconds",
+                "How long the last snapshot took to write.",
+                load(&r.last_duration_micros) as f64 / 1e6,
+            ),
+            (
+                "kvatlas_snapshot_last_timestamp_seconds",
+                "When the last snapshot was written (Unix time; 0 = never).",
+                load(&r.last_unix_micros) as f64 / 1e6,
+            ),
+        ] {
+            header(out, name, "gauge", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
+        header(
+            out,
+            "kvatlas_snapshot_files_rejected_total",
+            "counter",
+            "Unreadable snapshot files moved aside at start (see the log for why).",
+        );
+        let _ = writeln!(
+            out,
+            "kvatlas_snapshot_files_rejected_total {}",
+            load(&r.rejected_files)
+        );
+        if let Some((source, memberships)) = *r.restored.lock() {
+            header(
+                out,
+                "kvatlas_restored_memberships",
+                "gauge",
+                "Memberships restored at start, by where they came from.",
+            );
+            let _ = writeln!(
+                out,
+                "kvatlas_restored_memberships{{source=\"{source}\"}} {memberships}"
+            );
+        }
     }
 
     fn render_requests(&self, out: &mut String) {

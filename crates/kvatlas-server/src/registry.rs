@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use kvatlas_events::{
     DropCounters, EngineKind, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
-    ListenerState, ListenerStatus, Listeners, MutationSink, SocketMode, Source,
+    ListenerState, ListenerStatus, Listeners, MutationSink, Resume, SocketMode, Source,
 };
 use kvatlas_hash::{BlockHasher, BlockSize};
 use kvatlas_index::{Mutation, SharedKvIndex, ThreadPool, Worker};
@@ -38,6 +38,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::config::{IndexSettings, Limits};
 use crate::error::ServiceError;
 use crate::served_index::ServedIndex;
+use crate::snapshot::{IndexImage, RecordedFeed};
 
 /// The tenant of a request that names none.
 pub const DEFAULT_TENANT: &str = "default";
@@ -515,11 +516,14 @@ impl IndexEntry {
             .collect()
     }
 
-    /// Starts a ZMQ listener for `registration` unless the same registration exists.
+    /// Starts a ZMQ listener for `registration` unless the same registration exists; it
+    /// continues from the rank's checkpoint if the index recorded one (a restored snapshot), and
+    /// starts held if `held` (to be released once a peer's snapshot is restored).
     fn register_zmq(
         &self,
         registration: WorkerRegistration,
         settings: &IndexSettings,
+        held: bool,
     ) -> Result<bool, ServiceError> {
         let worker = registration.worker();
         let mut feeds = self.feeds.lock();
@@ -553,10 +557,18 @@ impl IndexEntry {
             block_size: registration.block_size,
             engine: registration.engine,
         };
+        let resume = self.index().mark(worker).map(|mark| Resume {
+            position: mark.position,
+            recent: mark.recent,
+        });
         let mut config = ListenerConfig::new(source, registration.endpoint.clone())
             .with_topic(registration.topic.clone().into_bytes())
             .with_mode(registration.mode)
-            .with_options(settings.listener);
+            .with_options(settings.listener)
+            .with_resume(resume);
+        if held {
+            config = config.held();
+        }
         if let Some(replay) = &registration.replay_endpoint {
             config = config.with_replay_endpoint(replay.clone());
         }
@@ -606,6 +618,8 @@ impl IndexEntry {
             };
             self.retired.lock().add(&counters);
         }
+        // The sources are gone: a later one with the same id starts from scratch.
+        self.index().forget_marks(instance_id, dp_rank);
         // The listeners are stopped: wait for what they queued, then remove the blocks. Removing
         // directly (not through a lane) is safe: no feed of these ranks is left to write.
         let report = match dp_rank {
@@ -625,17 +639,47 @@ impl IndexEntry {
         )
     }
 
-    /// Stops every listener (at shutdown); their queued mutations stay in the writer lanes.
-    pub(crate) fn stop_listeners(&self) -> Vec<ListenerState> {
-        let states = self.listeners.stop_all();
-        let mut retired = self.retired.lock();
-        for state in &states {
-            retired.add(&FeedCounters::from(&state.counters));
+    /// The index as a snapshot records it: its feeds, and its blocks with the checkpoints they
+    /// reflect (a consistent cut; writers wait while it is taken).
+    pub(crate) fn image(&self) -> IndexImage {
+        let feeds = self
+            .feeds
+            .lock()
+            .iter()
+            .map(|(worker, feed)| match feed {
+                Feed::Zmq { registration, .. } => RecordedFeed::Zmq(registration.clone()),
+                Feed::Grpc(_) => RecordedFeed::Grpc { worker: *worker },
+            })
+            .collect();
+        let (snapshot, marks) = self.index().image();
+        IndexImage {
+            key: self.key.clone(),
+            block_size: self.block_size,
+            capacity: self.index().capacity(),
+            feeds,
+            marks,
+            snapshot,
         }
-        drop(retired);
-        let mut feeds = self.feeds.lock();
-        feeds.retain(|_, feed| matches!(feed, Feed::Grpc(_)));
-        states
+    }
+
+    /// Releases every held listener, each from its rank's checkpoint if the index has one.
+    pub(crate) fn release_held(&self) {
+        let feeds = self.feeds.lock();
+        for (worker, feed) in feeds.iter() {
+            if let Feed::Zmq { listener, .. } = feed {
+                let resume = self.index().mark(*worker).map(|mark| Resume {
+                    position: mark.position,
+                    recent: mark.recent,
+                });
+                let _ = self.listeners.release(*listener, resume);
+            }
+        }
+    }
+
+    /// Stops every listener (at shutdown); their queued mutations stay in the writer lanes, and
+    /// their registrations stay in the feeds, for the final snapshot to record.
+    pub(crate) fn stop_listeners(&self) -> Vec<ListenerState> {
+        self.listeners.stop_all()
     }
 
     /// Whether nothing is registered and nothing held (an index a failed registration created).
@@ -806,11 +850,21 @@ impl Registry {
         &self,
         registration: WorkerRegistration,
     ) -> Result<Registered, ServiceError> {
+        self.register_with(registration, false)
+    }
+
+    /// [`Registry::register`], starting the listener held if `held` (peer bootstrap:
+    /// [`IndexEntry::release_held`] releases it once the peer's snapshot is restored).
+    pub(crate) fn register_with(
+        &self,
+        registration: WorkerRegistration,
+        held: bool,
+    ) -> Result<Registered, ServiceError> {
         registration.validate()?;
         let (entry, created_index) =
             self.index_for(&registration.index, Some(registration.block_size))?;
         let result = self.reserve_rank().and_then(|()| {
-            let outcome = entry.register_zmq(registration.clone(), &self.settings);
+            let outcome = entry.register_zmq(registration.clone(), &self.settings, held);
             if !matches!(outcome, Ok(false)) {
                 // Already registered (nothing new) or failed: the rank was not added.
                 self.release_ranks(1);
@@ -850,6 +904,49 @@ impl Registry {
                 Err(error)
             }
         }
+    }
+
+    /// Restores snapshot images: each index is created (or must have the same block size), its
+    /// blocks and checkpoints replaced; with `adopt_feeds`, its recorded feeds are registered
+    /// again (ZMQ listeners continue from their checkpoints, `PublishEvents` ranks keep their
+    /// sequence numbers) — a restart; without, they are left to this server's own configuration
+    /// (a replica bootstrapping from a peer). Returns the feeds that could not be registered.
+    pub(crate) fn restore_images(
+        &self,
+        images: &[IndexImage],
+        adopt_feeds: bool,
+    ) -> Result<Vec<(WorkerRegistration, ServiceError)>, ServiceError> {
+        let mut failed = Vec::new();
+        for image in images {
+            let (entry, _) = self.index_for(&image.key, Some(image.block_size))?;
+            entry.index().restore_image(&image.snapshot, &image.marks);
+            if !adopt_feeds {
+                continue;
+            }
+            for feed in &image.feeds {
+                match feed {
+                    RecordedFeed::Zmq(registration) => {
+                        if let Err(error) = self.register(registration.clone()) {
+                            failed.push((registration.clone(), error));
+                        }
+                    }
+                    RecordedFeed::Grpc { worker } => {
+                        let mut feeds = entry.feeds.lock();
+                        if !feeds.contains_key(worker) && self.reserve_rank().is_ok() {
+                            let last_seq = image.marks.get(worker).map(|m| m.position);
+                            feeds.insert(
+                                *worker,
+                                Feed::Grpc(GrpcFeed {
+                                    last_seq,
+                                    ..GrpcFeed::default()
+                                }),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(failed)
     }
 
     /// Unregisters `instance_id` (one rank or all) from the index of `model` in `tenant`, or in

@@ -1,19 +1,54 @@
 //! [`ServedIndex`]: a [`ConcurrentAtlas`] that also keeps what a service reports about it — how
 //! many events it applied, when it last applied one (the freshness every answer carries) and the
-//! running totals of what it absorbed.
+//! running totals of what it absorbed — and the checkpoint of every source feeding it.
 //!
 //! It sits behind the index's [`kvatlas_index::ThreadPool`], so its writes run on the writer
 //! threads; the figures are atomics and one small mutex taken once per applied batch.
+//!
+//! Invariant: checkpointed writes ([`SharedKvIndex::apply_checkpointed`]) and
+//! [`ServedIndex::image`] hold the same lock, so a snapshot holds exactly the units whose
+//! checkpoints it records — every source's position names the last batch the state reflects,
+//! and no part of a later one.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    ApplyReport, ConcurrentAtlas, IndexStats, MatchOptions, Matches, Mutation, SharedKvIndex,
-    Snapshot,
+    ApplyReport, Checkpoint, ConcurrentAtlas, IndexStats, MatchOptions, Matches, Mutation,
+    SharedKvIndex, Snapshot, Worker,
 };
 use parking_lot::Mutex;
+
+use crate::snapshot::SourceMark;
+
+/// Fingerprints kept per source (the listeners' duplicate window).
+const RECENT_KEPT: usize = 1024;
+
+/// A source's checkpoint as kept between snapshots.
+#[derive(Debug, Clone, Default)]
+struct Mark {
+    position: u64,
+    recent: VecDeque<(u64, u64)>,
+}
+
+impl Mark {
+    fn record(&mut self, position: u64, fingerprint: u64) {
+        self.position = position;
+        if self.recent.len() >= RECENT_KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((position, fingerprint));
+    }
+
+    fn to_source_mark(&self) -> SourceMark {
+        SourceMark {
+            position: self.position,
+            recent: self.recent.iter().copied().collect(),
+        }
+    }
+}
 
 /// Microseconds since the Unix epoch, now (0 if the clock is before it).
 pub(crate) fn unix_micros_now() -> i64 {
@@ -33,6 +68,8 @@ pub(crate) struct ServedIndex {
     last_applied: AtomicI64,
     /// Running totals of the apply reports (anomalies, evictions).
     totals: Mutex<ApplyReport>,
+    /// Every source's checkpoint; its lock also orders checkpointed writes against snapshots.
+    marks: Mutex<BTreeMap<Worker, Mark>>,
 }
 
 impl ServedIndex {
@@ -44,7 +81,52 @@ impl ServedIndex {
             applied: AtomicU64::new(0),
             last_applied: AtomicI64::new(0),
             totals: Mutex::new(ApplyReport::default()),
+            marks: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// A consistent cut and the checkpoint of every source it reflects.
+    pub(crate) fn image(&self) -> (Snapshot, BTreeMap<Worker, SourceMark>) {
+        let marks = self.marks.lock();
+        let snapshot = self.atlas.snapshot();
+        let marks = marks
+            .iter()
+            .map(|(worker, mark)| (*worker, mark.to_source_mark()))
+            .collect();
+        (snapshot, marks)
+    }
+
+    /// Replaces the state and the checkpoints with a snapshot's.
+    pub(crate) fn restore_image(&self, snapshot: &Snapshot, marks: &BTreeMap<Worker, SourceMark>) {
+        let mut kept = self.marks.lock();
+        self.atlas.restore(snapshot);
+        *kept = marks
+            .iter()
+            .map(|(worker, mark)| {
+                (
+                    *worker,
+                    Mark {
+                        position: mark.position,
+                        recent: mark.recent.iter().copied().collect(),
+                    },
+                )
+            })
+            .collect();
+        self.last_applied
+            .store(unix_micros_now(), Ordering::Release);
+    }
+
+    /// The checkpoint of `source`, if one was recorded.
+    pub(crate) fn mark(&self, source: Worker) -> Option<SourceMark> {
+        self.marks.lock().get(&source).map(Mark::to_source_mark)
+    }
+
+    /// Forgets the checkpoints of every rank of `worker_id` (or one rank): the source is gone,
+    /// and a later one with the same id starts fresh.
+    pub(crate) fn forget_marks(&self, worker_id: u64, dp_rank: Option<u32>) {
+        self.marks
+            .lock()
+            .retain(|w, _| w.worker_id != worker_id || dp_rank.is_some_and(|r| r != w.dp_rank));
     }
 
     /// The capacity bound, if any.
@@ -85,6 +167,26 @@ impl SharedKvIndex for ServedIndex {
     fn apply_batch(&self, batch: &mut Vec<Mutation>) -> ApplyReport {
         let mutations = batch.len() as u64;
         let report = self.atlas.apply_batch(batch);
+        self.record(mutations, &report)
+    }
+
+    fn apply_checkpointed(
+        &self,
+        batch: &mut Vec<Mutation>,
+        checkpoints: &mut Vec<Checkpoint>,
+    ) -> ApplyReport {
+        let mutations = batch.len() as u64;
+        let report = {
+            let mut marks = self.marks.lock();
+            let report = self.atlas.apply_batch(batch);
+            for checkpoint in checkpoints.drain(..) {
+                marks
+                    .entry(checkpoint.source)
+                    .or_default()
+                    .record(checkpoint.position, checkpoint.fingerprint);
+            }
+            report
+        };
         self.record(mutations, &report)
     }
 

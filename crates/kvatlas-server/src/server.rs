@@ -1,6 +1,19 @@
-//! Starting and stopping a server: [`RunningServer::start`] checks the configuration, registers
-//! the initial workers, binds both listeners (port 0 resolved before it returns) and serves;
-//! [`RunningServer::shutdown`] stops gracefully.
+//! Starting and stopping a server: [`RunningServer::start`] checks the configuration, restores
+//! the state, registers the initial workers, binds both listeners (port 0 resolved before it
+//! returns) and serves; [`RunningServer::shutdown`] stops gracefully.
+//!
+//! Where the state at start comes from, first match wins:
+//! 1. the data directory's newest readable snapshot (`--data-dir`): every index, its recorded
+//!    feeds registered again, each ZMQ listener continuing from its rank's checkpoint (the
+//!    engine's replay endpoint fills what was published while the server was down; a hole it
+//!    cannot fill resyncs the rank, counted);
+//! 2. a peer (`--peers`): the configured workers' listeners start *held* (subscribed, buffering),
+//!    the server answers UNAVAILABLE while `peers::bootstrap` restores the first peer that
+//!    answers, then releases them from the peer's checkpoints;
+//! 3. empty.
+//!
+//! With a data directory, snapshots are written every interval (skipped while nothing changed)
+//! and once more at shutdown, after the last queued event is applied.
 //!
 //! Shutdown order, so that nothing acknowledged is lost:
 //! 1. the server stops being ready (health NOT_SERVING, `/ready` 503, queries UNAVAILABLE);
@@ -9,7 +22,8 @@
 //! 3. both listeners stop accepting and wait for in-flight requests (at most the shutdown
 //!    timeout);
 //! 4. the ZMQ listeners stop, and every index's writers apply what was queued;
-//! 5. [`ShutdownReport`]: per index, what it holds (memberships and a digest of its state) and
+//! 5. with a data directory, the final snapshot;
+//! 6. [`ShutdownReport`]: per index, what it holds (memberships and a digest of its state) and
 //!    the last sequence number applied for every rank.
 
 use std::net::SocketAddr;
@@ -26,11 +40,15 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::auth::{TokenFileError, Tokens};
+use crate::config::Persistence;
 use crate::config::{ConfigError, ServerConfig};
 use crate::error::ServiceError;
 use crate::grpc::{IndexerService, authenticate};
+use crate::peers::Bootstrap;
 use crate::registry::{Feed, IndexKey, Registry};
+use crate::served_index::unix_micros_now;
 use crate::state::State;
+use crate::store::{DataDir, Written};
 use crate::tls::TlsMaterial;
 
 /// HTTP/2 flow-control windows (per connection and per stream): large enough that busy
@@ -79,6 +97,15 @@ pub enum StartError {
     /// The gRPC server could not be set up.
     #[error("gRPC setup: {0}")]
     Grpc(String),
+    /// The data directory cannot be used.
+    #[error("cannot use the data directory {path}: {source}")]
+    DataDir {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// What one index held when the server stopped.
@@ -101,6 +128,24 @@ pub struct IndexReport {
 pub struct ShutdownReport {
     /// Per index, sorted by key.
     pub indexes: Vec<IndexReport>,
+    /// The final snapshot, with a data directory: the file written, or why it failed.
+    pub snapshot: Option<Result<Written, String>>,
+}
+
+/// Where the state a server started with came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restored {
+    /// Nothing: it started empty (no data directory snapshot, no peers).
+    Nothing,
+    /// A data-directory snapshot.
+    DataDir {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Memberships restored.
+        memberships: u64,
+    },
+    /// A bootstrap from a peer is running or done (see [`RunningServer::bootstrap`]).
+    Peers,
 }
 
 /// A running server (see the module docs).
@@ -114,6 +159,10 @@ pub struct RunningServer {
     http: JoinHandle<()>,
     health: JoinHandle<()>,
     shutdown_timeout: Duration,
+    restored: Restored,
+    bootstrap: Option<JoinHandle<Bootstrap>>,
+    snapshots: Option<(DataDir, JoinHandle<()>)>,
+    stop_snapshots: CancellationToken,
 }
 
 impl RunningServer {
@@ -141,6 +190,23 @@ impl RunningServer {
             tokens,
             config.min_initial_workers,
         ));
+        let data_dir = match &config.persistence {
+            Some(persistence) => Some(open_data_dir(persistence).await?),
+            None => None,
+        };
+        let restored = match &data_dir {
+            Some(dir) => restore_local(dir, &registry, &state).await?,
+            None => Restored::Nothing,
+        };
+        // A replica with no state of its own bootstraps from a peer: its listeners start held.
+        let bootstrap_from_peers = restored == Restored::Nothing && !config.peers.is_empty();
+        let restored = if bootstrap_from_peers {
+            state.set_bootstrapping(true);
+            Restored::Peers
+        } else {
+            restored
+        };
+        state.peers.lock().extend(config.peers.iter().cloned());
         for registration in config.workers {
             let (instance_id, dp_rank, endpoint) = (
                 registration.instance_id,
@@ -148,15 +214,17 @@ impl RunningServer {
                 registration.endpoint.clone(),
             );
             let registry = Arc::clone(&registry);
-            tokio::task::spawn_blocking(move || registry.register(registration))
-                .await
-                .map_err(|e| StartError::Grpc(e.to_string()))?
-                .map_err(|error| StartError::Worker {
-                    instance_id,
-                    dp_rank,
-                    endpoint,
-                    error,
-                })?;
+            tokio::task::spawn_blocking(move || {
+                registry.register_with(registration, bootstrap_from_peers)
+            })
+            .await
+            .map_err(|e| StartError::Grpc(e.to_string()))?
+            .map_err(|error| StartError::Worker {
+                instance_id,
+                dp_rank,
+                endpoint,
+                error,
+            })?;
         }
 
         let bind = |what, addr| async move {
@@ -198,6 +266,26 @@ impl RunningServer {
             auth = state.tokens.is_some(),
             "kvatlas serving: gRPC on {grpc_addr}, HTTP on {http_addr}"
         );
+        let bootstrap = bootstrap_from_peers.then(|| {
+            let (state, peers) = (Arc::clone(&state), config.peers.clone());
+            tokio::spawn(async move {
+                let outcome = crate::peers::bootstrap(&state.registry, &peers).await;
+                record_bootstrap(&state, &outcome);
+                state.set_bootstrapping(false);
+                outcome
+            })
+        });
+        let stop_snapshots = CancellationToken::new();
+        let snapshots = data_dir.map(|dir| {
+            let interval = config.persistence.as_ref().and_then(|p| p.interval);
+            let task = tokio::spawn(periodic_snapshots(
+                Arc::clone(&state),
+                dir.clone(),
+                interval,
+                stop_snapshots.clone(),
+            ));
+            (dir, task)
+        });
         Ok(Self {
             grpc_addr,
             http_addr,
@@ -207,7 +295,29 @@ impl RunningServer {
             http,
             health,
             shutdown_timeout: config.shutdown_timeout,
+            restored,
+            bootstrap,
+            snapshots,
+            stop_snapshots,
         })
+    }
+
+    /// Where the state this server started with came from.
+    pub fn restored(&self) -> &Restored {
+        &self.restored
+    }
+
+    /// Waits for the bootstrap from peers to end and says what it did (`None` without one, or
+    /// if it was already taken).
+    pub async fn bootstrap(&mut self) -> Option<Bootstrap> {
+        let task = self.bootstrap.take()?;
+        task.await.ok()
+    }
+
+    /// Writes a data-directory snapshot now (`None` without a data directory).
+    pub async fn snapshot_now(&self) -> Option<Result<Written, String>> {
+        let (dir, _) = self.snapshots.as_ref()?;
+        Some(write_snapshot(Arc::clone(&self.state), dir.clone()).await)
     }
 
     /// The bound gRPC address.
@@ -255,10 +365,221 @@ impl RunningServer {
             http_abort.abort();
         }
         self.health.abort();
+        if let Some(bootstrap) = self.bootstrap {
+            bootstrap.abort();
+        }
+        self.stop_snapshots.cancel();
+        let dir = match self.snapshots {
+            Some((dir, task)) => {
+                // A periodic snapshot being written is finished first.
+                let _ = task.await;
+                Some(dir)
+            }
+            None => None,
+        };
         let registry = Arc::clone(&self.state.registry);
-        tokio::task::spawn_blocking(move || final_report(&registry))
+        let mut report = tokio::task::spawn_blocking(move || final_report(&registry))
             .await
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if let Some(dir) = dir {
+            let written = write_snapshot(Arc::clone(&self.state), dir).await;
+            match &written {
+                Ok(w) => tracing::info!(
+                    path = %w.path.display(),
+                    bytes = w.bytes,
+                    memberships = w.memberships,
+                    "final snapshot written"
+                ),
+                Err(error) => tracing::error!("the final snapshot failed: {error}"),
+            }
+            report.snapshot = Some(written);
+        }
+        report
+    }
+}
+
+/// Opens the data directory (off the async workers).
+async fn open_data_dir(persistence: &Persistence) -> Result<DataDir, StartError> {
+    let path = persistence.data_dir.clone();
+    let opened = tokio::task::spawn_blocking({
+        let path = path.clone();
+        move || DataDir::open(path)
+    })
+    .await
+    .map_err(|e| StartError::Grpc(e.to_string()))?;
+    opened.map_err(|source| StartError::DataDir { path, source })
+}
+
+/// Restores the data directory's newest readable snapshot, logging every file refused.
+async fn restore_local(
+    dir: &DataDir,
+    registry: &Arc<Registry>,
+    state: &Arc<State>,
+) -> Result<Restored, StartError> {
+    let (dir, registry) = (dir.clone(), Arc::clone(registry));
+    let path = dir.path().to_owned();
+    let loaded = tokio::task::spawn_blocking(move || {
+        let loaded = dir.load()?;
+        let mut restored = None;
+        if let Some((path, created, images)) = loaded.snapshot {
+            let memberships: u64 = images.iter().map(crate::snapshot::IndexImage::memberships).sum();
+            match registry.restore_images(&images, true) {
+                Ok(failed) => {
+                    for (registration, error) in failed {
+                        tracing::warn!(
+                            worker = registration.instance_id,
+                            dp_rank = registration.dp_rank,
+                            endpoint = %registration.endpoint,
+                            "a worker recorded in the snapshot could not be registered again: {error}"
+                        );
+                    }
+                    tracing::info!(
+                        path = %path.display(),
+                        created_unix_micros = created,
+                        memberships,
+                        indexes = images.len(),
+                        "restored the data directory's snapshot"
+                    );
+                    restored = Some((path, memberships));
+                }
+                Err(error) => tracing::error!(
+                    path = %path.display(),
+                    "the snapshot could not be restored ({error}); starting empty"
+                ),
+            }
+        }
+        Ok::<_, std::io::Error>((restored, loaded.rejected))
+    })
+    .await
+    .map_err(|e| StartError::Grpc(e.to_string()))?
+    .map_err(|source| StartError::DataDir { path, source })?;
+    let (restored, rejected) = loaded;
+    for (file, why) in &rejected {
+        tracing::error!(
+            file = %file.display(),
+            "refused snapshot file {}: {why}; moved aside to {}.rejected",
+            file.display(),
+            file.display()
+        );
+    }
+    let recovery = &state.metrics.recovery;
+    recovery
+        .rejected_files
+        .fetch_add(rejected.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    Ok(match restored {
+        Some((path, memberships)) => {
+            *recovery.restored.lock() = Some(("data_dir", memberships));
+            Restored::DataDir { path, memberships }
+        }
+        None => Restored::Nothing,
+    })
+}
+
+/// Logs a bootstrap's outcome and records it in the metrics.
+fn record_bootstrap(state: &State, outcome: &Bootstrap) {
+    let restored = &state.metrics.recovery.restored;
+    match outcome {
+        Bootstrap::Snapshot { peer, memberships } => {
+            tracing::info!(peer = %peer, memberships, "bootstrapped from the peer's snapshot");
+            *restored.lock() = Some(("peer_snapshot", *memberships));
+        }
+        Bootstrap::Dump { peer, events } => {
+            tracing::info!(
+                peer = %peer,
+                events,
+                "bootstrapped from the peer's /dump (Dynamo's events: no checkpoints)"
+            );
+            *restored.lock() = Some(("peer_dump", *events));
+        }
+        Bootstrap::Empty { failures } => tracing::warn!(
+            "no peer could be bootstrapped from ({}); starting empty",
+            failures.join("; ")
+        ),
+    }
+}
+
+/// Writes a snapshot of every index into `dir`, one index's image in memory at a time, and
+/// records it in the metrics.
+async fn write_snapshot(state: Arc<State>, dir: DataDir) -> Result<Written, String> {
+    let started = std::time::Instant::now();
+    let state_for_write = Arc::clone(&state);
+    let written = tokio::task::spawn_blocking(move || {
+        let entries = state_for_write.registry.all();
+        dir.write(entries.iter().map(|e| e.image()), unix_micros_now())
+    })
+    .await
+    .map_err(|e| e.to_string())
+    .and_then(|w| w.map_err(|e| e.to_string()));
+    let recovery = &state.metrics.recovery;
+    let relaxed = std::sync::atomic::Ordering::Relaxed;
+    match &written {
+        Ok(w) => {
+            recovery.written.fetch_add(1, relaxed);
+            recovery.last_bytes.store(w.bytes, relaxed);
+            recovery.last_memberships.store(w.memberships, relaxed);
+            recovery.last_duration_micros.store(
+                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                relaxed,
+            );
+            recovery
+                .last_unix_micros
+                .store(u64::try_from(unix_micros_now()).unwrap_or(0), relaxed);
+        }
+        Err(_) => {
+            recovery.failed.fetch_add(1, relaxed);
+        }
+    }
+    written
+}
+
+/// What changes when the state changes: per index, events applied and feeds registered.
+fn generation(registry: &Registry) -> Vec<(IndexKey, u64, usize)> {
+    registry
+        .all()
+        .iter()
+        .map(|e| {
+            (
+                e.key.clone(),
+                e.index().events_applied(),
+                e.feeds.lock().len(),
+            )
+        })
+        .collect()
+}
+
+/// Writes a snapshot every `interval` while the state changed since the last one, until `stop`.
+async fn periodic_snapshots(
+    state: Arc<State>,
+    dir: DataDir,
+    interval: Option<Duration>,
+    stop: CancellationToken,
+) {
+    let Some(interval) = interval else {
+        return;
+    };
+    let mut last = generation(&state.registry);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+        if state.bootstrapping() {
+            continue;
+        }
+        let now = generation(&state.registry);
+        if now == last {
+            continue;
+        }
+        match write_snapshot(Arc::clone(&state), dir.clone()).await {
+            Ok(w) => {
+                tracing::debug!(path = %w.path.display(), bytes = w.bytes, "snapshot written");
+                last = now;
+            }
+            Err(error) => tracing::error!(
+                dir = %dir.path().display(),
+                "a periodic snapshot failed: {error}; the previous snapshots are kept"
+            ),
+        }
     }
 }
 
@@ -308,7 +629,10 @@ fn final_report(registry: &Registry) -> ShutdownReport {
         );
         indexes.push(report);
     }
-    ShutdownReport { indexes }
+    ShutdownReport {
+        indexes,
+        snapshot: None,
+    }
 }
 
 /// Keeps the health service in line with readiness: NOT_SERVING until the startup gate opens

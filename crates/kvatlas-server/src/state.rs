@@ -27,6 +27,10 @@ pub(crate) struct State {
     /// Cancelled when a graceful shutdown starts: streams stop reading and answer.
     pub(crate) shutdown: CancellationToken,
     next_stream: AtomicU64,
+    /// Peer URLs (`--peers`, `/register_peer`): where a bootstrap looks for a snapshot.
+    pub(crate) peers: parking_lot::Mutex<std::collections::BTreeSet<String>>,
+    /// While a bootstrap from a peer runs, queries are refused (the state is not complete).
+    bootstrapping: AtomicBool,
 }
 
 impl State {
@@ -46,7 +50,35 @@ impl State {
             shutting_down: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
             next_stream: AtomicU64::new(1),
+            peers: parking_lot::Mutex::new(std::collections::BTreeSet::new()),
+            bootstrapping: AtomicBool::new(false),
         }
+    }
+
+    /// Whether a bootstrap from a peer runs.
+    pub(crate) fn bootstrapping(&self) -> bool {
+        self.bootstrapping.load(Ordering::Acquire)
+    }
+
+    /// Marks the start or the end of a bootstrap from a peer.
+    pub(crate) fn set_bootstrapping(&self, on: bool) {
+        self.bootstrapping.store(on, Ordering::Release);
+    }
+
+    /// UNAVAILABLE while a snapshot would be incomplete or cut short: during a bootstrap from a
+    /// peer and once a shutdown started (the startup gate does not matter: the state is whole).
+    pub(crate) fn check_snapshot_ready(&self) -> Result<(), ServiceError> {
+        if self.shutting_down.load(Ordering::Acquire) {
+            return Err(ServiceError::Unavailable(
+                "the server is shutting down".into(),
+            ));
+        }
+        if self.bootstrapping.load(Ordering::Acquire) {
+            return Err(ServiceError::Unavailable(
+                "not ready: restoring the index from a peer's snapshot".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Opens the startup gate once enough ranks are registered; `true` if it is open.
@@ -66,9 +98,11 @@ impl State {
         false
     }
 
-    /// Whether queries are answered: the gate is open and no shutdown has started.
+    /// Whether queries are answered: the gate is open, no bootstrap runs, no shutdown started.
     pub(crate) fn ready(&self) -> bool {
-        !self.shutting_down.load(Ordering::Acquire) && self.update_gate()
+        !self.shutting_down.load(Ordering::Acquire)
+            && !self.bootstrapping.load(Ordering::Acquire)
+            && self.update_gate()
     }
 
     /// UNAVAILABLE with the reason unless [`State::ready`].
@@ -76,6 +110,11 @@ impl State {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(ServiceError::Unavailable(
                 "the server is shutting down".into(),
+            ));
+        }
+        if self.bootstrapping.load(Ordering::Acquire) {
+            return Err(ServiceError::Unavailable(
+                "not ready: restoring the index from a peer's snapshot".into(),
             ));
         }
         if !self.update_gate() {

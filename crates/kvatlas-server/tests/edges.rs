@@ -668,14 +668,14 @@ async fn tls_serves_both_listeners() {
         .connect(ServerName::try_from("127.0.0.1").expect("name"), tcp)
         .await
         .expect("TLS handshake");
-    tls.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    tls.write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         .await
         .expect("write");
     let mut response = String::new();
     tls.read_to_string(&mut response).await.ok();
     assert_eq!(
         parse_http(&response),
-        (200, "ok\n".to_owned()),
+        (200, "ready\n".to_owned()),
         "{response}"
     );
     server.shutdown().await;

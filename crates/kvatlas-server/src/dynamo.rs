@@ -1,0 +1,969 @@
+//! Dynamo's standalone-indexer HTTP API (`python -m dynamo.indexer`, `ai-dynamo-runtime` 1.6.1),
+//! served on kvatlas's HTTP port so a client of that service works by changing an address:
+//! `/register`, `/unregister`, `/workers`, `/query`, `/query_by_hash`, `/dump`, `/register_peer`,
+//! `/deregister_peer`, `/peers` (and `/health`, `/metrics` beside them).
+//!
+//! The running 1.6.1 service is the reference (not its older documentation): the same paths,
+//! field names, status codes, JSON shapes and body limits, and axum's own texts for bodies that
+//! are not JSON (400), not `application/json` (415) or of the wrong shape (422). Where kvatlas
+//! answers differently it does so on purpose, and `docs/server.md` lists each difference; the
+//! main ones:
+//!
+//! - **tenants**: 1.6.1 partitions by `(model_name, routing_group)` and ignores `tenant_id`.
+//!   kvatlas maps `routing_group` to its tenant and, when only `tenant_id` is given, isolates by
+//!   it too (stricter: a query of tenant A never sees tenant B's workers);
+//! - the Mooncake RFC's names are accepted as well: `modelname` for `model_name`, `type`
+//!   (`vLLM`, `SGLang`) for the engine, `seq_hashes` / `block_hash` for `block_hashes`, and
+//!   `additionalsalt`; `/query_by_hash` takes hashes as signed or unsigned 64-bit integers;
+//! - `/unregister` with a `dp_rank` removes that rank only (1.6.1 removes every rank unless a
+//!   `routing_group` is also given); an instance may be registered in several indexes;
+//! - a `block_size` of 0 is refused (400); an endpoint ZMQ cannot use is refused at
+//!   registration (400) rather than shown as a failed listener;
+//! - the dump of a rank lists its own engine hashes (1.6.1 lists the first writer's), one event
+//!   per run of blocks on each tier, parents first.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Query as QueryParams, State as AxumState};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvatlas_events::{EngineKind, ListenerStatus, SocketMode};
+use kvatlas_hash::LocalBlockHash;
+use kvatlas_index::{ExternalBlockHash, Matches, Mutation, Snapshot, StoredBlock, Tier, Worker};
+use serde::de::{self, Deserializer};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::auth::Caller;
+use crate::error::ServiceError;
+use crate::query::{QueryInput, QueryOptions};
+use crate::registry::{
+    DEFAULT_TENANT, IndexKey, RankSource, RankView, Registry, WorkerRegistration, block_size_field,
+};
+use crate::snapshot::IndexImage;
+use crate::state::State;
+
+/// Largest `/query` and `/query_by_hash` body (1.6.1's limit).
+pub(crate) const QUERY_BODY_LIMIT: usize = 8 << 20;
+/// Largest body of the other JSON routes (axum's default, as in 1.6.1).
+pub(crate) const BODY_LIMIT: usize = 2 << 20;
+
+/// A JSON error body with a status.
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+fn service_error(e: &ServiceError) -> Response {
+    error(
+        StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        e.to_string(),
+    )
+}
+
+fn ok(status: StatusCode) -> Response {
+    (status, Json(json!({ "status": "ok" }))).into_response()
+}
+
+/// The caller of a request, or the 401/403 response.
+fn caller(state: &State, headers: &HeaderMap) -> Result<Caller, Box<Response>> {
+    let header = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    state
+        .authenticate(header)
+        .map_err(|e| Box::new(service_error(&e)))
+}
+
+/// The kvatlas tenant of a request: its `routing_group`, else its `tenant_id`, else default.
+fn tenant_of(routing_group: Option<&str>, tenant_id: Option<&str>) -> String {
+    routing_group
+        .or(tenant_id)
+        .filter(|t| !t.is_empty())
+        .unwrap_or(DEFAULT_TENANT)
+        .to_owned()
+}
+
+/// A 64-bit hash given as a signed (two's complement, as 1.6.1 wants) or unsigned integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AnyU64(u64);
+
+impl<'de> Deserialize<'de> for AnyU64 {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl de::Visitor<'_> for Visitor {
+            type Value = AnyU64;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a 64-bit integer")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<AnyU64, E> {
+                Ok(AnyU64(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<AnyU64, E> {
+                Ok(AnyU64(v as u64))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// /register, /unregister
+// ---------------------------------------------------------------------------------------------
+
+/// `POST /register` (1.6.1's `RegisterRequest`, plus the Mooncake RFC's names).
+#[derive(Debug, Deserialize)]
+pub(crate) struct RegisterRequest {
+    instance_id: u64,
+    endpoint: String,
+    #[serde(alias = "modelname")]
+    model_name: String,
+    routing_group: Option<String>,
+    tenant_id: Option<String>,
+    block_size: u32,
+    dp_rank: Option<u32>,
+    replay_endpoint: Option<String>,
+    /// The Mooncake RFC's engine type: `vLLM` (default), `SGLang`.
+    #[serde(rename = "type")]
+    engine: Option<String>,
+    #[serde(default, alias = "additionalsalt", rename = "additional_salt")]
+    _additional_salt: Option<String>,
+}
+
+pub(crate) async fn register(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+    Json(request): Json<RegisterRequest>,
+) -> Response {
+    let tenant = tenant_of(
+        request.routing_group.as_deref(),
+        request.tenant_id.as_deref(),
+    );
+    let caller = match caller(&state, &headers) {
+        Ok(caller) => caller,
+        Err(response) => return *response,
+    };
+    if let Err(e) = caller.check(&tenant) {
+        return service_error(&e);
+    }
+    let block_size = match block_size_field(request.block_size, "block_size") {
+        Ok(size) => size,
+        Err(e) => return service_error(&e),
+    };
+    let engine = match request.engine.as_deref() {
+        None => EngineKind::Vllm,
+        Some(kind) if kind.eq_ignore_ascii_case("vllm") => EngineKind::Vllm,
+        Some(kind) if kind.eq_ignore_ascii_case("sglang") => EngineKind::Sglang,
+        Some(other) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("unsupported engine type {other:?} (expected vLLM or SGLang)"),
+            );
+        }
+    };
+    let registration = WorkerRegistration {
+        index: IndexKey::new(request.model_name, tenant),
+        instance_id: request.instance_id,
+        dp_rank: request.dp_rank.unwrap_or(0),
+        block_size,
+        engine,
+        endpoint: request.endpoint.trim().to_owned(),
+        replay_endpoint: request
+            .replay_endpoint
+            .map(|e| e.trim().to_owned())
+            .filter(|e| !e.is_empty()),
+        topic: String::new(),
+        mode: SocketMode::Connect,
+    };
+    let (instance, rank) = (registration.instance_id, registration.dp_rank);
+    let registry = Arc::clone(&state.registry);
+    let registered = tokio::task::spawn_blocking(move || registry.register(registration)).await;
+    state.update_gate();
+    match registered {
+        Ok(Ok(registered)) if registered.already_registered => error(
+            StatusCode::CONFLICT,
+            format!("instance {instance} dp_rank {rank} already registered"),
+        ),
+        Ok(Ok(_)) => ok(StatusCode::CREATED),
+        Ok(Err(ServiceError::AlreadyExists(m) | ServiceError::FailedPrecondition(m))) => {
+            error(StatusCode::CONFLICT, m)
+        }
+        Ok(Err(e)) => service_error(&e),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// `POST /unregister`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct UnregisterRequest {
+    instance_id: u64,
+    #[serde(alias = "modelname")]
+    model_name: String,
+    routing_group: Option<String>,
+    tenant_id: Option<String>,
+    dp_rank: Option<u32>,
+}
+
+pub(crate) async fn unregister(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+    Json(request): Json<UnregisterRequest>,
+) -> Response {
+    let caller = match caller(&state, &headers) {
+        Ok(caller) => caller,
+        Err(response) => return *response,
+    };
+    // No group and no tenant: every tenant of the model (1.6.1: every routing group).
+    let tenant = request
+        .routing_group
+        .as_deref()
+        .or(request.tenant_id.as_deref())
+        .map(|t| tenant_of(Some(t), None));
+    if let Some(tenant) = &tenant
+        && let Err(e) = caller.check(tenant)
+    {
+        return service_error(&e);
+    }
+    let registry = Arc::clone(&state.registry);
+    let done = tokio::task::spawn_blocking(move || {
+        registry.unregister(
+            &request.model_name,
+            tenant.as_deref(),
+            request.instance_id,
+            request.dp_rank,
+            |t| caller.may_use(t),
+        )
+    })
+    .await;
+    match done {
+        Ok(Ok(_)) => ok(StatusCode::OK),
+        Ok(Err(ServiceError::NotFound(_))) => error(
+            StatusCode::NOT_FOUND,
+            format!("instance {} not found", request.instance_id),
+        ),
+        Ok(Err(e)) => service_error(&e),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// /workers
+// ---------------------------------------------------------------------------------------------
+
+/// `GET /workers` filters.
+#[derive(Debug, Deserialize)]
+pub(crate) struct WorkersParams {
+    model_name: Option<String>,
+    routing_group: Option<String>,
+    tenant_id: Option<String>,
+}
+
+/// One listener of `/workers`.
+#[derive(Debug, Serialize)]
+struct ListenerInfo {
+    endpoint: String,
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_error: Option<String>,
+}
+
+/// One worker of `/workers` (1.6.1's `WorkerInfo`).
+#[derive(Debug, Serialize)]
+struct WorkerInfo {
+    instance_id: u64,
+    source: &'static str,
+    status: &'static str,
+    model_name: String,
+    routing_group: String,
+    block_size: u32,
+    endpoints: BTreeMap<String, String>,
+    listeners: BTreeMap<String, ListenerInfo>,
+}
+
+/// 1.6.1's listener states: `pending` (kvatlas: no batch yet, or held), `active`, `failed`.
+fn status_name(status: ListenerStatus) -> &'static str {
+    match status {
+        ListenerStatus::Pending | ListenerStatus::Held => "pending",
+        ListenerStatus::Active => "active",
+        ListenerStatus::Failed | ListenerStatus::Stopped => "failed",
+    }
+}
+
+pub(crate) async fn workers(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+    QueryParams(params): QueryParams<WorkersParams>,
+) -> Response {
+    let caller = match caller(&state, &headers) {
+        Ok(caller) => caller,
+        Err(response) => return *response,
+    };
+    let tenant = params
+        .routing_group
+        .as_deref()
+        .or(params.tenant_id.as_deref())
+        .map(str::to_owned);
+    let entries: Vec<_> = state
+        .registry
+        .all()
+        .into_iter()
+        .filter(|e| {
+            params.model_name.as_ref().is_none_or(|m| *m == e.key.model)
+                && tenant.as_ref().is_none_or(|t| *t == e.key.tenant)
+                && caller.may_use(&e.key.tenant)
+        })
+        .collect();
+    let listed = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        for entry in entries {
+            let views = entry.rank_views(&entry.blocks_per_rank());
+            let mut by_instance: BTreeMap<u64, Vec<RankView>> = BTreeMap::new();
+            for view in views {
+                if !matches!(view.source, RankSource::BatchRank) {
+                    by_instance
+                        .entry(view.worker.worker_id)
+                        .or_default()
+                        .push(view);
+                }
+            }
+            for (instance_id, views) in by_instance {
+                out.push(worker_info(
+                    &entry.key,
+                    entry.block_size.get(),
+                    instance_id,
+                    &views,
+                ));
+            }
+        }
+        out
+    })
+    .await
+    .unwrap_or_default();
+    (StatusCode::OK, Json(listed)).into_response()
+}
+
+fn worker_info(
+    key: &IndexKey,
+    block_size: u32,
+    instance_id: u64,
+    views: &[RankView],
+) -> WorkerInfo {
+    let mut endpoints = BTreeMap::new();
+    let mut listeners = BTreeMap::new();
+    let mut grpc = false;
+    for view in views {
+        let endpoint = match &view.source {
+            RankSource::Zmq(registration) => registration.endpoint.clone(),
+            _ => {
+                grpc = true;
+                String::new()
+            }
+        };
+        let rank = view.worker.dp_rank.to_string();
+        endpoints.insert(rank.clone(), endpoint.clone());
+        listeners.insert(
+            rank,
+            ListenerInfo {
+                endpoint,
+                status: status_name(view.status),
+                last_error: view.last_error.clone(),
+            },
+        );
+    }
+    // Aggregated with 1.6.1's priority: failed, pending, active.
+    let status = ["failed", "pending", "active"]
+        .into_iter()
+        .find(|s| listeners.values().any(|l| l.status == *s))
+        .unwrap_or("active");
+    WorkerInfo {
+        instance_id,
+        source: if grpc { "grpc" } else { "zmq" },
+        status,
+        model_name: key.model.clone(),
+        routing_group: key.tenant.clone(),
+        block_size,
+        endpoints,
+        listeners,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// /query, /query_by_hash
+// ---------------------------------------------------------------------------------------------
+
+/// `POST /query`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct QueryRequest {
+    token_ids: Vec<u32>,
+    #[serde(alias = "modelname")]
+    model_name: String,
+    routing_group: Option<String>,
+    tenant_id: Option<String>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+}
+
+/// `POST /query_by_hash`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct QueryByHashRequest {
+    #[serde(alias = "seq_hashes", alias = "block_hash")]
+    block_hashes: Vec<AnyU64>,
+    #[serde(alias = "modelname")]
+    model_name: String,
+    routing_group: Option<String>,
+    tenant_id: Option<String>,
+    cache_salt: Option<String>,
+}
+
+/// The Mooncake RFC's per-instance summary, in tokens, as 1.6.1 names it.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+struct Summary {
+    longest_matched: u64,
+    gpu: u64,
+    dp: BTreeMap<String, u64>,
+    cpu: u64,
+    disk: u64,
+}
+
+/// `/query`'s answer: `scores` (device tokens by instance, then rank), `frequencies` (always
+/// empty, as in 1.6.1), `instances` (the tiered summary).
+#[derive(Debug, Serialize)]
+struct ScoreResponse {
+    scores: BTreeMap<String, BTreeMap<String, u64>>,
+    frequencies: Vec<u64>,
+    instances: BTreeMap<String, Summary>,
+}
+
+fn score_response(matches: &Matches, block_size: u32) -> ScoreResponse {
+    let tokens = |blocks: u32| u64::from(blocks) * u64::from(block_size);
+    let mut scores: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    let mut instances: BTreeMap<String, Summary> = BTreeMap::new();
+    for m in &matches.workers {
+        let instance = m.worker.worker_id.to_string();
+        let rank = m.worker.dp_rank.to_string();
+        if m.device > 0 {
+            scores
+                .entry(instance.clone())
+                .or_default()
+                .insert(rank.clone(), tokens(m.device));
+        }
+        let summary = instances.entry(instance).or_insert(Summary {
+            longest_matched: 0,
+            gpu: 0,
+            dp: BTreeMap::new(),
+            cpu: 0,
+            disk: 0,
+        });
+        summary.dp.insert(rank, tokens(m.device));
+        summary.gpu = summary.gpu.max(tokens(m.device));
+        summary.cpu = summary.cpu.max(tokens(m.host));
+        summary.disk = summary.disk.max(tokens(m.disk));
+        summary.longest_matched = summary.longest_matched.max(tokens(m.disk));
+    }
+    ScoreResponse {
+        scores,
+        frequencies: Vec::new(),
+        instances,
+    }
+}
+
+fn not_found(key: &IndexKey) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no indexer for model={} routing_group={}",
+            key.model, key.tenant
+        ),
+    )
+}
+
+fn answer(
+    state: &State,
+    headers: &HeaderMap,
+    key: &IndexKey,
+    input: QueryInput<'_>,
+    lora_name: &str,
+    cache_salt: &str,
+) -> Response {
+    let caller = match caller(state, headers) {
+        Ok(caller) => caller,
+        Err(response) => return *response,
+    };
+    if let Err(e) = caller.check(&key.tenant) {
+        return service_error(&e);
+    }
+    if let Err(e) = state.check_ready() {
+        return service_error(&e);
+    }
+    let Some(entry) = state.registry.get(key) else {
+        return not_found(key);
+    };
+    match entry.query(
+        input,
+        lora_name,
+        cache_salt,
+        &QueryOptions::default(),
+        state.limits.max_query_tokens,
+    ) {
+        Ok(answer) => (
+            StatusCode::OK,
+            Json(score_response(&answer.matches, answer.block_size.get())),
+        )
+            .into_response(),
+        Err(e) => service_error(&e),
+    }
+}
+
+pub(crate) async fn query(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+    Json(request): Json<QueryRequest>,
+) -> Response {
+    let key = IndexKey::new(
+        request.model_name.clone(),
+        tenant_of(
+            request.routing_group.as_deref(),
+            request.tenant_id.as_deref(),
+        ),
+    );
+    answer(
+        &state,
+        &headers,
+        &key,
+        QueryInput::Tokens(&request.token_ids),
+        request.lora_name.as_deref().unwrap_or_default(),
+        request.cache_salt.as_deref().unwrap_or_default(),
+    )
+}
+
+pub(crate) async fn query_by_hash(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+    Json(request): Json<QueryByHashRequest>,
+) -> Response {
+    if request.cache_salt.is_some() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "cache_salt is not accepted by /query_by_hash; block_hashes must already include the \
+             intended cache salt",
+        );
+    }
+    let key = IndexKey::new(
+        request.model_name.clone(),
+        tenant_of(
+            request.routing_group.as_deref(),
+            request.tenant_id.as_deref(),
+        ),
+    );
+    let hashes: Vec<u64> = request.block_hashes.iter().map(|h| h.0).collect();
+    answer(
+        &state,
+        &headers,
+        &key,
+        QueryInput::LocalHashes(&hashes),
+        "",
+        "",
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// /dump (both ways)
+// ---------------------------------------------------------------------------------------------
+
+/// 1.6.1's storage tier names.
+fn tier_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Device => "device",
+        Tier::Host => "host_pinned",
+        Tier::Disk => "disk",
+        Tier::External => "external",
+    }
+}
+
+fn tier_of_name(name: &str) -> Option<Tier> {
+    match name {
+        "device" => Some(Tier::Device),
+        "host_pinned" => Some(Tier::Host),
+        "disk" => Some(Tier::Disk),
+        "external" => Some(Tier::External),
+        _ => None,
+    }
+}
+
+/// The events of one index in 1.6.1's `RouterEvent` JSON: per rank and tier, one `stored` event
+/// per run of blocks (each block's parent the one before it), parents before children; event ids
+/// count from 0 per tier, as 1.6.1 numbers them.
+pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
+    let mut events = Vec::new();
+    for tier in Tier::ALL {
+        let mut event_id = 0u64;
+        for worker in &snapshot.workers {
+            let held: BTreeMap<ExternalBlockHash, (LocalBlockHash, Option<ExternalBlockHash>)> =
+                worker
+                    .blocks
+                    .iter()
+                    .filter(|b| b.tiers.contains(tier))
+                    .map(|b| (b.external, (b.local, b.parent)))
+                    .collect();
+            let mut children: BTreeMap<ExternalBlockHash, Vec<ExternalBlockHash>> = BTreeMap::new();
+            let mut roots = Vec::new();
+            for (&external, &(_, parent)) in &held {
+                match parent.filter(|p| held.contains_key(p)) {
+                    Some(p) => children.entry(p).or_default().push(external),
+                    None => roots.push(external),
+                }
+            }
+            // Depth first from each root; a run continues while a block has one child.
+            let mut stack: Vec<(ExternalBlockHash, Option<ExternalBlockHash>)> = roots
+                .iter()
+                .rev()
+                .map(|&r| (r, held.get(&r).and_then(|h| h.1)))
+                .collect();
+            while let Some((start, parent)) = stack.pop() {
+                let mut run = vec![start];
+                let mut at = start;
+                loop {
+                    match children.get(&at).map(Vec::as_slice) {
+                        Some([only]) => {
+                            run.push(*only);
+                            at = *only;
+                        }
+                        Some(many) => {
+                            stack.extend(many.iter().rev().map(|&c| (c, Some(at))));
+                            break;
+                        }
+                        None => break,
+                    }
+                }
+                let blocks: Vec<Value> = run
+                    .iter()
+                    .map(|h| {
+                        json!({
+                            "block_hash": h.get(),
+                            "tokens_hash": held.get(h).map_or(0, |b| b.0.get()),
+                            "mm_extra_info": null,
+                        })
+                    })
+                    .collect();
+                events.push(json!({
+                    "worker_id": worker.worker.worker_id,
+                    "storage_tier": tier_name(tier),
+                    "residency_domain": "worker",
+                    "event": {
+                        "event_id": event_id,
+                        "data": {"stored": {
+                            "parent_hash": parent.map(ExternalBlockHash::get),
+                            "start_position": null,
+                            "blocks": blocks,
+                        }},
+                        "dp_rank": worker.worker.dp_rank,
+                    },
+                }));
+                event_id += 1;
+            }
+        }
+    }
+    events
+}
+
+/// `/dump` for `images`: `{"model:tenant": {"block_size": n, "events": [...]}}`.
+pub(crate) fn dump(images: &[IndexImage]) -> Value {
+    let mut out = serde_json::Map::new();
+    for image in images {
+        out.insert(
+            format!("{}:{}", image.key.model, image.key.tenant),
+            json!({
+                "block_size": image.block_size.get(),
+                "events": dump_events(&image.snapshot),
+            }),
+        );
+    }
+    Value::Object(out)
+}
+
+pub(crate) async fn dump_route(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+) -> Response {
+    let caller = match caller(&state, &headers) {
+        Ok(caller) => caller,
+        Err(response) => return *response,
+    };
+    if let Err(error) = state.check_snapshot_ready() {
+        state.metrics.http("/dump", error.http_status());
+        return crate::http::error_response(&error);
+    }
+    let registry = Arc::clone(&state.registry);
+    let body = tokio::task::spawn_blocking(move || {
+        let images: Vec<IndexImage> = registry
+            .all()
+            .iter()
+            .filter(|e| caller.may_use(&e.key.tenant))
+            .map(|e| e.image())
+            .collect();
+        dump(&images)
+    })
+    .await
+    .unwrap_or_else(|_| json!({}));
+    (StatusCode::OK, Json(body)).into_response()
+}
+
+/// One partition of a peer's `/dump`.
+#[derive(Debug, Deserialize)]
+struct DumpEntry {
+    block_size: u32,
+    events: Vec<RouterEvent>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RouterEvent {
+    worker_id: u64,
+    #[serde(default = "device_tier")]
+    storage_tier: String,
+    event: KvCacheEvent,
+}
+
+fn device_tier() -> String {
+    "device".to_owned()
+}
+
+#[derive(Debug, Deserialize)]
+struct KvCacheEvent {
+    data: EventData,
+    #[serde(default)]
+    dp_rank: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum EventData {
+    Stored(StoredData),
+    Removed(RemovedData),
+    Cleared,
+}
+
+#[derive(Debug, Deserialize)]
+struct StoredData {
+    parent_hash: Option<u64>,
+    blocks: Vec<StoredBlockData>,
+}
+
+#[derive(Debug, Deserialize)]
+struct StoredBlockData {
+    block_hash: u64,
+    tokens_hash: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct RemovedData {
+    block_hashes: Vec<u64>,
+}
+
+/// A peer's `/dump` as indexes to create and the mutations that rebuild them, in order.
+pub(crate) type DumpImport = Vec<(IndexKey, u32, Vec<Mutation>)>;
+
+/// Parses a Dynamo (or kvatlas) `/dump` body.
+///
+/// # Errors
+/// What is malformed, in a sentence.
+pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
+    let parsed: BTreeMap<String, DumpEntry> =
+        serde_json::from_slice(body).map_err(|e| format!("the dump is not valid: {e}"))?;
+    let mut out = Vec::new();
+    for (key, entry) in parsed {
+        let (model, group) = key
+            .split_once(':')
+            .ok_or_else(|| format!("invalid dump key {key:?} (expected model:group)"))?;
+        let mut mutations = Vec::with_capacity(entry.events.len());
+        for event in entry.events {
+            let tier = tier_of_name(&event.storage_tier)
+                .ok_or_else(|| format!("unknown storage tier {:?}", event.storage_tier))?;
+            let worker = Worker::new(event.worker_id, event.event.dp_rank);
+            mutations.push(match event.event.data {
+                EventData::Stored(stored) => Mutation::Stored {
+                    worker,
+                    tier,
+                    parent: stored.parent_hash.map(ExternalBlockHash::new),
+                    blocks: stored
+                        .blocks
+                        .iter()
+                        .map(|b| StoredBlock {
+                            external: ExternalBlockHash::new(b.block_hash),
+                            local: LocalBlockHash::new(b.tokens_hash),
+                        })
+                        .collect(),
+                },
+                EventData::Removed(removed) => Mutation::Removed {
+                    worker,
+                    tier,
+                    blocks: removed
+                        .block_hashes
+                        .into_iter()
+                        .map(ExternalBlockHash::new)
+                        .collect(),
+                },
+                EventData::Cleared => Mutation::Cleared { worker },
+            });
+        }
+        out.push((IndexKey::new(model, group), entry.block_size, mutations));
+    }
+    Ok(out)
+}
+
+/// Applies a parsed dump: creates each index (with the dump's block size) and applies its
+/// events in order through its writers.
+///
+/// # Errors
+/// A block size the index cannot take, or a mismatch with an existing index.
+pub(crate) fn apply_dump(registry: &Registry, dump: DumpImport) -> Result<u64, ServiceError> {
+    let mut applied = 0u64;
+    for (key, block_size, mutations) in dump {
+        let size = block_size_field(block_size, "the dump's block_size")?;
+        let (entry, _) = registry.index_for(&key, Some(size))?;
+        for mutation in mutations {
+            entry
+                .pool
+                .enqueue(mutation)
+                .map_err(|_| ServiceError::Internal("the index writers stopped".into()))?;
+            applied += 1;
+        }
+        entry.pool.flush();
+    }
+    Ok(applied)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peers
+// ---------------------------------------------------------------------------------------------
+
+/// `POST /register_peer`, `/deregister_peer`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct PeerRequest {
+    url: String,
+}
+
+pub(crate) async fn register_peer(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+    Json(request): Json<PeerRequest>,
+) -> Response {
+    if let Err(response) = caller(&state, &headers) {
+        return *response;
+    }
+    state.peers.lock().insert(request.url);
+    ok(StatusCode::CREATED)
+}
+
+pub(crate) async fn deregister_peer(
+    AxumState(state): AxumState<Arc<State>>,
+    headers: HeaderMap,
+    Json(request): Json<PeerRequest>,
+) -> Response {
+    if let Err(response) = caller(&state, &headers) {
+        return *response;
+    }
+    if state.peers.lock().remove(&request.url) {
+        ok(StatusCode::OK)
+    } else {
+        error(StatusCode::NOT_FOUND, "peer not found")
+    }
+}
+
+pub(crate) async fn peers(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -> Response {
+    if let Err(response) = caller(&state, &headers) {
+        return *response;
+    }
+    let peers: Vec<String> = state.peers.lock().iter().cloned().collect();
+    (StatusCode::OK, Json(peers)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvatlas_index::{KvIndex, ReferenceIndex, SnapshotBlock, TierSet, WorkerSnapshot};
+
+    #[test]
+    fn scores_and_instances_follow_dynamo() {
+        let matches = Matches {
+            workers: vec![
+                kvatlas_index::WorkerMatch {
+                    worker: Worker::new(4, 2),
+                    device: 2,
+                    host: 2,
+                    disk: 2,
+                },
+                kvatlas_index::WorkerMatch {
+                    worker: Worker::new(4, 3),
+                    device: 1,
+                    host: 1,
+                    disk: 1,
+                },
+                kvatlas_index::WorkerMatch {
+                    worker: Worker::new(3, 0),
+                    device: 0,
+                    host: 0,
+                    disk: 2,
+                },
+            ],
+        };
+        let response = serde_json::to_value(score_response(&matches, 16)).expect("json");
+        assert_eq!(
+            response,
+            json!({
+                "scores": {"4": {"2": 32, "3": 16}},
+                "frequencies": [],
+                "instances": {
+                    "3": {"longest_matched": 32, "gpu": 0, "dp": {"0": 0}, "cpu": 0, "disk": 32},
+                    "4": {"longest_matched": 32, "gpu": 32, "dp": {"2": 32, "3": 16}, "cpu": 32, "disk": 32},
+                },
+            })
+        );
+    }
+
+    #[test]
+    fn a_dump_rebuilds_the_same_state() {
+        // Two ranks, a branch, a hole, two tiers.
+        let block = |e: u64, p: Option<u64>, tiers: u8| SnapshotBlock {
+            external: ExternalBlockHash::new(e),
+            local: LocalBlockHash::new(e * 7),
+            parent: p.map(ExternalBlockHash::new),
+            tiers: TierSet::from_bits(tiers),
+        };
+        let snapshot = Snapshot {
+            workers: vec![
+                WorkerSnapshot {
+                    worker: Worker::new(1, 0),
+                    blocks: vec![
+                        block(10, None, 1),
+                        block(11, Some(10), 1),
+                        block(12, Some(11), 3),
+                        block(13, Some(11), 1),
+                        block(20, Some(99), 1),
+                    ],
+                },
+                WorkerSnapshot {
+                    worker: Worker::new(2, 1),
+                    blocks: vec![block(30, None, 2), block(31, Some(30), 2)],
+                },
+            ],
+        };
+        let image = IndexImage {
+            key: IndexKey::new("m", "g"),
+            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
+            capacity: None,
+            feeds: Vec::new(),
+            marks: BTreeMap::new(),
+            snapshot: snapshot.clone(),
+        };
+        let body = serde_json::to_vec(&dump(&[image])).expect("json");
+        let parsed = parse_dump(&body).expect("parses");
+        assert_eq!(parsed.len(), 1);
+        assert_eq!(parsed[0].0, IndexKey::new("m", "g"));
+        let mut rebuilt = ReferenceIndex::new();
+        for m in &parsed[0].2 {
+            rebuilt.apply(m);
+        }
+        assert_eq!(rebuilt.snapshot(), snapshot);
+    }
+}

@@ -1,0 +1,894 @@
+//! kvatlas's native snapshot format: every index of a server — its block size and capacity,
+//! its worker registrations, its blocks, and the checkpoint of every source (the last batch
+//! applied, with the fingerprints of the batches before it) — as one binary stream, versioned and
+//! checksummed, written and read incrementally (never held whole in memory as bytes).
+//!
+//! ```text
+//! stream  := header record* trailer
+//! header  := "KVATSNAP" (8 bytes) · version u16 LE · reserved u16 · created, Unix µs, i64 LE
+//! record  := kind u8 · fields            (integers are LEB128 varints unless marked "fixed")
+//!   1 INDEX        model str · tenant str · block size · capacity (0 = unbounded)
+//!   2 REGISTRATION instance · dp rank · source u8 (1 ZMQ, 2 gRPC) · engine u8 · mode u8 ·
+//!                  endpoint str · replay endpoint str · topic str           (of the last INDEX)
+//!   3 MARK         instance · dp rank · position · n · n × (seq delta · fingerprint fixed u64)
+//!   4 BLOCKS       n · n × (engine hash fixed u64 · local hash fixed u64 · parent)
+//!                  parent: 0 = none, 1 = an engine hash follows (fixed u64),
+//!                          k ≥ 2 = the block k − 1 entries earlier in this table
+//!   5 RANK         instance · dp rank · n · n × ((entry delta << 4) | tiers)
+//! trailer := 255 · indexes · memberships · XXH3-64 of every byte before the trailer (fixed u64)
+//! str     := length · UTF-8 bytes
+//! ```
+//!
+//! The block table of an index holds each distinct (engine hash, local hash, parent) once, parents
+//! before their children where they are in the table, so the ranks that share a prefix (engines
+//! with consistent hashes, the usual deployment) share its entries; a rank is then a sorted list
+//! of entries, delta-coded with the tiers in the low 4 bits — a couple of bytes per membership.
+//!
+//! A reader refuses a stream whose magic is wrong, whose version is newer than
+//! [`FORMAT_VERSION`], whose records are malformed or truncated, or whose checksum does not
+//! match — before anything is restored.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, Read, Write};
+
+use kvatlas_events::{EngineKind, SocketMode};
+use kvatlas_hash::{BlockSize, LocalBlockHash};
+use kvatlas_index::{ExternalBlockHash, Snapshot, SnapshotBlock, TierSet, Worker, WorkerSnapshot};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::registry::{IndexKey, WorkerRegistration};
+
+/// The stream's first bytes.
+pub const MAGIC: &[u8; 8] = b"KVATSNAP";
+/// The format version this build writes and the newest it reads.
+pub const FORMAT_VERSION: u16 = 1;
+
+const INDEX: u8 = 1;
+const REGISTRATION: u8 = 2;
+const MARK: u8 = 3;
+const BLOCKS: u8 = 4;
+const RANK: u8 = 5;
+const TRAILER: u8 = 255;
+
+/// Longest string accepted in a snapshot (names, endpoints).
+const MAX_STR: usize = 4096;
+/// Most entries accepted per count field before anything is allocated for them (a corrupt count
+/// must not allocate gigabytes; larger tables grow as they are read).
+const PREALLOC: usize = 1 << 16;
+
+/// Why a snapshot could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SnapshotError {
+    /// Reading or writing failed.
+    #[error("I/O: {0}")]
+    Io(#[from] io::Error),
+    /// Not a kvatlas snapshot.
+    #[error("not a kvatlas snapshot (the first bytes are not \"KVATSNAP\")")]
+    BadMagic,
+    /// Written by a newer kvatlas.
+    #[error(
+        "snapshot format version {found} is newer than this kvatlas reads ({FORMAT_VERSION}); \
+         refusing to misread it"
+    )]
+    NewerVersion {
+        /// The version in the file.
+        found: u16,
+    },
+    /// The stream ends early (an interrupted write, a cut download).
+    #[error("the snapshot is truncated: it ends {0}")]
+    Truncated(&'static str),
+    /// A record is malformed.
+    #[error("the snapshot is corrupt: {0}")]
+    Corrupt(String),
+    /// The checksum does not match: the bytes were altered.
+    #[error(
+        "the snapshot's checksum does not match (stored {stored:#018x}, computed {computed:#018x}): its bytes were altered"
+    )]
+    Checksum {
+        /// The checksum in the trailer.
+        stored: u64,
+        /// The checksum of the bytes read.
+        computed: u64,
+    },
+}
+
+/// A source's checkpoint: the last batch applied and the fingerprints before it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SourceMark {
+    /// The sequence number of the last batch applied.
+    pub position: u64,
+    /// `(seq, fingerprint)` of the last batches applied, oldest first.
+    pub recent: Vec<(u64, u64)>,
+}
+
+/// How a registered rank is fed, as a snapshot records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordedFeed {
+    /// A ZMQ listener.
+    Zmq(WorkerRegistration),
+    /// `PublishEvents`.
+    Grpc {
+        /// The worker rank.
+        worker: Worker,
+    },
+}
+
+/// One index as a snapshot holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexImage {
+    /// Which index.
+    pub key: IndexKey,
+    /// Its block size.
+    pub block_size: BlockSize,
+    /// Its capacity bound, if any.
+    pub capacity: Option<u64>,
+    /// Its registered feeds.
+    pub feeds: Vec<RecordedFeed>,
+    /// The checkpoint of every source, by the source's worker rank.
+    pub marks: BTreeMap<Worker, SourceMark>,
+    /// Its blocks.
+    pub snapshot: Snapshot,
+}
+
+impl IndexImage {
+    /// (rank, block, tier) memberships.
+    pub fn memberships(&self) -> u64 {
+        self.snapshot
+            .workers
+            .iter()
+            .flat_map(|w| &w.blocks)
+            .map(|b| u64::from(b.tiers.bits().count_ones()))
+            .sum()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing
+// ---------------------------------------------------------------------------------------------
+
+/// Writes a snapshot stream to `out`, hashing as it goes.
+pub struct Writer<W: Write> {
+    out: W,
+    hash: Xxh3,
+    indexes: u64,
+    memberships: u64,
+    buf: Vec<u8>,
+}
+
+impl<W: Write> std::fmt::Debug for Writer<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writer")
+            .field("indexes", &self.indexes)
+            .field("memberships", &self.memberships)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W: Write> Writer<W> {
+    /// Writes the header.
+    ///
+    /// # Errors
+    /// The sink's I/O error.
+    pub fn new(out: W, created_unix_micros: i64) -> Result<Self, SnapshotError> {
+        let mut writer = Self {
+            out,
+            hash: Xxh3::new(),
+            indexes: 0,
+            memberships: 0,
+            buf: Vec::with_capacity(64 << 10),
+        };
+        writer.buf.extend_from_slice(MAGIC);
+        writer.buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        writer.buf.extend_from_slice(&0u16.to_le_bytes());
+        writer
+            .buf
+            .extend_from_slice(&created_unix_micros.to_le_bytes());
+        writer.flush_buf()?;
+        Ok(writer)
+    }
+
+    fn flush_buf(&mut self) -> Result<(), SnapshotError> {
+        self.hash.update(&self.buf);
+        self.out.write_all(&self.buf)?;
+        self.buf.clear();
+        Ok(())
+    }
+
+    fn maybe_flush(&mut self) -> Result<(), SnapshotError> {
+        if self.buf.len() >= 60 << 10 {
+            self.flush_buf()?;
+        }
+        Ok(())
+    }
+
+    /// Writes one index.
+    ///
+    /// # Errors
+    /// The sink's I/O error.
+    pub fn index(&mut self, image: &IndexImage) -> Result<(), SnapshotError> {
+        self.indexes += 1;
+        self.buf.push(INDEX);
+        put_str(&mut self.buf, &image.key.model);
+        put_str(&mut self.buf, &image.key.tenant);
+        put_varint(&mut self.buf, u64::from(image.block_size.get()));
+        put_varint(&mut self.buf, image.capacity.unwrap_or(0));
+        for feed in &image.feeds {
+            self.buf.push(REGISTRATION);
+            match feed {
+                RecordedFeed::Zmq(r) => {
+                    put_varint(&mut self.buf, r.instance_id);
+                    put_varint(&mut self.buf, u64::from(r.dp_rank));
+                    self.buf.push(1);
+                    self.buf.push(match r.engine {
+                        EngineKind::Vllm => 1,
+                        EngineKind::Sglang => 2,
+                    });
+                    self.buf.push(match r.mode {
+                        SocketMode::Connect => 0,
+                        SocketMode::Bind => 1,
+                    });
+                    put_str(&mut self.buf, &r.endpoint);
+                    put_str(
+                        &mut self.buf,
+                        r.replay_endpoint.as_deref().unwrap_or_default(),
+                    );
+                    put_str(&mut self.buf, &r.topic);
+                }
+                RecordedFeed::Grpc { worker } => {
+                    put_varint(&mut self.buf, worker.worker_id);
+                    put_varint(&mut self.buf, u64::from(worker.dp_rank));
+                    self.buf.extend_from_slice(&[2, 0, 0]);
+                    put_str(&mut self.buf, "");
+                    put_str(&mut self.buf, "");
+                    put_str(&mut self.buf, "");
+                }
+            }
+        }
+        for (worker, mark) in &image.marks {
+            self.buf.push(MARK);
+            put_varint(&mut self.buf, worker.worker_id);
+            put_varint(&mut self.buf, u64::from(worker.dp_rank));
+            put_varint(&mut self.buf, mark.position);
+            put_varint(&mut self.buf, mark.recent.len() as u64);
+            let mut previous = 0u64;
+            for &(seq, fingerprint) in &mark.recent {
+                put_varint(&mut self.buf, seq.wrapping_sub(previous));
+                self.buf.extend_from_slice(&fingerprint.to_le_bytes());
+                previous = seq;
+            }
+        }
+        self.maybe_flush()?;
+        self.blocks(&image.snapshot)
+    }
+
+    /// The block table and the ranks of one index.
+    fn blocks(&mut self, snapshot: &Snapshot) -> Result<(), SnapshotError> {
+        let table = BlockTable::build(snapshot);
+        self.buf.push(BLOCKS);
+        put_varint(&mut self.buf, table.entries.len() as u64);
+        for (i, entry) in table.entries.iter().enumerate() {
+            self.buf
+                .extend_from_slice(&entry.external.get().to_le_bytes());
+            self.buf.extend_from_slice(&entry.local.get().to_le_bytes());
+            match entry.parent {
+                None => self.buf.push(0),
+                Some(parent) => match table.position.get(&parent) {
+                    Some(&at) if at < i => put_varint(&mut self.buf, (i - at) as u64 + 1),
+                    _ => {
+                        self.buf.push(1);
+                        self.buf.extend_from_slice(&parent.get().to_le_bytes());
+                    }
+                },
+            }
+            self.maybe_flush()?;
+        }
+        for worker in &snapshot.workers {
+            self.buf.push(RANK);
+            put_varint(&mut self.buf, worker.worker.worker_id);
+            put_varint(&mut self.buf, u64::from(worker.worker.dp_rank));
+            let mut entries: Vec<(usize, u8)> = worker
+                .blocks
+                .iter()
+                .map(|b| (table.entry_of(b), b.tiers.bits()))
+                .collect();
+            entries.sort_unstable();
+            put_varint(&mut self.buf, entries.len() as u64);
+            let mut previous = 0usize;
+            for (entry, tiers) in entries {
+                self.memberships += u64::from(tiers.count_ones());
+                put_varint(
+                    &mut self.buf,
+                    (((entry - previous) as u64) << 4) | u64::from(tiers),
+                );
+                previous = entry;
+                self.maybe_flush()?;
+            }
+        }
+        self.maybe_flush()
+    }
+
+    /// Writes the trailer and returns the sink.
+    ///
+    /// # Errors
+    /// The sink's I/O error.
+    pub fn finish(mut self) -> Result<W, SnapshotError> {
+        self.buf.push(TRAILER);
+        put_varint(&mut self.buf, self.indexes);
+        put_varint(&mut self.buf, self.memberships);
+        self.flush_buf()?;
+        let digest = self.hash.digest();
+        self.out.write_all(&digest.to_le_bytes())?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Entry {
+    external: ExternalBlockHash,
+    local: LocalBlockHash,
+    parent: Option<ExternalBlockHash>,
+}
+
+/// An index's distinct blocks, parents first where possible.
+struct BlockTable {
+    entries: Vec<Entry>,
+    index: HashMap<Entry, usize>,
+    /// The first entry of each engine hash: a parent is written as a reference to it (only the
+    /// parent's engine hash is needed) when it comes earlier in the table, else explicitly.
+    position: HashMap<ExternalBlockHash, usize>,
+}
+
+impl BlockTable {
+    fn build(snapshot: &Snapshot) -> Self {
+        // Distinct entries, and each entry's children.
+        let mut distinct: HashMap<Entry, ()> = HashMap::new();
+        for worker in &snapshot.workers {
+            for b in &worker.blocks {
+                distinct.insert(
+                    Entry {
+                        external: b.external,
+                        local: b.local,
+                        parent: b.parent,
+                    },
+                    (),
+                );
+            }
+        }
+        let mut by_external: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::new();
+        let mut children: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::new();
+        for entry in distinct.keys() {
+            by_external.entry(entry.external).or_default().push(*entry);
+            if let Some(parent) = entry.parent {
+                children.entry(parent).or_default().push(*entry);
+            }
+        }
+        for list in children.values_mut().chain(by_external.values_mut()) {
+            list.sort_unstable_by_key(|e| (e.external, e.local, e.parent));
+        }
+        // Roots: no parent, or a parent not in the table; then depth first, parents first.
+        let mut roots: Vec<Entry> = distinct
+            .keys()
+            .filter(|e| e.parent.is_none_or(|p| !by_external.contains_key(&p)))
+            .copied()
+            .collect();
+        roots.sort_unstable_by_key(|e| (e.external, e.local, e.parent));
+        let mut entries = Vec::with_capacity(distinct.len());
+        let mut index = HashMap::with_capacity(distinct.len());
+        let mut stack: Vec<Entry> = roots.into_iter().rev().collect();
+        let visit = |stack: &mut Vec<Entry>,
+                     entries: &mut Vec<Entry>,
+                     index: &mut HashMap<Entry, usize>| {
+            while let Some(entry) = stack.pop() {
+                if index.contains_key(&entry) {
+                    continue;
+                }
+                index.insert(entry, entries.len());
+                entries.push(entry);
+                if let Some(kids) = children.get(&entry.external) {
+                    stack.extend(kids.iter().rev().copied());
+                }
+            }
+        };
+        visit(&mut stack, &mut entries, &mut index);
+        // Cycles of parent links (conflicting engine hashes) leave entries unvisited: add them.
+        let mut rest: Vec<Entry> = distinct
+            .keys()
+            .filter(|e| !index.contains_key(*e))
+            .copied()
+            .collect();
+        rest.sort_unstable_by_key(|e| (e.external, e.local, e.parent));
+        for entry in rest {
+            stack.push(entry);
+            visit(&mut stack, &mut entries, &mut index);
+        }
+        let mut position = HashMap::with_capacity(entries.len());
+        for (i, entry) in entries.iter().enumerate() {
+            position.entry(entry.external).or_insert(i);
+        }
+        Self {
+            entries,
+            index,
+            position,
+        }
+    }
+
+    fn entry_of(&self, block: &SnapshotBlock) -> usize {
+        self.index
+            .get(&Entry {
+                external: block.external,
+                local: block.local,
+                parent: block.parent,
+            })
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+fn put_varint(buf: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        buf.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    buf.push(value as u8);
+}
+
+fn put_str(buf: &mut Vec<u8>, value: &str) {
+    put_varint(buf, value.len() as u64);
+    buf.extend_from_slice(value.as_bytes());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading
+// ---------------------------------------------------------------------------------------------
+
+/// Reads a snapshot stream, hashing as it goes.
+struct Reader<R: Read> {
+    input: R,
+    hash: Xxh3,
+    buf: Vec<u8>,
+    at: usize,
+    eof: bool,
+}
+
+impl<R: Read> Reader<R> {
+    fn new(input: R) -> Self {
+        Self {
+            input,
+            hash: Xxh3::new(),
+            buf: Vec::with_capacity(64 << 10),
+            at: 0,
+            eof: false,
+        }
+    }
+
+    /// Makes `n` bytes available, or fails with `Truncated(what)`.
+    fn fill(&mut self, n: usize, what: &'static str) -> Result<(), SnapshotError> {
+        while self.buf.len() - self.at < n {
+            if self.eof {
+                return Err(SnapshotError::Truncated(what));
+            }
+            if self.at > 0 {
+                self.buf.drain(..self.at);
+                self.at = 0;
+            }
+            let len = self.buf.len();
+            self.buf.resize(len + (64 << 10), 0);
+            let read = loop {
+                match self.input.read(&mut self.buf[len..]) {
+                    Ok(read) => break read,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        self.buf.truncate(len);
+                        return Err(e.into());
+                    }
+                }
+            };
+            self.buf.truncate(len + read);
+            if read == 0 {
+                self.eof = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&[u8], SnapshotError> {
+        self.fill(n, what)?;
+        let bytes = &self.buf[self.at..self.at + n];
+        self.hash.update(bytes);
+        self.at += n;
+        Ok(bytes)
+    }
+
+    fn byte(&mut self, what: &'static str) -> Result<u8, SnapshotError> {
+        Ok(self.take(1, what)?[0])
+    }
+
+    fn fixed_u64(&mut self, what: &'static str) -> Result<u64, SnapshotError> {
+        let bytes = self.take(8, what)?;
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(bytes);
+        Ok(u64::from_le_bytes(raw))
+    }
+
+    fn varint(&mut self, what: &'static str) -> Result<u64, SnapshotError> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = self.byte(what)?;
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(value);
+            }
+        }
+        Err(SnapshotError::Corrupt(format!(
+            "a varint in {what} runs past 64 bits"
+        )))
+    }
+
+    fn small(&mut self, what: &'static str) -> Result<u32, SnapshotError> {
+        u32::try_from(self.varint(what)?)
+            .map_err(|_| SnapshotError::Corrupt(format!("{what} is out of range")))
+    }
+
+    fn string(&mut self, what: &'static str) -> Result<String, SnapshotError> {
+        let len = self.varint(what)?;
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|l| *l <= MAX_STR)
+            .ok_or_else(|| SnapshotError::Corrupt(format!("{what} is {len} bytes long")))?;
+        let bytes = self.take(len, what)?.to_vec();
+        String::from_utf8(bytes).map_err(|_| SnapshotError::Corrupt(format!("{what} is not UTF-8")))
+    }
+
+    /// The trailer's checksum, read without hashing it; then the stream must end.
+    fn checksum(&mut self) -> Result<(u64, u64), SnapshotError> {
+        let computed = self.hash.digest();
+        self.fill(8, "inside the checksum")?;
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(&self.buf[self.at..self.at + 8]);
+        self.at += 8;
+        let stored = u64::from_le_bytes(raw);
+        // Anything after the checksum is corruption too.
+        if self.fill(1, "").is_ok() {
+            return Err(SnapshotError::Corrupt(
+                "bytes follow the trailer".to_owned(),
+            ));
+        }
+        Ok((stored, computed))
+    }
+}
+
+/// Reads a whole snapshot stream, verifying it; nothing is returned unless all of it is sound.
+///
+/// # Errors
+/// [`SnapshotError`] naming what is wrong.
+pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
+    let mut reader = Reader::new(input);
+    let magic = reader.take(8, "in the header")?;
+    if magic != MAGIC {
+        return Err(SnapshotError::BadMagic);
+    }
+    let version = reader.take(2, "in the header")?;
+    let version = u16::from_le_bytes([version[0], version[1]]);
+    if version > FORMAT_VERSION {
+        return Err(SnapshotError::NewerVersion { found: version });
+    }
+    reader.take(2, "in the header")?;
+    let created = reader.fixed_u64("in the header")? as i64;
+    let mut images: Vec<IndexImage> = Vec::new();
+    let mut table: Vec<Entry> = Vec::new();
+    let mut memberships = 0u64;
+    loop {
+        let kind = reader.byte("before its trailer")?;
+        match kind {
+            INDEX => {
+                let model = reader.string("an index's model")?;
+                let tenant = reader.string("an index's tenant")?;
+                let block_size = reader.small("a block size")?;
+                let block_size = BlockSize::new(block_size).map_err(|_| {
+                    SnapshotError::Corrupt(format!("block size {block_size} is invalid"))
+                })?;
+                let capacity = reader.varint("a capacity")?;
+                images.push(IndexImage {
+                    key: IndexKey::new(model, tenant),
+                    block_size,
+                    capacity: (capacity > 0).then_some(capacity),
+                    feeds: Vec::new(),
+                    marks: BTreeMap::new(),
+                    snapshot: Snapshot::default(),
+                });
+                table.clear();
+            }
+            REGISTRATION => {
+                let instance_id = reader.varint("a registration")?;
+                let dp_rank = reader.small("a registration")?;
+                let source = reader.byte("a registration")?;
+                let engine = reader.byte("a registration")?;
+                let mode = reader.byte("a registration")?;
+                let endpoint = reader.string("an endpoint")?;
+                let replay = reader.string("a replay endpoint")?;
+                let topic = reader.string("a topic")?;
+                let image = images.last_mut().ok_or_else(|| {
+                    SnapshotError::Corrupt("a registration before any index".into())
+                })?;
+                let feed = match source {
+                    1 => RecordedFeed::Zmq(WorkerRegistration {
+                        index: image.key.clone(),
+                        instance_id,
+                        dp_rank,
+                        block_size: image.block_size,
+                        engine: match engine {
+                            1 => EngineKind::Vllm,
+                            2 => EngineKind::Sglang,
+                            other => {
+                                return Err(SnapshotError::Corrupt(format!(
+                                    "unknown engine kind {other}"
+                                )));
+                            }
+                        },
+                        endpoint,
+                        replay_endpoint: Some(replay).filter(|r| !r.is_empty()),
+                        topic,
+                        mode: match mode {
+                            0 => SocketMode::Connect,
+                            1 => SocketMode::Bind,
+                            other => {
+                                return Err(SnapshotError::Corrupt(format!(
+                                    "unknown socket mode {other}"
+                                )));
+                            }
+                        },
+                    }),
+                    2 => RecordedFeed::Grpc {
+                        worker: Worker::new(instance_id, dp_rank),
+                    },
+                    other => {
+                        return Err(SnapshotError::Corrupt(format!("unknown feed kind {other}")));
+                    }
+                };
+                image.feeds.push(feed);
+            }
+            MARK => {
+                let worker = Worker::new(reader.varint("a mark")?, reader.small("a mark")?);
+                let position = reader.varint("a mark")?;
+                let n = reader.varint("a mark")?;
+                let mut recent = Vec::with_capacity((n as usize).min(PREALLOC));
+                let mut seq = 0u64;
+                for _ in 0..n {
+                    seq = seq.wrapping_add(reader.varint("a mark's fingerprints")?);
+                    recent.push((seq, reader.fixed_u64("a mark's fingerprints")?));
+                }
+                let image = images
+                    .last_mut()
+                    .ok_or_else(|| SnapshotError::Corrupt("a mark before any index".into()))?;
+                image.marks.insert(worker, SourceMark { position, recent });
+            }
+            BLOCKS => {
+                let n = reader.varint("a block table")?;
+                table.clear();
+                table.reserve((n as usize).min(PREALLOC));
+                for i in 0..n {
+                    let external = ExternalBlockHash::new(reader.fixed_u64("a block table")?);
+                    let local = LocalBlockHash::new(reader.fixed_u64("a block table")?);
+                    let parent = match reader.varint("a block table")? {
+                        0 => None,
+                        1 => Some(ExternalBlockHash::new(reader.fixed_u64("a block table")?)),
+                        back => {
+                            let at = i.checked_sub(back - 1).ok_or_else(|| {
+                                SnapshotError::Corrupt(format!(
+                                    "block {i} names a parent {} entries before the table",
+                                    back - 1
+                                ))
+                            })?;
+                            Some(table[at as usize].external)
+                        }
+                    };
+                    table.push(Entry {
+                        external,
+                        local,
+                        parent,
+                    });
+                }
+            }
+            RANK => {
+                let worker = Worker::new(reader.varint("a rank")?, reader.small("a rank")?);
+                let n = reader.varint("a rank")?;
+                let mut blocks = Vec::with_capacity((n as usize).min(PREALLOC));
+                let mut entry = 0u64;
+                for _ in 0..n {
+                    let packed = reader.varint("a rank's blocks")?;
+                    entry = entry
+                        .checked_add(packed >> 4)
+                        .ok_or_else(|| SnapshotError::Corrupt("a rank's entry overflows".into()))?;
+                    let tiers = TierSet::from_bits((packed & 0b1111) as u8);
+                    if tiers.is_empty() {
+                        return Err(SnapshotError::Corrupt("a membership without a tier".into()));
+                    }
+                    memberships += u64::from(tiers.bits().count_ones());
+                    let e = usize::try_from(entry)
+                        .ok()
+                        .and_then(|i| table.get(i))
+                        .ok_or_else(|| {
+                            SnapshotError::Corrupt(format!(
+                                "a rank names block {entry} of a table of {}",
+                                table.len()
+                            ))
+                        })?;
+                    blocks.push(SnapshotBlock {
+                        external: e.external,
+                        local: e.local,
+                        parent: e.parent,
+                        tiers,
+                    });
+                }
+                blocks.sort_unstable_by_key(|b| b.external);
+                let image = images
+                    .last_mut()
+                    .ok_or_else(|| SnapshotError::Corrupt("a rank before any index".into()))?;
+                image
+                    .snapshot
+                    .workers
+                    .push(WorkerSnapshot { worker, blocks });
+            }
+            TRAILER => {
+                let indexes = reader.varint("in the trailer")?;
+                let counted = reader.varint("in the trailer")?;
+                let (stored, computed) = reader.checksum()?;
+                if stored != computed {
+                    return Err(SnapshotError::Checksum { stored, computed });
+                }
+                if indexes != images.len() as u64 || counted != memberships {
+                    return Err(SnapshotError::Corrupt(format!(
+                        "the trailer counts {indexes} indexes and {counted} memberships; the \
+                         stream holds {} and {memberships}",
+                        images.len()
+                    )));
+                }
+                for image in &mut images {
+                    image.snapshot.workers.sort_unstable_by_key(|w| w.worker);
+                }
+                return Ok((created, images));
+            }
+            other => {
+                return Err(SnapshotError::Corrupt(format!(
+                    "unknown record kind {other}"
+                )));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn image(workers: Vec<WorkerSnapshot>) -> IndexImage {
+        keyed(IndexKey::new("m", "t"), workers)
+    }
+
+    fn keyed(key: IndexKey, workers: Vec<WorkerSnapshot>) -> IndexImage {
+        IndexImage {
+            key: key.clone(),
+            block_size: BlockSize::new(16).expect("16"),
+            capacity: Some(1000),
+            feeds: vec![
+                RecordedFeed::Zmq(WorkerRegistration {
+                    index: key,
+                    instance_id: 1,
+                    dp_rank: 0,
+                    block_size: BlockSize::new(16).expect("16"),
+                    engine: EngineKind::Sglang,
+                    endpoint: "tcp://h:1".into(),
+                    replay_endpoint: Some("tcp://h:2".into()),
+                    topic: "kv".into(),
+                    mode: SocketMode::Bind,
+                }),
+                RecordedFeed::Grpc {
+                    worker: Worker::new(2, 1),
+                },
+            ],
+            marks: BTreeMap::from([(
+                Worker::new(1, 0),
+                SourceMark {
+                    position: 41,
+                    recent: vec![(39, 7), (40, 8), (41, u64::MAX)],
+                },
+            )]),
+            snapshot: Snapshot { workers },
+        }
+    }
+
+    fn encode(images: &[IndexImage]) -> Vec<u8> {
+        let mut writer = Writer::new(Vec::new(), 123).expect("header");
+        for image in images {
+            writer.index(image).expect("index");
+        }
+        writer.finish().expect("finish")
+    }
+
+    /// Ranks holding random chains over a small token space (shared prefixes, holes, tiers).
+    fn workers() -> impl Strategy<Value = Vec<WorkerSnapshot>> {
+        proptest::collection::btree_map(
+            (0u64..4, 0u32..2),
+            proptest::collection::vec((0u64..40, 0u8..16, proptest::option::of(0u64..40)), 0..30),
+            0..5,
+        )
+        .prop_map(|ranks| {
+            ranks
+                .into_iter()
+                .map(|((id, rank), blocks)| {
+                    let mut blocks: Vec<SnapshotBlock> = blocks
+                        .into_iter()
+                        .map(|(h, tiers, parent)| SnapshotBlock {
+                            external: ExternalBlockHash::new(h * 1_000_003 + id % 2),
+                            local: LocalBlockHash::new(h.wrapping_mul(0x9e37_79b9)),
+                            parent: parent.map(|p| ExternalBlockHash::new(p * 1_000_003 + id % 2)),
+                            tiers: TierSet::from_bits(tiers.max(1)),
+                        })
+                        .collect();
+                    blocks.sort_unstable_by_key(|b| b.external);
+                    blocks.dedup_by_key(|b| b.external);
+                    WorkerSnapshot {
+                        worker: Worker::new(id, rank),
+                        blocks,
+                    }
+                })
+                .filter(|w| !w.blocks.is_empty())
+                .collect()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn images_round_trip(workers in workers(), others in workers()) {
+            let images = vec![image(workers), keyed(IndexKey::new("m2", ""), others)];
+            let bytes = encode(&images);
+            let (created, read_back) = read(&bytes[..]).expect("reads");
+            prop_assert_eq!(created, 123);
+            prop_assert_eq!(read_back, images);
+        }
+
+        #[test]
+        fn any_single_altered_byte_is_refused(workers in workers(), at in any::<prop::sample::Index>(), flip in 1u8..=255) {
+            let mut bytes = encode(&[image(workers)]);
+            let i = at.index(bytes.len());
+            bytes[i] ^= flip;
+            prop_assert!(read(&bytes[..]).is_err());
+        }
+
+        #[test]
+        fn any_truncation_is_refused(workers in workers(), at in any::<prop::sample::Index>()) {
+            let bytes = encode(&[image(workers)]);
+            let cut = at.index(bytes.len());
+            prop_assert!(read(&bytes[..cut]).is_err());
+        }
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let bytes = encode(&[image(Vec::new())]);
+        let mut newer = bytes.clone();
+        newer[8] = 2;
+        assert!(matches!(
+            read(&newer[..]),
+            Err(SnapshotError::NewerVersion { found: 2 })
+        ));
+        assert!(matches!(
+            read(&b"NOTASNAPxxxxxxxx"[..]),
+            Err(SnapshotError::BadMagic)
+        ));
+        assert!(matches!(
+            read(&bytes[..bytes.len() - 3]),
+            Err(SnapshotError::Truncated(_))
+        ));
+        let mut flipped = bytes.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        assert!(matches!(
+            read(&flipped[..]),
+            Err(SnapshotError::Checksum { .. })
+        ));
+    }
+}

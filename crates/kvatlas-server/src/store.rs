@@ -1,0 +1,273 @@
+//! The data directory (`--data-dir`): snapshot files a restarted server comes back from.
+//!
+//! Files are `snapshot-<Unix µs, 20 digits>.kvs` in the native format (`snapshot`). A write goes
+//! to a hidden temporary file in the same directory, is fsynced, renamed into place and the
+//! directory fsynced: a crash at any point leaves the previous snapshots intact and at most a
+//! temporary file, which the next start removes. The newest [`KEEP`] snapshots are kept.
+//!
+//! Loading tries the snapshots newest first; one that cannot be read (truncated, altered, from a
+//! newer kvatlas) is logged with the reason and renamed to `*.kvs.rejected` — moved aside, never
+//! deleted, never retried — and the next older one is tried; with none left the server starts
+//! empty. A bad file never stops the server from starting.
+
+use std::fs::{self, File};
+use std::io::{BufReader, BufWriter};
+use std::path::{Path, PathBuf};
+
+use crate::snapshot::{self, IndexImage, SnapshotError};
+
+/// Snapshot files kept in the data directory.
+pub const KEEP: usize = 3;
+
+const PREFIX: &str = "snapshot-";
+const SUFFIX: &str = ".kvs";
+const TEMP_PREFIX: &str = ".tmp-snapshot-";
+
+/// A data directory.
+#[derive(Debug, Clone)]
+pub struct DataDir {
+    path: PathBuf,
+}
+
+/// What a write produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    /// The snapshot file.
+    pub path: PathBuf,
+    /// Its size.
+    pub bytes: u64,
+    /// The memberships it holds.
+    pub memberships: u64,
+}
+
+/// What loading found.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The snapshot used, with its creation time and indexes.
+    pub snapshot: Option<(PathBuf, i64, Vec<IndexImage>)>,
+    /// Files refused (moved aside), with the reason.
+    pub rejected: Vec<(PathBuf, SnapshotError)>,
+}
+
+impl DataDir {
+    /// Opens (creating it if needed) a data directory, removing temporary files a crash left.
+    ///
+    /// # Errors
+    /// The I/O error creating or listing it.
+    pub fn open(path: impl Into<PathBuf>) -> std::io::Result<Self> {
+        let path = path.into();
+        fs::create_dir_all(&path)?;
+        for entry in fs::read_dir(&path)? {
+            let entry = entry?;
+            if entry
+                .file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(TEMP_PREFIX))
+            {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+        Ok(Self { path })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The snapshot files, newest first.
+    pub fn snapshots(&self) -> std::io::Result<Vec<PathBuf>> {
+        let mut files: Vec<PathBuf> = fs::read_dir(&self.path)?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(PREFIX) && n.ends_with(SUFFIX))
+            })
+            .collect();
+        files.sort();
+        files.reverse();
+        Ok(files)
+    }
+
+    /// Writes `images` as a new snapshot (see the module docs), then prunes old ones. The images
+    /// are taken from the iterator one at a time and dropped once written, so a lazy iterator
+    /// holds one index's image in memory, never the whole state.
+    ///
+    /// # Errors
+    /// The I/O or encoding error; the previous snapshots are untouched.
+    pub fn write(
+        &self,
+        images: impl IntoIterator<Item = IndexImage>,
+        created: i64,
+    ) -> Result<Written, SnapshotError> {
+        let name = format!("{PREFIX}{:020}{SUFFIX}", created.max(0));
+        let final_path = self.path.join(&name);
+        let temp = self.path.join(format!("{TEMP_PREFIX}{name}"));
+        let mut memberships = 0;
+        let result = (|| {
+            let file = File::create(&temp)?;
+            let mut writer =
+                snapshot::Writer::new(BufWriter::with_capacity(1 << 20, file), created)?;
+            for image in images {
+                memberships += image.memberships();
+                writer.index(&image)?;
+            }
+            let file = writer
+                .finish()?
+                .into_inner()
+                .map_err(|e| SnapshotError::Io(e.into_error()))?;
+            file.sync_all()?;
+            let bytes = file.metadata()?.len();
+            drop(file);
+            fs::rename(&temp, &final_path)?;
+            // The rename is durable once the directory is.
+            File::open(&self.path)?.sync_all()?;
+            Ok::<_, SnapshotError>(bytes)
+        })();
+        let bytes = match result {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                let _ = fs::remove_file(&temp);
+                return Err(error);
+            }
+        };
+        for old in self.snapshots()?.into_iter().skip(KEEP) {
+            let _ = fs::remove_file(old);
+        }
+        Ok(Written {
+            path: final_path,
+            bytes,
+            memberships,
+        })
+    }
+
+    /// Loads the newest readable snapshot (see the module docs).
+    ///
+    /// # Errors
+    /// The I/O error listing the directory (a bad file is not an error: it is moved aside).
+    pub fn load(&self) -> std::io::Result<Loaded> {
+        let mut rejected = Vec::new();
+        for path in self.snapshots()? {
+            let read = File::open(&path)
+                .map_err(SnapshotError::from)
+                .and_then(|file| snapshot::read(BufReader::with_capacity(1 << 20, file)));
+            match read {
+                Ok((created, images)) => {
+                    return Ok(Loaded {
+                        snapshot: Some((path, created, images)),
+                        rejected,
+                    });
+                }
+                Err(error) => {
+                    let mut aside = path.clone().into_os_string();
+                    aside.push(".rejected");
+                    let _ = fs::rename(&path, &aside);
+                    rejected.push((path, error));
+                }
+            }
+        }
+        Ok(Loaded {
+            snapshot: None,
+            rejected,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::IndexKey;
+    use kvatlas_hash::{BlockSize, LocalBlockHash};
+    use kvatlas_index::{
+        ExternalBlockHash, Snapshot, SnapshotBlock, TierSet, Worker, WorkerSnapshot,
+    };
+
+    fn temp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvatlas-store-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn image(blocks: u64) -> IndexImage {
+        IndexImage {
+            key: IndexKey::new("m", ""),
+            block_size: BlockSize::new(4).expect("4"),
+            capacity: None,
+            feeds: Vec::new(),
+            marks: Default::default(),
+            snapshot: Snapshot {
+                workers: vec![WorkerSnapshot {
+                    worker: Worker::new(1, 0),
+                    blocks: (0..blocks)
+                        .map(|i| SnapshotBlock {
+                            external: ExternalBlockHash::new(i),
+                            local: LocalBlockHash::new(i * 3),
+                            parent: i.checked_sub(1).map(ExternalBlockHash::new),
+                            tiers: TierSet::from_bits(1),
+                        })
+                        .collect(),
+                }],
+            },
+        }
+    }
+
+    #[test]
+    fn the_newest_readable_snapshot_wins_and_bad_ones_are_moved_aside() {
+        let dir = DataDir::open(temp("load")).expect("dir");
+        for (created, blocks) in [(10, 1), (20, 2), (30, 3), (40, 4)] {
+            dir.write([image(blocks)], created).expect("write");
+        }
+        assert_eq!(
+            dir.snapshots().expect("list").len(),
+            KEEP,
+            "old ones pruned"
+        );
+        // Corrupt the newest (truncate) and the next (flip a byte).
+        let files = dir.snapshots().expect("list");
+        let bytes = fs::read(&files[0]).expect("read");
+        fs::write(&files[0], &bytes[..bytes.len() / 2]).expect("truncate");
+        let mut bytes = fs::read(&files[1]).expect("read");
+        bytes[20] ^= 0x40;
+        fs::write(&files[1], bytes).expect("flip");
+        // A temporary file of an interrupted write.
+        fs::write(dir.path().join(".tmp-snapshot-x.kvs"), b"partial").expect("temp");
+        let dir = DataDir::open(dir.path()).expect("reopen");
+        let loaded = dir.load().expect("load");
+        let (path, created, images) = loaded.snapshot.expect("an older snapshot");
+        assert_eq!((created, images[0].snapshot.blocks()), (20, 2), "{path:?}");
+        assert_eq!(loaded.rejected.len(), 2);
+        assert!(
+            loaded.rejected[0].1.to_string().contains("truncated"),
+            "{}",
+            loaded.rejected[0].1
+        );
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .expect("list")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.iter().filter(|n| n.ends_with(".rejected")).count(), 2);
+        assert!(!names.iter().any(|n| n.starts_with(".tmp-")), "{names:?}");
+        // The next load uses the same file and does not retry the rejected ones.
+        let again = dir.load().expect("load");
+        assert!(again.rejected.is_empty());
+        let _ = fs::remove_dir_all(dir.path());
+    }
+
+    #[test]
+    fn an_empty_or_unreadable_directory_starts_empty() {
+        let dir = DataDir::open(temp("empty")).expect("dir");
+        assert!(dir.load().expect("load").snapshot.is_none());
+        fs::write(
+            dir.path().join("snapshot-00000000000000000001.kvs"),
+            b"garbage",
+        )
+        .expect("w");
+        let loaded = dir.load().expect("load");
+        assert!(loaded.snapshot.is_none());
+        assert_eq!(loaded.rejected.len(), 1);
+        let _ = fs::remove_dir_all(dir.path());
+    }
+}

@@ -1,0 +1,379 @@
+//! Recovery without engines: a restart from the data directory continues every rank's numbering
+//! and answers like the reference; periodic snapshots are written only when the state changed;
+//! the `Snapshot` RPC and `GET /snapshot` stream the state exactly; unreadable snapshot files
+//! are moved aside and the previous one is used; a replica bootstraps from a peer's snapshot.
+//! (With real engines publishing and replaying — bootstrap under load, `kill -9` — see
+//! `interop.rs`.)
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use kvatlas_index::{KvIndex, ReferenceIndex, Worker};
+use kvatlas_proto::v1::{self, query_request};
+use kvatlas_server::{Bootstrap, Persistence, Restored, ServerConfig};
+
+const MODEL: &str = "recovering";
+const BLOCK: u32 = 4;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvatlas-recovery-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn persistent(dir: &Path, interval: Option<Duration>) -> ServerConfig {
+    ServerConfig {
+        persistence: Some(Persistence {
+            data_dir: dir.to_owned(),
+            interval,
+        }),
+        ..ServerConfig::default()
+    }
+}
+
+async fn publish(
+    client: &mut v1::indexer_client::IndexerClient<tonic::transport::Channel>,
+    batches: &[ScriptedBatch],
+) -> v1::PublishEventsResponse {
+    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
+    client
+        .publish_events(tokio_stream::iter(messages))
+        .await
+        .expect("published")
+        .into_inner()
+}
+
+fn apply(reference: &mut ReferenceIndex, batches: &[ScriptedBatch]) {
+    for batch in batches {
+        for m in &batch.mutations {
+            reference.apply(m);
+        }
+    }
+}
+
+/// Random prompts answered by the server exactly as by the reference.
+async fn assert_answers(h: &mut Harness, reference: &ReferenceIndex, seed: u64, what: &str) {
+    let mut rng = Rng(seed);
+    for _ in 0..60 {
+        let (_, locals) = random_prompt(&mut rng, BLOCK);
+        let answer = h
+            .client
+            .query(v1::QueryRequest {
+                index: selector(MODEL, ""),
+                input: Some(query_request::Input::LocalHashes(v1::LocalHashes {
+                    hashes: locals.iter().map(|l| l.get()).collect(),
+                })),
+                ..v1::QueryRequest::default()
+            })
+            .await
+            .expect("query")
+            .into_inner();
+        assert_eq!(
+            answer_rows(&answer),
+            reference_rows(&reference_answer(reference, &locals)),
+            "{what}: {locals:?}"
+        );
+    }
+}
+
+fn snapshot_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("list")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "kvs"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_from_the_data_dir_continues_where_it_stopped() {
+    let dir = temp_dir("restart");
+    let workers = [Worker::new(1, 0), Worker::new(1, 1), Worker::new(2, 0)];
+    let batches = script(21, MODEL, &workers, 900, BLOCK);
+    let (first, second) = batches.split_at(500);
+    let mut reference = ReferenceIndex::new();
+
+    let mut h = start(persistent(&dir, None)).await;
+    assert_eq!(h.server.restored(), &Restored::Nothing);
+    let acked = publish(&mut h.client, first).await;
+    assert_eq!(acked.messages_applied as usize, first.len());
+    apply(&mut reference, first);
+    let report = h.server.shutdown().await;
+    let written = report
+        .snapshot
+        .expect("a data directory")
+        .expect("the final snapshot is written");
+    assert_eq!(report.indexes[0].digest, reference.snapshot().digest());
+    assert_eq!(written.memberships, report.indexes[0].memberships);
+    assert!(written.path.starts_with(&dir), "{written:?}");
+
+    // Restart: the same state, the same sequence numbers.
+    let mut h = start(persistent(&dir, None)).await;
+    assert_eq!(
+        h.server.restored(),
+        &Restored::DataDir {
+            path: written.path.clone(),
+            memberships: written.memberships
+        }
+    );
+    assert_answers(&mut h, &reference, 5, "after the restart").await;
+    let listed = h
+        .client
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    let grpc_ranks: Vec<_> = listed
+        .workers
+        .iter()
+        .filter(|w| w.source == v1::WorkerSource::Grpc as i32)
+        .map(|w| (w.instance_id, w.dp_rank, w.last_seq))
+        .collect();
+    let expected_ranks: Vec<_> = report.indexes[0]
+        .last_seq
+        .iter()
+        .map(|(w, seq)| (w.worker_id, w.dp_rank, *seq))
+        .collect();
+    assert_eq!(grpc_ranks, expected_ranks, "each rank's numbering survives");
+    // The publishers continue their numbering: nothing is a gap, a duplicate or a resync.
+    let acked = publish(&mut h.client, second).await;
+    assert_eq!(acked.messages_applied as usize, second.len());
+    assert_eq!(
+        (acked.duplicates, acked.gaps, acked.resyncs),
+        (0, 0, 0),
+        "{acked:?}"
+    );
+    apply(&mut reference, second);
+    // A message applied before the restart is a duplicate now.
+    let acked = publish(&mut h.client, &first[first.len() - 1..]).await;
+    assert_eq!(
+        (acked.duplicates, acked.messages_applied),
+        (1, 0),
+        "{acked:?}"
+    );
+    assert_answers(&mut h, &reference, 6, "after more events").await;
+    let report = h.server.shutdown().await;
+    assert_eq!(report.indexes[0].digest, reference.snapshot().digest());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_snapshots_and_the_snapshot_streams_hold_the_state() {
+    let dir = temp_dir("periodic");
+    let interval = Duration::from_millis(100);
+    let mut h = start(persistent(&dir, Some(interval))).await;
+    let workers = [Worker::new(4, 0), Worker::new(5, 0)];
+    let batches = script(22, MODEL, &workers, 300, BLOCK);
+    publish(&mut h.client, &batches).await;
+    let mut reference = ReferenceIndex::new();
+    apply(&mut reference, &batches);
+    let digest = reference.snapshot().digest();
+    let digest_of = |images: &[kvatlas_server::snapshot::IndexImage]| {
+        assert_eq!(images.len(), 1);
+        images[0].snapshot.digest()
+    };
+    // A periodic snapshot appears and holds the state.
+    let http = h.server.http_addr();
+    wait_until("a periodic snapshot of the state", || {
+        let dir = dir.clone();
+        async move {
+            snapshot_files(&dir).last().is_some_and(|file| {
+                std::fs::File::open(file)
+                    .ok()
+                    .and_then(|f| kvatlas_server::snapshot::read(std::io::BufReader::new(f)).ok())
+                    .is_some_and(|(_, images)| digest_of(&images) == digest)
+            })
+        }
+    })
+    .await;
+    let (_, metrics) = http_get(http, "/metrics", None);
+    let written = metric(&metrics, "kvatlas_snapshots_total{outcome=\"written\"}").expect("metric");
+    assert!(written >= 1.0, "{written}");
+    // Nothing changes: no more snapshots are written.
+    let files = snapshot_files(&dir);
+    tokio::time::sleep(interval * 5).await;
+    assert_eq!(
+        snapshot_files(&dir),
+        files,
+        "an unchanged state is not written again"
+    );
+
+    // The gRPC stream: chunks that concatenate to one snapshot of the same state.
+    let mut stream = h
+        .client
+        .snapshot(v1::SnapshotRequest::default())
+        .await
+        .expect("snapshot")
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream.message().await.expect("chunk") {
+        assert!(chunk.data.len() <= 1 << 20);
+        bytes.extend_from_slice(&chunk.data);
+    }
+    let (_, images) = kvatlas_server::snapshot::read(&bytes[..]).expect("a valid snapshot");
+    assert_eq!(digest_of(&images), digest);
+    let marks: Vec<_> = images[0]
+        .marks
+        .iter()
+        .map(|(w, m)| (*w, Some(m.position)))
+        .collect();
+    let expected: Vec<_> = workers
+        .iter()
+        .map(|w| {
+            let last = batches
+                .iter()
+                .filter(|b| Worker::new(b.message.instance_id, b.message.dp_rank) == *w)
+                .filter_map(|b| b.message.seq)
+                .max();
+            (*w, last)
+        })
+        .collect();
+    assert_eq!(marks, expected, "the watermark of every rank");
+    // Filtered by tenant: nothing in another tenant.
+    let mut stream = h
+        .client
+        .snapshot(v1::SnapshotRequest {
+            model: String::new(),
+            tenant: "elsewhere".into(),
+        })
+        .await
+        .expect("snapshot")
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream.message().await.expect("chunk") {
+        bytes.extend_from_slice(&chunk.data);
+    }
+    let (_, images) = kvatlas_server::snapshot::read(&bytes[..]).expect("valid");
+    assert!(images.is_empty());
+    let report = h.server.shutdown().await;
+    assert_eq!(report.indexes[0].digest, digest);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_snapshots_are_moved_aside_and_the_previous_one_is_used() {
+    let dir = temp_dir("corrupt");
+    let workers = [Worker::new(7, 0)];
+    let batches = script(23, MODEL, &workers, 400, BLOCK);
+    let (first, second) = batches.split_at(200);
+    let mut older = ReferenceIndex::new();
+    apply(&mut older, first);
+    // Two snapshots: after the first part, then after both.
+    let mut h = start(persistent(&dir, None)).await;
+    publish(&mut h.client, first).await;
+    let older_written = h
+        .server
+        .shutdown()
+        .await
+        .snapshot
+        .expect("dir")
+        .expect("ok");
+    let mut h = start(persistent(&dir, None)).await;
+    publish(&mut h.client, second).await;
+    let newer_written = h
+        .server
+        .shutdown()
+        .await
+        .snapshot
+        .expect("dir")
+        .expect("ok");
+    assert_ne!(older_written.path, newer_written.path);
+
+    for (case, damage) in [
+        ("truncated", Damage::Truncate),
+        ("bit-flipped", Damage::FlipBit),
+        ("newer format version", Damage::NewerVersion),
+    ] {
+        // The newer file damaged; the older one intact.
+        let pristine = std::fs::read(&newer_written.path).expect("read");
+        let mut bytes = pristine.clone();
+        match damage {
+            Damage::Truncate => bytes.truncate(bytes.len() * 2 / 3),
+            Damage::FlipBit => {
+                let at = bytes.len() / 2;
+                bytes[at] ^= 0x10;
+            }
+            // The version follows the 8-byte magic.
+            Damage::NewerVersion => bytes[8] = 0xff,
+        }
+        std::fs::write(&newer_written.path, &bytes).expect("damage");
+        let mut h = start(persistent(&dir, None)).await;
+        assert_eq!(
+            h.server.restored(),
+            &Restored::DataDir {
+                path: older_written.path.clone(),
+                memberships: older_written.memberships
+            },
+            "{case}"
+        );
+        assert_answers(&mut h, &older, 8, case).await;
+        let (_, metrics) = http_get(h.server.http_addr(), "/metrics", None);
+        assert_eq!(
+            metric(&metrics, "kvatlas_snapshot_files_rejected_total"),
+            Some(1.0),
+            "{case}"
+        );
+        let mut aside = newer_written.path.clone().into_os_string();
+        aside.push(".rejected");
+        assert!(
+            PathBuf::from(&aside).is_file() && !newer_written.path.exists(),
+            "{case}: moved aside"
+        );
+        // Shut down without a new snapshot changing the picture: put the files back.
+        drop(h.client);
+        let report = h.server.shutdown().await;
+        let _ = std::fs::remove_file(report.snapshot.expect("dir").expect("ok").path);
+        std::fs::rename(&aside, &newer_written.path).expect("restore the file");
+        std::fs::write(&newer_written.path, &pristine).expect("restore the bytes");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[derive(Clone, Copy)]
+enum Damage {
+    Truncate,
+    FlipBit,
+    NewerVersion,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_bootstraps_from_a_peer_snapshot() {
+    let workers = [Worker::new(1, 0), Worker::new(2, 0), Worker::new(2, 1)];
+    let batches = script(24, MODEL, &workers, 600, BLOCK);
+    let mut reference = ReferenceIndex::new();
+    apply(&mut reference, &batches);
+    let mut a = start(ServerConfig::default()).await;
+    publish(&mut a.client, &batches).await;
+
+    let peer = format!("http://{}", a.server.http_addr());
+    let mut b = start(ServerConfig {
+        // An unreachable peer first: it is skipped.
+        peers: vec!["http://127.0.0.1:9".into(), peer.clone()],
+        ..ServerConfig::default()
+    })
+    .await;
+    assert_eq!(b.server.restored(), &Restored::Peers);
+    let outcome = b.server.bootstrap().await.expect("a bootstrap ran");
+    let Bootstrap::Snapshot {
+        peer: used,
+        memberships,
+    } = outcome
+    else {
+        panic!("expected the native snapshot, got {outcome:?}");
+    };
+    assert_eq!(used, peer);
+    assert!(memberships > 0);
+    assert!(b.server.ready());
+    assert_answers(&mut b, &reference, 9, "the replica").await;
+    let (_, peers) = http_get(b.server.http_addr(), "/peers", None);
+    assert!(peers.contains(&peer), "{peers}");
+    let b_report = b.server.shutdown().await;
+    let a_report = a.server.shutdown().await;
+    assert_eq!(b_report.indexes[0].digest, reference.snapshot().digest());
+    assert_eq!(a_report.indexes[0].digest, b_report.indexes[0].digest);
+}
