@@ -16,11 +16,14 @@ per line; every command is answered by one JSON line on stdout:
 
     start              create a publisher (a new engine incarnation: its seq restarts at 0)
     publish <step>     publish one scenario batch: store_root, store_chain, remove_store, clear,
-                       store_after_clear, empty
+                       store_after_clear, empty, remove_parent (evict chain a's last block, the
+                       parent of chain b: a head-first eviction), restore_parent (store it again)
     burst <n> <seed> [leaf]
                        publish n random batches (stores of 1-4 chained blocks under a held block
-                       or a root, removes of held blocks, rarely a clear) as fast as the
-                       publisher takes them; the answer lists every batch's seq and payload.
+                       or a root, drawn from 4 blocks of tokens so that workers share prefixes;
+                       removes of held blocks, rarely a clear) as fast as the
+                       publisher takes them; the answer lists every batch's seq, payload and
+                       stored blocks ([hash, parent or null, tokens], hashes as u64).
                        With `leaf`, only blocks no held block descends from are removed (the
                        leaf-first eviction vLLM's and SGLang's caches do) and nothing is cleared
     stop               shut the publisher down (the engine process "dies")
@@ -191,7 +194,7 @@ class Driver:
         self.held = {}  # engine hash (u64) -> set of tiers
         self.chains = {}  # named chain -> list of (hash, tokens)
         self.live = {}  # the random workload's held blocks (engine hash, as published)
-        self.token_cursor = 100_000
+        self.stored_blocks = []
         self.encoder = None
 
     def tokens(self, start):
@@ -243,6 +246,14 @@ class Driver:
             blocks = self.chain("d", None, [inc + 700, inc + 716, inc + 732])
             self.hold(blocks, "Device")
             return [e.stored([h for h, _ in blocks], None, sum((t for _, t in blocks), []), "GPU")]
+        if name == "remove_parent":
+            victim = self.chains["a"][-1][0]
+            self.held.pop(victim & MASK64, None)
+            return [e.removed([victim], "GPU")]
+        if name == "restore_parent":
+            (root, _), (h, tokens) = self.chains["a"][0], self.chains["a"][-1]
+            self.hold([(h, tokens)], "Device")
+            return [e.stored([h], root, tokens, "GPU")]
         if name == "empty":
             return []
         raise ValueError(f"unknown step {name!r}")
@@ -271,13 +282,19 @@ class Driver:
             else:
                 parent = rng.choice(sorted(self.live)) if self.live and rng.random() < 0.7 else None
                 hashes, tokens = [], []
+                stored = self.stored_blocks
                 for _ in range(rng.randint(1, 4)):
-                    self.token_cursor += BLOCK_SIZE
-                    block_tokens = self.tokens(self.token_cursor)
+                    # A small alphabet of blocks: workers (and requests) share prefixes, and
+                    # equal (parent, tokens) get equal hashes on every worker of an engine.
+                    block_tokens = self.tokens(100_000 + 100 * rng.randint(0, 3))
                     h = e.block_hash(hashes[-1] if hashes else parent, block_tokens)
                     hashes.append(h)
                     tokens.extend(block_tokens)
                     self.live[h] = hashes[-2] if len(hashes) > 1 else parent
+                    block_parent = self.live[h]
+                    stored.append(
+                        [h & MASK64, None if block_parent is None else block_parent & MASK64, block_tokens]
+                    )
                     self.held.setdefault(h & MASK64, set()).add("Device")
                 events.append(e.stored(hashes, parent, tokens, "GPU"))
         return events
@@ -293,9 +310,16 @@ class Driver:
         encoder = msgspec.msgpack.Encoder()
         batches = []
         for _ in range(count):
+            self.stored_blocks = []
             batch = self.engine.batch(self.random_events(rng, leaf_only))
             self.publisher.publish(batch)
-            batches.append({"seq": self.next_seq, "payload": encoder.encode(batch).hex()})
+            batches.append(
+                {
+                    "seq": self.next_seq,
+                    "payload": encoder.encode(batch).hex(),
+                    "stored": self.stored_blocks,
+                }
+            )
             self.next_seq += 1
         return {"ok": "burst", "batches": batches}
 

@@ -44,6 +44,22 @@ pub struct Published {
     pub held: BTreeSet<(u64, String)>,
 }
 
+/// One batch of a `burst`.
+pub struct BurstBatch {
+    pub seq: u64,
+    pub payload: Vec<u8>,
+    /// The blocks it stored, in order.
+    pub stored: Vec<StoredTokens>,
+}
+
+/// A stored block: its engine hash (as u64), its parent's, its tokens.
+#[derive(Debug, Clone)]
+pub struct StoredTokens {
+    pub hash: u64,
+    pub parent: Option<u64>,
+    pub tokens: Vec<u32>,
+}
+
 /// The driver subprocess: commands on stdin, one JSON reply per command on stdout.
 pub struct Driver {
     child: Child,
@@ -161,6 +177,36 @@ impl Driver {
         }
     }
 
+    /// `burst <n> <seed> [leaf]`: `count` random batches published back to back.
+    pub fn burst(&mut self, count: usize, seed: u64, leaf_only: bool) -> Vec<BurstBatch> {
+        let leaf = if leaf_only { " leaf" } else { "" };
+        let reply = self.command(&format!("burst {count} {seed}{leaf}"));
+        reply["batches"]
+            .as_array()
+            .expect("batches")
+            .iter()
+            .map(|b| BurstBatch {
+                seq: b["seq"].as_u64().expect("seq"),
+                payload: hex(b["payload"].as_str().expect("payload")),
+                stored: b["stored"]
+                    .as_array()
+                    .expect("stored")
+                    .iter()
+                    .map(|block| StoredTokens {
+                        hash: block[0].as_u64().expect("hash"),
+                        parent: block[1].as_u64(),
+                        tokens: block[2]
+                            .as_array()
+                            .expect("tokens")
+                            .iter()
+                            .map(|t| u32::try_from(t.as_u64().expect("token")).expect("u32"))
+                            .collect(),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
     pub fn quit(mut self) {
         self.command("quit");
         self.stdin = None;
@@ -196,4 +242,141 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .expect("a free port")
         .port()
+}
+
+// ---------------------------------------------------------------------------------------------
+// A fleet of publishers
+// ---------------------------------------------------------------------------------------------
+
+/// One engine of a [`Fleet`]: its driver, its endpoints and every batch it published.
+pub struct Member {
+    pub instance_id: u64,
+    pub port: u16,
+    pub replay_port: u16,
+    pub driver: Driver,
+    pub published: Vec<BurstBatch>,
+}
+
+impl Member {
+    /// The PUB endpoint to connect to.
+    pub fn endpoint(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    /// The replay ROUTER endpoint.
+    pub fn replay_endpoint(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.replay_port)
+    }
+
+    /// The last sequence number published.
+    pub fn last_seq(&self) -> Option<u64> {
+        self.published.last().map(|b| b.seq)
+    }
+}
+
+/// Engines of one release, each publishing random bursts through its real publisher.
+pub struct Fleet {
+    pub members: Vec<Member>,
+    round: u64,
+}
+
+impl Fleet {
+    /// One started publisher per instance id.
+    pub fn spawn(engine: &str, version: &str, instance_ids: &[u64]) -> Self {
+        let members = instance_ids
+            .iter()
+            .map(|&instance_id| {
+                let (port, replay_port) = (free_port(), free_port());
+                let mut driver = Driver::spawn(
+                    engine,
+                    version,
+                    &format!("tcp://*:{port}"),
+                    &format!("tcp://*:{replay_port}"),
+                );
+                driver.command("start");
+                Member {
+                    instance_id,
+                    port,
+                    replay_port,
+                    driver,
+                    published: Vec::new(),
+                }
+            })
+            .collect();
+        Self { members, round: 0 }
+    }
+
+    /// `per_member` random batches from every member (leaf-first evictions only with `leaf`).
+    pub fn round(&mut self, per_member: usize, leaf: bool) {
+        self.round += 1;
+        for member in &mut self.members {
+            let seed = member.instance_id * 1_000_003 + self.round;
+            let batches = member.driver.burst(per_member, seed, leaf);
+            member.published.extend(batches);
+        }
+    }
+
+    /// One empty batch from every member: a listener that missed the last batches sees the
+    /// gap and replays it.
+    pub fn nudge(&mut self) {
+        for member in &mut self.members {
+            let batch = member.driver.publish("empty");
+            member.published.push(BurstBatch {
+                seq: batch.seq,
+                payload: batch.payload,
+                stored: Vec::new(),
+            });
+        }
+    }
+
+    /// Publishes rounds in a thread, `pause` apart, until `stop` is set; the thread returns the
+    /// fleet.
+    pub fn publish_in_background(
+        mut self,
+        per_member: usize,
+        leaf: bool,
+        pause: Duration,
+        stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> std::thread::JoinHandle<Fleet> {
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                self.round(per_member, leaf);
+                std::thread::sleep(pause);
+            }
+            self
+        })
+    }
+
+    /// The reference model fed every published batch of every member, in order.
+    pub fn reference(&self, kind: kvatlas_events::EngineKind) -> kvatlas_index::ReferenceIndex {
+        use kvatlas_index::KvIndex as _;
+        let mut reference = kvatlas_index::ReferenceIndex::new();
+        for member in &self.members {
+            let source = kvatlas_events::Source {
+                worker_id: member.instance_id,
+                dp_rank: 0,
+                block_size: kvatlas_hash::BlockSize::new(BLOCK).expect("block size"),
+                engine: kind,
+            };
+            let converter = kvatlas_events::Converter::new(source);
+            let (mut mutations, mut drops) = (Vec::new(), kvatlas_events::DropCounters::new());
+            for batch in &member.published {
+                mutations.clear();
+                converter
+                    .ingest(&batch.payload, &mut mutations, &mut drops)
+                    .expect("the batch decodes");
+                for m in &mutations {
+                    reference.apply(m);
+                }
+            }
+            assert_eq!(drops.total(), 0, "drops {drops:?}");
+        }
+        reference
+    }
+
+    pub fn quit(self) {
+        for member in self.members {
+            member.driver.quit();
+        }
+    }
 }

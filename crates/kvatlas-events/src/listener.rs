@@ -406,6 +406,9 @@ pub struct ListenerCounters {
     pub gaps: u64,
     /// Of those, requested because the first live batch was not 0.
     pub late_joins: u64,
+    /// Catch-up replays after resuming a stream (not gaps: asked without waiting for a live
+    /// batch, in case the engine published while this consumer was away).
+    pub catch_ups: u64,
     /// Replays that ended with the end marker.
     pub replays_completed: u64,
     /// Replays that failed: no replay endpoint, timeout, socket error.
@@ -476,6 +479,7 @@ struct SharedCounters {
     duplicates: AtomicU64,
     gaps: AtomicU64,
     late_joins: AtomicU64,
+    catch_ups: AtomicU64,
     replays_completed: AtomicU64,
     replays_failed: AtomicU64,
     resyncs: AtomicU64,
@@ -517,6 +521,7 @@ impl SharedCounters {
             duplicates: get(&self.duplicates),
             gaps: get(&self.gaps),
             late_joins: get(&self.late_joins),
+            catch_ups: get(&self.catch_ups),
             replays_completed: get(&self.replays_completed),
             replays_failed: get(&self.replays_failed),
             resyncs: get(&self.resyncs),
@@ -967,7 +972,23 @@ impl ListenerThread {
         Exit::Failed
     }
 
+    /// After resuming a stream, asks the engine for what it published meanwhile (see
+    /// [`Sequencer::catch_up`]); without a replay endpoint the next live batch shows any gap.
+    fn catch_up(&mut self) -> Result<(), Exit> {
+        if self.config.replay_endpoint.is_some() {
+            self.sequencer.catch_up();
+            self.drive()?;
+        }
+        Ok(())
+    }
+
     fn event_loop(&mut self) -> Exit {
+        if self.held.is_none()
+            && self.config.resume.is_some()
+            && let Err(exit) = self.catch_up()
+        {
+            return exit;
+        }
         let recv_timeout = self.config.options.recv_timeout;
         loop {
             if self.shared.stopping() {
@@ -1034,6 +1055,7 @@ impl ListenerThread {
 
     /// Leaves the held state: continue from `resume`, then apply what was buffered.
     fn release(&mut self, resume: Option<Resume>) -> Result<(), Exit> {
+        let resumed = resume.is_some();
         if let Some(resume) = resume {
             self.sequencer = Sequencer::resume(
                 self.config.options.sequencer,
@@ -1050,6 +1072,9 @@ impl ListenerThread {
         } else {
             ListenerStatus::Active
         });
+        if resumed {
+            self.catch_up()?;
+        }
         for (seq, payload) in held {
             self.sequencer.handle_live(seq, payload);
             self.drive()?;
@@ -1264,8 +1289,9 @@ impl ListenerThread {
         let c = &self.shared.counters;
         let set = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
         set(&c.duplicates, s.duplicates);
-        set(&c.gaps, s.replays_requested);
+        set(&c.gaps, s.replays_requested - s.catch_ups);
         set(&c.late_joins, s.late_joins);
+        set(&c.catch_ups, s.catch_ups);
         set(&c.resyncs, s.resyncs);
         set(&c.restarts, s.restarts);
         set(&c.replay_resyncs, s.replay_resyncs);

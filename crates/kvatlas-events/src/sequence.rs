@@ -61,7 +61,8 @@ pub enum Action<P> {
         id: ReplayId,
         /// First missing sequence number (inclusive).
         from: u64,
-        /// First sequence number already buffered (exclusive end of the hole).
+        /// First sequence number already buffered (exclusive end of the hole); `u64::MAX` for
+        /// a catch-up ([`Sequencer::catch_up`]: whatever the engine has from `from` on).
         to: u64,
     },
     /// Batches were lost for good or the engine restarted: drop every block of the worker (all
@@ -99,8 +100,10 @@ pub struct SequenceCounters {
     pub applied: u64,
     /// Of those, batches that came from a replay.
     pub applied_from_replay: u64,
-    /// Replays requested (gaps and late joins).
+    /// Replays requested (gaps, late joins and catch-ups).
     pub replays_requested: u64,
+    /// Of those, catch-ups after a resume ([`Sequencer::catch_up`]).
+    pub catch_ups: u64,
     /// Of those, requested because the first live batch was not 0.
     pub late_joins: u64,
     /// Batches dropped as duplicates of an applied or buffered batch.
@@ -131,6 +134,8 @@ struct Outstanding {
     from: u64,
     to: u64,
     answered: bool,
+    /// A catch-up ([`Sequencer::catch_up`]): no known end, and no resync if it fails.
+    open_ended: bool,
 }
 
 /// The sequencing state of one source (one engine publisher).
@@ -214,6 +219,35 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         sequencer
     }
 
+    /// Asks the engine for every batch after the last one applied, without waiting for a live
+    /// batch to reveal the gap: for a consumer that resumed a stream ([`Sequencer::resume`])
+    /// after being away, so an engine that went quiet meanwhile is still caught up. Emits an
+    /// open-ended [`Action::Replay`] (`to == u64::MAX`) unless a replay is outstanding. Its
+    /// answer is handled like any replay (a first batch later than asked means the engine's ring
+    /// lost the start: resync); its failure is not a loss (nothing says a batch was missed; a
+    /// later live batch would reveal a gap and replay it), so it only ends the request.
+    pub fn catch_up(&mut self) {
+        if self.replay.is_some() {
+            return;
+        }
+        let id = ReplayId(self.next_replay_id);
+        self.next_replay_id += 1;
+        self.counters.replays_requested += 1;
+        self.counters.catch_ups += 1;
+        self.replay = Some(Outstanding {
+            id,
+            from: self.next,
+            to: u64::MAX,
+            answered: false,
+            open_ended: true,
+        });
+        self.actions.push_back(Action::Replay {
+            id,
+            from: self.next,
+            to: u64::MAX,
+        });
+    }
+
     /// `(seq, fingerprint)` of the last batches applied, oldest first.
     pub fn recent(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.recent.iter().copied()
@@ -293,7 +327,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return;
         };
         self.replay = None;
-        if self.next < replay.to {
+        if !replay.open_ended && self.next < replay.to {
             self.skip_to(replay.to, ResyncReason::ReplayIncomplete);
         }
         self.request_replay_if_needed();
@@ -306,7 +340,9 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return;
         };
         self.replay = None;
-        self.skip_to(replay.to.max(self.next), ResyncReason::ReplayFailed);
+        if !replay.open_ended {
+            self.skip_to(replay.to.max(self.next), ResyncReason::ReplayFailed);
+        }
         self.request_replay_if_needed();
     }
 
@@ -422,6 +458,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             from: self.next,
             to,
             answered: false,
+            open_ended: false,
         });
         self.actions.push_back(Action::Replay {
             id,

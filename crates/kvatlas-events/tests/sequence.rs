@@ -423,3 +423,50 @@ fn a_resumed_sequencer_detects_an_engine_that_restarted_meanwhile() {
     );
     assert_eq!(h.seq.counters().restarts, 1);
 }
+
+#[test]
+fn a_catch_up_replays_what_a_quiet_engine_published_meanwhile() {
+    let mut h = resumed(9);
+    h.seq.catch_up();
+    assert_eq!(h.drain(), vec![Replay(10, u64::MAX)]);
+    // A live batch arriving during the catch-up waits for it.
+    assert_eq!(h.live([14]), vec![]);
+    assert_eq!(
+        h.replay(10..15, true),
+        vec![Apply(10), Apply(11), Apply(12), Apply(13), Apply(14)]
+    );
+    // The live stream goes on; replayed batches arriving live again are duplicates.
+    assert_eq!(h.live([14, 15]), vec![Apply(15)]);
+    let c = *h.seq.counters();
+    assert_eq!((c.catch_ups, c.resyncs, c.duplicates), (1, 0, 2), "{c:?}");
+}
+
+#[test]
+fn a_catch_up_with_nothing_new_or_no_answer_changes_nothing() {
+    let mut h = resumed(9);
+    h.seq.catch_up();
+    h.drain();
+    // Nothing after 9: just the end marker.
+    assert_eq!(h.replay([], true), vec![]);
+    assert_eq!(h.live([10]), vec![Apply(10)]);
+    // No answer at all (the engine is down): not a loss.
+    h.seq.catch_up();
+    h.drain();
+    let id = h.replay_id();
+    h.seq.handle_replay_failed(id);
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(h.live([11]), vec![Apply(11)]);
+    assert_eq!(h.seq.counters().resyncs, 0);
+}
+
+#[test]
+fn a_catch_up_that_starts_late_resyncs() {
+    let mut h = resumed(9);
+    h.seq.catch_up();
+    h.drain();
+    // The engine's ring no longer holds 10..20.
+    assert_eq!(
+        h.replay(20..22, true),
+        vec![Resync(ResyncReason::ReplayIncomplete), Apply(20), Apply(21)]
+    );
+}

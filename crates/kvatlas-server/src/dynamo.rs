@@ -259,13 +259,31 @@ pub(crate) struct WorkersParams {
     tenant_id: Option<String>,
 }
 
-/// One listener of `/workers`.
+/// One listener of `/workers`: 1.6.1's fields, then kvatlas's sequencing figures (an
+/// extension: a client of 1.6.1 ignores them).
 #[derive(Debug, Serialize)]
 struct ListenerInfo {
     endpoint: String,
     status: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     last_error: Option<String>,
+    /// The last sequence number applied.
+    last_seq: Option<u64>,
+    /// Gaps, replays and resyncs so far.
+    sequence: SequenceInfo,
+}
+
+/// How a listener's sequence went (kvatlas's extension of `/workers`).
+#[derive(Debug, Serialize)]
+struct SequenceInfo {
+    gaps: u64,
+    replays_completed: u64,
+    replays_failed: u64,
+    catch_ups: u64,
+    resyncs: u64,
+    replay_resyncs: u64,
+    restarts: u64,
+    duplicates: u64,
 }
 
 /// One worker of `/workers` (1.6.1's `WorkerInfo`).
@@ -368,6 +386,17 @@ fn worker_info(
                 endpoint,
                 status: status_name(view.status),
                 last_error: view.last_error.clone(),
+                last_seq: view.last_seq,
+                sequence: SequenceInfo {
+                    gaps: view.counters.gaps,
+                    replays_completed: view.counters.replays_completed,
+                    replays_failed: view.counters.replays_failed,
+                    catch_ups: view.counters.catch_ups,
+                    resyncs: view.counters.resyncs,
+                    replay_resyncs: view.counters.replay_resyncs,
+                    restarts: view.counters.restarts,
+                    duplicates: view.counters.duplicates,
+                },
             },
         );
     }

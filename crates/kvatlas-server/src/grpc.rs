@@ -238,6 +238,8 @@ fn counters_of(c: &FeedCounters) -> v1::WorkerCounters {
         connects: c.connects,
         connect_retries: c.connect_retries,
         disconnects: c.disconnects,
+        catch_ups: c.catch_ups,
+        replay_resyncs: c.replay_resyncs,
         dropped: c
             .drops
             .iter()

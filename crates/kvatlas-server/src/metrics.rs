@@ -20,7 +20,7 @@
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
 //! | `kvatlas_batches_total` | counter | `model`, `tenant`, `outcome` (`received`, `applied`, `replayed`, `duplicate`, `decode_error`, `bad_frame`) |
-//! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`, `connect`, `connect_retry`, `disconnect`) |
+//! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`, `connect`, `connect_retry`, `disconnect`, `catch_up`, `replay_resync`) |
 //! | `kvatlas_listeners` | gauge | `model`, `tenant`, `status` |
 //! | `kvatlas_snapshots_total` | counter | `outcome` (`written`, `failed`: data-directory snapshots) |
 //! | `kvatlas_snapshot_last_bytes`, `_last_memberships`, `_last_duration_seconds`, `_last_timestamp_seconds` | gauge | (the last snapshot written) |
@@ -591,6 +591,8 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
             ("connect", c.connects),
             ("connect_retry", c.connect_retries),
             ("disconnect", c.disconnects),
+            ("catch_up", c.catch_ups),
+            ("replay_resync", c.replay_resyncs),
         ] {
             let _ = writeln!(
                 out,

@@ -194,6 +194,10 @@ pub struct FeedCounters {
     pub connect_retries: u64,
     /// Connections the engine closed.
     pub disconnects: u64,
+    /// Catch-up replays after resuming from a snapshot.
+    pub catch_ups: u64,
+    /// Resyncs because a replay could not fill a hole.
+    pub replay_resyncs: u64,
     /// Events dropped, by reason.
     pub drops: DropCounters,
 }
@@ -217,6 +221,8 @@ impl FeedCounters {
         self.connects += other.connects;
         self.connect_retries += other.connect_retries;
         self.disconnects += other.disconnects;
+        self.catch_ups += other.catch_ups;
+        self.replay_resyncs += other.replay_resyncs;
         for (reason, n) in other.drops.iter() {
             self.drops.add(reason, n);
         }
@@ -242,6 +248,8 @@ impl From<&ListenerCounters> for FeedCounters {
             connects: c.connects,
             connect_retries: c.connect_retries,
             disconnects: c.disconnects,
+            catch_ups: c.catch_ups,
+            replay_resyncs: c.replay_resyncs,
             drops: c.drops,
         }
     }

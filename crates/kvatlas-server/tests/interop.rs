@@ -514,3 +514,157 @@ fn grpcurl_lists_describes_and_calls() {
     assert_eq!(answer["blockSize"], 2);
     runtime.block_on(h.server.shutdown());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Recovery with engines publishing
+// ---------------------------------------------------------------------------------------------
+
+/// The ZMQ workers a server lists, as (instance, last seq, counters).
+async fn zmq_workers(h: &mut Harness) -> Vec<(u64, Option<u64>, v1::WorkerCounters)> {
+    h.client
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner()
+        .workers
+        .into_iter()
+        .filter(|w| w.source == v1::WorkerSource::Zmq as i32)
+        .map(|w| (w.instance_id, w.last_seq, w.counters.unwrap_or_default()))
+        .collect()
+}
+
+/// Nudges the fleet until every server applied every member's last batch.
+async fn settle(fleet: &mut driver::Fleet, servers: &mut [&mut Harness]) {
+    let start = Instant::now();
+    loop {
+        let mut behind = false;
+        for h in servers.iter_mut() {
+            let listed = zmq_workers(h).await;
+            for member in &fleet.members {
+                let seq = listed
+                    .iter()
+                    .find(|(id, _, _)| *id == member.instance_id)
+                    .and_then(|(_, seq, _)| *seq);
+                behind |= seq != member.last_seq();
+            }
+        }
+        if !behind {
+            return;
+        }
+        assert!(start.elapsed() < WAIT, "the servers never caught up");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        fleet.nudge();
+    }
+}
+
+/// Every held chain of the reference answered alike by the server.
+async fn same_answers(h: &mut Harness, reference: &ReferenceIndex, model: &str, what: &str) {
+    let options = MatchOptions {
+        tiered: true,
+        ..MatchOptions::default()
+    };
+    let prompts = chains(&reference.snapshot());
+    assert!(!prompts.is_empty(), "{what}: the fleet should hold blocks");
+    for prompt in prompts {
+        let answer = h
+            .client
+            .query(v1::QueryRequest {
+                index: selector(model, ""),
+                input: Some(query_request::Input::LocalHashes(v1::LocalHashes {
+                    hashes: prompt.iter().map(|l| l.get()).collect(),
+                })),
+                ..v1::QueryRequest::default()
+            })
+            .await
+            .expect("query")
+            .into_inner();
+        assert_eq!(
+            answer_rows(&answer),
+            reference_rows(&reference.find_matches(&prompt, &options)),
+            "{what}: prompt {prompt:?}"
+        );
+    }
+}
+
+fn fleet_workers(fleet: &driver::Fleet, model: &str) -> Vec<kvatlas_server::WorkerRegistration> {
+    fleet
+        .members
+        .iter()
+        .map(|m| kvatlas_server::WorkerRegistration {
+            index: kvatlas_server::IndexKey::new(model, ""),
+            instance_id: m.instance_id,
+            dp_rank: 0,
+            block_size: BlockSize::new(BLOCK).expect("size"),
+            engine: EngineKind::Vllm,
+            endpoint: m.endpoint(),
+            replay_endpoint: Some(m.replay_endpoint()),
+            topic: TOPIC.into(),
+            mode: kvatlas_events::SocketMode::Connect,
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs the engines' wheels: run `cargo xtask interop`"]
+fn a_replica_bootstraps_from_a_peer_while_engines_publish() {
+    const REPLICATED: &str = "replicated";
+    let runtime = runtime();
+    let mut fleet = driver::Fleet::spawn("vllm", "0.33.0", &[21, 22, 23]);
+    runtime.block_on(async {
+        let workers = fleet_workers(&fleet, REPLICATED);
+        let mut a = start(ServerConfig {
+            workers: workers.clone(),
+            ..ServerConfig::default()
+        })
+        .await;
+        fleet.round(30, false);
+        settle(&mut fleet, &mut [&mut a]).await;
+        // The engines keep publishing while B starts, subscribes (held), fetches A's snapshot,
+        // restores it and continues from A's watermarks.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let publishing = fleet.publish_in_background(10, false, Duration::from_millis(5), stop.clone());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut b = start(ServerConfig {
+            workers,
+            peers: vec![format!("http://{}", a.server.http_addr())],
+            ..ServerConfig::default()
+        })
+        .await;
+        let outcome = b.server.bootstrap().await.expect("a bootstrap");
+        assert!(
+            matches!(outcome, kvatlas_server::Bootstrap::Snapshot { memberships, .. } if memberships > 0),
+            "{outcome:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        let mut fleet = publishing.join().expect("the publishing thread");
+        settle(&mut fleet, &mut [&mut a, &mut b]).await;
+        let reference = fleet.reference(EngineKind::Vllm);
+        same_answers(&mut a, &reference, REPLICATED, "A").await;
+        same_answers(&mut b, &reference, REPLICATED, "B").await;
+        // Nothing was lost on the way (no rank of B resynced, no gap) and B continued from A's
+        // watermarks: it applied only the batches after the snapshot, not the engines' history.
+        for (id, _, c) in zmq_workers(&mut b).await {
+            let published = fleet
+                .members
+                .iter()
+                .find(|m| m.instance_id == id)
+                .map_or(0, |m| m.published.len() as u64);
+            assert_eq!((c.resyncs, c.gaps), (0, 0), "B's worker {id}: {c:?}");
+            assert!(
+                c.batches_applied > 0 && c.batches_applied < published,
+                "B's worker {id} applied {} of {published} batches: {c:?}",
+                c.batches_applied
+            );
+            eprintln!(
+                "B's worker {id}: {} batches applied, {} replayed, {} duplicates, {} catch-ups",
+                c.batches_applied, c.batches_replayed, c.duplicates, c.catch_ups
+            );
+        }
+        let (a_report, b_report) = (a.server.shutdown().await, b.server.shutdown().await);
+        let digest = reference.snapshot().digest();
+        assert_eq!(a_report.indexes[0].digest, digest, "A equals the reference");
+        assert_eq!(b_report.indexes[0].digest, digest, "B equals the reference");
+        fleet.quit();
+    });
+}
