@@ -31,7 +31,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the index service (gRPC and HTTP).
-    Serve(cli::ServeArgs),
+    Serve(Box<cli::ServeArgs>),
     /// Ask which workers hold how much of a prompt.
     Query(cli::QueryArgs),
     /// List registered workers with their listener state and counters.

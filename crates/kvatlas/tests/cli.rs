@@ -2,10 +2,12 @@
 //! commands against it (tables, `--json`, exit codes and the server's message on failure), a
 //! config file, the safety refusal, and SIGTERM with the final per-index summary.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use common::{BIN, Served};
 
 use kvatlas_hash::BlockHasher;
 use kvatlas_index::{
@@ -13,73 +15,7 @@ use kvatlas_index::{
 };
 use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvatlas");
-const WAIT: Duration = Duration::from_secs(20);
 const BLOCK: u32 = 4;
-
-/// A running `kvatlas serve` and the addresses it logged.
-struct Served {
-    child: Child,
-    grpc: String,
-    http: String,
-    stderr: mpsc::Receiver<String>,
-}
-
-impl Served {
-    fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(BIN)
-            .arg("serve")
-            .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
-            .args(args)
-            .env_remove("KVATLAS_CONFIG")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kvatlas serve starts");
-        let (tx, stderr) = mpsc::channel();
-        let pipe = child.stderr.take().expect("stderr");
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let line = loop {
-            let line = stderr
-                .recv_timeout(WAIT)
-                .expect("the server logs its addresses");
-            if line.contains("kvatlas serving") {
-                break line;
-            }
-        };
-        let after = |marker: &str| {
-            let rest = &line[line.find(marker).expect("marker") + marker.len()..];
-            rest.split([',', ' ']).next().expect("address").to_owned()
-        };
-        Self {
-            grpc: format!("http://{}", after("gRPC on ")),
-            http: after("HTTP on "),
-            child,
-            stderr,
-        }
-    }
-
-    /// SIGTERM, then the exit status and stdout.
-    fn terminate(self) -> (std::process::ExitStatus, String) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
-        let output = self.child.wait_with_output().expect("exits");
-        drop(self.stderr);
-        (
-            output.status,
-            String::from_utf8_lossy(&output.stdout).into_owned(),
-        )
-    }
-}
 
 fn kvatlas(args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = Command::new(BIN)

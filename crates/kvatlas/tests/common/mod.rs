@@ -1,0 +1,90 @@
+//! Shared by the binary's tests: `kvatlas serve` as a child process on ephemeral loopback ports.
+
+#![allow(dead_code, unreachable_pub)] // each test binary uses a part
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_kvatlas");
+/// Bound on waiting for the server's first log lines.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A running `kvatlas serve` and the addresses it logged.
+pub struct Served {
+    pub child: Child,
+    pub grpc: String,
+    pub http: String,
+    pub stderr: mpsc::Receiver<String>,
+}
+
+impl Served {
+    pub fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .arg("serve")
+            .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("KVATLAS_CONFIG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kvatlas serve starts");
+        let (tx, stderr) = mpsc::channel();
+        let pipe = child.stderr.take().expect("stderr");
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let line = loop {
+            let line = stderr
+                .recv_timeout(WAIT)
+                .expect("the server logs its addresses");
+            if line.contains("kvatlas serving") {
+                break line;
+            }
+        };
+        let after = |marker: &str| {
+            let rest = &line[line.find(marker).expect("marker") + marker.len()..];
+            rest.split([',', ' ']).next().expect("address").to_owned()
+        };
+        Self {
+            grpc: format!("http://{}", after("gRPC on ")),
+            http: after("HTTP on "),
+            child,
+            stderr,
+        }
+    }
+
+    /// SIGTERM, then the exit status and stdout.
+    pub fn terminate(self) -> (std::process::ExitStatus, String) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        let output = self.child.wait_with_output().expect("exits");
+        drop(self.stderr);
+        (
+            output.status,
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    }
+}
+
+impl Served {
+    /// SIGKILL: the process dies on the spot (no graceful shutdown, no final snapshot).
+    pub fn kill_9(mut self) {
+        self.child.kill().expect("SIGKILL");
+        let _ = self.child.wait();
+    }
+
+    /// The log lines received so far.
+    pub fn log_lines(&self) -> Vec<String> {
+        self.stderr.try_iter().collect()
+    }
+}
