@@ -782,6 +782,8 @@ pub fn workers(args: &ListArgs) -> Result<String, CliError> {
                         "batches_replayed": counters.batches_replayed,
                         "duplicates": counters.duplicates, "gaps": counters.gaps,
                         "resyncs": counters.resyncs, "restarts": counters.restarts,
+                        "catch_ups": counters.catch_ups,
+                        "replay_resyncs": counters.replay_resyncs,
                         "decode_errors": counters.decode_errors,
                         "dropped": counters.dropped,
                     },

@@ -18,6 +18,8 @@ pub struct Served {
     pub grpc: String,
     pub http: String,
     pub stderr: mpsc::Receiver<String>,
+    /// The log lines up to and including the one with the addresses.
+    pub startup_log: Vec<String>,
 }
 
 impl Served {
@@ -40,10 +42,12 @@ impl Served {
                 }
             }
         });
+        let mut startup_log = Vec::new();
         let line = loop {
             let line = stderr
                 .recv_timeout(WAIT)
                 .expect("the server logs its addresses");
+            startup_log.push(line.clone());
             if line.contains("kvatlas serving") {
                 break line;
             }
@@ -57,6 +61,7 @@ impl Served {
             http: after("HTTP on "),
             child,
             stderr,
+            startup_log,
         }
     }
 
