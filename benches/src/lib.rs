@@ -20,5 +20,6 @@ pub mod openloop;
 pub mod plot;
 pub mod replay;
 pub mod service;
+pub mod snapshot;
 pub mod synthetic;
 pub mod trace;

@@ -38,7 +38,7 @@ use crate::trace::{self, TraceRequest};
 pub const BLOCK_TOKENS: u32 = 16;
 /// Blocks per query prompt.
 pub const PROMPT_BLOCKS: usize = 64;
-const MODEL: &str = "workload-a";
+pub(crate) const MODEL: &str = "workload-a";
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -181,7 +181,7 @@ fn prompts(trace: &[TraceRequest]) -> Vec<Prompt> {
 }
 
 /// The stream's mutations as `PublishEvents` messages, one per mutation, sequenced per rank.
-fn messages(events: &[Mutation]) -> Vec<v1::PublishEventsRequest> {
+pub(crate) fn messages(events: &[Mutation]) -> Vec<v1::PublishEventsRequest> {
     let mut seqs = std::collections::HashMap::<(u64, u32), u64>::new();
     events
         .iter()
@@ -221,13 +221,19 @@ fn messages(events: &[Mutation]) -> Vec<v1::PublishEventsRequest> {
 }
 
 /// A `kvatlas serve` child process.
-struct Server {
-    child: Child,
-    url: String,
+pub(crate) struct Server {
+    pub(crate) child: Child,
+    /// Its gRPC URL.
+    pub(crate) url: String,
+    /// Its HTTP address (`host:port`).
+    pub(crate) http: String,
+    /// Its log lines after the one with the addresses; held so the reader thread keeps
+    /// draining the server's stderr.
+    _log: std::sync::mpsc::Receiver<String>,
 }
 
 impl Server {
-    fn start(binary: &Path, extra: &[String]) -> Result<Self> {
+    pub(crate) fn start(binary: &Path, extra: &[String]) -> Result<Self> {
         let mut child = Command::new(binary)
             .args([
                 "serve",
@@ -261,17 +267,27 @@ impl Server {
                 break line;
             }
         };
-        let marker = "gRPC on ";
-        let at = line.find(marker).context("no gRPC address in the log")? + marker.len();
-        let addr = line[at..].split([',', ' ']).next().context("address")?;
+        let after = |marker: &str| -> Result<String> {
+            let at = line
+                .find(marker)
+                .with_context(|| format!("no {marker:?} in the log line {line}"))?
+                + marker.len();
+            Ok(line[at..]
+                .split([',', ' '])
+                .next()
+                .unwrap_or_default()
+                .to_owned())
+        };
         Ok(Self {
             child,
-            url: format!("http://{addr}"),
+            url: format!("http://{}", after("gRPC on ")?),
+            http: after("HTTP on ")?,
+            _log: rx,
         })
     }
 
     /// (VmRSS, VmHWM) in MiB.
-    fn memory(&self) -> (f64, f64) {
+    pub(crate) fn memory(&self) -> (f64, f64) {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .unwrap_or_default();
         let field = |name: &str| {
@@ -285,7 +301,7 @@ impl Server {
         (field("VmRSS:"), field("VmHWM:"))
     }
 
-    fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -300,7 +316,7 @@ impl Drop for Server {
     }
 }
 
-async fn connect(url: &str) -> Result<IndexerClient<Channel>> {
+pub(crate) async fn connect(url: &str) -> Result<IndexerClient<Channel>> {
     let channel = Endpoint::from_shared(url.to_owned())?
         .tcp_nodelay(true)
         .initial_connection_window_size(Some(8 << 20))
@@ -607,7 +623,7 @@ pub struct Summary {
     pub median: RunReport,
 }
 
-fn median(values: &mut [f64]) -> f64 {
+pub(crate) fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(0.0)
 }

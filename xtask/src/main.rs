@@ -23,6 +23,8 @@ tasks:
   bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
   bench service [ARGS…] the gRPC service under load: kvatlas serve with the Workload A state
                      (ARGS go to service-bench: --runs, --seconds, --in-flight, --quick, --json)
+  bench snapshot [ARGS…] snapshots and recovery: bytes per membership, write, stream, restore,
+                     peer bootstrap (ARGS go to snapshot-bench: --runs, --states, --quick, --json)
   interop            the listener against vLLM's and SGLang's real publishers (downloads wheels once)
   interop setup      only build target/interop (venv, wheels, extracted publisher sources)
 ";
@@ -148,11 +150,12 @@ fn bench(args: &[String]) -> Result<()> {
             "cargo bench -p kvatlas-bench (criterion micro-benchmarks)",
         );
     }
-    if args.first().map(String::as_str) == Some("service") {
+    if let Some(bench @ ("service" | "snapshot")) = args.first().map(String::as_str) {
         let mut build = cargo();
         build.args(["build", "--release", "--locked", "-p", "kvatlas"]);
         run(build, "cargo build --release -p kvatlas")?;
         let binary = workspace_root().join("target/release/kvatlas");
+        let bin = format!("{bench}-bench");
         let mut cmd = cargo();
         cmd.args([
             "run",
@@ -161,13 +164,13 @@ fn bench(args: &[String]) -> Result<()> {
             "-p",
             "kvatlas-bench",
             "--bin",
-            "service-bench",
+            &bin,
             "--",
             "--kvatlas",
         ])
         .arg(&binary)
         .args(&args[1..]);
-        return run(cmd, &format!("service-bench {}", args[1..].join(" ")));
+        return run(cmd, &format!("{bin} {}", args[1..].join(" ")));
     }
     let mut cmd = cargo();
     cmd.args([
