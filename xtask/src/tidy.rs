@@ -56,12 +56,14 @@ const ALLOWED_INTERNAL: &[(&str, &[&str])] = &[
             "kvatlas-proto",
         ],
     ),
-    // The binary's tests also drive a server with the proto client and the reference model.
+    // The binary's tests also drive a server with the proto client and the reference model,
+    // which they feed the engines' real payloads through kvatlas-events' converter.
     (
         "kvatlas",
         &[
             "kvatlas-server",
             "kvatlas-proto",
+            "kvatlas-events",
             "kvatlas-index",
             "kvatlas-hash",
         ],

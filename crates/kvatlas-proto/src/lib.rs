@@ -28,6 +28,10 @@
 //! The raw generated stubs are in [`v1`] (`v1::indexer_client::IndexerClient`,
 //! `v1::indexer_server::{Indexer, IndexerServer}`); [`v1::FILE_DESCRIPTOR_SET`] is the encoded
 //! descriptor set a server hands to gRPC reflection.
+//!
+//! [`llmd::indexer::v1`] is llm-d's indexer API (`indexer.v1.IndexerService/GetPodScores`,
+//! from llm-d-kv-cache's `api/indexerpb/indexer.proto`), which `kvatlas serve` also serves so
+//! that an llm-d router can use it unchanged.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -43,6 +47,10 @@ mod generated {
     pub mod kvatlas_v1 {
         tonic::include_proto!("kvatlas.v1");
     }
+
+    pub mod llmd_indexer_v1 {
+        tonic::include_proto!("indexer.v1");
+    }
 }
 
 /// `kvatlas.v1`: the service's messages, enums, client and server stubs.
@@ -55,4 +63,29 @@ pub mod v1 {
 
     /// The fully qualified service name, `kvatlas.v1.Indexer`.
     pub const SERVICE_NAME: &str = "kvatlas.v1.Indexer";
+}
+
+/// llm-d's APIs, wire-compatible with llm-d's own servers and clients.
+pub mod llmd {
+    /// llm-d's KV-cache indexer API.
+    pub mod indexer {
+        /// `indexer.v1` (`proto/indexer/v1/indexer.proto`, llm-d-kv-cache's
+        /// `api/indexerpb/indexer.proto`): `IndexerService/GetPodScores` scores pods for a
+        /// prompt. The file is llm-d's, with one addition: `PodScore.data_parallel_rank`
+        /// (field 3, proposed in llm-d-kv-cache PR #370 and never merged upstream), which
+        /// upstream clients skip as an unknown field.
+        ///
+        /// Stubs: `indexer_service_client::IndexerServiceClient`,
+        /// `indexer_service_server::{IndexerService, IndexerServiceServer}`.
+        pub mod v1 {
+            pub use crate::generated::llmd_indexer_v1::*;
+
+            /// The encoded `FileDescriptorSet` of `indexer.v1`, for gRPC reflection.
+            pub const FILE_DESCRIPTOR_SET: &[u8] =
+                tonic::include_file_descriptor_set!("llmd_indexer_descriptor");
+
+            /// The fully qualified service name, `indexer.v1.IndexerService`.
+            pub const SERVICE_NAME: &str = "indexer.v1.IndexerService";
+        }
+    }
 }

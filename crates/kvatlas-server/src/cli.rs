@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 use crate::config::{
     ConfigError, DEFAULT_SNAPSHOT_INTERVAL, IndexSettings, Limits, Persistence, ServerConfig,
-    TlsFiles, WorkerDefaults, parse_engine, parse_peer_list, parse_worker_list,
+    TlsFiles, TokenizerFile, WorkerDefaults, parse_engine, parse_peer_list, parse_worker_list,
 };
 use crate::registry::{DEFAULT_TENANT, IndexKey};
 use crate::server::{RunningServer, ShutdownReport, StartError};
@@ -215,6 +215,10 @@ pub struct ServeArgs {
     /// Async runtime threads serving requests [default: one per core but one (at least 1)].
     #[arg(long, env = "KVATLAS_RUNTIME_THREADS")]
     pub runtime_threads: Option<usize>,
+    /// A model's Hugging Face tokenizer.json, `MODEL=PATH` (repeatable; comma-separated in the
+    /// environment variable): llm-d's GetPodScores tokenizes prompts with it. Loaded at start.
+    #[arg(long = "tokenizer", env = "KVATLAS_TOKENIZER", value_delimiter = ',')]
+    pub tokenizers: Vec<String>,
 }
 
 /// The TOML file of `--config`: the same settings.
@@ -247,6 +251,8 @@ struct ServeFile {
     tls_key: Option<PathBuf>,
     shutdown_timeout_secs: Option<u64>,
     runtime_threads: Option<usize>,
+    /// `MODEL=PATH` items, as `--tokenizer`.
+    tokenizer: Option<Vec<String>>,
 }
 
 impl ServeArgs {
@@ -361,6 +367,14 @@ impl ServeArgs {
                 .or(file.peers)
                 .map(|list| parse_peer_list(&list))
                 .unwrap_or_default(),
+            tokenizers: if self.tokenizers.is_empty() {
+                file.tokenizer.unwrap_or_default()
+            } else {
+                self.tokenizers.clone()
+            }
+            .iter()
+            .map(|spec| TokenizerFile::parse(spec))
+            .collect::<Result<_, _>>()?,
         };
         if let Some(list) = self.workers.clone().or(file.workers) {
             let block_size = self.block_size.or(file.block_size).ok_or_else(|| {
@@ -769,6 +783,7 @@ pub fn workers(args: &ListArgs) -> Result<String, CliError> {
                 json!({
                     "model": model, "tenant": tenant,
                     "instance_id": w.instance_id, "dp_rank": w.dp_rank,
+                    "pod_name": w.pod_name,
                     "source": enum_name::<v1::WorkerSource>(w.source),
                     "engine": enum_name::<v1::EngineKind>(w.engine),
                     "status": enum_name::<v1::WorkerStatus>(w.status),
@@ -807,6 +822,11 @@ pub fn workers(args: &ListArgs) -> Result<String, CliError> {
                 tenant,
                 w.instance_id.to_string(),
                 w.dp_rank.to_string(),
+                if w.pod_name.is_empty() {
+                    "-".into()
+                } else {
+                    w.pod_name.clone()
+                },
                 enum_name::<v1::WorkerSource>(w.source),
                 enum_name::<v1::WorkerStatus>(w.status),
                 w.last_seq.map_or_else(|| "-".into(), |s| s.to_string()),
@@ -830,6 +850,7 @@ pub fn workers(args: &ListArgs) -> Result<String, CliError> {
             "TENANT",
             "INSTANCE",
             "DP",
+            "POD",
             "SOURCE",
             "STATUS",
             "LAST_SEQ",
@@ -951,6 +972,10 @@ pub struct RegisterArgs {
     /// Bind the endpoint (engines connect) instead of connecting.
     #[arg(long)]
     pub bind: bool,
+    /// The pod the rank answers as in llm-d's GetPodScores (llm-d's pod identifier, for example
+    /// the engine's IP:port).
+    #[arg(long, default_value = "")]
+    pub pod_name: String,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -988,6 +1013,7 @@ pub fn register(args: &RegisterArgs) -> Result<String, CliError> {
         } else {
             v1::SocketMode::Connect
         } as i32,
+        pod_name: args.pod_name.clone(),
     };
     let response = runtime(Some(1))?.block_on(async {
         let mut client = args.connect.connect().await?;
@@ -1122,7 +1148,7 @@ mod tests {
         std::fs::write(
             &file,
             "grpc_addr = \"127.0.0.1:7000\"\nwriter_threads = 3\nworkers = \"1=tcp://h:1\"\n\
-             block_size = 32\nmodel = \"m\"\n",
+             block_size = 32\nmodel = \"m\"\ntokenizer = [\"m=/t/tokenizer.json\"]\n",
         )
         .expect("write");
         let args = ServeArgs {
@@ -1137,6 +1163,11 @@ mod tests {
         assert_eq!(config.workers.len(), 1);
         assert_eq!(config.workers[0].block_size.get(), 32);
         assert_eq!(config.workers[0].index.model, "m");
+        assert_eq!(
+            config.tokenizers,
+            [TokenizerFile::parse("m=/t/tokenizer.json").expect("parses")],
+            "from the file"
+        );
         std::fs::write(&file, "grpc_adr = \"127.0.0.1:7000\"\n").expect("write");
         let error = args.resolve().expect_err("typo").to_string();
         assert!(error.contains("grpc_adr"), "{error}");

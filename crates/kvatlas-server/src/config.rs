@@ -112,6 +112,45 @@ pub struct Persistence {
     pub interval: Option<Duration>,
 }
 
+/// A model's tokenizer (`--tokenizer MODEL=PATH`): llm-d's `GetPodScores` takes a prompt
+/// string, which the server tokenizes with the model's Hugging Face `tokenizer.json`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizerFile {
+    /// The model (the index's model name, llm-d's `model_name`).
+    pub model: String,
+    /// Its `tokenizer.json`, loaded at start.
+    pub path: PathBuf,
+}
+
+impl TokenizerFile {
+    /// Parses `MODEL=PATH` (the model may not contain `=`; the path may).
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the malformed item.
+    pub fn parse(spec: &str) -> Result<Self, ConfigError> {
+        let bad = |why: &str| {
+            ConfigError::Invalid(format!(
+                "--tokenizer {spec:?}: {why} (expected MODEL=PATH/tokenizer.json)"
+            ))
+        };
+        let (model, path) = spec.split_once('=').ok_or_else(|| bad("no `=`"))?;
+        let model = model.trim();
+        if model.is_empty() {
+            return Err(bad("empty model"));
+        }
+        if model.len() > crate::registry::MAX_NAME_BYTES {
+            return Err(bad("the model name is too long"));
+        }
+        if path.trim().is_empty() {
+            return Err(bad("empty path"));
+        }
+        Ok(Self {
+            model: model.to_owned(),
+            path: PathBuf::from(path.trim()),
+        })
+    }
+}
+
 /// Everything `kvatlas serve` needs.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -141,6 +180,8 @@ pub struct ServerConfig {
     /// Peers (base URLs of kvatlas or Dynamo indexers' HTTP side) a replica with no local
     /// snapshot bootstraps from, tried in order.
     pub peers: Vec<String>,
+    /// The models' tokenizers, for llm-d's `GetPodScores` (at most one per model).
+    pub tokenizers: Vec<TokenizerFile>,
 }
 
 impl Default for ServerConfig {
@@ -158,6 +199,7 @@ impl Default for ServerConfig {
             shutdown_timeout: Duration::from_secs(10),
             persistence: None,
             peers: Vec::new(),
+            tokenizers: Vec::new(),
         }
     }
 }
@@ -214,6 +256,17 @@ impl ServerConfig {
                     .into(),
             ));
         }
+        for (i, tokenizer) in self.tokenizers.iter().enumerate() {
+            if self.tokenizers[..i]
+                .iter()
+                .any(|other| other.model == tokenizer.model)
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "two tokenizers for model {:?}: give one --tokenizer per model",
+                    tokenizer.model
+                )));
+            }
+        }
         for peer in &self.peers {
             if !peer.starts_with("http://") {
                 return Err(ConfigError::Invalid(format!(
@@ -247,8 +300,9 @@ pub struct WorkerDefaults {
 
 /// Parses a `--workers` list: Dynamo's `ID[:DP_RANK]=ENDPOINT,...` form, where each worker may
 /// be followed by options that apply to it: `replay=ENDPOINT`, `topic=PREFIX`,
-/// `engine=vllm|sglang`, `bind`. For example
-/// `1=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,2:1=tcp://10.0.0.6:5557`.
+/// `engine=vllm|sglang`, `bind`, `pod=NAME` (the pod it answers as in llm-d's `GetPodScores`).
+/// For example
+/// `1=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,pod=10.0.0.5:8000,2:1=tcp://10.0.0.6:5557`.
 ///
 /// # Errors
 /// [`ConfigError::Invalid`] naming the malformed item.
@@ -269,6 +323,10 @@ pub fn parse_worker_list(
         match key {
             "replay" => last_worker(&mut workers, item)?.replay_endpoint = Some(value.to_owned()),
             "topic" => last_worker(&mut workers, item)?.topic = value.to_owned(),
+            "pod" => {
+                crate::registry::validate_pod_name(value).map_err(|e| bad(&e.to_string()))?;
+                last_worker(&mut workers, item)?.pod_name = Some(value.to_owned());
+            }
             "engine" => {
                 let engine = parse_engine(value)
                     .ok_or_else(|| bad("unknown engine (expected vllm or sglang)"))?;
@@ -301,6 +359,7 @@ pub fn parse_worker_list(
                     replay_endpoint: None,
                     topic: String::new(),
                     mode: SocketMode::Connect,
+                    pod_name: None,
                 });
             }
         }
@@ -366,10 +425,13 @@ mod tests {
     #[test]
     fn options_attach_to_the_worker_before_them() {
         let workers = parse_worker_list(
-            "1=tcp://h:5557,replay=tcp://h:5560,engine=sglang,bind,2=tcp://h:5558,topic=kv",
+            "1=tcp://h:5557,replay=tcp://h:5560,engine=sglang,bind,pod=10.0.0.5:8000,\
+             2=tcp://h:5558,topic=kv",
             &defaults(),
         )
         .expect("parses");
+        assert_eq!(workers[0].pod_name.as_deref(), Some("10.0.0.5:8000"));
+        assert_eq!(workers[1].pod_name, None);
         assert_eq!(workers[0].replay_endpoint.as_deref(), Some("tcp://h:5560"));
         assert_eq!(workers[0].engine, EngineKind::Sglang);
         assert_eq!(workers[0].mode, SocketMode::Bind);
@@ -387,12 +449,39 @@ mod tests {
             ("1=", "empty endpoint"),
             ("1=tcp://h:1,engine=trt", "unknown engine"),
             ("1", "expected ID"),
+            ("1=tcp://h:1,pod= ", "pod_name is blank"),
         ] {
             let error = parse_worker_list(list, &defaults())
                 .expect_err(list)
                 .to_string();
             assert!(error.contains(needle), "{list}: {error}");
         }
+    }
+
+    #[test]
+    fn tokenizer_specs_parse_and_one_per_model() {
+        let file = TokenizerFile::parse("llama=/models/llama/tokenizer.json").expect("parses");
+        assert_eq!(file.model, "llama");
+        assert_eq!(file.path, PathBuf::from("/models/llama/tokenizer.json"));
+        let file = TokenizerFile::parse("m=dir=x/tokenizer.json").expect("parses");
+        assert_eq!(file.path, PathBuf::from("dir=x/tokenizer.json"));
+        for (spec, needle) in [
+            ("llama", "no `=`"),
+            ("=x", "empty model"),
+            ("m=", "empty path"),
+        ] {
+            let error = TokenizerFile::parse(spec).expect_err(spec).to_string();
+            assert!(error.contains(needle), "{spec}: {error}");
+        }
+        let config = ServerConfig {
+            tokenizers: vec![
+                TokenizerFile::parse("m=a").expect("parses"),
+                TokenizerFile::parse("m=b").expect("parses"),
+            ],
+            ..ServerConfig::default()
+        };
+        let error = config.validate().expect_err("two for m").to_string();
+        assert!(error.contains("two tokenizers for model \"m\""), "{error}");
     }
 
     #[test]

@@ -4,8 +4,10 @@
 //! `/deregister_peer`, `/peers` (and `/health`, `/metrics` beside them).
 //!
 //! The running 1.6.1 service is the reference (not its older documentation): the same paths,
-//! field names, status codes, JSON shapes and body limits, and axum's own texts for bodies that
-//! are not JSON (400), not `application/json` (415) or of the wrong shape (422). Where kvatlas
+//! field names, status codes, JSON shapes and body limits, axum's own texts for bodies that are
+//! not JSON (400), not `application/json` (415) or of the wrong shape (422), and 1.6.1's words
+//! for its own errors (endpoint checks, a rank already registered, a block-size mismatch, an
+//! unknown instance or rank); `tests/dynamo_compat.rs` checks them against the wheel. Where kvatlas
 //! answers differently it does so on purpose, and `docs/server.md` lists each difference; the
 //! main ones:
 //!
@@ -85,6 +87,36 @@ fn tenant_of(routing_group: Option<&str>, tenant_id: Option<&str>) -> String {
         .to_owned()
 }
 
+/// 1.6.1's check of a ZMQ endpoint, with its messages: `tcp://HOST:PORT` (`[V6]:PORT`),
+/// `ipc://PATH` or `inproc://NAME`. ZMQ itself may still refuse what passes (kvatlas then
+/// answers 400 at registration; 1.6.1 shows a failed listener).
+fn check_endpoint(endpoint: &str) -> Result<(), String> {
+    let detail = match endpoint.split_once("://") {
+        None => Err("missing scheme".to_owned()),
+        Some(("tcp", address)) => {
+            let split = match address.strip_prefix('[') {
+                Some(v6) => v6
+                    .split_once("]:")
+                    .ok_or_else(|| "missing closing `]`".to_owned()),
+                None => match address.rsplit_once(':') {
+                    Some(("", _)) => Err("missing TCP host".to_owned()),
+                    Some((host, port)) if !host.contains(':') => Ok((host, port)),
+                    _ => Err("missing TCP port".to_owned()),
+                },
+            };
+            split.and_then(|(_, port)| {
+                port.parse::<u16>()
+                    .map(drop)
+                    .map_err(|e| format!("invalid TCP port: {e}"))
+            })
+        }
+        Some(("ipc" | "inproc", "")) => Err("missing address".to_owned()),
+        Some(("ipc" | "inproc", _)) => Ok(()),
+        Some((scheme, _)) => Err(format!("unsupported scheme `{scheme}`")),
+    };
+    detail.map_err(|detail| format!("invalid ZMQ endpoint `{endpoint}`: {detail}"))
+}
+
 /// A 64-bit hash given as a signed (two's complement, as 1.6.1 wants) or unsigned integer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct AnyU64(u64);
@@ -95,7 +127,8 @@ impl<'de> Deserialize<'de> for AnyU64 {
         impl de::Visitor<'_> for Visitor {
             type Value = AnyU64;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a 64-bit integer")
+                // 1.6.1's words (it takes i64; kvatlas also takes u64).
+                f.write_str("i64")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<AnyU64, E> {
                 Ok(AnyU64(v))
@@ -147,6 +180,51 @@ pub(crate) async fn register(
     if let Err(e) = caller.check(&tenant) {
         return service_error(&e);
     }
+    // 1.6.1's checks, in its order and words: the endpoints, a rank already registered, the
+    // partition's block size.
+    if let Err(message) = check_endpoint(&request.endpoint) {
+        return error(StatusCode::BAD_REQUEST, message);
+    }
+    if let Some(replay) = &request.replay_endpoint
+        && let Err(message) = check_endpoint(replay)
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("invalid replay endpoint `{replay}`: {message}"),
+        );
+    }
+    let rank = request.dp_rank.unwrap_or(0);
+    if let Some(entry) = state
+        .registry
+        .get(&IndexKey::new(request.model_name.as_str(), tenant.as_str()))
+    {
+        if entry
+            .feeds
+            .lock()
+            .contains_key(&Worker::new(request.instance_id, rank))
+        {
+            return error(
+                StatusCode::CONFLICT,
+                format!(
+                    "instance {} dp_rank {rank} already registered",
+                    request.instance_id
+                ),
+            );
+        }
+        if entry.block_size.get() != request.block_size {
+            return error(
+                StatusCode::CONFLICT,
+                format!(
+                    "block_size mismatch for model={} routing_group={}: existing={}, \
+                     requested={}",
+                    entry.key.model,
+                    entry.key.tenant,
+                    entry.block_size.get(),
+                    request.block_size
+                ),
+            );
+        }
+    }
     let block_size = match block_size_field(request.block_size, "block_size") {
         Ok(size) => size,
         Err(e) => return service_error(&e),
@@ -175,6 +253,7 @@ pub(crate) async fn register(
             .filter(|e| !e.is_empty()),
         topic: String::new(),
         mode: SocketMode::Connect,
+        pod_name: None,
     };
     let (instance, rank) = (registration.instance_id, registration.dp_rank);
     let registry = Arc::clone(&state.registry);
@@ -186,9 +265,12 @@ pub(crate) async fn register(
             format!("instance {instance} dp_rank {rank} already registered"),
         ),
         Ok(Ok(_)) => ok(StatusCode::CREATED),
-        Ok(Err(ServiceError::AlreadyExists(m) | ServiceError::FailedPrecondition(m))) => {
-            error(StatusCode::CONFLICT, m)
-        }
+        // Registered meanwhile by another request (the checks above saw it free).
+        Ok(Err(ServiceError::AlreadyExists(_))) => error(
+            StatusCode::CONFLICT,
+            format!("instance {instance} dp_rank {rank} already registered"),
+        ),
+        Ok(Err(ServiceError::FailedPrecondition(m))) => error(StatusCode::CONFLICT, m),
         Ok(Err(e)) => service_error(&e),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
@@ -227,23 +309,64 @@ pub(crate) async fn unregister(
     }
     let registry = Arc::clone(&state.registry);
     let done = tokio::task::spawn_blocking(move || {
-        registry.unregister(
-            &request.model_name,
-            tenant.as_deref(),
-            request.instance_id,
-            request.dp_rank,
-            |t| caller.may_use(t),
-        )
+        let may_use = |t: &str| caller.may_use(t);
+        let (model, tenant) = (request.model_name.as_str(), tenant.as_deref());
+        registry
+            .unregister(model, tenant, request.instance_id, request.dp_rank, may_use)
+            .map_err(|e| match e {
+                ServiceError::NotFound(_) => ServiceError::NotFound(unregister_not_found(
+                    &registry,
+                    model,
+                    tenant,
+                    request.instance_id,
+                    request.dp_rank,
+                    may_use,
+                )),
+                other => other,
+            })
     })
     .await;
     match done {
         Ok(Ok(_)) => ok(StatusCode::OK),
-        Ok(Err(ServiceError::NotFound(_))) => error(
-            StatusCode::NOT_FOUND,
-            format!("instance {} not found", request.instance_id),
-        ),
+        Ok(Err(ServiceError::NotFound(message))) => error(StatusCode::NOT_FOUND, message),
         Ok(Err(e)) => service_error(&e),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// 1.6.1's words for an unregistration that matched nothing: the rank is not registered, the
+/// instance is registered elsewhere (the first such index), or it is not registered at all.
+fn unregister_not_found(
+    registry: &Registry,
+    model: &str,
+    tenant: Option<&str>,
+    instance_id: u64,
+    dp_rank: Option<u32>,
+    may_use: impl Fn(&str) -> bool,
+) -> String {
+    let mut elsewhere = None;
+    for entry in registry.all() {
+        if !may_use(&entry.key.tenant)
+            || !entry
+                .feeds
+                .lock()
+                .keys()
+                .any(|w| w.worker_id == instance_id)
+        {
+            continue;
+        }
+        let here = entry.key.model == model && tenant.is_none_or(|t| t == entry.key.tenant);
+        if let (true, Some(rank)) = (here, dp_rank) {
+            return format!("instance {instance_id} dp_rank {rank} not found");
+        }
+        elsewhere.get_or_insert(entry);
+    }
+    match elsewhere {
+        Some(entry) => format!(
+            "instance {instance_id} is registered for model={} routing_group={}",
+            entry.key.model, entry.key.tenant
+        ),
+        None => format!("instance {instance_id} not found"),
     }
 }
 
@@ -948,6 +1071,54 @@ mod tests {
                 },
             })
         );
+    }
+
+    #[test]
+    fn endpoints_are_checked_with_dynamos_words() {
+        // Observed on the 1.6.1 wheel (`tests/dynamo_compat.rs` compares the live answers).
+        for ok in [
+            "tcp://127.0.0.1:5557",
+            "tcp://*:5557",
+            "tcp://[::1]:5",
+            "tcp://h:+5",
+            "ipc:///tmp/x.sock",
+            "inproc://x",
+        ] {
+            assert_eq!(check_endpoint(ok), Ok(()), "{ok}");
+        }
+        for (bad, detail) in [
+            ("not-a-url", "missing scheme"),
+            ("", "missing scheme"),
+            ("tcp:/x:5", "missing scheme"),
+            ("http://127.0.0.1:5994", "unsupported scheme `http`"),
+            ("TCP://h:5", "unsupported scheme `TCP`"),
+            (" tcp://h:5", "unsupported scheme ` tcp`"),
+            ("tcp://127.0.0.1", "missing TCP port"),
+            ("tcp://a:b:5", "missing TCP port"),
+            ("tcp://::1:5", "missing TCP port"),
+            ("tcp://:5", "missing TCP host"),
+            ("tcp://[::1]", "missing closing `]`"),
+            (
+                "tcp://h:",
+                "invalid TCP port: cannot parse integer from empty string",
+            ),
+            (
+                "tcp://h:5/path",
+                "invalid TCP port: invalid digit found in string",
+            ),
+            (
+                "tcp://h:99999",
+                "invalid TCP port: number too large to fit in target type",
+            ),
+            ("ipc://", "missing address"),
+            ("inproc://", "missing address"),
+        ] {
+            assert_eq!(
+                check_endpoint(bad),
+                Err(format!("invalid ZMQ endpoint `{bad}`: {detail}")),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

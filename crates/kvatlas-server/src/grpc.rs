@@ -67,7 +67,7 @@ pub(crate) fn authenticate(state: &State, mut request: Request<()>) -> Result<Re
     Ok(request)
 }
 
-fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
+pub(crate) fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
     request
         .extensions()
         .get::<Caller>()
@@ -93,8 +93,8 @@ fn selector_of(key: &IndexKey) -> v1::IndexSelector {
     }
 }
 
-/// Runs a blocking registry operation off the async workers.
-async fn blocking<T: Send + 'static>(
+/// Runs a blocking operation (a registry change, a tokenization) off the async workers.
+pub(crate) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, ServiceError> + Send + 'static,
 ) -> Result<T, ServiceError> {
     tokio::task::spawn_blocking(work)
@@ -217,6 +217,7 @@ pub(crate) fn registration_of(
         replay_endpoint: Some(request.replay_endpoint.trim().to_owned()).filter(|e| !e.is_empty()),
         topic: request.topic.clone(),
         mode: mode_of(request.socket_mode)?,
+        pod_name: Some(request.pod_name.clone()).filter(|p| !p.is_empty()),
     })
 }
 
@@ -286,6 +287,7 @@ fn worker_info(view: &RankView) -> v1::WorkerInfo {
                 SocketMode::Connect => v1::SocketMode::Connect,
                 SocketMode::Bind => v1::SocketMode::Bind,
             } as i32;
+            info.pod_name = registration.pod_name.clone().unwrap_or_default();
         }
         RankSource::Grpc => info.source = v1::WorkerSource::Grpc as i32,
         RankSource::BatchRank => info.source = v1::WorkerSource::BatchRank as i32,

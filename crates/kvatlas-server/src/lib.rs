@@ -6,6 +6,7 @@
 //! | `query` | answering a query inline: hashing the prompt as the engines' events are hashed, one walk, the options |
 //! | `publish` | `PublishEvents`: engine-neutral events pushed over gRPC, checked whole, sequenced per rank |
 //! | `grpc` | the `kvatlas.v1.Indexer` service: validation, proto ↔ domain conversion, status codes |
+//! | `llmd` | llm-d's `indexer.v1.IndexerService/GetPodScores`: the models' tokenizers, pods, llm-d's tier-weighted score |
 //! | `http` | `/health`, `/ready`, `/metrics`, `/snapshot` and Dynamo's routes |
 //! | `dynamo` | Dynamo's standalone-indexer HTTP API (1.6.1): register, query, `/dump`, peers |
 //! | [`snapshot`], `snapshot_stream` | the native snapshot format; streaming it over HTTP and gRPC |
@@ -42,6 +43,7 @@ mod error;
 pub mod fuzzing;
 mod grpc;
 mod http;
+mod llmd;
 mod metrics;
 mod peers;
 mod publish;
@@ -58,10 +60,11 @@ mod tls;
 pub use auth::{Caller, MIN_TOKEN_BYTES, TokenFileError, Tokens};
 pub use config::{
     ConfigError, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_SNAPSHOT_INTERVAL, IndexSettings,
-    Limits, Persistence, ServerConfig, TlsFiles, WorkerDefaults, parse_engine, parse_peer_list,
-    parse_worker_list,
+    Limits, Persistence, ServerConfig, TlsFiles, TokenizerFile, WorkerDefaults, parse_engine,
+    parse_peer_list, parse_worker_list,
 };
 pub use error::ServiceError;
+pub use llmd::TokenizerError;
 pub use peers::Bootstrap;
 pub use registry::{DEFAULT_TENANT, FeedCounters, IndexKey, MAX_NAME_BYTES, WorkerRegistration};
 pub use server::{IndexReport, Restored, RunningServer, ShutdownReport, StartError};

@@ -35,7 +35,7 @@ use parking_lot::Mutex;
 
 use crate::registry::Registry;
 
-/// The RPCs of `kvatlas.v1.Indexer`.
+/// The RPCs of `kvatlas.v1.Indexer`, and llm-d's `GetPodScores`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Rpc {
     Query,
@@ -46,10 +46,12 @@ pub(crate) enum Rpc {
     ListIndexes,
     PublishEvents,
     Snapshot,
+    /// llm-d's `indexer.v1.IndexerService/GetPodScores`.
+    GetPodScores,
 }
 
 impl Rpc {
-    const ALL: [Rpc; 8] = [
+    const ALL: [Rpc; 9] = [
         Rpc::Query,
         Rpc::QueryStream,
         Rpc::RegisterWorker,
@@ -58,6 +60,7 @@ impl Rpc {
         Rpc::ListIndexes,
         Rpc::PublishEvents,
         Rpc::Snapshot,
+        Rpc::GetPodScores,
     ];
 
     const fn name(self) -> &'static str {
@@ -70,6 +73,7 @@ impl Rpc {
             Rpc::ListIndexes => "ListIndexes",
             Rpc::PublishEvents => "PublishEvents",
             Rpc::Snapshot => "Snapshot",
+            Rpc::GetPodScores => "GetPodScores",
         }
     }
 }

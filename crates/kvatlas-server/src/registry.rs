@@ -124,6 +124,9 @@ pub struct WorkerRegistration {
     pub topic: String,
     /// Connect or bind.
     pub mode: SocketMode,
+    /// The pod the rank answers as in llm-d's `GetPodScores` (`None`: its instance's pod name,
+    /// else its instance id; see `llmd`).
+    pub pod_name: Option<String>,
 }
 
 impl WorkerRegistration {
@@ -155,8 +158,37 @@ impl WorkerRegistration {
                 )));
             }
         }
+        if let Some(pod) = &self.pod_name {
+            validate_pod_name(pod)?;
+        }
         Ok(())
     }
+}
+
+/// Checks a pod name: not blank, at most [`MAX_NAME_BYTES`], no control characters.
+///
+/// # Errors
+/// [`ServiceError::InvalidArgument`] naming `pod_name`.
+pub(crate) fn validate_pod_name(pod: &str) -> Result<(), ServiceError> {
+    if pod.trim().is_empty() {
+        return Err(ServiceError::InvalidArgument(
+            "pod_name is blank: give the pod's identifier as llm-d's router knows it (for \
+             example the engine's IP:port), or leave it empty for none"
+                .into(),
+        ));
+    }
+    if pod.len() > MAX_NAME_BYTES {
+        return Err(ServiceError::InvalidArgument(format!(
+            "pod_name is {} bytes long; at most {MAX_NAME_BYTES} are accepted",
+            pod.len()
+        )));
+    }
+    if pod.chars().any(char::is_control) {
+        return Err(ServiceError::InvalidArgument(format!(
+            "pod_name {pod:?} contains a control character"
+        )));
+    }
+    Ok(())
 }
 
 /// A rank's event counters, the same for both kinds of feed (monotonic).

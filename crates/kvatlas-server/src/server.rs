@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvatlas_index::{SharedKvIndex, Worker};
+use kvatlas_proto::llmd::indexer::v1::indexer_service_server::IndexerServiceServer;
 use kvatlas_proto::v1::indexer_server::IndexerServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -44,6 +45,7 @@ use crate::config::Persistence;
 use crate::config::{ConfigError, ServerConfig};
 use crate::error::ServiceError;
 use crate::grpc::{IndexerService, authenticate};
+use crate::llmd::{PodScoresService, TokenizerError, Tokenizers};
 use crate::peers::Bootstrap;
 use crate::registry::{Feed, IndexKey, Registry};
 use crate::served_index::unix_micros_now;
@@ -97,6 +99,9 @@ pub enum StartError {
     /// The gRPC server could not be set up.
     #[error("gRPC setup: {0}")]
     Grpc(String),
+    /// A model's tokenizer (`--tokenizer`) could not be loaded.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
     /// The data directory cannot be used.
     #[error("cannot use the data directory {path}: {source}")]
     DataDir {
@@ -183,6 +188,10 @@ impl RunningServer {
             .map(TlsMaterial::load)
             .transpose()
             .map_err(StartError::Tls)?;
+        let tokenizer_files = config.tokenizers.clone();
+        let tokenizers = tokio::task::spawn_blocking(move || Tokenizers::load(&tokenizer_files))
+            .await
+            .map_err(|e| StartError::Grpc(e.to_string()))??;
         let registry = Arc::new(Registry::new(config.index, config.limits));
         let state = Arc::new(State::new(
             Arc::clone(&registry),
@@ -247,6 +256,7 @@ impl RunningServer {
         let health = tokio::spawn(track_health(Arc::clone(&state), reporter));
         let grpc = serve_grpc(
             &state,
+            Arc::new(tokenizers),
             grpc_listener,
             tls.as_ref(),
             health_service,
@@ -647,9 +657,12 @@ async fn track_health(state: Arc<State>, reporter: tonic_health::server::HealthR
             } else {
                 ServingStatus::NotServing
             };
-            reporter
-                .set_service_status(kvatlas_proto::v1::SERVICE_NAME, status)
-                .await;
+            for service in [
+                kvatlas_proto::v1::SERVICE_NAME,
+                kvatlas_proto::llmd::indexer::v1::SERVICE_NAME,
+            ] {
+                reporter.set_service_status(service, status).await;
+            }
             reporter.set_service_status("", status).await;
             serving = Some(ready);
         }
@@ -659,6 +672,7 @@ async fn track_health(state: Arc<State>, reporter: tonic_health::server::HealthR
 
 fn serve_grpc(
     state: &Arc<State>,
+    tokenizers: Arc<Tokenizers>,
     listener: TcpListener,
     tls: Option<&TlsMaterial>,
     health: tonic_health::pb::health_server::HealthServer<
@@ -675,11 +689,21 @@ fn serve_grpc(
         IndexerServer::new(IndexerService::new(Arc::clone(state)))
             .max_decoding_message_size(limits.max_message_bytes)
             .max_encoding_message_size(limits.max_message_bytes),
+        auth.clone(),
+    );
+    // llm-d's API behind the same token check, limits and metrics.
+    let llmd = InterceptedService::new(
+        IndexerServiceServer::new(PodScoresService::new(Arc::clone(state), tokenizers))
+            .max_decoding_message_size(limits.max_message_bytes)
+            .max_encoding_message_size(limits.max_message_bytes),
         auth,
     );
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(kvatlas_proto::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(
+                kvatlas_proto::llmd::indexer::v1::FILE_DESCRIPTOR_SET,
+            )
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
     let reflection_v1 = reflection()
@@ -700,12 +724,13 @@ fn serve_grpc(
             .map_err(|e| StartError::Tls(format!("gRPC TLS: {e}")))?;
     }
     // Health and reflection (the API's schema, public in any case) need no token, so probes and
-    // grpcurl work; every kvatlas.v1 RPC goes through `authenticate`.
+    // grpcurl work; every kvatlas.v1 RPC and llm-d's GetPodScores go through `authenticate`.
     let router = builder
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(service);
+        .add_service(service)
+        .add_service(llmd);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     Ok(tokio::spawn(router.serve_with_incoming_shutdown(
         incoming,

@@ -9,7 +9,8 @@
 //! record  := kind u8 · fields            (integers are LEB128 varints unless marked "fixed")
 //!   1 INDEX        model str · tenant str · block size · capacity (0 = unbounded)
 //!   2 REGISTRATION instance · dp rank · source u8 (1 ZMQ, 2 gRPC) · engine u8 · mode u8 ·
-//!                  endpoint str · replay endpoint str · topic str           (of the last INDEX)
+//!                  endpoint str · replay endpoint str · topic str · pod name str (version ≥ 2;
+//!                  empty = none)                                            (of the last INDEX)
 //!   3 MARK         instance · dp rank · position · n · n × (seq delta · fingerprint fixed u64)
 //!   4 BLOCKS       n · n × (engine hash fixed u64 · local hash fixed u64 · parent)
 //!                  parent: 0 = none, 1 = an engine hash follows (fixed u64),
@@ -28,20 +29,22 @@
 //! [`FORMAT_VERSION`], whose records are malformed or truncated, or whose checksum does not
 //! match — before anything is restored.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 
 use kvatlas_events::{EngineKind, SocketMode};
 use kvatlas_hash::{BlockSize, LocalBlockHash};
 use kvatlas_index::{ExternalBlockHash, Snapshot, SnapshotBlock, TierSet, Worker, WorkerSnapshot};
+use rustc_hash::FxHashMap as HashMap;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::registry::{IndexKey, WorkerRegistration};
 
 /// The stream's first bytes.
 pub const MAGIC: &[u8; 8] = b"KVATSNAP";
-/// The format version this build writes and the newest it reads.
-pub const FORMAT_VERSION: u16 = 1;
+/// The format version this build writes and the newest it reads (2 added the pod name of a
+/// registration; version 1 files are read as registrations without one).
+pub const FORMAT_VERSION: u16 = 2;
 
 const INDEX: u8 = 1;
 const REGISTRATION: u8 = 2;
@@ -234,11 +237,13 @@ impl<W: Write> Writer<W> {
                         r.replay_endpoint.as_deref().unwrap_or_default(),
                     );
                     put_str(&mut self.buf, &r.topic);
+                    put_str(&mut self.buf, r.pod_name.as_deref().unwrap_or_default());
                 }
                 RecordedFeed::Grpc { worker } => {
                     put_varint(&mut self.buf, worker.worker_id);
                     put_varint(&mut self.buf, u64::from(worker.dp_rank));
                     self.buf.extend_from_slice(&[2, 0, 0]);
+                    put_str(&mut self.buf, "");
                     put_str(&mut self.buf, "");
                     put_str(&mut self.buf, "");
                     put_str(&mut self.buf, "");
@@ -343,7 +348,7 @@ struct BlockTable {
 impl BlockTable {
     fn build(snapshot: &Snapshot) -> Self {
         // Distinct entries, and each entry's children.
-        let mut distinct: HashMap<Entry, ()> = HashMap::new();
+        let mut distinct: HashMap<Entry, ()> = HashMap::default();
         for worker in &snapshot.workers {
             for b in &worker.blocks {
                 distinct.insert(
@@ -356,8 +361,8 @@ impl BlockTable {
                 );
             }
         }
-        let mut by_external: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::new();
-        let mut children: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::new();
+        let mut by_external: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::default();
+        let mut children: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::default();
         for entry in distinct.keys() {
             by_external.entry(entry.external).or_default().push(*entry);
             if let Some(parent) = entry.parent {
@@ -375,7 +380,7 @@ impl BlockTable {
             .collect();
         roots.sort_unstable_by_key(|e| (e.external, e.local, e.parent));
         let mut entries = Vec::with_capacity(distinct.len());
-        let mut index = HashMap::with_capacity(distinct.len());
+        let mut index = HashMap::with_capacity_and_hasher(distinct.len(), Default::default());
         let mut stack: Vec<Entry> = roots.into_iter().rev().collect();
         let visit = |stack: &mut Vec<Entry>,
                      entries: &mut Vec<Entry>,
@@ -403,7 +408,7 @@ impl BlockTable {
             stack.push(entry);
             visit(&mut stack, &mut entries, &mut index);
         }
-        let mut position = HashMap::with_capacity(entries.len());
+        let mut position = HashMap::with_capacity_and_hasher(entries.len(), Default::default());
         for (i, entry) in entries.iter().enumerate() {
             position.entry(entry.external).or_insert(i);
         }
@@ -609,6 +614,11 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                 let endpoint = reader.string("an endpoint")?;
                 let replay = reader.string("a replay endpoint")?;
                 let topic = reader.string("a topic")?;
+                let pod_name = if version >= 2 {
+                    Some(reader.string("a pod name")?).filter(|p| !p.is_empty())
+                } else {
+                    None
+                };
                 let image = images.last_mut().ok_or_else(|| {
                     SnapshotError::Corrupt("a registration before any index".into())
                 })?;
@@ -630,6 +640,7 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                         endpoint,
                         replay_endpoint: Some(replay).filter(|r| !r.is_empty()),
                         topic,
+                        pod_name,
                         mode: match mode {
                             0 => SocketMode::Connect,
                             1 => SocketMode::Bind,
@@ -784,6 +795,7 @@ mod tests {
                     replay_endpoint: Some("tcp://h:2".into()),
                     topic: "kv".into(),
                     mode: SocketMode::Bind,
+                    pod_name: Some("10.0.0.5:8000".into()),
                 }),
                 RecordedFeed::Grpc {
                     worker: Worker::new(2, 1),
@@ -866,14 +878,53 @@ mod tests {
         }
     }
 
+    /// A version 1 stream (registrations without a pod name) written by hand: still read.
+    #[test]
+    fn version_1_registrations_have_no_pod_name() {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&1u16.to_le_bytes());
+        bytes.extend_from_slice(&[0, 0]);
+        bytes.extend_from_slice(&7i64.to_le_bytes());
+        bytes.push(INDEX);
+        put_str(&mut bytes, "m");
+        put_str(&mut bytes, "t");
+        put_varint(&mut bytes, 16);
+        put_varint(&mut bytes, 0);
+        bytes.push(REGISTRATION);
+        put_varint(&mut bytes, 1);
+        put_varint(&mut bytes, 0);
+        bytes.extend_from_slice(&[1, 1, 0]);
+        put_str(&mut bytes, "tcp://h:1");
+        put_str(&mut bytes, "");
+        put_str(&mut bytes, "kv");
+        bytes.push(TRAILER);
+        put_varint(&mut bytes, 1);
+        put_varint(&mut bytes, 0);
+        let digest = xxhash_rust::xxh3::xxh3_64(&bytes);
+        bytes.extend_from_slice(&digest.to_le_bytes());
+        let (created, images) = read(&bytes[..]).expect("a version 1 stream is read");
+        assert_eq!(created, 7);
+        let [RecordedFeed::Zmq(registration)] = images[0].feeds.as_slice() else {
+            panic!("one ZMQ registration: {:?}", images[0].feeds);
+        };
+        assert_eq!(registration.topic, "kv");
+        assert_eq!(registration.pod_name, None);
+        // Written again, it is a version 2 stream that reads back the same.
+        let again = encode(&images);
+        assert_eq!(u16::from_le_bytes([again[8], again[9]]), FORMAT_VERSION);
+        let (_, reread) = read(&again[..]).expect("reads");
+        assert_eq!(reread[0].feeds, images[0].feeds);
+    }
+
     #[test]
     fn errors_name_the_problem() {
         let bytes = encode(&[image(Vec::new())]);
         let mut newer = bytes.clone();
-        newer[8] = 2;
+        newer[8] = 3;
         assert!(matches!(
             read(&newer[..]),
-            Err(SnapshotError::NewerVersion { found: 2 })
+            Err(SnapshotError::NewerVersion { found: 3 })
         ));
         assert!(matches!(
             read(&b"NOTASNAPxxxxxxxx"[..]),

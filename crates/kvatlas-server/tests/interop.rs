@@ -600,6 +600,7 @@ fn fleet_workers(fleet: &driver::Fleet, model: &str) -> Vec<kvatlas_server::Work
             replay_endpoint: Some(m.replay_endpoint()),
             topic: TOPIC.into(),
             mode: kvatlas_events::SocketMode::Connect,
+            pod_name: None,
         })
         .collect()
 }
@@ -667,4 +668,100 @@ fn a_replica_bootstraps_from_a_peer_while_engines_publish() {
         assert_eq!(b_report.indexes[0].digest, digest, "B equals the reference");
         fleet.quit();
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// llm-d's GetPodScores from Python
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `tests/python/llmd_client.py` with `args`; its JSON output.
+fn llmd_script(args: &[&str]) -> serde_json::Value {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/llmd_client.py");
+    let output = Command::new(interop_dir().join("venv/bin/python"))
+        .arg(&script)
+        .args(args)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("python runs");
+    assert!(
+        output.status.success(),
+        "llmd_client.py {} failed",
+        args.first().copied().unwrap_or_default()
+    );
+    serde_json::from_slice(&output.stdout).expect("the script's JSON")
+}
+
+/// llm-d's `indexer.v1.IndexerService/GetPodScores` as an llm-d router calls it: a tokenizer
+/// trained in Python (byte-level BPE with a BOS its post-processor adds) given to the server,
+/// workers registered with pod names and fed over ZMQ in vLLM's format (an offload to the CPU
+/// tier, a batch carrying another data-parallel rank) and one over `PublishEvents`; the script
+/// checks the answers against its own port of llm-d's scorer over the same tokenizer's ids, and
+/// that a client generated from llm-d's upstream proto reads them unchanged.
+#[test]
+#[ignore = "needs the Python clients and tokenizers: run `cargo xtask interop`"]
+fn llmd_get_pod_scores_from_python() {
+    const LLMD_MODEL: &str = "tiny-bpe";
+    let scratch = std::env::temp_dir().join(format!("kvatlas-llmd-py-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let trained = llmd_script(&["train", scratch.to_str().expect("utf-8 path")]);
+    let tokenizer = trained["tokenizer"].as_str().expect("the tokenizer's path");
+    let runtime = runtime();
+    let h = runtime.block_on(start(ServerConfig {
+        tokenizers: vec![
+            kvatlas_server::TokenizerFile::parse(&format!("{LLMD_MODEL}={tokenizer}"))
+                .expect("spec"),
+        ],
+        ..ServerConfig::default()
+    }));
+    let proto = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kvatlas-proto/proto");
+    let result = llmd_script(&[
+        "run",
+        &h.server.grpc_addr().to_string(),
+        proto.to_str().expect("utf-8 path"),
+        scratch.to_str().expect("utf-8 path"),
+        tokenizer,
+        LLMD_MODEL,
+    ]);
+    eprintln!("llmd_client.py: {result}");
+    // The script asserted every answer against llm-d's scorer; what it saw, in brief.
+    let a = result["answers"]["A"].as_array().expect("answers");
+    assert_eq!(a.len(), 3, "three pods hold prompt A: {a:?}");
+    assert!(
+        a.contains(&serde_json::json!(["10.0.0.2:8000", 10.0, 1])),
+        "pod 10.0.0.2:8000 answers with its rank 1's 10 blocks: {a:?}"
+    );
+    assert!(
+        a.contains(&serde_json::json!([
+            "10.0.0.1:8000",
+            1.0 + 1.0 + 1.0 + 0.8 + 0.8,
+            0
+        ])),
+        "3 GPU blocks and 2 offloaded to the CPU: {a:?}"
+    );
+    assert_eq!(result["answers"]["empty"], serde_json::json!([]));
+    assert_eq!(result["upstream_client"], "same answers");
+    assert_eq!(result["no_tokenizer"][0], "FAILED_PRECONDITION");
+    assert!(
+        result["no_tokenizer"][1]
+            .as_str()
+            .is_some_and(|m| m.contains("--tokenizer no-tokenizer-model=PATH")),
+        "{result}"
+    );
+    assert!(
+        result["services"]
+            .as_array()
+            .is_some_and(|s| s.contains(&serde_json::json!("indexer.v1.IndexerService"))),
+        "{result}"
+    );
+    assert_eq!(
+        result["pod_names"],
+        serde_json::json!([
+            [1, 0, "10.0.0.1:8000"],
+            [2, 0, "10.0.0.2:8000"],
+            [2, 1, ""],
+            [7, 0, ""]
+        ])
+    );
+    runtime.block_on(h.server.shutdown());
+    let _ = std::fs::remove_dir_all(scratch);
 }
