@@ -1,7 +1,9 @@
 //! Request handling without a network, for the fuzz target (`fuzz/fuzz_targets/requests.rs`,
 //! built with `cfg(fuzzing)`) and this crate's robustness test: bytes are decoded as a request
 //! message and go through the same validation, conversion and index work as over gRPC, against
-//! one small in-process server state (bounded: few indexes, a capacity per index). Not an API.
+//! one small in-process server state (bounded: few indexes, a capacity per index). What a peer
+//! sends a bootstrapping replica goes through the same test: a native snapshot (read and checked)
+//! and a Dynamo `/dump` (parsed and applied). Not an API.
 //!
 //! The property: no input panics, and none is answered with INTERNAL — a bad request is the
 //! client's error, and says so.
@@ -41,12 +43,21 @@ fn state() -> Arc<State> {
 
 /// Decodes `data[1..]` as the request `data[0]` selects and handles it; `None` when the bytes
 /// are not that message (tonic answers INVALID_ARGUMENT then), else the handling's outcome.
+/// Selectors (mod 5): 0 `Query`, 1 `RegisterWorker`, 2 `PublishEvents`, 3 a peer's native
+/// snapshot, 4 a peer's Dynamo `/dump`.
 pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
     let (&selector, body) = data.split_first()?;
     let state = state();
     let service = IndexerService::new(Arc::clone(&state));
     let caller = Caller::anonymous();
-    Some(match selector % 3 {
+    Some(match selector % 5 {
+        3 => crate::snapshot::read(body)
+            .map(drop)
+            .map_err(|e| ServiceError::InvalidArgument(e.to_string())),
+        4 => crate::dynamo::parse_dump(body)
+            .map_err(ServiceError::InvalidArgument)
+            .and_then(|dump| crate::dynamo::apply_dump(&state.registry, dump))
+            .map(drop),
         0 => {
             let query = v1::QueryRequest::decode(body).ok()?;
             service.answer(&caller, &query).map(drop)
@@ -211,7 +222,52 @@ mod tests {
                 .map(|()| bytes)
                 .unwrap_or_default()
             });
-        prop_oneof![query, register, publish]
+        // What a peer sends: a native snapshot and a Dynamo dump of a small random state.
+        let peer = (
+            proptest::collection::vec((0..4u64, proptest::collection::vec(0..6u64, 1..5)), 0..6),
+            any::<bool>(),
+        )
+            .prop_map(|(runs, as_dump)| {
+                use kvatlas_index::KvIndex as _;
+                let mut reference = kvatlas_index::ReferenceIndex::new();
+                for (worker, chain) in runs {
+                    let mut parent = None;
+                    for id in chain {
+                        let external = kvatlas_index::ExternalBlockHash::new(
+                            id * 7
+                                + parent.map_or(0, |p: kvatlas_index::ExternalBlockHash| p.get()),
+                        );
+                        reference.apply(&kvatlas_index::Mutation::Stored {
+                            worker: kvatlas_index::Worker::new(worker, 0),
+                            tier: kvatlas_index::Tier::Device,
+                            parent,
+                            blocks: vec![kvatlas_index::StoredBlock {
+                                external,
+                                local: kvatlas_hash::LocalBlockHash::new(id),
+                            }],
+                        });
+                        parent = Some(external);
+                    }
+                }
+                let image = crate::snapshot::IndexImage {
+                    key: crate::registry::IndexKey::new("m", ""),
+                    block_size: kvatlas_hash::BlockSize::new(4).expect("a block size"),
+                    capacity: None,
+                    feeds: Vec::new(),
+                    marks: std::collections::BTreeMap::new(),
+                    snapshot: reference.snapshot(),
+                };
+                if as_dump {
+                    let mut bytes = vec![4];
+                    bytes.extend(crate::dynamo::dump(&[image]).to_string().into_bytes());
+                    bytes
+                } else {
+                    let mut writer = crate::snapshot::Writer::new(vec![3], 0).expect("a writer");
+                    writer.index(&image).expect("written");
+                    writer.finish().expect("finished")
+                }
+            });
+        prop_oneof![query, register, publish, peer]
     }
 
     proptest! {
@@ -226,6 +282,10 @@ mod tests {
         ) {
             let outcome = request(&bytes);
             prop_assert!(!matches!(outcome, Some(Err(ServiceError::Internal(_)))), "{outcome:?}");
+            if matches!(bytes.first(), Some(3 | 4)) {
+                // What kvatlas writes for a peer, kvatlas reads.
+                prop_assert!(matches!(outcome, Some(Ok(()))), "{outcome:?}");
+            }
             let mut mangled = bytes.clone();
             if mangled.len() > 1 {
                 for (at, value) in flips {

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
@@ -22,10 +22,15 @@ use crate::dynamo;
 use crate::registry::Registry;
 use crate::snapshot;
 
-/// The longest a peer's answer may take.
-const TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest a peer may take to answer (its status and headers).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a peer's body may pause between two pieces: a large snapshot takes as long as it
+/// takes while it keeps coming, a stalled peer is given up.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The largest peer answer accepted.
 const LIMIT: usize = 4 << 30;
+/// Pieces of a snapshot in flight between the download and the reader.
+const PIECES_IN_FLIGHT: usize = 64;
 
 /// What a bootstrap did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,8 +56,8 @@ pub enum Bootstrap {
     },
 }
 
-/// `GET url` with a timeout and a size limit: (status, body).
-async fn get(url: &str) -> Result<(u16, Bytes), String> {
+/// `GET url`: the response once its status and headers are in (within [`ANSWER_TIMEOUT`]).
+async fn request(url: &str) -> Result<hyper::Response<hyper::body::Incoming>, String> {
     let uri: hyper::Uri = url.parse().map_err(|e| format!("bad URL {url:?}: {e}"))?;
     if uri.scheme_str() != Some("http") {
         return Err(format!(
@@ -64,19 +69,66 @@ async fn get(url: &str) -> Result<(u16, Bytes), String> {
         .header("accept", "*/*")
         .body(http_body_util::Empty::new())
         .map_err(|e| e.to_string())?;
-    let fetch = async {
-        let response = client.request(request).await.map_err(|e| e.to_string())?;
-        let status = response.status().as_u16();
-        let body = Limited::new(response.into_body(), LIMIT)
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        Ok::<_, String>((status, body))
-    };
-    tokio::time::timeout(TIMEOUT, fetch)
+    tokio::time::timeout(ANSWER_TIMEOUT, client.request(request))
         .await
-        .map_err(|_| format!("no answer within {TIMEOUT:?}"))?
+        .map_err(|_| format!("no answer within {ANSWER_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())
+}
+
+/// The body's next piece (`None` at its end), within [`IDLE_TIMEOUT`]; `received` counts the
+/// bytes so far against [`LIMIT`].
+async fn next_piece(
+    body: &mut hyper::body::Incoming,
+    received: &mut usize,
+) -> Result<Option<Bytes>, String> {
+    loop {
+        let frame = tokio::time::timeout(IDLE_TIMEOUT, body.frame())
+            .await
+            .map_err(|_| format!("the answer stalled for {IDLE_TIMEOUT:?}"))?;
+        let Some(frame) = frame else {
+            return Ok(None);
+        };
+        let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() else {
+            continue; // trailers
+        };
+        *received += data.len();
+        if *received > LIMIT {
+            return Err(format!("the answer is larger than {LIMIT} bytes"));
+        }
+        return Ok(Some(data));
+    }
+}
+
+/// `GET url`, whole: (status, body).
+async fn get(url: &str) -> Result<(u16, Bytes), String> {
+    let response = request(url).await?;
+    let status = response.status().as_u16();
+    let mut body = response.into_body();
+    let (mut whole, mut received) = (Vec::new(), 0);
+    while let Some(piece) = next_piece(&mut body, &mut received).await? {
+        whole.extend_from_slice(&piece);
+    }
+    Ok((status, Bytes::from(whole)))
+}
+
+/// A [`std::io::Read`] over the pieces a download sends, for a reader on a blocking thread.
+struct Pieces {
+    receiver: tokio::sync::mpsc::Receiver<Bytes>,
+    current: Bytes,
+}
+
+impl std::io::Read for Pieces {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            match self.receiver.blocking_recv() {
+                Some(piece) => self.current = piece,
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.current.len());
+        out[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
+    }
 }
 
 /// Restores the first peer that answers (see the module docs), then releases every held
@@ -104,20 +156,49 @@ pub(crate) async fn bootstrap(registry: &std::sync::Arc<Registry>, peers: &[Stri
 }
 
 async fn try_peer(registry: &std::sync::Arc<Registry>, base: &str) -> Result<Bootstrap, String> {
-    let (status, body) = get(&format!("{base}/snapshot")).await?;
+    let response = request(&format!("{base}/snapshot")).await?;
+    let status = response.status().as_u16();
     if status == 200 {
-        let registry = std::sync::Arc::clone(registry);
-        let peer = base.to_owned();
-        return tokio::task::spawn_blocking(move || {
-            let (_, images) = snapshot::read(&body[..]).map_err(|e| e.to_string())?;
-            let memberships = images.iter().map(snapshot::IndexImage::memberships).sum();
-            registry
-                .restore_images(&images, false)
-                .map_err(|e| e.to_string())?;
-            Ok(Bootstrap::Snapshot { peer, memberships })
-        })
-        .await
-        .map_err(|e| e.to_string())?;
+        // The snapshot is read (and checked) as it downloads; it is restored only once whole
+        // and its checksum matched.
+        let (sender, receiver) = tokio::sync::mpsc::channel(PIECES_IN_FLIGHT);
+        let reader = {
+            let registry = std::sync::Arc::clone(registry);
+            let peer = base.to_owned();
+            tokio::task::spawn_blocking(move || {
+                let pieces = Pieces {
+                    receiver,
+                    current: Bytes::new(),
+                };
+                let (_, images) = snapshot::read(pieces).map_err(|e| e.to_string())?;
+                let memberships = images.iter().map(snapshot::IndexImage::memberships).sum();
+                registry
+                    .restore_images(&images, false)
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(Bootstrap::Snapshot { peer, memberships })
+            })
+        };
+        let mut body = response.into_body();
+        let mut received = 0;
+        let mut download = Ok(());
+        loop {
+            match next_piece(&mut body, &mut received).await {
+                Ok(Some(piece)) => {
+                    if sender.send(piece).await.is_err() {
+                        break; // the reader refused the snapshot: its error says why
+                    }
+                }
+                Ok(None) => break,
+                Err(why) => {
+                    download = Err(why);
+                    break;
+                }
+            }
+        }
+        drop(sender);
+        let restored = reader.await.map_err(|e| e.to_string())?;
+        download?;
+        return restored;
     }
     if status != 404 && status != 405 {
         return Err(format!("GET /snapshot answered {status}"));

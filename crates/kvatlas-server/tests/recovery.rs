@@ -1,8 +1,8 @@
 //! Recovery without engines: a restart from the data directory continues every rank's numbering
 //! and answers like the reference; periodic snapshots are written only when the state changed;
 //! the `Snapshot` RPC and `GET /snapshot` stream the state exactly; unreadable snapshot files
-//! are moved aside and the previous one is used; a replica bootstraps from a peer's snapshot.
-//! (With real engines publishing and replaying — bootstrap under load, `kill -9` — see
+//! are moved aside and the previous one is used; a replica bootstraps from a peer's snapshot,
+//! and a peer that breaks off mid-snapshot is skipped with nothing of it restored. (With real engines publishing and replaying — bootstrap under load, `kill -9` — see
 //! `interop.rs`.)
 
 mod common;
@@ -376,4 +376,126 @@ async fn a_replica_bootstraps_from_a_peer_snapshot() {
     let a_report = a.server.shutdown().await;
     assert_eq!(b_report.indexes[0].digest, reference.snapshot().digest());
     assert_eq!(a_report.indexes[0].digest, b_report.indexes[0].digest);
+}
+
+/// `GET path` over plain HTTP/1.1: the raw body bytes.
+fn raw_body(addr: std::net::SocketAddr, path: &str) -> Vec<u8> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"
+    )
+    .expect("write");
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).expect("read");
+    let at = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("headers")
+        + 4;
+    let head = String::from_utf8_lossy(&response[..at]).to_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let body = response.split_off(at);
+    if head.contains("transfer-encoding: chunked") {
+        // De-chunk.
+        let (mut out, mut rest) = (Vec::new(), &body[..]);
+        loop {
+            let line_end = rest
+                .windows(2)
+                .position(|w| w == b"\r\n")
+                .expect("chunk size");
+            let size = usize::from_str_radix(
+                std::str::from_utf8(&rest[..line_end]).expect("hex").trim(),
+                16,
+            )
+            .expect("chunk size");
+            if size == 0 {
+                return out;
+            }
+            out.extend_from_slice(&rest[line_end + 2..line_end + 2 + size]);
+            rest = &rest[line_end + 2 + size + 2..];
+        }
+    }
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restored() {
+    let workers = [Worker::new(1, 0), Worker::new(2, 0)];
+    let batches = script(25, MODEL, &workers, 300, BLOCK);
+    let mut reference = ReferenceIndex::new();
+    apply(&mut reference, &batches);
+    let mut a = start(ServerConfig::default()).await;
+    publish(&mut a.client, &batches).await;
+    let a_addr = a.server.http_addr();
+    let whole = tokio::task::spawn_blocking(move || raw_body(a_addr, "/snapshot"))
+        .await
+        .expect("fetched");
+    assert!(whole.len() > 100, "{} bytes", whole.len());
+
+    // A peer that announces the whole snapshot and sends half of it.
+    let broken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let broken_addr = broken.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        if let Ok((mut stream, _)) = broken.accept() {
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\n\r\n",
+                whole.len()
+            );
+            let _ = stream.write_all(&whole[..whole.len() / 2]);
+        }
+    });
+
+    let peer = format!("http://{}", a.server.http_addr());
+    let mut b = start(ServerConfig {
+        peers: vec![format!("http://{broken_addr}"), peer.clone()],
+        ..ServerConfig::default()
+    })
+    .await;
+    let outcome = b.server.bootstrap().await.expect("a bootstrap ran");
+    assert!(
+        matches!(&outcome, Bootstrap::Snapshot { peer: used, .. } if *used == peer),
+        "the broken peer is skipped for the next one: {outcome:?}"
+    );
+    assert_answers(&mut b, &reference, 10, "the replica").await;
+    let b_report = b.server.shutdown().await;
+    let a_report = a.server.shutdown().await;
+    assert_eq!(b_report.indexes[0].digest, reference.snapshot().digest());
+    assert_eq!(a_report.indexes[0].digest, b_report.indexes[0].digest);
+
+    // Alone, the broken peer leaves the replica empty, with the reason.
+    let broken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let broken_addr = broken.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        if let Ok((mut stream, _)) = broken.accept() {
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\nKVATSNAP");
+        }
+    });
+    let mut c = start(ServerConfig {
+        peers: vec![format!("http://{broken_addr}")],
+        ..ServerConfig::default()
+    })
+    .await;
+    let outcome = c.server.bootstrap().await.expect("a bootstrap ran");
+    let Bootstrap::Empty { failures } = &outcome else {
+        panic!("expected an empty start, got {outcome:?}");
+    };
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert!(
+        failures[0].contains(&broken_addr.to_string()),
+        "{failures:?}"
+    );
+    let c_report = c.server.shutdown().await;
+    assert!(
+        c_report.indexes.iter().all(|i| i.memberships == 0),
+        "{c_report:?}"
+    );
 }
