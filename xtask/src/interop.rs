@@ -1,5 +1,5 @@
 //! `cargo xtask interop`: kvatlas's listener against vLLM's and SGLang's **real** KV-event
-//! publishers (issue 4 §4; `wire-formats.md` §16 in the shared reference), and kvatlas's Dynamo
+//! publishers (the wire formats are in `docs/events.md`), and kvatlas's Dynamo
 //! routes beside Dynamo's own standalone indexer.
 //!
 //! Setup (`cargo xtask interop setup` runs it alone), everything under `target/interop/`, outside

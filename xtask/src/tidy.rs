@@ -415,6 +415,14 @@ fn check_module_docs(dir: &Path) -> Result<Vec<String>> {
 mod tests {
     use super::*;
 
+    /// The workspace itself keeps the rules, so a plain `cargo test` enforces the layering too.
+    #[test]
+    fn the_workspace_keeps_its_layering() {
+        if let Err(violations) = run(&crate::workspace_root()) {
+            panic!("{violations:#}");
+        }
+    }
+
     fn edge(from: &str, to: &str, kind: &str, optional: bool) -> Edge {
         Edge {
             from: from.into(),

@@ -1,5 +1,5 @@
 //! `kill -9` of the `kvatlas serve` process, mid-stream and mid-snapshot-write, while real vLLM
-//! publishers keep publishing (issue 15 §3): each restart restores the data directory's newest
+//! publishers keep publishing: each restart restores the data directory's newest
 //! complete snapshot, catches up through the engines' replay endpoints, and in the end the index
 //! equals the reference model of everything the engines published.
 //!
