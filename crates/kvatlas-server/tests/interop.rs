@@ -21,14 +21,14 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Harness, answer_rows, reference_rows, selector, start};
+use common::{Harness, answer_rows, query_hashes, reference_rows, selector, start};
 use driver::{BLOCK, Driver, Layout, Published, TOPIC, WAIT, free_port};
 use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
 use kvatlas_hash::{BlockHasher, BlockSize, LocalBlockHash};
 use kvatlas_index::{
     ExternalBlockHash, KvIndex, MatchOptions, Mutation, ReferenceIndex, Snapshot, Worker,
 };
-use kvatlas_proto::v1::{self, query_request};
+use kvatlas_proto::v1;
 use kvatlas_server::ServerConfig;
 
 const WORKER: u64 = 11;
@@ -123,18 +123,7 @@ async fn check(h: &mut Harness, expected: &Expected, phase: &str) {
         "{phase}: the scenario should hold blocks"
     );
     for prompt in prompts {
-        let answer = h
-            .client
-            .query(v1::QueryRequest {
-                index: selector(MODEL, ""),
-                input: Some(query_request::Input::LocalHashes(v1::LocalHashes {
-                    hashes: prompt.iter().map(|l| l.get()).collect(),
-                })),
-                ..v1::QueryRequest::default()
-            })
-            .await
-            .expect("query")
-            .into_inner();
+        let answer = query_hashes(h, MODEL, &prompt).await;
         assert_eq!(
             answer_rows(&answer),
             reference_rows(&expected.reference.find_matches(&prompt, &options)),
@@ -566,18 +555,7 @@ async fn same_answers(h: &mut Harness, reference: &ReferenceIndex, model: &str, 
     let prompts = chains(&reference.snapshot());
     assert!(!prompts.is_empty(), "{what}: the fleet should hold blocks");
     for prompt in prompts {
-        let answer = h
-            .client
-            .query(v1::QueryRequest {
-                index: selector(model, ""),
-                input: Some(query_request::Input::LocalHashes(v1::LocalHashes {
-                    hashes: prompt.iter().map(|l| l.get()).collect(),
-                })),
-                ..v1::QueryRequest::default()
-            })
-            .await
-            .expect("query")
-            .into_inner();
+        let answer = query_hashes(h, model, &prompt).await;
         assert_eq!(
             answer_rows(&answer),
             reference_rows(&reference.find_matches(&prompt, &options)),

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use kvatlas_index::{KvIndex, ReferenceIndex, Worker};
-use kvatlas_proto::v1::{self, query_request};
+use kvatlas_proto::v1;
 use kvatlas_server::{Bootstrap, Persistence, Restored, ServerConfig};
 
 const MODEL: &str = "recovering";
@@ -59,18 +59,7 @@ async fn assert_answers(h: &mut Harness, reference: &ReferenceIndex, seed: u64, 
     let mut rng = Rng(seed);
     for _ in 0..60 {
         let (_, locals) = random_prompt(&mut rng, BLOCK);
-        let answer = h
-            .client
-            .query(v1::QueryRequest {
-                index: selector(MODEL, ""),
-                input: Some(query_request::Input::LocalHashes(v1::LocalHashes {
-                    hashes: locals.iter().map(|l| l.get()).collect(),
-                })),
-                ..v1::QueryRequest::default()
-            })
-            .await
-            .expect("query")
-            .into_inner();
+        let answer = query_hashes(h, MODEL, &locals).await;
         assert_eq!(
             answer_rows(&answer),
             reference_rows(&reference_answer(reference, &locals)),

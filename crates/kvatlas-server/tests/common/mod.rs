@@ -69,6 +69,25 @@ pub fn selector(model: &str, tenant: &str) -> Option<v1::IndexSelector> {
     })
 }
 
+/// `Query` of `model` (default tenant) by local hashes, default options: the answer.
+pub async fn query_hashes(
+    h: &mut Harness,
+    model: &str,
+    locals: &[LocalBlockHash],
+) -> v1::QueryResponse {
+    h.client
+        .query(v1::QueryRequest {
+            index: selector(model, ""),
+            input: Some(v1::query_request::Input::LocalHashes(v1::LocalHashes {
+                hashes: locals.iter().map(|l| l.get()).collect(),
+            })),
+            ..v1::QueryRequest::default()
+        })
+        .await
+        .expect("query")
+        .into_inner()
+}
+
 // ---------------------------------------------------------------------------------------------
 // A deterministic event script
 // ---------------------------------------------------------------------------------------------
