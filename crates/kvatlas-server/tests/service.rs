@@ -830,6 +830,7 @@ async fn shutdown_applies_and_acknowledges_what_it_read() {
             .await
     });
     let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
+    let (sent_tx, sent) = tokio::sync::oneshot::channel();
     let sender = tokio::spawn(async move {
         for message in messages {
             if tx.send(message).await.is_err() {
@@ -837,9 +838,17 @@ async fn shutdown_applies_and_acknowledges_what_it_read() {
             }
             tokio::task::yield_now().await;
         }
+        let _ = sent_tx.send(());
         // Keep the stream open: the shutdown, not the client, ends it.
         std::future::pending::<()>().await;
     });
+    // The client stops writing before the shutdown: a client still writing when the server
+    // closes the connection may see the broken pipe before it reads the acknowledgement (the
+    // transport's race, not the server's state, which the assertions below check either way).
+    tokio::time::timeout(Duration::from_secs(30), sent)
+        .await
+        .expect("the sender handed every message to the stream")
+        .expect("the sender finished");
     wait_until("some messages applied", || {
         let mut client = h.client.clone();
         async move {
