@@ -349,29 +349,8 @@ impl Fleet {
 
     /// The reference model fed every published batch of every member, in order.
     pub fn reference(&self, kind: kvatlas_events::EngineKind) -> kvatlas_index::ReferenceIndex {
-        use kvatlas_index::KvIndex as _;
-        let mut reference = kvatlas_index::ReferenceIndex::new();
-        for member in &self.members {
-            let source = kvatlas_events::Source {
-                worker_id: member.instance_id,
-                dp_rank: 0,
-                block_size: kvatlas_hash::BlockSize::new(BLOCK).expect("block size"),
-                engine: kind,
-            };
-            let converter = kvatlas_events::Converter::new(source);
-            let (mut mutations, mut drops) = (Vec::new(), kvatlas_events::DropCounters::new());
-            for batch in &member.published {
-                mutations.clear();
-                converter
-                    .ingest(&batch.payload, &mut mutations, &mut drops)
-                    .expect("the batch decodes");
-                for m in &mutations {
-                    reference.apply(m);
-                }
-            }
-            assert_eq!(drops.total(), 0, "drops {drops:?}");
-        }
-        reference
+        let members: Vec<_> = self.members.iter().map(|m| (m, kind)).collect();
+        reference_of(&members)
     }
 
     pub fn quit(self) {
@@ -379,4 +358,33 @@ impl Fleet {
             member.driver.quit();
         }
     }
+}
+
+/// The reference model fed every batch the members published, in order, each decoded as its
+/// engine's.
+pub fn reference_of(
+    members: &[(&Member, kvatlas_events::EngineKind)],
+) -> kvatlas_index::ReferenceIndex {
+    use kvatlas_index::KvIndex as _;
+    let mut reference = kvatlas_index::ReferenceIndex::new();
+    for (member, kind) in members {
+        let converter = kvatlas_events::Converter::new(kvatlas_events::Source {
+            worker_id: member.instance_id,
+            dp_rank: 0,
+            block_size: kvatlas_hash::BlockSize::new(BLOCK).expect("block size"),
+            engine: *kind,
+        });
+        let (mut mutations, mut drops) = (Vec::new(), kvatlas_events::DropCounters::new());
+        for batch in &member.published {
+            mutations.clear();
+            converter
+                .ingest(&batch.payload, &mut mutations, &mut drops)
+                .expect("the batch decodes");
+            for m in &mutations {
+                reference.apply(m);
+            }
+        }
+        assert_eq!(drops.total(), 0, "drops {drops:?}");
+    }
+    reference
 }

@@ -67,12 +67,14 @@ pub(crate) fn authenticate(state: &State, mut request: Request<()>) -> Result<Re
     Ok(request)
 }
 
-pub(crate) fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
+/// The caller the authentication interceptor attached to `request` (its absence is a wiring
+/// error of the server, hence INTERNAL).
+pub(crate) fn caller_of<T>(request: &Request<T>) -> Result<Caller, ServiceError> {
     request
         .extensions()
         .get::<Caller>()
         .cloned()
-        .ok_or_else(|| Status::internal("the request was not authenticated"))
+        .ok_or_else(|| ServiceError::Internal("the request was not authenticated".into()))
 }
 
 fn key_of(selector: Option<&v1::IndexSelector>) -> Result<IndexKey, ServiceError> {
@@ -302,6 +304,23 @@ fn listed(caller: &Caller, model: &str, tenant: &str, key: &IndexKey) -> bool {
         && caller.may_use(&key.tenant)
 }
 
+impl IndexerService {
+    /// The indexes a list request names (empty model or tenant = any) that the caller may see.
+    fn listed_entries(
+        &self,
+        caller: &Caller,
+        model: &str,
+        tenant: &str,
+    ) -> Vec<Arc<crate::registry::IndexEntry>> {
+        self.state
+            .registry
+            .all()
+            .into_iter()
+            .filter(|e| listed(caller, model, tenant, &e.key))
+            .collect()
+    }
+}
+
 #[tonic::async_trait]
 impl Indexer for IndexerService {
     async fn query(
@@ -311,7 +330,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = (|| {
             let _permit = self.state.admit(Rpc::Query).map_err(status)?;
-            let caller = caller_of(&request)?;
+            let caller = caller_of(&request).map_err(status)?;
             self.answer(&caller, request.get_ref())
                 .map(Response::new)
                 .map_err(status)
@@ -328,7 +347,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = (|| {
             let permit = self.state.admit(Rpc::QueryStream).map_err(status)?;
-            let caller = caller_of(&request)?;
+            let caller = caller_of(&request).map_err(status)?;
             Ok(Response::new(QueryAnswers {
                 service: self.clone(),
                 caller,
@@ -351,8 +370,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let _permit = self.state.admit(Rpc::RegisterWorker)?;
-            let caller =
-                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let caller = caller_of(&request)?;
             let registration = registration_of(request.get_ref())?;
             caller.check(&registration.index.tenant)?;
             let registry = Arc::clone(&self.state.registry);
@@ -376,8 +394,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let _permit = self.state.admit(Rpc::UnregisterWorker)?;
-            let caller =
-                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let caller = caller_of(&request)?;
             let message = request.get_ref();
             let key = key_of(message.index.as_ref())?;
             let tenant = if message.all_tenants {
@@ -420,16 +437,9 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let _permit = self.state.admit(Rpc::ListWorkers)?;
-            let caller =
-                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let caller = caller_of(&request)?;
             let filter = request.into_inner();
-            let entries: Vec<_> = self
-                .state
-                .registry
-                .all()
-                .into_iter()
-                .filter(|e| listed(&caller, &filter.model, &filter.tenant, &e.key))
-                .collect();
+            let entries = self.listed_entries(&caller, &filter.model, &filter.tenant);
             let workers = blocking(move || {
                 Ok(entries
                     .iter()
@@ -452,16 +462,9 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let _permit = self.state.admit(Rpc::ListIndexes)?;
-            let caller =
-                caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+            let caller = caller_of(&request)?;
             let filter = request.into_inner();
-            let entries: Vec<_> = self
-                .state
-                .registry
-                .all()
-                .into_iter()
-                .filter(|e| listed(&caller, &filter.model, &filter.tenant, &e.key))
-                .collect();
+            let entries = self.listed_entries(&caller, &filter.model, &filter.tenant);
             let indexes = blocking(move || {
                 Ok(entries
                     .iter()
@@ -520,7 +523,7 @@ impl Indexer for IndexerService {
         let result = (|| {
             let permit = self.state.admit(Rpc::Snapshot).map_err(status)?;
             self.state.check_snapshot_ready().map_err(status)?;
-            let caller = caller_of(&request)?;
+            let caller = caller_of(&request).map_err(status)?;
             let filter = request.into_inner();
             let chunks = crate::snapshot_stream::stream_filtered(
                 Arc::clone(&self.state.registry),
@@ -571,7 +574,7 @@ impl IndexerService {
         request: Request<Streaming<v1::PublishEventsRequest>>,
     ) -> Result<Response<v1::PublishEventsResponse>, Status> {
         let _permit = self.state.admit(Rpc::PublishEvents).map_err(status)?;
-        let caller = caller_of(&request)?;
+        let caller = caller_of(&request).map_err(status)?;
         let mut inbound = request.into_inner();
         let mut publisher = Publisher::new(
             self.state.next_stream_id(),

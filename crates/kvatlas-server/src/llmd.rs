@@ -281,7 +281,7 @@ impl PodScoresService {
         request: Request<GetPodScoresRequest>,
     ) -> Result<GetPodScoresResponse, ServiceError> {
         let _permit = self.state.admit(Rpc::GetPodScores)?;
-        let caller = caller_of(&request).map_err(|s| ServiceError::Internal(s.message().into()))?;
+        let caller = caller_of(&request)?;
         caller.check(DEFAULT_TENANT)?;
         self.state.check_ready()?;
         let GetPodScoresRequest {

@@ -347,23 +347,25 @@ struct BlockTable {
 
 impl BlockTable {
     fn build(snapshot: &Snapshot) -> Self {
-        // Distinct entries, and each entry's children.
-        let mut distinct: HashMap<Entry, ()> = HashMap::default();
+        /// The table position of an entry not placed yet.
+        const UNPLACED: usize = usize::MAX;
+        // Distinct entries (each becomes its table position once placed), and their children.
+        let mut index: HashMap<Entry, usize> = HashMap::default();
         for worker in &snapshot.workers {
             for b in &worker.blocks {
-                distinct.insert(
+                index.insert(
                     Entry {
                         external: b.external,
                         local: b.local,
                         parent: b.parent,
                     },
-                    (),
+                    UNPLACED,
                 );
             }
         }
         let mut by_external: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::default();
         let mut children: HashMap<ExternalBlockHash, Vec<Entry>> = HashMap::default();
-        for entry in distinct.keys() {
+        for entry in index.keys() {
             by_external.entry(entry.external).or_default().push(*entry);
             if let Some(parent) = entry.parent {
                 children.entry(parent).or_default().push(*entry);
@@ -373,23 +375,25 @@ impl BlockTable {
             list.sort_unstable_by_key(|e| (e.external, e.local, e.parent));
         }
         // Roots: no parent, or a parent not in the table; then depth first, parents first.
-        let mut roots: Vec<Entry> = distinct
+        let mut roots: Vec<Entry> = index
             .keys()
             .filter(|e| e.parent.is_none_or(|p| !by_external.contains_key(&p)))
             .copied()
             .collect();
         roots.sort_unstable_by_key(|e| (e.external, e.local, e.parent));
-        let mut entries = Vec::with_capacity(distinct.len());
-        let mut index = HashMap::with_capacity_and_hasher(distinct.len(), Default::default());
+        let mut entries = Vec::with_capacity(index.len());
         let mut stack: Vec<Entry> = roots.into_iter().rev().collect();
         let visit = |stack: &mut Vec<Entry>,
                      entries: &mut Vec<Entry>,
                      index: &mut HashMap<Entry, usize>| {
             while let Some(entry) = stack.pop() {
-                if index.contains_key(&entry) {
+                let Some(at) = index.get_mut(&entry) else {
+                    continue;
+                };
+                if *at != UNPLACED {
                     continue;
                 }
-                index.insert(entry, entries.len());
+                *at = entries.len();
                 entries.push(entry);
                 if let Some(kids) = children.get(&entry.external) {
                     stack.extend(kids.iter().rev().copied());
@@ -398,10 +402,10 @@ impl BlockTable {
         };
         visit(&mut stack, &mut entries, &mut index);
         // Cycles of parent links (conflicting engine hashes) leave entries unvisited: add them.
-        let mut rest: Vec<Entry> = distinct
-            .keys()
-            .filter(|e| !index.contains_key(*e))
-            .copied()
+        let mut rest: Vec<Entry> = index
+            .iter()
+            .filter(|(_, at)| **at == UNPLACED)
+            .map(|(e, _)| *e)
             .collect();
         rest.sort_unstable_by_key(|e| (e.external, e.local, e.parent));
         for entry in rest {

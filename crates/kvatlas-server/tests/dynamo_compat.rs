@@ -32,9 +32,9 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::{Harness, start};
-use driver::{BLOCK, Fleet, Member, WAIT, free_port};
-use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
-use kvatlas_hash::{BlockHasher, BlockSize};
+use driver::{BLOCK, Fleet, Member, WAIT, free_port, reference_of};
+use kvatlas_events::EngineKind;
+use kvatlas_hash::BlockHasher;
 use kvatlas_index::{KvIndex, MatchOptions, Matches, ReferenceIndex};
 use kvatlas_server::{Bootstrap, ServerConfig};
 use serde_json::{Value, json};
@@ -510,31 +510,6 @@ fn prompts(members: &[&Member], also: &[Vec<u32>], limit: usize) -> Vec<Vec<u32>
     out
 }
 
-/// The reference fed every batch the members published, each decoded as its engine's.
-fn reference(members: &[(&Member, EngineKind)]) -> ReferenceIndex {
-    let mut reference = ReferenceIndex::new();
-    for (member, kind) in members {
-        let converter = Converter::new(Source {
-            worker_id: member.instance_id,
-            dp_rank: 0,
-            block_size: BlockSize::new(BLOCK).expect("block size"),
-            engine: *kind,
-        });
-        let (mut mutations, mut drops) = (Vec::new(), DropCounters::new());
-        for batch in &member.published {
-            mutations.clear();
-            converter
-                .ingest(&batch.payload, &mut mutations, &mut drops)
-                .expect("the batch decodes");
-            for m in &mutations {
-                reference.apply(m);
-            }
-        }
-        assert_eq!(drops.total(), 0, "drops {drops:?}");
-    }
-    reference
-}
-
 /// What a `/query` of `tokens` answers for `matches`, in 1.6.1's JSON (its §4.6: `scores` device
 /// tokens by instance then rank, zeros left out; `instances` the tiered summary of every instance
 /// matched on some tier).
@@ -772,7 +747,7 @@ fn routes_answer_like_dynamo() {
     let members: Vec<&Member> = fleet.members.iter().collect();
     let with_kind: Vec<(&Member, EngineKind)> =
         members.iter().map(|m| (*m, EngineKind::Vllm)).collect();
-    let reference = reference(&with_kind);
+    let reference = reference_of(&with_kind);
     let mut extra = vec![marker.clone(), marker[..20].to_vec(), Vec::new()];
     extra.push([&marker[..16], &[7; 16][..], &marker[32..]].concat()); // a miss in the middle
     let asked = prompts(&members, &extra, 150);
@@ -925,7 +900,7 @@ fn routes_answer_like_dynamo() {
         .filter(|(m, _)| m.instance_id == 1)
         .copied()
         .collect();
-    let reference = self::reference(&left);
+    let reference = reference_of(&left);
     let start = Instant::now();
     loop {
         let pending = asked.iter().find(|tokens| {
@@ -986,7 +961,7 @@ fn each_recovers_the_others_dump() {
     let members: Vec<&Member> = fleet.members.iter().chain(&tiered.members).collect();
     let with_kind: Vec<(&Member, EngineKind)> =
         members.iter().map(|m| (*m, EngineKind::Vllm)).collect();
-    let reference = reference(&with_kind);
+    let reference = reference_of(&with_kind);
     let asked = prompts(
         &members,
         &[marker, offloaded.clone(), offload_prompts[0].clone()],
@@ -1151,7 +1126,7 @@ fn head_first_eviction() {
     settle(&pair, &mut [&mut *member]);
     let chain = [a.clone(), b].concat();
     let check = |what: &str, member: &Member, dynamo_tokens: u64| {
-        let reference = reference(&[(member, EngineKind::Vllm)]);
+        let reference = driver::reference_of(&[(member, EngineKind::Vllm)]);
         let expected = reference_answer(&reference, &chain);
         let body = json!({"token_ids": chain, "model_name": MODEL});
         let (d, k) = (
@@ -1177,7 +1152,7 @@ fn head_first_eviction() {
     dynamo_answers(
         &pair,
         &a,
-        &reference_answer(&reference(&[(member, EngineKind::Vllm)]), &a),
+        &reference_answer(&driver::reference_of(&[(member, EngineKind::Vllm)]), &a),
     );
     kvatlas_applied(&pair, member);
     check("after remove_parent", member, 16);
@@ -1186,7 +1161,7 @@ fn head_first_eviction() {
     dynamo_answers(
         &pair,
         &a,
-        &reference_answer(&reference(&[(member, EngineKind::Vllm)]), &a),
+        &reference_answer(&driver::reference_of(&[(member, EngineKind::Vllm)]), &a),
     );
     kvatlas_applied(&pair, member);
     check("after restore_parent", member, 32);
@@ -1225,7 +1200,7 @@ fn non_uniform_engine_hashes() {
         (&vllm.members[0], EngineKind::Vllm),
         (&sglang.members[0], EngineKind::Sglang),
     ];
-    let reference = reference(&members);
+    let reference = reference_of(&members);
     let asked = prompts(&[&vllm.members[0], &sglang.members[0]], &[marker], 200);
     let mut differ = Vec::new();
     for tokens in &asked {
@@ -1295,10 +1270,10 @@ fn tenant_isolation() {
         settle(&pair, &mut members)
     };
     let (plain, acme) = (&fleet.members[0], &fleet.members[1]);
-    let everyone = reference(&[(plain, EngineKind::Vllm), (acme, EngineKind::Vllm)]);
+    let everyone = driver::reference_of(&[(plain, EngineKind::Vllm), (acme, EngineKind::Vllm)]);
     let (only_plain, only_acme) = (
-        reference(&[(plain, EngineKind::Vllm)]),
-        reference(&[(acme, EngineKind::Vllm)]),
+        driver::reference_of(&[(plain, EngineKind::Vllm)]),
+        driver::reference_of(&[(acme, EngineKind::Vllm)]),
     );
     let asked = prompts(&[plain, acme], &[marker], 100);
     for tokens in &asked {

@@ -367,48 +367,6 @@ async fn a_replica_bootstraps_from_a_peer_snapshot() {
     assert_eq!(a_report.indexes[0].digest, b_report.indexes[0].digest);
 }
 
-/// `GET path` over plain HTTP/1.1: the raw body bytes.
-fn raw_body(addr: std::net::SocketAddr, path: &str) -> Vec<u8> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"
-    )
-    .expect("write");
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).expect("read");
-    let at = response
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("headers")
-        + 4;
-    let head = String::from_utf8_lossy(&response[..at]).to_lowercase();
-    assert!(head.starts_with("http/1.1 200"), "{head}");
-    let body = response.split_off(at);
-    if head.contains("transfer-encoding: chunked") {
-        // De-chunk.
-        let (mut out, mut rest) = (Vec::new(), &body[..]);
-        loop {
-            let line_end = rest
-                .windows(2)
-                .position(|w| w == b"\r\n")
-                .expect("chunk size");
-            let size = usize::from_str_radix(
-                std::str::from_utf8(&rest[..line_end]).expect("hex").trim(),
-                16,
-            )
-            .expect("chunk size");
-            if size == 0 {
-                return out;
-            }
-            out.extend_from_slice(&rest[line_end + 2..line_end + 2 + size]);
-            rest = &rest[line_end + 2 + size + 2..];
-        }
-    }
-    body
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restored() {
     let workers = [Worker::new(1, 0), Worker::new(2, 0)];
@@ -418,9 +376,11 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
     let mut a = start(ServerConfig::default()).await;
     publish(&mut a.client, &batches).await;
     let a_addr = a.server.http_addr();
-    let whole = tokio::task::spawn_blocking(move || raw_body(a_addr, "/snapshot"))
-        .await
-        .expect("fetched");
+    let (status, whole) =
+        tokio::task::spawn_blocking(move || http_get_bytes(a_addr, "/snapshot", None))
+            .await
+            .expect("fetched");
+    assert_eq!(status, 200);
     assert!(whole.len() > 100, "{} bytes", whole.len());
 
     // A peer that announces the whole snapshot and sends half of it.

@@ -350,6 +350,12 @@ pub fn reference_rows(matches: &Matches) -> Vec<(u64, u32, u32, u32, u32)> {
 
 /// `GET path` over HTTP/1.1; returns (status, body).
 pub fn http_get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
+    let (status, body) = http_get_bytes(addr, path, token);
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// `GET path` over HTTP/1.1; returns (status, body bytes).
+pub fn http_get_bytes(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, Vec<u8>) {
     let mut stream = std::net::TcpStream::connect(addr).expect("connect HTTP");
     stream.set_read_timeout(Some(WAIT)).expect("read timeout");
     let auth = token.map_or_else(String::new, |t| format!("authorization: Bearer {t}\r\n"));
@@ -358,34 +364,46 @@ pub fn http_get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, Stri
         "GET {path} HTTP/1.1\r\nhost: localhost\r\n{auth}connection: close\r\n\r\n"
     )
     .expect("send");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read");
-    parse_http(&response)
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).expect("read");
+    parse_http_bytes(&response)
 }
 
 /// (status, body) of an HTTP/1.1 response (chunked bodies are reassembled).
 pub fn parse_http(response: &str) -> (u16, String) {
-    let status = response
+    let (status, body) = parse_http_bytes(response.as_bytes());
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// (status, body bytes) of an HTTP/1.1 response (chunked bodies are reassembled).
+pub fn parse_http_bytes(response: &[u8]) -> (u16, Vec<u8>) {
+    let split = |bytes: &'_ [u8], at: &[u8]| {
+        bytes
+            .windows(at.len())
+            .position(|w| w == at)
+            .map(|i| (bytes[..i].to_vec(), i + at.len()))
+    };
+    let (head, body_at) =
+        split(response, b"\r\n\r\n").unwrap_or((response.to_vec(), response.len()));
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
         .expect("a status line");
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((response, ""));
-    if !head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        return (status, body.to_owned());
+    let body = &response[body_at..];
+    if !head.contains("transfer-encoding: chunked") {
+        return (status, body.to_vec());
     }
-    let mut out = String::new();
+    let mut out = Vec::new();
     let mut rest = body;
-    while let Some((size, tail)) = rest.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+    while let Some((size, at)) = split(rest, b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&size).trim(), 16).unwrap_or(0);
         if size == 0 {
             break;
         }
-        out.push_str(&tail[..size]);
-        rest = &tail[size + 2..];
+        out.extend_from_slice(&rest[at..at + size]);
+        rest = &rest[at + size + 2..];
     }
     (status, out)
 }
