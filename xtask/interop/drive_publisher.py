@@ -6,7 +6,7 @@ Usage:
 
 The engine's publisher modules are loaded unmodified from the files `cargo xtask interop`
 extracted from the PyPI wheel (`target/interop/src/<pkg>-<version>/`), without torch, as
-wire-formats.md §16 describes: bare package objects whose `__path__` points at the real files
+docs/events.md §6 describes: bare package objects whose `__path__` points at the real files
 (no `__init__.py` executed) and a few stand-ins for the torch-heavy modules the publisher imports
 only for types or decorators. Everything that shapes the wire (msgspec structs, encoder, PUB and
 ROUTER sockets, the replay loop, the config) is upstream code.
@@ -71,7 +71,7 @@ def stand_in(name, **attributes):
 
 
 def load_vllm(src, version):
-    """Imports vLLM's publisher modules from the wheel's files (§16), returns the module."""
+    """Imports vLLM's publisher modules from the wheel's files (docs/events.md §6), returns them."""
     for package in ["vllm", "vllm.distributed", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core"]:
         bare_package(package, src)
     sys.modules["vllm"].__version__ = version
@@ -95,7 +95,7 @@ def load_vllm(src, version):
 
 
 def load_sglang(src):
-    """Imports SGLang's publisher module from the wheel's files (§16), returns the module."""
+    """Imports SGLang's publisher module from the wheel's files (docs/events.md §6), returns it."""
     for package in ["sglang", "sglang.srt", "sglang.srt.disaggregation", "sglang.srt.utils"]:
         bare_package(package, src)
 

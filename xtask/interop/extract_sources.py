@@ -2,9 +2,9 @@
 
 Usage: extract_sources.py <vllm|sglang> <wheel> <destination directory>
 
-Only the KV-event publisher modules and their light helpers are extracted (wire-formats.md §16);
-nothing that imports torch. The destination is recreated from scratch, so a partial earlier
-extraction never lingers.
+Only the KV-event publisher modules and their light helpers are extracted (docs/events.md §6,
+"What is downloaded and loaded"); nothing that imports torch. The destination is recreated from
+scratch, so a partial earlier extraction never lingers.
 """
 
 import fnmatch
@@ -13,7 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-# wire-formats.md §16: the real modules the driver loads, per engine.
+# The real modules the driver loads, per engine (docs/events.md §6).
 PATTERNS = {
     "vllm": [
         "vllm/distributed/kv_events.py",

@@ -69,7 +69,7 @@ const MEDIA: [(&str, Tier); 14] = [
     ("SHARED", Tier::External),
 ];
 
-/// The tier an event's `medium` string names (wire-formats §6), case-insensitively; `None`
+/// The tier an event's `medium` string names (`docs/events.md` §2), case-insensitively; `None`
 /// (absent or nil) and `""` are the device. `None` is returned for an unknown medium.
 pub fn tier_for_medium(medium: Option<&str>) -> Option<Tier> {
     let Some(medium) = medium else {

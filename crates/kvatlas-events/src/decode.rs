@@ -95,7 +95,8 @@ pub enum SaltSource {
     ExtraKeys,
 }
 
-/// A `BlockStored` event, every field of wire-formats §4.1 that the producer sent.
+/// A `BlockStored` event: every field of its wire layout (`docs/events.md` §7.2) that the
+/// producer sent.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BlockStored {
     /// Engine hash per block (ints as their 64-bit pattern, `bin` as its last 8 bytes BE).
@@ -137,7 +138,7 @@ pub struct BlockStored {
     pub session_id: Option<String>,
 }
 
-/// A `BlockRemoved` event (wire-formats §4.2).
+/// A `BlockRemoved` event (wire layout in `docs/events.md` §7.2).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BlockRemoved {
     /// Engine hashes of the evicted blocks.

@@ -1,4 +1,5 @@
-//! ZMQ message framing of live and replayed batches (wire-formats §1 and §9), without sockets.
+//! ZMQ message framing of live and replayed batches (`docs/events.md` §7.1 and §7.4), without
+//! sockets.
 //!
 //! Frames are passed as `&[&[u8]]`, one slice per ZMQ frame, exactly as received.
 

@@ -1,9 +1,9 @@
 //! kvatlas's KV-event ingestion: from an engine's ZMQ stream of msgpack batches to index
 //! mutations.
 //!
-//! vLLM and SGLang publish their KV-cache changes as numbered msgpack batches over ZMQ
-//! (`docs/events.md`, and `wire-formats.md` in the shared reference for the exact bytes). The
-//! crate is a sans-IO core plus one socket edge:
+//! vLLM and SGLang publish their KV-cache changes as numbered msgpack batches over ZMQ.
+//! `docs/events.md` in the repository says what kvatlas accepts, indexes and drops, and its §7
+//! summarises the engines' wire formats. The crate is a sans-IO core plus one socket edge:
 //!
 //! | Module | Does |
 //! |---|---|

@@ -1,10 +1,11 @@
 //! Per-source sequencing: ordering, gap replay, duplicates and restarts, as a sans-IO state
 //! machine ([`Sequencer`]).
 //!
-//! The engine numbers its batches `0, 1, 2, …` per publisher process (wire-formats §1–§2). The
-//! sequencer turns the live stream, plus whatever a replay request returns, into an in-order
-//! stream of batches to apply, and tells the caller when the worker's state can no longer be
-//! trusted ([`Action::Resync`]: clear the worker, then keep applying).
+//! The engine numbers its batches `0, 1, 2, …` per publisher process, starting again at 0 when
+//! it restarts (`docs/events.md` §7.1). The sequencer turns the live stream, plus whatever a
+//! replay request returns, into an in-order stream of batches to apply, and tells the caller
+//! when the worker's state can no longer be trusted ([`Action::Resync`]: clear the worker, then
+//! keep applying).
 //!
 //! It performs no I/O and reads no clock: the caller feeds inputs with the `handle_*` methods
 //! and drains [`Action`]s with [`Sequencer::poll_action`], like `quinn-proto`. Timeouts (a replay

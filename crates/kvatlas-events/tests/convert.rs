@@ -140,7 +140,7 @@ fn batch_rank_overrides_the_registered_rank() {
 
 #[test]
 fn lora_and_salt_are_mixed_in_like_a_router_query() {
-    // Dynamo golden vectors (wire-formats §17): tokens 1..=8, block size 4.
+    // Dynamo golden vectors (`docs/hashing.md`): tokens 1..=8, block size 4.
     let (out, drops) = ingest(&converter(4, EngineKind::Vllm), &vllm_0_14_lora());
     assert_eq!(drops.total(), 0);
     assert_eq!(stored_blocks(&out[0]).3, vec![(H1, 0xd97c_824a_0d4b_dab1)]);

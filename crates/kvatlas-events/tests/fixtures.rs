@@ -1,5 +1,6 @@
-//! Byte-exact decoding fixtures: the real bytes of wire-formats.md §12 and one fixture per
-//! layout/version row of §4, each decoding to the documented values.
+//! Byte-exact decoding fixtures: the real bytes of `docs/events.md` §7.5 and one fixture per
+//! layout/version row of §7.2 (and of the accepted forms of §1), each decoding to the documented
+//! values.
 
 mod common;
 

@@ -165,7 +165,7 @@ fn run_scenario(engine: &str, version: &str, kind: EngineKind, layout: Layout) {
         block_size: BlockSize::new(BLOCK).expect("non-zero"),
         engine: kind,
     };
-    // The engine binds (its endpoints contain `*`, wire-formats §1); kvatlas connects.
+    // The engine binds (its endpoints contain `*`, `docs/events.md` §7.1); kvatlas connects.
     let mut driver = Driver::spawn(
         engine,
         version,

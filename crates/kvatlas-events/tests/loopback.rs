@@ -1,6 +1,6 @@
 //! Loopback integration tests of the listener edge with real ZMQ sockets on 127.0.0.1.
 //!
-//! A test publisher mimics vLLM's (wire-formats §1 and §9): a PUB sending
+//! A test publisher mimics vLLM's (`docs/events.md` §7.1 and §7.4): a PUB sending
 //! `[topic, seq_be8, payload]` and a ROUTER replay endpoint serving its ring of recent batches
 //! (both the old 2-frame and the new 3-frame reply bodies). Each scenario ends by comparing the
 //! index the listener fed with a `ReferenceIndex` fed the same logical events through the same

@@ -77,6 +77,20 @@ impl From<BlockSize> for u32 {
 /// Two blocks with the same tokens (and the same LoRA adapter and cache salt) have the same local
 /// hash wherever they appear. This is what a router computes for a query and what the index is
 /// walked with.
+///
+/// ```
+/// use kvatlas_hash::{BlockHasher, LocalBlockHash};
+///
+/// let hasher = BlockHasher::new(4)?;
+/// let block = hasher.hash_block(&[1, 2, 3, 4]);
+/// assert_eq!(block.get(), 0xcb38_e4d7_fb2d_ca5c); // Dynamo 1.6.1's value
+///
+/// // The same tokens after another block: the same local hash.
+/// let locals: Vec<LocalBlockHash> = hasher.local_hashes(&[9, 9, 9, 9, 1, 2, 3, 4]).collect();
+/// assert_eq!(locals[1], block);
+/// assert_ne!(locals[0], block);
+/// # Ok::<(), kvatlas_hash::HashError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(transparent))]
@@ -102,6 +116,29 @@ impl LocalBlockHash {
 ///
 /// A hasher is cheap to keep and to clone (about 500 bytes); build one per (block size, LoRA, salt)
 /// and reuse it: the seed-derived XXH3 secret is computed once here rather than on every block.
+///
+/// ```
+/// use kvatlas_hash::{BlockHasher, LocalBlockHash};
+///
+/// let tokens: Vec<u32> = (1..=10).collect(); // two full blocks of 4, and 2 tokens left over
+/// let hasher = BlockHasher::new(4)?;
+/// let locals: Vec<LocalBlockHash> = hasher.local_hashes(&tokens).collect();
+/// assert_eq!(locals.len(), 2); // the partial block is not hashed
+/// assert_eq!(locals[1].get(), 0xe8d3_ec39_b907_b74c); // Dynamo 1.6.1's value
+/// assert_eq!(locals[1], hasher.hash_block(&tokens[4..8]));
+///
+/// // A LoRA adapter (or a cache salt) changes the seed, hence every local hash.
+/// let lora = BlockHasher::new(4)?.with_lora_name("my-lora");
+/// assert_eq!(lora.hash_block(&tokens[..4]).get(), 0xd97c_824a_0d4b_dab1);
+/// let salted = BlockHasher::new(4)?.with_options(None, Some("tenant-a"));
+/// assert_eq!(salted.hash_block(&tokens[..4]).get(), 0x4fa3_e809_7233_e995);
+///
+/// // Hashing many prompts without allocating: reuse one buffer.
+/// let mut buffer = Vec::new();
+/// hasher.extend_local_hashes(&tokens, &mut buffer);
+/// assert_eq!(buffer, locals);
+/// # Ok::<(), kvatlas_hash::HashError>(())
+/// ```
 #[derive(Clone)]
 pub struct BlockHasher {
     block_size: BlockSize,

@@ -9,6 +9,22 @@ use crate::{BASE_SEED, LocalBlockHash};
 ///
 /// Two blocks with equal tokens but different prefixes get different sequence hashes. LoRA and
 /// cache salt enter only through the local hashes' seed.
+///
+/// ```
+/// use kvatlas_hash::{BlockHasher, LocalBlockHash, SequenceHash, sequence_hashes};
+///
+/// let hasher = BlockHasher::new(4)?;
+/// let locals: Vec<LocalBlockHash> = hasher.local_hashes(&[1, 2, 3, 4, 5, 6, 7, 8]).collect();
+/// let seqs: Vec<SequenceHash> = sequence_hashes(locals.iter().copied()).collect();
+/// assert_eq!(seqs[0], SequenceHash::first(locals[0])); // the first block: its local hash
+/// assert_eq!(seqs[1], seqs[0].extend(locals[1]));
+/// assert_eq!(seqs[1].get(), 0x44a2_b237_9d6d_3c3d); // Dynamo 1.6.1's value
+///
+/// // The same second block after another first block: same local hash, new sequence hash.
+/// let other = SequenceHash::first(hasher.hash_block(&[9, 9, 9, 9])).extend(locals[1]);
+/// assert_ne!(other, seqs[1]);
+/// # Ok::<(), kvatlas_hash::HashError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(transparent))]

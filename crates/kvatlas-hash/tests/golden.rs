@@ -1,5 +1,6 @@
-//! Golden vectors: Dynamo 1.6.1's published values (`wire-formats.md` §17) and kvatlas's own
-//! lineage vectors (`docs/hashing.md`). These are the compatibility contract.
+//! Golden vectors: Dynamo 1.6.1's values (computed with its published `dynamo-tokens` and
+//! `dynamo-kv-router` 1.6.1 crates) and kvatlas's own lineage vectors, both listed in
+//! `docs/hashing.md`. These are the compatibility contract.
 
 use kvatlas_hash::{
     BlockHasher, HashError, LocalBlockHash, PositionalHash, PositionalLineageHash,

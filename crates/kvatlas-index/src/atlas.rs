@@ -998,7 +998,40 @@ fn score_cover(
     next
 }
 
-/// kvatlas's default backend (see the module docs).
+/// kvatlas's default backend (see the module docs), for one thread that owns the index
+/// ([`ConcurrentAtlas`] is the same index for concurrent readers and writers).
+///
+/// ```
+/// use kvatlas_hash::BlockHasher;
+/// use kvatlas_index::{
+///     Atlas, ExternalBlockHash, KvIndex, MatchOptions, Mutation, StoredBlock, Tier, Worker,
+/// };
+///
+/// // A prompt of three 4-token blocks, hashed as a router hashes it.
+/// let tokens: Vec<u32> = (0..12).collect();
+/// let locals: Vec<_> = BlockHasher::new(4)?.local_hashes(&tokens).collect();
+///
+/// // Worker 1 (rank 0) cached the first two blocks on its GPU, under its own hashes 100, 101.
+/// let worker = Worker::new(1, 0);
+/// let blocks = vec![
+///     StoredBlock { external: ExternalBlockHash::new(100), local: locals[0] },
+///     StoredBlock { external: ExternalBlockHash::new(101), local: locals[1] },
+/// ];
+/// let stored = Mutation::Stored { worker, tier: Tier::Device, parent: None, blocks };
+/// let mut index = Atlas::new();
+/// assert_eq!(index.apply(&stored).stored, 2);
+///
+/// // It holds the prompt's first two blocks.
+/// let matches = index.find_matches(&locals, &MatchOptions::default());
+/// assert_eq!(matches.device_score(worker), 2);
+/// assert_eq!(matches.workers.len(), 1);
+///
+/// // The engine evicts the second block: one left.
+/// let blocks = vec![ExternalBlockHash::new(101)];
+/// index.apply(&Mutation::Removed { worker, tier: Tier::Device, blocks });
+/// assert_eq!(index.find_matches(&locals, &MatchOptions::default()).device_score(worker), 1);
+/// # Ok::<(), kvatlas_hash::HashError>(())
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct Atlas {
     /// What queries read.

@@ -1,5 +1,5 @@
-//! `ThreadPool`: the sticky-routing write front of the Flash Indexer story (section 5), with
-//! bounded queues.
+//! `ThreadPool`: the sticky-routing write front (the design of NVIDIA Dynamo's
+//! `ThreadPoolIndexer`), with bounded queues.
 //!
 //! Each worker's mutations always go to the same writer thread (chosen by hashing the worker id,
 //! so every data-parallel rank of one worker shares a lane), so one worker's mutations are

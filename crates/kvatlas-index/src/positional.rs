@@ -1,5 +1,5 @@
-//! `PositionalIndexer`: the position-keyed index of the Flash Indexer story (section 6, "The
-//! Leap") with jump search, made exact.
+//! `PositionalIndexer`: a position-keyed index with jump search, after NVIDIA Dynamo's
+//! `PositionalIndexer`, made exact.
 //!
 //! One node per local-hash path from the root, as in [`crate::RadixTree`], but nodes are found
 //! through a flat map keyed by `(position, local hash)` instead of by walking from the root. Paths

@@ -1,4 +1,5 @@
-//! `RadixTree`: the single-threaded tree of the Flash Indexer story (section 4), made exact.
+//! `RadixTree`: a single-threaded radix tree of blocks, the structure of NVIDIA Dynamo's
+//! single-threaded indexer, made exact.
 //!
 //! One node per local-hash path from the root; children keyed by local hash; each node lists the
 //! worker ranks with a rooted block there and how many at each level. A query walks the tree

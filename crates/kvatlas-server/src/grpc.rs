@@ -2,9 +2,10 @@
 //! codes, the concurrency limit and the per-RPC metrics.
 //!
 //! Queries run inline on the handler's task (a walk of the `ConcurrentAtlas` takes microseconds
-//! and never waits for a writer); registrations, unregistrations and lists, which start or join
-//! listener threads or take the index's writer side for statistics, run on the blocking pool.
-//! Every failure becomes a status from [`status`], the one place `ServiceError`s are mapped.
+//! and waits for at most one write, never for a busy writer); registrations, unregistrations and
+//! lists, which start or join listener threads or take the index's writer side for statistics,
+//! run on the blocking pool. Every failure becomes a status from [`status`], the one place
+//! `ServiceError`s are mapped.
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -510,9 +510,9 @@ fn prompts(members: &[&Member], also: &[Vec<u32>], limit: usize) -> Vec<Vec<u32>
     out
 }
 
-/// What a `/query` of `tokens` answers for `matches`, in 1.6.1's JSON (its §4.6: `scores` device
-/// tokens by instance then rank, zeros left out; `instances` the tiered summary of every instance
-/// matched on some tier).
+/// What a `/query` of `tokens` answers for `matches`, in 1.6.1's JSON (`docs/server.md` §7:
+/// `scores` device tokens by instance then rank, zeros left out; `instances` the tiered summary
+/// of every instance matched on some tier).
 fn expected_answer(matches: &Matches) -> Value {
     let tokens = |blocks: u32| u64::from(blocks) * u64::from(BLOCK);
     let mut scores = serde_json::Map::new();
@@ -981,7 +981,8 @@ fn each_recovers_the_others_dump() {
     );
 
     // (a) A Dynamo replica started with --peers at kvatlas recovers kvatlas's index (Dynamo
-    // recovers the blocks, not the workers, §9).
+    // recovers the blocks, not the workers: a `/dump` carries no registrations, so the
+    // replica's `/workers` stays empty).
     let replica = Dynamo::start(&["--peers", &format!("http://{}", pair.k())]);
     for tokens in &asked {
         let body = json!({"token_ids": tokens, "model_name": MODEL});

@@ -1,17 +1,18 @@
-//! Byte-exact msgpack fixtures for every layout and version row of wire-formats.md, shared by
-//! the integration tests (and written out as the fuzz seed corpus by `fixtures.rs`).
+//! Byte-exact msgpack fixtures for every layout and version row of `docs/events.md` §1 and §7,
+//! shared by the integration tests (and written out as the fuzz seed corpus by `fixtures.rs`).
 
 #![allow(dead_code, unreachable_pub)] // shared by several test binaries, each using a part
 
-/// Real hashes from wire-formats §5/§8 (vLLM 0.32/0.33 sha256, tokens 1000.., block size 16).
+/// Real vLLM hashes (`sha256`, tokens 1000.., block size 16; `docs/events.md` §7.3): H1 and H2
+/// the first two blocks, H3 a third after them (vLLM 0.32.0), H_0_33 from the real 0.33.0 batch
+/// (§7.5).
 pub const H1: u64 = 7_322_446_309_363_477_352;
 pub const H2: u64 = 17_027_874_615_116_373_601;
 pub const H3: u64 = 3_250_420_131_345_999_776;
 pub const H_0_33: u64 = 2_147_986_591_436_168_966;
 pub const TS: f64 = 1_700_000_000.5;
 
-/// Bytes from a hex string; whitespace is ignored and `"..."` inserts UTF-8 text verbatim
-/// (the notation of wire-formats §12).
+/// Bytes from a hex string; whitespace is ignored and `"..."` inserts UTF-8 text verbatim.
 pub fn hexb(spec: &str) -> Vec<u8> {
     let mut out = Vec::new();
     let mut parts = spec.split('"');
@@ -118,17 +119,17 @@ impl W {
     }
 }
 
-/// wire-formats §12: the real vLLM 0.33.0 batch (BlockRemoved + CPU-tier BlockStored, map16).
+/// The real vLLM 0.33.0 batch (BlockRemoved + CPU-tier BlockStored, map16; `docs/events.md` §7.5).
 pub const VLLM_0_33_0_HEX: &str = "93cb41dac097994e466d9284a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf1dcf2e6ca4dadf06a66d656469756da3475055a967726f75705f69647800de0008a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf1dcf2e6ca4dadf06b1706172656e745f626c6f636b5f68617368cfec4f29beb1e71e61a9746f6b656e5f696473dc0010cd0408cd0409cd040acd040bcd040ccd040dcd040ecd040fcd0410cd0411cd0412cd0413cd0414cd0415cd0416cd0417aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65c000";
 
-/// wire-formats §12: the real vLLM 0.33.0 AllBlocksCleared batch (seq 4, 35 bytes).
+/// The real vLLM 0.33.0 AllBlocksCleared batch (seq 4, 35 bytes; `docs/events.md` §7.5).
 pub const VLLM_0_33_0_CLEARED: &str =
     "93 cb41dac097994e469a 91 81 a474797065 b0416c6c426c6f636b73436c6561726564 00";
 
-/// wire-formats §12: the same logical batch in the ≤ 0.23 array layout (real 0.23.0 structs).
+/// A batch in the ≤ 0.23 array layout, from vLLM 0.23.0's real structs (`docs/events.md` §7.5).
 pub const VLLM_0_23_0_ARRAY: &str = r#"93 cb41d954fc40200000 93 9c ab"BlockStored" 92 cf659e8e1f547aeb68 cfec4f29beb1e71e61 c0 94 cd03e8 cd03e9 cd03ea cd03eb 02 c0 a3"GPU" c0 c0 00 c0 c0  94 ac"BlockRemoved" 91 cfec4f29beb1e71e61 a3"GPU" 00  91 b0"AllBlocksCleared"  00"#;
 
-/// Tokens of two 16-token blocks, 1000..1032 (wire-formats §5 test vectors).
+/// Tokens of two 16-token blocks, 1000..1032, whose vLLM hashes are H1 and H2.
 pub fn two_blocks() -> impl Iterator<Item = u32> {
     1000..1032
 }

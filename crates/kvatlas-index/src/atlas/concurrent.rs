@@ -36,8 +36,47 @@ impl Absorb<ForestOp> for Forest {
     }
 }
 
-/// kvatlas's default backend for concurrent use: one writer at a time, readers never waiting for
-/// it (see the module docs). The answers are exactly [`super::Atlas`]'s.
+/// kvatlas's default backend for concurrent use: one writer at a time, and readers that do not
+/// wait for a busy writer — at most for one write, when the writer has to change the copy they
+/// read in place (see [`crate::LeftRight`] for the protocol). The answers are exactly
+/// [`super::Atlas`]'s.
+///
+/// Writes and reads both take `&self` ([`SharedKvIndex`]), so the index can be shared between
+/// threads as it is; a [`crate::ThreadPool`] in front of it applies each rank's mutations in order
+/// on writer threads while callers query inline.
+///
+/// ```
+/// use kvatlas_hash::BlockHasher;
+/// use kvatlas_index::{
+///     ConcurrentAtlas, ExternalBlockHash, MatchOptions, Mutation, SharedKvIndex, StoredBlock,
+///     Tier, Worker,
+/// };
+///
+/// let tokens: Vec<u32> = (0..12).collect();
+/// let locals: Vec<_> = BlockHasher::new(4)?.local_hashes(&tokens).collect();
+/// let worker = Worker::new(1, 0);
+/// let blocks = locals
+///     .iter()
+///     .zip(100..)
+///     .map(|(&local, hash)| StoredBlock { external: ExternalBlockHash::new(hash), local })
+///     .collect();
+/// let stored = Mutation::Stored { worker, tier: Tier::Host, parent: None, blocks };
+///
+/// let index = ConcurrentAtlas::new();
+/// std::thread::scope(|s| {
+///     // A writer thread applies the engine's event while this thread may query.
+///     s.spawn(|| index.apply(&stored));
+///     let _maybe_not_yet = index.find_matches(&locals, &MatchOptions::default());
+/// });
+///
+/// // Host-tier blocks count only in a tiered query: all 3 blocks on the host, none on the GPU.
+/// let tiered = MatchOptions { tiered: true, ..MatchOptions::default() };
+/// let matches = index.find_matches(&locals, &tiered);
+/// let m = matches.get(worker).expect("worker 1 matches");
+/// assert_eq!((m.device, m.host, m.disk), (0, 3, 3));
+/// assert!(index.find_matches(&locals, &MatchOptions::default()).workers.is_empty());
+/// # Ok::<(), kvatlas_hash::HashError>(())
+/// ```
 #[derive(Debug)]
 pub struct ConcurrentAtlas {
     copies: TwoCopies<Forest, Books, ForestOp>,
