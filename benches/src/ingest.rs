@@ -15,7 +15,7 @@
 
 use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
 use kvatlas_hash::BlockSize;
-use kvatlas_index::{Mutation, SharedKvIndex};
+use kvatlas_index::{Mutation, SharedKvIndex, StoredBlock};
 
 use crate::engine::{EngineConfig, Eviction, LocalHashing, generate};
 use crate::trace::{TRACE_BLOCK_TOKENS, TraceRequest, block_tokens, scale_length};
@@ -163,13 +163,30 @@ pub fn ingest_into<I: SharedKvIndex + ?Sized>(
 }
 
 /// Encodes one request's events (its stores if `stores`, its evictions if `removes`) as a
-/// vLLM 0.33 batch; evictions become one `BlockRemoved` per block.
+/// vLLM 0.33 batch; evictions become one `BlockRemoved` per block. Each stored block's tokens
+/// are [`block_tokens`] of its engine hash.
 fn encode(
     ts: f64,
     events: &[Mutation],
     stores: bool,
     removes: bool,
     tokens: &mut Vec<u32>,
+) -> EncodedBatch {
+    encode_batch(ts, events, stores, removes, tokens, |block, out| {
+        block_tokens(block.external.get(), INGEST_BLOCK_TOKENS as usize, out);
+    })
+}
+
+/// Encodes events as one vLLM 0.33 batch at block size [`INGEST_BLOCK_TOKENS`] (rank 0): its
+/// stores if `stores` (each block's 16 token ids appended by `fill_tokens`), its evictions if
+/// `removes` (one `BlockRemoved` per block, as vLLM emits them). `tokens` is scratch space.
+pub fn encode_batch(
+    ts: f64,
+    events: &[Mutation],
+    stores: bool,
+    removes: bool,
+    tokens: &mut Vec<u32>,
+    mut fill_tokens: impl FnMut(&StoredBlock, &mut Vec<u32>),
 ) -> EncodedBatch {
     let mut count = 0usize;
     for event in events {
@@ -192,7 +209,7 @@ fn encode(
             Mutation::Stored { parent, blocks, .. } if stores => {
                 tokens.clear();
                 for block in blocks {
-                    block_tokens(block.external.get(), INGEST_BLOCK_TOKENS as usize, tokens);
+                    fill_tokens(block, tokens);
                 }
                 w.raw(&[0xde, 0x00, 0x08]); // map16(8), as 0.33.0 always sends
                 w.str("type").str("BlockStored").str("block_hashes");

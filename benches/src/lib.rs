@@ -14,7 +14,10 @@
 
 pub mod clear;
 pub mod concurrent;
+pub mod e2e;
 pub mod engine;
+pub mod fleet;
+pub mod http;
 pub mod ingest;
 pub mod openloop;
 pub mod plot;

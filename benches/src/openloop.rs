@@ -255,7 +255,7 @@ fn histogram() -> Histogram<u64> {
 }
 
 /// Points of a latency CDF: quantiles from 0 to 1 − 10⁻⁴, denser in the tail.
-fn cdf_of(histogram: &Histogram<u64>) -> Cdf {
+pub(crate) fn cdf_of(histogram: &Histogram<u64>) -> Cdf {
     let mut points = Vec::new();
     for i in 0..=40 {
         let q = f64::from(i) / 40.0 * 0.9;

@@ -154,13 +154,15 @@ pub struct RunReport {
 
 /// A prepared prompt.
 #[derive(Debug, Clone)]
-struct Prompt {
-    tokens: Vec<u32>,
-    hashes: Vec<u64>,
+pub(crate) struct Prompt {
+    /// Its token ids.
+    pub(crate) tokens: Vec<u32>,
+    /// Its local hashes.
+    pub(crate) hashes: Vec<u64>,
 }
 
 /// The prompts: every trace request as exactly [`PROMPT_BLOCKS`] blocks.
-fn prompts(trace: &[TraceRequest]) -> Vec<Prompt> {
+pub(crate) fn prompts(trace: &[TraceRequest]) -> Vec<Prompt> {
     let hasher = kvatlas_hash::BlockHasher::new(BLOCK_TOKENS).expect("a valid block size");
     trace
         .iter()
@@ -288,17 +290,8 @@ impl Server {
 
     /// (VmRSS, VmHWM) in MiB.
     pub(crate) fn memory(&self) -> (f64, f64) {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.split_whitespace().next())
-                .and_then(|kb| kb.parse::<f64>().ok())
-                .map_or(0.0, |kb| kb / 1024.0)
-        };
-        (field("VmRSS:"), field("VmHWM:"))
+        let pid = self.child.id();
+        (status_mib(pid, "VmRSS:"), status_mib(pid, "VmHWM:"))
     }
 
     pub(crate) fn stop(mut self) {
@@ -307,6 +300,17 @@ impl Server {
             .status();
         let _ = self.child.wait();
     }
+}
+
+/// A `/proc/PID/status` memory field (`VmRSS:`, `VmHWM:`) in MiB (0 if unreadable).
+pub(crate) fn status_mib(pid: u32, field: &str) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 impl Drop for Server {
@@ -326,7 +330,7 @@ pub(crate) async fn connect(url: &str) -> Result<IndexerClient<Channel>> {
     Ok(IndexerClient::new(channel).max_decoding_message_size(64 << 20))
 }
 
-fn request(prompt: &Prompt, by_tokens: bool, id: u64) -> v1::QueryRequest {
+pub(crate) fn request(prompt: &Prompt, by_tokens: bool, id: u64) -> v1::QueryRequest {
     v1::QueryRequest {
         index: Some(v1::IndexSelector {
             model: MODEL.into(),

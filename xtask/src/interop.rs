@@ -99,6 +99,16 @@ fn setup(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The interpreter of the venv holding Dynamo's standalone indexer (for `cargo xtask bench
+/// e2e`), set up (downloaded once, cached) if needed.
+pub(crate) fn dynamo_python() -> Result<PathBuf> {
+    let dir = workspace_root().join("target/interop");
+    let python = venv(&dir)?;
+    let wheels = dir.join("wheels");
+    std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
+    dynamo_venv(&dir, &python, &wheels)
+}
+
 /// The venv's interpreter, creating the venv and installing [`PY_DEPS`] if needed.
 fn venv(dir: &Path) -> Result<PathBuf> {
     python_env(&dir.join("venv"), &PY_DEPS)
@@ -242,6 +252,15 @@ fn test(dir: &Path) -> Result<()> {
             DYNAMO.1
         ),
     )?;
+    // The simulated fleet of vLLM engines feeding kvatlas and Dynamo's indexer over ZMQ; fails
+    // unless every kvatlas answer (HTTP and gRPC) equals the reference model's. A short run:
+    // one run, 3,000 trace requests, a two-point query sweep.
+    crate::bench(&[
+        "e2e".to_owned(),
+        "--quick".to_owned(),
+        "--check".to_owned(),
+        "--loads=1000,4000".to_owned(),
+    ])?;
     eprintln!("\ninterop: all engines passed ({})", versions.join(", "));
     Ok(())
 }

@@ -25,7 +25,11 @@ tasks:
                      (ARGS go to service-bench: --runs, --seconds, --in-flight, --quick, --json)
   bench snapshot [ARGS…] snapshots and recovery: bytes per membership, write, stream, restore,
                      peer bootstrap (ARGS go to snapshot-bench: --runs, --states, --quick, --json)
-  interop            the listener against vLLM's and SGLang's real publishers (downloads wheels once)
+  bench e2e [ARGS…]  kvatlas serve against Dynamo's standalone indexer (from PyPI, cached) on one
+                     simulated fleet of vLLM engines: queries/s at p99 <= 1 ms, freshness, CPU,
+                     memory, exactness (ARGS go to e2e-bench: --runs, --quick, --json, --plots)
+  interop            the listener and server against vLLM's and SGLang's real publishers, grpcio,
+                     grpcurl and Dynamo's indexer, then a short `bench e2e --check` (downloads once)
   interop setup      only build target/interop (venv, wheels, extracted publisher sources)
 ";
 
@@ -150,7 +154,7 @@ fn bench(args: &[String]) -> Result<()> {
             "cargo bench -p kvatlas-bench (criterion micro-benchmarks)",
         );
     }
-    if let Some(bench @ ("service" | "snapshot")) = args.first().map(String::as_str) {
+    if let Some(bench @ ("service" | "snapshot" | "e2e")) = args.first().map(String::as_str) {
         let mut build = cargo();
         build.args(["build", "--release", "--locked", "-p", "kvatlas"]);
         run(build, "cargo build --release -p kvatlas")?;
@@ -168,8 +172,12 @@ fn bench(args: &[String]) -> Result<()> {
             "--",
             "--kvatlas",
         ])
-        .arg(&binary)
-        .args(&args[1..]);
+        .arg(&binary);
+        if bench == "e2e" {
+            // Dynamo's standalone indexer from PyPI, in the venv the interop tests use.
+            cmd.arg("--dynamo-python").arg(interop::dynamo_python()?);
+        }
+        cmd.args(&args[1..]);
         return run(cmd, &format!("{bin} {}", args[1..].join(" ")));
     }
     let mut cmd = cargo();

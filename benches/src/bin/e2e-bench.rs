@@ -1,0 +1,101 @@
+//! `e2e-bench`: the end-to-end benchmark behind `cargo xtask bench e2e` (see
+//! `kvatlas_bench::e2e`): one simulated fleet, one query stream, `kvatlas serve` and Dynamo's
+//! standalone indexer one after the other on this machine.
+//!
+//! `cargo xtask bench e2e [--runs 3] [--quick] [--json FILE] [--plots DIR]`
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use kvatlas_bench::e2e::{self, Settings};
+
+/// kvatlas against Dynamo's standalone indexer on the same fleet and the same queries.
+#[derive(Debug, Parser)]
+struct Args {
+    /// The kvatlas binary (`cargo xtask bench e2e` builds and passes target/release/kvatlas).
+    #[arg(long)]
+    kvatlas: PathBuf,
+    /// Python of a venv with `ai-dynamo-runtime==1.6.1` (`cargo xtask bench e2e` prepares
+    /// target/interop/dynamo-venv).
+    #[arg(long)]
+    dynamo_python: PathBuf,
+    /// Dynamo's `--threads` (its own default).
+    #[arg(long, default_value_t = 4)]
+    dynamo_threads: usize,
+    /// Runs (medians reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Simulated engines.
+    #[arg(long, default_value_t = 128)]
+    workers: u32,
+    /// Blocks per engine cache.
+    #[arg(long, default_value_t = 512)]
+    capacity: usize,
+    /// Trace requests per second (the trace's timing, rescaled).
+    #[arg(long, default_value_t = 2_000.0)]
+    rate: f64,
+    /// Offered loads of the query sweep (queries/s, ascending).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1000,2000,4000,6000,8000,12000,16000,24000,32000,48000,64000,96000,128000,192000"
+    )]
+    loads: Vec<f64>,
+    /// Seconds per sweep point.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// HTTP connections (and unary gRPC tasks) of the load generator.
+    #[arg(long, default_value_t = 32)]
+    connections: usize,
+    /// Prompts checked against the reference model per service and eviction order.
+    #[arg(long, default_value_t = 2_000)]
+    exactness_queries: usize,
+    /// A short run: 1 run, 3,000 trace requests, 1 s sweep points, 500 exactness prompts.
+    #[arg(long)]
+    quick: bool,
+    /// Also write the runs as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the freshness CDF plot (SVG and PNG) into this directory.
+    #[arg(long)]
+    plots: Option<PathBuf>,
+    /// Exit non-zero unless kvatlas answered every exactness query like the reference model
+    /// (over HTTP and gRPC) and applied every engine's events (CI runs this).
+    #[arg(long)]
+    check: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let settings = Settings {
+        kvatlas: args.kvatlas,
+        dynamo_python: args.dynamo_python,
+        dynamo_threads: args.dynamo_threads,
+        runs: if args.quick { 1 } else { args.runs },
+        workers: args.workers,
+        capacity: args.capacity,
+        requests: args.quick.then_some(3_000),
+        rate: args.rate,
+        loads: args.loads,
+        step: Duration::from_secs_f64(if args.quick { 1.0 } else { args.seconds }),
+        connections: args.connections,
+        exactness_queries: if args.quick {
+            500
+        } else {
+            args.exactness_queries
+        },
+        plots: args.plots,
+    };
+    let summary = e2e::run(&settings, |step| eprintln!("e2e bench: {step}"))?;
+    print!("{}", e2e::markdown(&summary));
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.check {
+        e2e::check(&summary)?;
+    }
+    Ok(())
+}
