@@ -1,4 +1,4 @@
-//! Index operations on the seed's table workload (peer-baseline Workload B): ≈ 1M (worker, block)
+//! Index operations on Workload B (`docs/benchmarks.md`, "Workloads"): ≈ 1M (worker, block)
 //! memberships, 1024 sequences × 1024 blocks, 128 workers, 25 % shared prefix — store and remove
 //! of a whole 1024-block sequence, and `find_matches` hit / partial / miss, for every backend.
 //!

@@ -1,4 +1,4 @@
-//! KV-event ingestion throughput on one core (issue 4 §5): vLLM 0.33 msgpack batches built from
+//! KV-event ingestion throughput on one core: vLLM 0.33 msgpack batches built from
 //! the Mooncake conversation trace at block size 16 ([`kvatlas_bench::ingest`]).
 //!
 //! - `ingest/stores/decode`: [`decode_batch`] only, in tokens/s;

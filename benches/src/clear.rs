@@ -1,4 +1,4 @@
-//! Workload D of `shared/reference/peer-baseline.md`: the cost of `Cleared`.
+//! Workload D (`docs/benchmarks.md`, "Workloads"): the cost of `Cleared`.
 //!
 //! On one index, `rounds` times: apply the stream's events (timed: "replay ms"), check the index
 //! holds exactly the engines' final caches, then apply one `Cleared` per worker `0..workers`

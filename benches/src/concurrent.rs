@@ -1,4 +1,4 @@
-//! Workload C of `shared/reference/peer-baseline.md`: one writer and one reader at once, through
+//! Workload C (`docs/benchmarks.md`, "Workloads"): one writer and one reader at once, through
 //! the concurrent front (`ThreadPool` over `LeftRight<backend>` or `Locked<backend>`, or over the
 //! backend's concurrent form when it has one: `ConcurrentAtlas` for `atlas`, `crtc` itself).
 //!
@@ -43,7 +43,7 @@ pub struct ConcurrentConfig {
 }
 
 impl Default for ConcurrentConfig {
-    /// peer-baseline.md's settings: 3 s phases, flush every 1024 events; one pool thread.
+    /// Dynamo's settings: 3 s phases, flush every 1024 events; one pool thread.
     fn default() -> Self {
         Self {
             phase_ms: 3000,

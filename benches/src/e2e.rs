@@ -1083,7 +1083,8 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
     Ok(summary)
 }
 
-/// Writes the freshness CDF plot (leaf-first, the last run) of both services.
+/// Writes the plots of the last run: the freshness CDF of both services (both eviction orders)
+/// and the query sweeps.
 fn plots(dir: &Path, summary: &Summary) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let Some(last) = summary.runs.last() else {
@@ -1103,8 +1104,32 @@ fn plots(dir: &Path, summary: &Summary) -> Result<()> {
         .collect();
     crate::plot::cdf(
         &dir.join("e2e-freshness"),
-        "publish-to-visible lag (freshness)",
+        "publish-to-visible lag (freshness, upper bounds)",
+        "from the engine's send to the answer that shows the block",
         &curves,
+    )?;
+    let series: Vec<crate::plot::SweepSeries> = last
+        .iter()
+        .flat_map(|s| {
+            s.sweeps.iter().map(move |sweep| crate::plot::SweepSeries {
+                name: format!("{} {}", s.service.name(), sweep.protocol),
+                points: sweep
+                    .points
+                    .iter()
+                    .map(|p| crate::plot::SweepPoint {
+                        offered: p.offered,
+                        achieved: p.achieved,
+                        p99_us: p.p99_us,
+                        ok: p.passed,
+                    })
+                    .collect(),
+            })
+        })
+        .collect();
+    crate::plot::query_sweep(
+        &dir.join("e2e-queries"),
+        "queries: achieved vs offered, p99 from the due time",
+        &series,
     )?;
     Ok(())
 }
@@ -1262,7 +1287,11 @@ pub fn markdown(summary: &Summary) -> String {
             .map_or(0, |i| i.exactness_queries),
     );
     for (kind, runs) in [(ServiceKind::Kvatlas, &kv), (ServiceKind::Dynamo, &dy)] {
-        for run in runs.iter() {
+        // The first run with a wrong answer, its first eviction order with one.
+        if let Some(run) = runs
+            .iter()
+            .find(|r| r.ingest.iter().any(|i| i.first_mismatch.is_some()))
+        {
             for ingest in &run.ingest {
                 if let Some(example) = &ingest.first_mismatch {
                     let _ = writeln!(

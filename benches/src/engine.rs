@@ -2,10 +2,10 @@
 //! trace's requests, emitting the `Stored`/`Removed` events a real engine would, plus the exact
 //! per-worker scores (the oracle) every query must get from an index.
 //!
-//! This is Workload A of `shared/reference/peer-baseline.md`: one trace `hash_id` is one index
+//! This is Workload A (`docs/benchmarks.md`, "Workloads"): one trace `hash_id` is one index
 //! block. Its local hash is, by default ([`LocalHashing::Tokens`]), what a router computes: the
 //! block is expanded to deterministic tokens ([`crate::trace::block_tokens`]) and hashed with
-//! `kvatlas-hash`'s [`BlockHasher`]; [`LocalHashing::Splitmix`] instead uses peer-baseline's exact
+//! `kvatlas-hash`'s [`BlockHasher`]; [`LocalHashing::Splitmix`] instead uses Dynamo's harness's
 //! mapping `LocalBlockHash(splitmix64(hash_id))` (both are bijections of the ids in practice, so
 //! the workload's structure is the same). External (engine) hashes are the
 //! kvatlas [`SequenceHash`] chain of the request's path, and each request goes to a uniformly
@@ -145,7 +145,7 @@ impl Eviction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Routing {
-    /// A uniformly random worker (seeded; peer-baseline.md's Workload A).
+    /// A uniformly random worker (seeded; Workload A).
     Random,
     /// The worker with the best device score for the request (KV-aware), within a load bound.
     KvAware,
@@ -175,7 +175,7 @@ pub enum LocalHashing {
     /// As a router frontend does: deterministic tokens hashed with `kvatlas-hash`.
     #[default]
     Tokens,
-    /// peer-baseline's mapping: `LocalBlockHash(splitmix64(hash_id))`.
+    /// Dynamo's harness's mapping: `LocalBlockHash(splitmix64(hash_id))`.
     Splitmix,
 }
 
@@ -381,7 +381,7 @@ impl Stream {
     }
 
     /// One `Removed` (device tier) per worker with a non-empty cache, emptying it: appended to
-    /// the stream, they leave an empty index (the "drain" of peer-baseline.md's Workload C).
+    /// the stream, they leave an empty index (the "drain" of Workload C).
     pub fn drain_events(&self) -> Vec<Mutation> {
         self.final_caches
             .iter()

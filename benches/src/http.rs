@@ -11,7 +11,6 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A `POST path` request with a JSON body, as bytes.
 pub fn post_json(path: &str, body: &[u8]) -> Vec<u8> {
@@ -150,19 +149,31 @@ impl AsyncConnection {
 
     /// Sends a serialized request and returns its response's status (the body is read and
     /// dropped).
+    ///
+    /// Written with `try_write`/`try_read` on readiness (tokio's `net` feature alone), so the
+    /// benchmark builds tokio with the server's feature set and the two never rebuild each other.
     pub async fn send(&mut self, request: &[u8]) -> Result<u16> {
-        self.stream.write_all(request).await?;
+        let mut written = 0;
+        while written < request.len() {
+            self.stream.writable().await?;
+            match self.stream.try_write(&request[written..]) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
         self.buf.clear();
+        let mut chunk = [0u8; 16 << 10];
         loop {
             if let Some(parsed) = parse(&self.buf)? {
                 return Ok(parsed.status);
             }
-            if self.buf.capacity() - self.buf.len() < 16 << 10 {
-                self.buf.reserve(64 << 10);
-            }
-            let n = self.stream.read_buf(&mut self.buf).await?;
-            if n == 0 {
-                bail!("the server closed the connection mid-response");
+            self.stream.readable().await?;
+            match self.stream.try_read(&mut chunk) {
+                Ok(0) => bail!("the server closed the connection mid-response"),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e.into()),
             }
         }
     }

@@ -1,10 +1,10 @@
-//! KV-event ingestion workload (issue 4 §5): the Mooncake trace as vLLM 0.33 msgpack batches.
+//! KV-event ingestion workload: the Mooncake trace as vLLM 0.33 msgpack batches.
 //!
 //! The trace is split to 16-token blocks (trace-length factor 32, vLLM's default block size) and
 //! run through one mock engine ([`crate::engine::generate`], one worker, LRU eviction), so the
 //! stream has the engine's real mix of stores (only the blocks it misses) and one-block evictions.
 //! Each request's events become one batch (one scheduler step), encoded exactly as vLLM 0.33's
-//! publisher does (wire-formats §12): `[ts, events, dp_rank]`, a `BlockStored` as a `map16(8)`
+//! publisher does (`docs/events.md` §7): `[ts, events, dp_rank]`, a `BlockStored` as a `map16(8)`
 //! with `uint64` hashes, 16 token ids per block and `medium: "GPU"`, a `BlockRemoved` as a
 //! `fixmap(4)` with one hash (vLLM emits one event per evicted block). Tokens are
 //! [`crate::trace::block_tokens`] of each block's engine hash, so every block's tokens differ.

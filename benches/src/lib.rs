@@ -6,7 +6,7 @@
 //! or KV-aware routing) into a stream of queries, oracle scores and KV events;
 //! [`replay`] replays that stream against each index backend exactly (interleaved, every query
 //! checked), [`openloop`] replays it deadline-driven through the concurrent write front and sweeps
-//! the offered load; [`synthetic`], [`concurrent`] and [`clear`] are peer-baseline.md's
+//! the offered load; [`synthetic`], [`concurrent`] and [`clear`] are
 //! Workloads B, C and D;
 //! [`plot`] draws the sweep and latency CDF; [`ingest`] turns the trace into vLLM msgpack event
 //! batches for the KV-event ingestion benchmarks; [`service`] loads a `kvatlas serve` process with

@@ -1,6 +1,6 @@
 //! Open-loop, deadline-driven replay of a mock-engine [`Stream`] through the concurrent write
 //! front, and the offered-load sweep built on it (the completion-correct method of
-//! `shared/reference/peers.md` §1.13).
+//! `docs/benchmarks.md`, "Open loop").
 //!
 //! Each request's trace timestamp is rescaled onto a benchmark window: the first request is due
 //! at 0, the last at `window`. Every worker's timeline (its queries, each followed by the events

@@ -101,22 +101,50 @@ fn log_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
     (lo / 1.5, hi * 1.5)
 }
 
+/// One point of a throughput sweep, as plotted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SweepPoint {
+    /// Offered rate (per second).
+    pub offered: f64,
+    /// Achieved rate.
+    pub achieved: f64,
+    /// p99 latency in µs.
+    pub p99_us: f64,
+    /// Whether the point met its criterion (drawn filled).
+    pub ok: bool,
+}
+
+/// A named series of sweep points.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweepSeries {
+    /// The legend name.
+    pub name: String,
+    /// The points, in any order.
+    pub points: Vec<SweepPoint>,
+}
+
+/// The x-axis label and the meaning of a filled marker.
+#[derive(Debug, Clone, Copy)]
+struct SweepLabels<'a> {
+    offered: &'a str,
+    achieved: &'a str,
+    ok: &'a str,
+}
+
 fn draw_sweep<DB: DrawingBackend>(
     root: &Area<'_, DB>,
     title: &str,
-    runs: &[OpenLoopResult],
-    backends: &[String],
+    series: &[SweepSeries],
+    labels: SweepLabels<'_>,
 ) -> Result<()>
 where
     DB::ErrorType: 'static,
 {
     root.fill(&WHITE).map_err(err)?;
-    let (x_lo, x_hi) = log_range(runs.iter().map(|r| r.offered_ops_per_s));
-    let (y_lo, y_hi) = log_range(
-        runs.iter()
-            .flat_map(|r| [r.achieved_ops_per_s, r.offered_ops_per_s]),
-    );
-    let (p_lo, p_hi) = log_range(runs.iter().map(|r| r.latency.p99_ns as f64 / 1e3));
+    let all = || series.iter().flat_map(|s| s.points.iter());
+    let (x_lo, x_hi) = log_range(all().map(|p| p.offered));
+    let (y_lo, y_hi) = log_range(all().flat_map(|p| [p.achieved, p.offered]));
+    let (p_lo, p_hi) = log_range(all().map(|p| p.p99_us));
     let mut chart = ChartBuilder::on(root)
         .caption(title, ("sans-serif", 24))
         .margin(16)
@@ -128,8 +156,8 @@ where
         .set_secondary_coord((x_lo..x_hi).log_scale(), (p_lo..p_hi).log_scale());
     chart
         .configure_mesh()
-        .x_desc("offered ops/s (queries + events)")
-        .y_desc("achieved ops/s")
+        .x_desc(labels.offered)
+        .y_desc(labels.achieved)
         .x_labels(8)
         .y_labels(8)
         .x_label_formatter(&|v| si(*v))
@@ -156,35 +184,28 @@ where
         .map_err(err)?
         .label("achieved = offered")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.3)));
-    for (i, name) in backends.iter().enumerate() {
-        let mut points: Vec<&OpenLoopResult> = runs.iter().filter(|r| &r.backend == name).collect();
-        points.sort_by(|a, b| a.offered_ops_per_s.total_cmp(&b.offered_ops_per_s));
+    for (i, s) in series.iter().enumerate() {
+        let mut points = s.points.clone();
+        points.sort_by(|a, b| a.offered.total_cmp(&b.offered));
         let c = colour(i);
+        let name = &s.name;
         chart
             .draw_series(LineSeries::new(
-                points
-                    .iter()
-                    .map(|r| (r.offered_ops_per_s, r.achieved_ops_per_s)),
+                points.iter().map(|p| (p.offered, p.achieved)),
                 c.stroke_width(3),
             ))
             .map_err(err)?
-            .label(format!("{name}: achieved (filled = kept up)"))
+            .label(format!("{name}: achieved (filled = {})", labels.ok))
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(3)));
         chart
-            .draw_series(points.iter().map(|r| {
-                let style = if r.kept_up {
-                    c.filled()
-                } else {
-                    c.stroke_width(2)
-                };
-                Circle::new((r.offered_ops_per_s, r.achieved_ops_per_s), 6, style)
+            .draw_series(points.iter().map(|p| {
+                let style = if p.ok { c.filled() } else { c.stroke_width(2) };
+                Circle::new((p.offered, p.achieved), 6, style)
             }))
             .map_err(err)?;
         chart
             .draw_secondary_series(DashedLineSeries::new(
-                points
-                    .iter()
-                    .map(|r| (r.offered_ops_per_s, r.latency.p99_ns as f64 / 1e3)),
+                points.iter().map(|p| (p.offered, p.p99_us)),
                 8,
                 5,
                 c.stroke_width(2),
@@ -211,6 +232,7 @@ where
 fn draw_cdf<DB: DrawingBackend>(
     root: &Area<'_, DB>,
     title: &str,
+    x_desc: &str,
     curves: &[(String, Cdf)],
 ) -> Result<()>
 where
@@ -231,7 +253,7 @@ where
         .map_err(err)?;
     chart
         .configure_mesh()
-        .x_desc("latency from deadline to completion")
+        .x_desc(x_desc)
         .y_desc("fraction of queries")
         .x_labels(8)
         .x_label_formatter(&|v| micros(*v))
@@ -304,21 +326,56 @@ fn si(v: f64) -> String {
 /// # Errors
 /// If a file cannot be written.
 pub fn sweep(stem: &Path, title: &str, runs: &[OpenLoopResult]) -> Result<Vec<PathBuf>> {
-    let mut backends: Vec<String> = Vec::new();
+    let mut series: Vec<SweepSeries> = Vec::new();
     for r in runs {
-        if !backends.contains(&r.backend) {
-            backends.push(r.backend.clone());
+        let point = SweepPoint {
+            offered: r.offered_ops_per_s,
+            achieved: r.achieved_ops_per_s,
+            p99_us: r.latency.p99_ns as f64 / 1e3,
+            ok: r.kept_up,
+        };
+        match series.iter_mut().find(|s| s.name == r.backend) {
+            Some(s) => s.points.push(point),
+            None => series.push(SweepSeries {
+                name: r.backend.clone(),
+                points: vec![point],
+            }),
         }
     }
-    render_both!(stem, draw_sweep, title, runs, &backends)
+    let labels = SweepLabels {
+        offered: "offered ops/s (queries + events)",
+        achieved: "achieved ops/s",
+        ok: "kept up",
+    };
+    render_both!(stem, draw_sweep, title, &series, labels)
 }
 
-/// Writes `stem.svg` and `stem.png`: one latency CDF per labelled curve. Returns the files.
+/// Writes `stem.svg` and `stem.png`: achieved vs offered queries/s per series (filled markers =
+/// the point passed), p99 (dashed) on the right axis. Returns the files written.
 ///
 /// # Errors
 /// If a file cannot be written.
-pub fn cdf(stem: &Path, title: &str, curves: &[(String, Cdf)]) -> Result<Vec<PathBuf>> {
-    render_both!(stem, draw_cdf, title, curves)
+pub fn query_sweep(stem: &Path, title: &str, series: &[SweepSeries]) -> Result<Vec<PathBuf>> {
+    let labels = SweepLabels {
+        offered: "offered queries/s",
+        achieved: "achieved queries/s",
+        ok: "p99 <= 1 ms",
+    };
+    render_both!(stem, draw_sweep, title, series, labels)
+}
+
+/// Writes `stem.svg` and `stem.png`: one latency CDF per labelled curve, the latency axis
+/// described by `x_desc`. Returns the files.
+///
+/// # Errors
+/// If a file cannot be written.
+pub fn cdf(
+    stem: &Path,
+    title: &str,
+    x_desc: &str,
+    curves: &[(String, Cdf)],
+) -> Result<Vec<PathBuf>> {
+    render_both!(stem, draw_cdf, title, x_desc, curves)
 }
 
 #[cfg(test)]

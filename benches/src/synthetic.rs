@@ -1,4 +1,4 @@
-//! Workload B of `shared/reference/peer-baseline.md`: a synthetic index of 1024 sequences × 1024
+//! Workload B (`docs/benchmarks.md`, "Workloads"): a synthetic index of 1024 sequences × 1024
 //! blocks (1,048,576 (worker, block) memberships), after Dynamo's `radix_tree_microbench`.
 //!
 //! Sequence `i` belongs to worker `i % 128`; its first 256 blocks are the prefix of one of 4
@@ -50,7 +50,7 @@ pub struct SyntheticConfig {
 }
 
 impl Default for SyntheticConfig {
-    /// peer-baseline.md's Workload B: 1024 × 1024, 128 workers, 256 shared blocks, 4 groups,
+    /// Workload B: 1024 × 1024, 128 workers, 256 shared blocks, 4 groups,
     /// 1000 iterations and cycles.
     fn default() -> Self {
         Self {

@@ -1,5 +1,5 @@
 //! `ingest-e2e`: KV-event ingestion end to end over a loopback ZMQ socket vs in process
-//! (issue 4 §5).
+//! (the ingestion figures of `docs/benchmarks.md`).
 //!
 //! The Mooncake trace becomes vLLM 0.33 batches at block size 16 ([`kvatlas_bench::ingest`]).
 //! In process, one thread decodes, converts (re-hashing every block) and applies them to a

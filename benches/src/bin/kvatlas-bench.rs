@@ -1,6 +1,6 @@
 //! `kvatlas-bench`: the benchmark harness behind `cargo xtask bench`.
 //!
-//! Presets (peer-baseline.md's workloads, so figures are comparable with the Dynamo baseline):
+//! Presets (the workloads of `docs/benchmarks.md`, those Dynamo's kv-router was measured on):
 //! - `conversation` (Workload A): the Mooncake conversation trace through deterministic mock
 //!   engines (one LRU prefix cache per worker, leaf-first and head-first eviction, random or
 //!   KV-aware routing — by default random in both eviction modes plus KV-aware leaf-first), replayed
@@ -69,7 +69,7 @@ enum Mode {
     All,
 }
 
-/// Benchmarks kvatlas index backends on peer-baseline.md's workloads.
+/// Benchmarks kvatlas index backends on the workloads Dynamo's kv-router was measured on.
 #[derive(Debug, Parser)]
 struct Args {
     /// Smoke run (≈ 10-20 s, CI): 2,000 requests and 16 workers, a 3-step sweep, a smaller
@@ -147,7 +147,7 @@ struct Args {
     #[arg(long, default_value_t = 1024)]
     queue_capacity: usize,
     /// How a trace block's local hash is made: `tokens` (deterministic tokens hashed with
-    /// kvatlas-hash, as a router does) or `splitmix` (peer-baseline's id mapping).
+    /// kvatlas-hash, as a router does) or `splitmix` (Dynamo's harness's id mapping).
     #[arg(long, value_enum, default_value_t = LocalHashing::Tokens)]
     local_hashing: LocalHashing,
     /// How the concurrent front shares the index with readers.
@@ -808,7 +808,7 @@ fn main() -> Result<()> {
         report.synthetic = Some((synthetic_config, results));
     }
 
-    // Workloads C and D use peer-baseline.md's stream: random routing, leaf-first eviction.
+    // Workloads C and D use Workload A's stream: random routing, leaf-first eviction.
     let base_stream = (run_concurrent || run_clear)
         .then(|| generate(&trace, &engine(Eviction::LeafFirst, Routing::Random)));
     if let (true, Some(stream)) = (run_concurrent, &base_stream) {
@@ -938,6 +938,7 @@ fn plots(
             c.eviction.name(),
             c.routing.name()
         ),
+        "latency from deadline to completion",
         &curves,
     )?);
     Ok(files)

@@ -568,56 +568,70 @@ pub(crate) struct QueryByHashRequest {
     cache_salt: Option<String>,
 }
 
-/// The Mooncake RFC's per-instance summary, in tokens, as 1.6.1 names it.
-#[derive(Debug, Serialize, PartialEq, Eq)]
-struct Summary {
-    longest_matched: u64,
-    gpu: u64,
-    dp: BTreeMap<String, u64>,
-    cpu: u64,
-    disk: u64,
-}
-
-/// `/query`'s answer: `scores` (device tokens by instance, then rank), `frequencies` (always
-/// empty, as in 1.6.1), `instances` (the tiered summary).
-#[derive(Debug, Serialize)]
-struct ScoreResponse {
-    scores: BTreeMap<String, BTreeMap<String, u64>>,
-    frequencies: Vec<u64>,
-    instances: BTreeMap<String, Summary>,
-}
-
-fn score_response(matches: &Matches, block_size: u32) -> ScoreResponse {
+/// `/query`'s answer as JSON bytes: `scores` (device tokens by instance, then rank; instances
+/// with a device match only), `frequencies` (always empty, as in 1.6.1), `instances` (the
+/// Mooncake RFC's tiered summary per instance: `longest_matched`, `gpu` (the best rank's device
+/// tokens), `dp` (device tokens per rank), `cpu`, `disk`, cumulative, as 1.6.1 names them).
+///
+/// Written straight into one buffer: an answer lists every worker holding the prompt's first
+/// block (often all of them), and building it as maps of strings cost more than the query.
+fn score_response(matches: &Matches, block_size: u32) -> Vec<u8> {
+    use std::io::Write as _;
     let tokens = |blocks: u32| u64::from(blocks) * u64::from(block_size);
-    let mut scores: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
-    let mut instances: BTreeMap<String, Summary> = BTreeMap::new();
-    for m in &matches.workers {
-        let instance = m.worker.worker_id.to_string();
-        let rank = m.worker.dp_rank.to_string();
-        if m.device > 0 {
-            scores
-                .entry(instance.clone())
-                .or_default()
-                .insert(rank.clone(), tokens(m.device));
+    let mut sorted;
+    let mut workers = matches.workers.as_slice();
+    if !workers.is_sorted_by_key(|m| m.worker) {
+        sorted = workers.to_vec();
+        sorted.sort_by_key(|m| m.worker);
+        workers = &sorted;
+    }
+    // Consecutive ranks of one instance (sorted by worker, so by instance first).
+    let instances = || workers.chunk_by(|a, b| a.worker.worker_id == b.worker.worker_id);
+    let mut out = Vec::with_capacity(64 + workers.len() * 96);
+    // Writing into a Vec cannot fail.
+    let _ = out.write_all(b"{\"scores\":{");
+    let mut first_instance = true;
+    for ranks in instances() {
+        if ranks.iter().all(|m| m.device == 0) {
+            continue;
         }
-        let summary = instances.entry(instance).or_insert(Summary {
-            longest_matched: 0,
-            gpu: 0,
-            dp: BTreeMap::new(),
-            cpu: 0,
-            disk: 0,
-        });
-        summary.dp.insert(rank, tokens(m.device));
-        summary.gpu = summary.gpu.max(tokens(m.device));
-        summary.cpu = summary.cpu.max(tokens(m.host));
-        summary.disk = summary.disk.max(tokens(m.disk));
-        summary.longest_matched = summary.longest_matched.max(tokens(m.disk));
+        let comma = if first_instance { "" } else { "," };
+        first_instance = false;
+        let _ = write!(out, "{comma}\"{}\":{{", ranks[0].worker.worker_id);
+        let mut first_rank = true;
+        for m in ranks.iter().filter(|m| m.device > 0) {
+            let comma = if first_rank { "" } else { "," };
+            first_rank = false;
+            let _ = write!(out, "{comma}\"{}\":{}", m.worker.dp_rank, tokens(m.device));
+        }
+        out.push(b'}');
     }
-    ScoreResponse {
-        scores,
-        frequencies: Vec::new(),
-        instances,
+    let _ = out.write_all(b"},\"frequencies\":[],\"instances\":{");
+    for (i, ranks) in instances().enumerate() {
+        let best = |f: fn(&kvatlas_index::WorkerMatch) -> u32| {
+            ranks.iter().map(|m| tokens(f(m))).max().unwrap_or(0)
+        };
+        let comma = if i == 0 { "" } else { "," };
+        let _ = write!(
+            out,
+            "{comma}\"{}\":{{\"longest_matched\":{},\"gpu\":{},\"dp\":{{",
+            ranks[0].worker.worker_id,
+            best(|m| m.disk),
+            best(|m| m.device)
+        );
+        for (j, m) in ranks.iter().enumerate() {
+            let comma = if j == 0 { "" } else { "," };
+            let _ = write!(out, "{comma}\"{}\":{}", m.worker.dp_rank, tokens(m.device));
+        }
+        let _ = write!(
+            out,
+            "}},\"cpu\":{},\"disk\":{}}}",
+            best(|m| m.host),
+            best(|m| m.disk)
+        );
     }
+    let _ = out.write_all(b"}}");
+    out
 }
 
 fn not_found(key: &IndexKey) -> Response {
@@ -660,7 +674,8 @@ fn answer(
     ) {
         Ok(answer) => (
             StatusCode::OK,
-            Json(score_response(&answer.matches, answer.block_size.get())),
+            [(header::CONTENT_TYPE, "application/json")],
+            score_response(&answer.matches, answer.block_size.get()),
         )
             .into_response(),
         Err(e) => service_error(&e),
@@ -1059,7 +1074,8 @@ mod tests {
                 },
             ],
         };
-        let response = serde_json::to_value(score_response(&matches, 16)).expect("json");
+        let response: Value =
+            serde_json::from_slice(&score_response(&matches, 16)).expect("valid JSON");
         assert_eq!(
             response,
             json!({
