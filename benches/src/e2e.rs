@@ -60,7 +60,7 @@ use crate::service::{self, MODEL, Prompt, Server};
 use crate::trace::{self, TraceRequest};
 
 /// The services compared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 pub enum ServiceKind {
     /// `kvatlas serve`.
     Kvatlas,
@@ -107,6 +107,8 @@ pub struct Settings {
     pub exactness_queries: usize,
     /// Where the plots go (`None`: no plots).
     pub plots: Option<PathBuf>,
+    /// The services measured (both by default; one alone is for investigating, not comparing).
+    pub services: Vec<ServiceKind>,
 }
 
 /// Freshness: publish-to-visible lag.
@@ -1041,7 +1043,7 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
     let mut runs = Vec::new();
     for r in 0..settings.runs {
         let mut services = Vec::new();
-        for kind in [ServiceKind::Kvatlas, ServiceKind::Dynamo] {
+        for &kind in &settings.services {
             progress(&format!(
                 "run {} of {}: {}",
                 r + 1,
@@ -1177,6 +1179,12 @@ pub fn markdown(summary: &Summary) -> String {
             .collect()
     };
     let (kv, dy) = (of(ServiceKind::Kvatlas), of(ServiceKind::Dynamo));
+    if kv.is_empty() || dy.is_empty() {
+        out.push_str(
+            "Only one service was measured: no comparison (the figures are in the JSON).\n",
+        );
+        return out;
+    }
     let threshold = |runs: &[&ServiceRun], protocol: &str| -> Option<f64> {
         let v: Vec<f64> = runs
             .iter()

@@ -65,6 +65,14 @@ struct Args {
     /// (over HTTP and gRPC) and applied every engine's events (CI runs this).
     #[arg(long)]
     check: bool,
+    /// The services to measure (both by default).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "kvatlas,dynamo"
+    )]
+    services: Vec<e2e::ServiceKind>,
 }
 
 fn main() -> Result<()> {
@@ -87,6 +95,7 @@ fn main() -> Result<()> {
             args.exactness_queries
         },
         plots: args.plots,
+        services: args.services,
     };
     let summary = e2e::run(&settings, |step| eprintln!("e2e bench: {step}"))?;
     print!("{}", e2e::markdown(&summary));
