@@ -1,9 +1,11 @@
 //! kvatlas's task runner: `cargo xtask <task>`.
 //!
-//! - `ci`: everything CI checks (fmt, clippy, tests, docs, tidy, quick bench);
+//! - `ci`: everything CI checks (fmt, clippy, tests, docs, tidy, the fuzz crate and the sans-IO
+//!   event core compile, quick bench);
 //! - `tidy`: the workspace's layering rules, read from `cargo metadata`;
 //! - `bench [--quick] [args…]`: the trace-replay harness; `bench micro`: criterion benches;
-//! - `interop [setup]`: the listener against vLLM's and SGLang's real publishers (PyPI wheels).
+//! - `interop [setup]`: the listener against vLLM's and SGLang's real publishers (PyPI wheels);
+//! - `fuzz-corpus [DIR]`: writes the decoder's fixtures as the fuzz seed corpus.
 
 mod interop;
 mod tidy;
@@ -17,7 +19,9 @@ const USAGE: &str = "\
 usage: cargo xtask <task>
 
 tasks:
-  ci                 fmt --check, clippy -D warnings, tests, loom model, docs -D warnings, tidy, bench --quick
+  ci                 fmt --check, clippy -D warnings, tests, loom model, docs -D warnings, tidy,
+                     check kvatlas-events --no-default-features, check the fuzz crate (fuzz/,
+                     stable, --cfg fuzzing, target/fuzz-check), bench --quick
   tidy               check the crate layering (see docs/ARCHITECTURE.md)
   bench [ARGS…]      run the trace-replay benchmark suite (ARGS go to kvatlas-bench; --quick = smoke run)
   bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
@@ -31,6 +35,8 @@ tasks:
   interop            the listener and server against vLLM's and SGLang's real publishers, grpcio,
                      grpcurl and Dynamo's indexer, then a short `bench e2e --check` (downloads once)
   interop setup      only build target/interop (venv, wheels, extracted publisher sources)
+  fuzz-corpus [DIR]  write kvatlas-events' byte-exact decoding fixtures as the decode_batch fuzz
+                     seed corpus (DIR defaults to fuzz/corpus/decode_batch)
 ";
 
 fn main() -> Result<()> {
@@ -44,6 +50,7 @@ fn main() -> Result<()> {
         "tidy" => tidy::run(&workspace_root()),
         "bench" => bench(rest),
         "interop" => interop::main(rest),
+        "fuzz-corpus" => fuzz_corpus(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
@@ -139,9 +146,79 @@ fn ci() -> Result<()> {
     eprintln!("\n==> cargo xtask tidy");
     tidy::run(&workspace_root())?;
 
+    // The sans-IO event core alone (no ZMQ listener), as the fuzz crate and embedders build it:
+    // the workspace runs above always enable the default `listener` feature.
+    let mut events_core = cargo();
+    events_core.args([
+        "check",
+        "-p",
+        "kvatlas-events",
+        "--no-default-features",
+        "--locked",
+    ]);
+    run(
+        events_core,
+        "cargo check -p kvatlas-events --no-default-features",
+    )?;
+
+    // The fuzz targets compile (the fuzz crate is outside the workspace). cargo-fuzz builds them
+    // on nightly with sanitizers; type-checking needs neither, only `--cfg fuzzing` (the server's
+    // `fuzzing` module and `decode_batch_rmp_serde` exist under it). Own target dir: the cfg
+    // changes every dependency's flags and must not evict the main build.
+    let mut fuzz = cargo();
+    fuzz.args([
+        "check",
+        "--manifest-path",
+        "fuzz/Cargo.toml",
+        "--bins",
+        "--locked",
+    ])
+    .env("RUSTFLAGS", "--cfg fuzzing")
+    .env(
+        "CARGO_TARGET_DIR",
+        workspace_root().join("target/fuzz-check"),
+    );
+    run(
+        fuzz,
+        "cargo check --manifest-path fuzz/Cargo.toml (RUSTFLAGS=--cfg fuzzing)",
+    )?;
+
     bench(&["--quick".to_string()])?;
     eprintln!("\nci: all checks passed");
     Ok(())
+}
+
+/// Writes the `decode_batch` fuzz seed corpus: kvatlas-events' `examples/fuzz_corpus.rs` writes
+/// every fixture of its `tests/common/mod.rs`, one file each, into `DIR` (default
+/// `fuzz/corpus/decode_batch/`, relative to the current directory when given).
+fn fuzz_corpus(args: &[String]) -> Result<()> {
+    let dir = match args {
+        [] => workspace_root().join("fuzz/corpus/decode_batch"),
+        [dir] => std::env::current_dir()
+            .context("current directory")?
+            .join(dir),
+        _ => {
+            eprint!("{USAGE}");
+            bail!("fuzz-corpus takes at most one directory");
+        }
+    };
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--quiet",
+        "--locked",
+        "-p",
+        "kvatlas-events",
+        "--no-default-features",
+        "--example",
+        "fuzz_corpus",
+        "--",
+    ])
+    .arg(&dir);
+    run(
+        cmd,
+        &format!("write the fuzz seed corpus to {}", dir.display()),
+    )
 }
 
 fn bench(args: &[String]) -> Result<()> {

@@ -159,7 +159,7 @@ pub struct BlockRemoved {
 pub enum DecodeError {
     /// The payload is not well-formed msgpack (truncated, reserved marker, too deep).
     #[error("payload is not well-formed msgpack: {0}")]
-    Msgpack(#[from] rmp_serde::decode::Error),
+    Msgpack(#[source] MsgpackError),
     /// The top-level value is neither an array nor a map.
     #[error("payload is not a batch: expected an array or a map, found {found}")]
     NotABatch {
@@ -186,7 +186,38 @@ pub enum DecodeError {
     DpRankOutOfRange(u64),
 }
 
+/// Why a payload is not well-formed msgpack: the msgpack parser's own error, kept opaque.
+///
+/// The parser's error type is not part of this crate's API (a new `rmp-serde` must not change
+/// it): this value shows the parser's message as its `Display` and its `Debug`, and the parser's
+/// cause, if any (the I/O error of a truncated read), as [`std::error::Error::source`].
+pub struct MsgpackError(rmp_serde::decode::Error);
+
+impl fmt::Display for MsgpackError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Debug for MsgpackError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for MsgpackError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.0)
+    }
+}
+
 impl DecodeError {
+    /// A msgpack parser error as a [`DecodeError::Msgpack`] (crate-private: no public
+    /// conversion names the parser's type).
+    fn msgpack(error: rmp_serde::decode::Error) -> Self {
+        DecodeError::Msgpack(MsgpackError(error))
+    }
+
     /// The counter this error is recorded under.
     pub fn reason(&self) -> Reason {
         match self {
@@ -208,7 +239,7 @@ impl DecodeError {
 /// *event* never fails the batch (see [`EventBatch::skipped`]).
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut de = SliceDeserializer::new(payload, MAX_DEPTH);
-    let BatchOut(result) = BatchOut::deserialize(&mut de)?;
+    let BatchOut(result) = BatchOut::deserialize(&mut de).map_err(DecodeError::msgpack)?;
     result
 }
 
@@ -220,7 +251,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
 pub fn decode_batch_rmp_serde(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut de = rmp_serde::Deserializer::from_read_ref(payload);
     de.set_max_depth(MAX_DEPTH);
-    let BatchOut(result) = BatchOut::deserialize(&mut de)?;
+    let BatchOut(result) = BatchOut::deserialize(&mut de).map_err(DecodeError::msgpack)?;
     result
 }
 

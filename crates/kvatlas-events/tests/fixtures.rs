@@ -339,6 +339,42 @@ fn envelope_errors_are_typed() {
     );
 }
 
+/// A msgpack error keeps the parser's message and cause behind the crate's own `MsgpackError`
+/// (the parser's error type is not part of the API).
+#[test]
+fn msgpack_errors_show_the_parsers_message_and_cause() {
+    use std::error::Error as _;
+
+    let err = decode_batch(&[]).expect_err("empty payload");
+    assert_eq!(err.reason(), Reason::MalformedBatch);
+    assert_eq!(
+        err.to_string(),
+        "payload is not well-formed msgpack: IO error while reading marker: failed to fill whole buffer"
+    );
+    let DecodeError::Msgpack(inner) = &err else {
+        panic!("expected a msgpack error, got {err:?}");
+    };
+    assert_eq!(
+        inner.to_string(),
+        "IO error while reading marker: failed to fill whole buffer"
+    );
+    let source = err.source().expect("the msgpack error");
+    assert_eq!(source.to_string(), inner.to_string());
+    let cause = source.source().expect("the I/O error");
+    assert_eq!(cause.to_string(), "failed to fill whole buffer");
+    assert!(cause.source().is_none());
+
+    let mut deep = hexb("92 00");
+    deep.extend([0x91; 40]);
+    deep.push(0xc0);
+    let err = decode_batch(&deep).expect_err("too deep");
+    assert_eq!(
+        err.to_string(),
+        "payload is not well-formed msgpack: depth limit exceeded"
+    );
+    assert!(err.source().is_some_and(|s| s.source().is_none()));
+}
+
 #[test]
 fn trailing_elements_and_wrong_typed_fields() {
     // A positional store with 14 elements plus junk, and a removal whose medium is an int.
@@ -418,15 +454,19 @@ fn token_ids_the_fast_path_declines_keep_their_meaning() {
     assert_eq!(stored(&batch.events[2]).token_ids, [0x1234, 5]);
 }
 
-/// Writes every fixture as a file when `KVATLAS_WRITE_CORPUS=<dir>` is set (the fuzz seed
-/// corpus under `fuzz/corpus/decode_batch/` is produced this way).
+/// The committed fuzz seed corpus (`fuzz/corpus/decode_batch/`) holds every fixture, byte for
+/// byte: what `cargo xtask fuzz-corpus` writes (`examples/fuzz_corpus.rs`). Entries libFuzzer
+/// adds while running are other files and are not looked at.
 #[test]
-fn write_corpus_when_asked() {
-    let Ok(dir) = std::env::var("KVATLAS_WRITE_CORPUS") else {
-        return;
-    };
-    std::fs::create_dir_all(&dir).expect("corpus dir");
+fn the_fuzz_seed_corpus_is_every_fixture() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/decode_batch");
     for (name, bytes) in all() {
-        std::fs::write(std::path::Path::new(&dir).join(name), bytes).expect("write seed");
+        let seed = std::fs::read(dir.join(name))
+            .unwrap_or_else(|e| panic!("seed `{name}`: {e} (run `cargo xtask fuzz-corpus`)"));
+        assert!(
+            seed == bytes,
+            "seed `{name}` differs from its fixture (run `cargo xtask fuzz-corpus`)"
+        );
     }
 }

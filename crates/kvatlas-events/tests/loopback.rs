@@ -644,11 +644,18 @@ fn malformed_messages_do_not_disturb_a_clean_stream() {
         logical.push(payload.clone());
         publisher.publish(payload.clone(), true);
     }
+    let pumping = Instant::now();
     let tail = publisher.pump(&h.listeners, id);
 
     let s = state(&h.listeners, id);
     assert_eq!(s.counters.bad_frames, 5, "{s:?}");
-    assert!(s.since_last_batch.is_some_and(|d| d < WAIT));
+    // The last batch arrived after `pumping` (the pump's own), so the time since it is at most
+    // the time since then (plus the microsecond the listener rounds its timestamp down by).
+    assert!(
+        s.since_last_batch
+            .is_some_and(|d| d <= pumping.elapsed() + Duration::from_micros(1)),
+        "{s:?}"
+    );
     assert_eq!(s.counters.batch_decode_errors, 2, "{s:?}");
     assert_eq!(s.counters.drops.get(Reason::MalformedBatch), 2);
     assert_eq!(s.counters.resyncs, 0, "{s:?}");
@@ -826,7 +833,7 @@ fn a_full_sink_backpressures_without_losing_mutations() {
 }
 
 #[test]
-fn the_registry_rejects_bad_input_and_stops_promptly() {
+fn the_registry_rejects_bad_input_and_stops_listeners() {
     let h = Harness::new();
     let start = |endpoint: &str| {
         h.listeners
@@ -874,14 +881,13 @@ fn the_registry_rejects_bad_input_and_stops_promptly() {
     assert_eq!(s.last_seq, None);
     assert_eq!(h.listeners.list().len(), 1);
 
-    let begun = Instant::now();
+    // A stop returns (the thread is joined), with the listener stopped and gone from the
+    // registry. How long it takes (about one `recv_timeout`) is a latency figure, not asserted
+    // here: on a shared machine any thread can be descheduled past a fixed bound.
     let stopped = h.listeners.stop(id).expect("known");
-    assert!(
-        begun.elapsed() < Duration::from_secs(1),
-        "{:?}",
-        begun.elapsed()
-    );
+    assert_eq!(stopped.id, id);
     assert_eq!(stopped.status, ListenerStatus::Stopped);
+    assert!(h.listeners.list().is_empty());
     assert!(matches!(
         h.listeners.stop(id),
         Err(ListenerError::UnknownListener(_))

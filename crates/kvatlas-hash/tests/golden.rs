@@ -108,7 +108,9 @@ fn positional_sequence_hash_rejects_positions_beyond_31_bits() {
 }
 
 /// kvatlas's own lineage vectors, also listed in `docs/hashing.md`. The expected values were
-/// computed independently from the written layout (a short Python script), not by this crate.
+/// computed independently from the written layout, not by this crate: by
+/// `tests/lineage_vectors.py` (Python 3, standard library only), which prints these rows and
+/// whose `--check` confirms that this file and `docs/hashing.md` hold them.
 #[test]
 fn lineage_hash_vectors() {
     let current = SequenceHash::new(0x0123456789abcdef);

@@ -427,9 +427,9 @@ fn nesting_limit_and_reserved_marker_fail_as_in_rmp_serde() {
     assert_same(&deep).expect("same error");
     assert!(matches!(
         decode_batch(&deep),
-        Err(DecodeError::Msgpack(
+        Err(DecodeError::Msgpack(MsgpackError(
             rmp_serde::decode::Error::DepthLimitExceeded
-        ))
+        )))
     ));
     for tokens in [&[0x92, 0x01, 0xc1][..], &[0x92, 0xd4, 0x01, 0x07, 0x01]] {
         let payload = store_batch(tokens, &[0x91, 0x2a], false);

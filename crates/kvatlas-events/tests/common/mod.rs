@@ -1,5 +1,6 @@
 //! Byte-exact msgpack fixtures for every layout and version row of `docs/events.md` §1 and §7,
-//! shared by the integration tests (and written out as the fuzz seed corpus by `fixtures.rs`).
+//! shared by the integration tests (and written out as the fuzz seed corpus by
+//! `examples/fuzz_corpus.rs`, which `cargo xtask fuzz-corpus` runs).
 
 #![allow(dead_code, unreachable_pub)] // shared by several test binaries, each using a part
 
