@@ -5,7 +5,7 @@
 //!
 //! Per run and per service, for each eviction order (leaf-first, head-first):
 //!
-//! 1. **Ingest.** A fresh service; a fresh [`Fleet`] of `workers` engines on loopback, each
+//! 1. **Ingest.** A fresh service; a fresh fleet ([`Publishers`]) of `workers` engines on loopback, each
 //!    registered with the service over `POST /register` (Dynamo's route, which kvatlas also
 //!    serves) with its live and replay endpoints; publishing starts once the service subscribed
 //!    to every engine. The fleet publishes the Workload A stream (the Mooncake trace through the
@@ -54,10 +54,11 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::engine::{self, EngineConfig, Eviction};
-use crate::fleet::{BLOCK_TOKENS, Fleet, FleetStream, Scheduled, marker_tokens};
+use crate::fleet::{self, BLOCK_TOKENS, FleetStream, Scheduled, marker_tokens};
 use crate::http::{self, AsyncConnection, Connection};
 use crate::service::{self, MODEL, Prompt, Server};
 use crate::trace::{self, TraceRequest};
+use kvatlas_fleet::publish::Publishers;
 
 /// The services compared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -408,7 +409,7 @@ fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("valid bounds")
 }
 
-fn register(service: &Service, fleet: &Fleet) -> Result<()> {
+fn register(service: &Service, fleet: &Publishers) -> Result<()> {
     let mut c = Connection::connect(service.http())?;
     for e in fleet.endpoints() {
         let (status, body) = c.post(
@@ -504,8 +505,8 @@ fn ingest_phase(
     prepared: &Prepared,
     trace: &[TraceRequest],
     settings: &Settings,
-) -> Result<(Ingest, Fleet)> {
-    let mut fleet = Fleet::start(Arc::clone(&prepared.stream))?;
+) -> Result<(Ingest, Publishers)> {
+    let fleet = Publishers::bind(prepared.stream.workers)?;
     register(service, &fleet)?;
     fleet.wait_subscribed(1, Duration::from_secs(30))?;
 
@@ -518,7 +519,7 @@ fn ingest_phase(
     let cpu_before = cpu_seconds(service.pid())?;
     let mut last_probe: Option<Instant> = None;
     let mut tokens = Vec::new();
-    let report = fleet.publish(|item: &Scheduled, at| {
+    let report = fleet::publish_schedule(&prepared.stream, &fleet, |item: &Scheduled, at| {
         let Some(request) = item.request.filter(|_| item.stores) else {
             return;
         };

@@ -1,4 +1,5 @@
-//! A simulated fleet of inference engines that behave like vLLM on the wire.
+//! The end-to-end benchmark's fleet: a whole stream of simulated vLLM engines, encoded up front
+//! and published on schedule through [`kvatlas_fleet::publish::Publishers`].
 //!
 //! The mock engines of [`crate::engine`] (per-worker LRU caches fed the Mooncake trace) decide
 //! what each worker stores and evicts; this module turns their events into what a fleet of vLLM
@@ -11,10 +12,8 @@
 //!   batches from 0.
 //! - **Timing.** A batch is due at its request's trace timestamp, the trace's span rescaled onto
 //!   a chosen window; batches due at the same instant go in trace order.
-//! - **Sockets.** Per worker an XPUB (a PUB that also reports its subscribers, so publishing
-//!   starts only once the indexer under test listens to every engine: nothing is lost to ZMQ's
-//!   slow-joiner window) sending `[topic, seq (8 bytes big-endian), payload]`, and a ROUTER that
-//!   serves replays from any sequence number as vLLM's replay socket does.
+//! - **Sockets.** Per worker an XPUB and a replay ROUTER ([`Publishers`]); publishing starts
+//!   once the indexer under test subscribed to every engine.
 //! - **Quiesce marker.** After its last batch every worker publishes one more: a single
 //!   [`marker_tokens`] block. Each worker's batches are applied in order by any correct indexer,
 //!   so once a query for the marker shows every worker, everything before it has been applied.
@@ -22,12 +21,12 @@
 //! Same trace, same configuration, same window: the same bytes at the same offsets.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
+use kvatlas_fleet::publish::Publishers;
+use kvatlas_fleet::vllm::{self, EncodedBatch};
 use kvatlas_hash::{BlockHasher, BlockSize, LocalBlockHash};
 use kvatlas_index::{
     ExternalBlockHash, KvIndex, Mutation, ReferenceIndex, StoredBlock, Tier, Worker,
@@ -35,13 +34,10 @@ use kvatlas_index::{
 use rustc_hash::FxHashMap;
 
 use crate::engine::Stream;
-use crate::ingest::{self, INGEST_BLOCK_TOKENS};
 use crate::trace::{TraceRequest, block_tokens};
 
 /// Tokens per block on the wire (vLLM's default; one trace block is one block).
-pub const BLOCK_TOKENS: u32 = INGEST_BLOCK_TOKENS;
-/// The topic every engine publishes on (vLLM's default).
-pub const TOPIC: &[u8] = b"kv-events";
+pub const BLOCK_TOKENS: u32 = vllm::BLOCK_TOKENS;
 /// The trace id whose tokens form the quiesce marker block (no trace block uses it).
 const MARKER_ID: u64 = 1 << 50;
 /// The engine hash of the marker block (the same on every worker: same tokens, same hash).
@@ -75,7 +71,7 @@ pub struct FleetStream {
     /// Workers (ids `0..workers`, dp rank 0 each).
     pub workers: u32,
     /// Per worker, its batches' payloads by sequence number (the marker last).
-    pub batches: Vec<Vec<Vec<u8>>>,
+    pub batches: Vec<Vec<Arc<[u8]>>>,
     /// Every batch, in publishing order (the markers last).
     pub schedule: Vec<Scheduled>,
     /// The window the trace's span was rescaled to.
@@ -133,7 +129,7 @@ impl FleetStream {
             }
             let offset = (query.timestamp_ms - first) as f64 / span as f64;
             let ts = 1_795_317_349.0 + query.timestamp_ms as f64 / 1e3;
-            let batch = ingest::encode_batch(ts, events, true, true, &mut tokens, |block, out| {
+            let batch = vllm::encode_batch(ts, events, true, true, &mut tokens, |block, out| {
                 match id_of_local.get(&block.local.get()) {
                     Some(&id) => block_tokens(id, BLOCK_TOKENS as usize, out),
                     None => missing = Some(block.local.get()),
@@ -161,7 +157,7 @@ impl FleetStream {
                     local: LocalBlockHash::new(0),
                 }],
             };
-            let batch = ingest::encode_batch(0.0, &[event], true, false, &mut tokens, |_, out| {
+            let batch = vllm::encode_batch(0.0, &[event], true, false, &mut tokens, |_, out| {
                 out.extend_from_slice(&marker);
             });
             out.push(worker, window, None, true, batch);
@@ -175,7 +171,7 @@ impl FleetStream {
         at: Duration,
         request: Option<usize>,
         stores: bool,
-        batch: ingest::EncodedBatch,
+        batch: EncodedBatch,
     ) {
         let batches = &mut self.batches[worker as usize];
         self.schedule.push(Scheduled {
@@ -188,7 +184,7 @@ impl FleetStream {
         self.events += batch.stored_events + batch.removed_events;
         self.blocks_stored += batch.tokens / u64::from(BLOCK_TOKENS);
         self.bytes += batch.payload.len() as u64;
-        batches.push(batch.payload);
+        batches.push(batch.payload.into());
     }
 
     /// The reference model fed exactly the published batches, decoded and converted as an
@@ -224,38 +220,6 @@ impl FleetStream {
     }
 }
 
-/// Where an indexer reaches one engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Endpoints {
-    /// The worker id.
-    pub worker: u32,
-    /// The live PUB endpoint (`tcp://127.0.0.1:port`).
-    pub live: String,
-    /// The replay ROUTER endpoint.
-    pub replay: String,
-}
-
-/// The fleet's sockets, bound on loopback, and its replay server.
-pub struct Fleet {
-    stream: Arc<FleetStream>,
-    publishers: Vec<zmq::Socket>,
-    endpoints: Vec<Endpoints>,
-    published: Arc<Vec<AtomicU64>>,
-    stop: Arc<AtomicBool>,
-    replay: Option<JoinHandle<Result<()>>>,
-    replays: Arc<AtomicU64>,
-    _context: zmq::Context,
-}
-
-impl std::fmt::Debug for Fleet {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fleet")
-            .field("workers", &self.stream.workers)
-            .field("endpoints", &self.endpoints)
-            .finish_non_exhaustive()
-    }
-}
-
 /// What one publishing pass did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PublishReport {
@@ -265,215 +229,36 @@ pub struct PublishReport {
     pub max_late: Duration,
 }
 
-fn bound(socket: &zmq::Socket) -> Result<String> {
-    socket.bind("tcp://127.0.0.1:0")?;
-    socket
-        .get_last_endpoint()?
-        .map_err(|raw| anyhow::anyhow!("a non-UTF-8 endpoint {raw:?}"))
-}
-
-impl Fleet {
-    /// Binds every worker's XPUB and ROUTER on loopback and starts serving replays.
-    ///
-    /// # Errors
-    /// If a socket cannot be created or bound.
-    pub fn start(stream: Arc<FleetStream>) -> Result<Self> {
-        let context = zmq::Context::new();
-        let mut publishers = Vec::new();
-        let mut routers = Vec::new();
-        let mut endpoints = Vec::new();
-        for worker in 0..stream.workers {
-            let publisher = context.socket(zmq::XPUB)?;
-            publisher.set_sndhwm(0)?;
-            publisher.set_xpub_verbose(true)?;
-            publisher.set_linger(0)?;
-            let live = bound(&publisher)?;
-            let router = context.socket(zmq::ROUTER)?;
-            router.set_linger(0)?;
-            let replay = bound(&router)?;
-            publishers.push(publisher);
-            routers.push(router);
-            endpoints.push(Endpoints {
-                worker,
-                live,
-                replay,
-            });
-        }
-        let published: Arc<Vec<AtomicU64>> =
-            Arc::new((0..stream.workers).map(|_| AtomicU64::new(0)).collect());
-        let stop = Arc::new(AtomicBool::new(false));
-        let replays = Arc::new(AtomicU64::new(0));
-        let replay = {
-            let (stream, published, stop, replays) = (
-                Arc::clone(&stream),
-                Arc::clone(&published),
-                Arc::clone(&stop),
-                Arc::clone(&replays),
-            );
-            std::thread::Builder::new()
-                .name("fleet-replay".into())
-                .spawn(move || serve_replays(&routers, &stream, &published, &stop, &replays))?
-        };
-        Ok(Self {
-            stream,
-            publishers,
-            endpoints,
-            published,
-            stop,
-            replay: Some(replay),
-            replays,
-            _context: context,
-        })
-    }
-
-    /// Every worker's endpoints.
-    pub fn endpoints(&self) -> &[Endpoints] {
-        &self.endpoints
-    }
-
-    /// Waits until every worker's publisher has `subscribers` subscriptions.
-    ///
-    /// # Errors
-    /// If some worker has fewer when `timeout` runs out.
-    pub fn wait_subscribed(&self, subscribers: usize, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        for (worker, publisher) in self.publishers.iter().enumerate() {
-            let mut seen = 0;
-            while seen < subscribers {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    bail!(
-                        "worker {worker} has {seen} of {subscribers} subscribers after {timeout:?}"
-                    );
-                }
-                if publisher.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? > 0 {
-                    let message = publisher.recv_bytes(0)?;
-                    if message.first() == Some(&1) {
-                        seen += 1;
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Publishes the whole schedule at its pace from now on, on the calling thread; `sent` is
-    /// called after each send with the batch and the instant just before it was sent.
-    ///
-    /// # Errors
-    /// If a send fails.
-    pub fn publish(&mut self, mut sent: impl FnMut(&Scheduled, Instant)) -> Result<PublishReport> {
-        let start = Instant::now();
-        let mut max_late = Duration::ZERO;
-        for item in &self.stream.schedule {
-            let due = start + item.at;
-            let now = Instant::now();
-            if due > now {
-                std::thread::sleep(due - now);
-            }
-            let at = Instant::now();
-            max_late = max_late.max(at.saturating_duration_since(due));
-            let payload = &self.stream.batches[item.worker as usize][item.seq as usize];
-            let publisher = &self.publishers[item.worker as usize];
-            publisher.send(TOPIC, zmq::SNDMORE)?;
-            publisher.send(&item.seq.to_be_bytes()[..], zmq::SNDMORE)?;
-            publisher.send(&payload[..], 0)?;
-            self.published[item.worker as usize].store(item.seq + 1, Ordering::Release);
-            sent(item, at);
-        }
-        Ok(PublishReport {
-            elapsed: start.elapsed(),
-            max_late,
-        })
-    }
-
-    /// Replay requests served so far (each a gap an indexer saw).
-    pub fn replays_served(&self) -> u64 {
-        self.replays.load(Ordering::Relaxed)
-    }
-
-    /// Stops the replay server and closes every socket.
-    ///
-    /// # Errors
-    /// If the replay server failed.
-    pub fn stop(mut self) -> Result<()> {
-        self.stop.store(true, Ordering::Relaxed);
-        match self.replay.take() {
-            Some(handle) => handle
-                .join()
-                .map_err(|_| anyhow::anyhow!("the replay server panicked"))?,
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
-/// Answers replay requests (`[identity, "", start_seq]`) on every worker's ROUTER with that
-/// worker's published batches from `start_seq` on, as `[identity, "", topic, seq, payload]`,
-/// then the end marker (sequence `u64::MAX`, empty payload).
-fn serve_replays(
-    routers: &[zmq::Socket],
+/// Publishes `stream`'s whole schedule through `publishers` at its pace from now on, on the
+/// calling thread; `sent` is called after each send with the batch and the instant just before
+/// it was sent.
+///
+/// # Errors
+/// If a send fails.
+pub fn publish_schedule(
     stream: &FleetStream,
-    published: &[AtomicU64],
-    stop: &AtomicBool,
-    served: &AtomicU64,
-) -> Result<()> {
-    while !stop.load(Ordering::Relaxed) {
-        let mut items: Vec<zmq::PollItem<'_>> = routers
-            .iter()
-            .map(|r| r.as_poll_item(zmq::POLLIN))
-            .collect();
-        if zmq::poll(&mut items, 50)? == 0 {
-            continue;
+    publishers: &Publishers,
+    mut sent: impl FnMut(&Scheduled, Instant),
+) -> Result<PublishReport> {
+    let start = Instant::now();
+    let mut max_late = Duration::ZERO;
+    for item in &stream.schedule {
+        let due = start + item.at;
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
         }
-        let ready: Vec<usize> = items
-            .iter()
-            .enumerate()
-            .filter(|(_, item)| item.is_readable())
-            .map(|(w, _)| w)
-            .collect();
-        for worker in ready {
-            let router = &routers[worker];
-            let frames = router.recv_multipart(0)?;
-            let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
-                continue;
-            };
-            let Ok(start) = <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes) else {
-                continue;
-            };
-            let end = published[worker].load(Ordering::Acquire);
-            for seq in start..end {
-                let payload = &stream.batches[worker][seq as usize];
-                router.send_multipart(
-                    [
-                        identity.as_slice(),
-                        b"",
-                        TOPIC,
-                        &seq.to_be_bytes(),
-                        payload.as_slice(),
-                    ],
-                    0,
-                )?;
-            }
-            router.send_multipart(
-                [
-                    identity.as_slice(),
-                    b"",
-                    TOPIC,
-                    &u64::MAX.to_be_bytes(),
-                    b"",
-                ],
-                0,
-            )?;
-            served.fetch_add(1, Ordering::Relaxed);
-        }
+        let at = Instant::now();
+        max_late = max_late.max(at.saturating_duration_since(due));
+        let payload = &stream.batches[item.worker as usize][item.seq as usize];
+        let seq = publishers.publish(item.worker, Arc::clone(payload))?;
+        debug_assert_eq!(seq, item.seq, "one publisher per stream");
+        sent(item, at);
     }
-    Ok(())
+    Ok(PublishReport {
+        elapsed: start.elapsed(),
+        max_late,
+    })
 }
 
 #[cfg(test)]

@@ -15,7 +15,6 @@
 pub mod clear;
 pub mod concurrent;
 pub mod e2e;
-pub mod engine;
 pub mod fleet;
 pub mod http;
 pub mod ingest;
@@ -25,4 +24,8 @@ pub mod replay;
 pub mod service;
 pub mod snapshot;
 pub mod synthetic;
-pub mod trace;
+
+/// The mock engines, from `kvatlas-fleet` (where `kvatlas demo` drives them too).
+pub use kvatlas_fleet::engine;
+/// Mooncake traces, from `kvatlas-fleet`.
+pub use kvatlas_fleet::trace;

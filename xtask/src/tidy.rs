@@ -56,12 +56,19 @@ const ALLOWED_INTERNAL: &[(&str, &[&str])] = &[
             "kvatlas-proto",
         ],
     ),
+    // The simulated fleet and `kvatlas demo`: beside the service, talking to it only as engines
+    // (ZMQ) and a router (the proto client) do.
+    (
+        "kvatlas-fleet",
+        &["kvatlas-hash", "kvatlas-index", "kvatlas-proto"],
+    ),
     // The binary's tests also drive a server with the proto client and the reference model,
     // which they feed the engines' real payloads through kvatlas-events' converter.
     (
         "kvatlas",
         &[
             "kvatlas-server",
+            "kvatlas-fleet",
             "kvatlas-proto",
             "kvatlas-events",
             "kvatlas-index",
@@ -71,6 +78,7 @@ const ALLOWED_INTERNAL: &[(&str, &[&str])] = &[
     (
         "kvatlas-bench",
         &[
+            "kvatlas-fleet",
             "kvatlas-hash",
             "kvatlas-index",
             "kvatlas-events",

@@ -1,11 +1,13 @@
 //! `kvatlas`: the KV-cache index service and its client commands.
 //!
 //! A thin binary: it parses the command line, sets up logging and hands each subcommand to
-//! `kvatlas_server::cli`, where everything it does lives.
+//! `kvatlas_server::cli` (or `kvatlas demo` to `kvatlas_fleet::demo`), where everything it does
+//! lives.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvatlas_fleet::demo;
 use kvatlas_server::cli;
 
 /// kvatlas: the global, real-time index of which worker holds which KV-cache block.
@@ -42,6 +44,9 @@ enum Command {
     Register(cli::RegisterArgs),
     /// Unregister a worker and remove its blocks.
     Unregister(cli::UnregisterArgs),
+    /// See it work: a simulated fleet of engines, a router and `kvatlas serve`, random against
+    /// KV-aware routing (no setup).
+    Demo(demo::DemoArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,22 +55,24 @@ fn main() -> ExitCode {
         eprintln!("kvatlas: {error}");
         return ExitCode::from(error.exit_code());
     }
+    let failed = |e: cli::CliError| (e.to_string(), e.exit_code());
     let result = match &args.command {
-        Command::Serve(serve) => cli::serve(serve).map(|()| String::new()),
-        Command::Query(query) => cli::query(query),
-        Command::Workers(list) => cli::workers(list),
-        Command::Indexes(list) => cli::indexes(list),
-        Command::Register(register) => cli::register(register),
-        Command::Unregister(unregister) => cli::unregister(unregister),
+        Command::Serve(serve) => cli::serve(serve).map(|()| String::new()).map_err(failed),
+        Command::Query(query) => cli::query(query).map_err(failed),
+        Command::Workers(list) => cli::workers(list).map_err(failed),
+        Command::Indexes(list) => cli::indexes(list).map_err(failed),
+        Command::Register(register) => cli::register(register).map_err(failed),
+        Command::Unregister(unregister) => cli::unregister(unregister).map_err(failed),
+        Command::Demo(args) => demo::run(args).map_err(|e| (e.to_string(), 1)),
     };
     match result {
         Ok(output) => {
             print!("{output}");
             ExitCode::SUCCESS
         }
-        Err(error) => {
-            eprintln!("kvatlas: {error}");
-            ExitCode::from(error.exit_code())
+        Err((message, code)) => {
+            eprintln!("kvatlas: {message}");
+            ExitCode::from(code)
         }
     }
 }

@@ -399,3 +399,56 @@ fn serve_takes_a_config_file_and_refuses_unsafe_settings() {
     assert!(text(&out.stderr).contains("the worker id is not an unsigned integer"));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// One row of `kvatlas demo`'s summary table, by its routing name: the cells between `|`.
+fn demo_row(table: &str, routing: &str) -> Vec<String> {
+    table
+        .lines()
+        .find(|l| l.starts_with(&format!("| {routing} |")))
+        .unwrap_or_else(|| panic!("no {routing} row in:\n{table}"))
+        .split('|')
+        .map(|c| c.trim().to_owned())
+        .filter(|c| !c.is_empty())
+        .collect()
+}
+
+#[test]
+fn the_demo_runs_fleet_router_and_server_and_the_index_ends_equal_to_the_caches() {
+    let out = kvatlas(
+        &[
+            "demo",
+            "--requests",
+            "300",
+            "--engines",
+            "4",
+            "--capacity",
+            "256",
+            "--rate",
+            "3000",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "demo failed: {}", text(&out.stderr));
+    let table = text(&out.stdout);
+    let percent = |cell: &str| -> f64 {
+        cell.trim_end_matches(" %")
+            .parse()
+            .unwrap_or_else(|_| panic!("a hit rate, got {cell:?}"))
+    };
+    let mut hit_rates = Vec::new();
+    for routing in ["random", "kv-aware"] {
+        let row = demo_row(&table, routing);
+        assert_eq!(row[1], "300", "every request routed: {row:?}");
+        // "index blocks at the end (engines)": the index holds exactly the engines' caches.
+        let (index, engines) = row[8]
+            .split_once(" (")
+            .unwrap_or_else(|| panic!("index (engines), got {:?}", row[8]));
+        assert_eq!(index, engines.trim_end_matches(')'), "{routing}: {row:?}");
+        assert_ne!(index, "0", "the engines published: {row:?}");
+        hit_rates.push(percent(&row[6]));
+    }
+    assert!(
+        hit_rates[1] >= hit_rates[0],
+        "KV-aware routing reuses at least as much as random: {hit_rates:?}\n{table}"
+    );
+}

@@ -55,6 +55,7 @@ pub const fn local_hash_of(hash_id: u64) -> LocalBlockHash {
 /// expanded block by block and hashed with one [`BlockHasher`] as a router would; the hash of a
 /// trace id is remembered so that stream generation does not re-hash the shared system prompt of
 /// every request (generation is not timed; the values are the same either way).
+#[derive(Debug)]
 struct LocalHasher {
     hasher: Option<BlockHasher>,
     block_tokens: usize,
@@ -566,65 +567,107 @@ impl Lru {
     }
 }
 
-/// Runs `trace` through `config.workers` mock engines and returns the replayable stream.
+/// The mock engines, one request at a time: what [`generate`] runs over a whole trace, and what
+/// a live simulation (`kvatlas demo`) drives with its own routing decisions.
 ///
-/// Deterministic: the same trace and configuration always give the same stream.
+/// ```
+/// use kvatlas_fleet::engine::{EngineConfig, Engines, Eviction};
+/// use kvatlas_fleet::trace::TraceRequest;
 ///
-/// # Panics
-/// If `config.workers` or `config.capacity` is 0, or `config.load_bound_percent` is in `1..100`.
-pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
-    assert!(
-        config.workers > 0 && config.capacity > 0,
-        "need workers and capacity"
-    );
-    let mut caches: Vec<Lru> = (0..config.workers).map(|_| Lru::new()).collect();
-    assert!(
-        config.load_bound_percent == 0 || config.load_bound_percent >= 100,
-        "the load bound must be 0 (none) or at least 100 %"
-    );
-    let mut router = Router::new(config);
-    let mut queries = Vec::with_capacity(trace.len());
-    let mut events = Vec::new();
-    let mut stats = StreamStats::default();
-    let mut digest = ScoreDigest::default();
-    let mut externals: Vec<ExternalBlockHash> = Vec::new();
-    let mut held: Vec<bool> = Vec::new();
-    let mut locals_of = LocalHasher::new(config);
+/// let config = EngineConfig { block_tokens: 16, ..EngineConfig::new(2, 64, Eviction::LeafFirst, 7) };
+/// let mut engines = Engines::new(&config);
+/// let request = TraceRequest { timestamp: 0, input_length: 48, output_length: 1, hash_ids: vec![1, 2, 3] };
+/// let prompt = engines.prompt(&request);
+/// let mut events = Vec::new();
+/// engines.serve(0, 0, &prompt, &mut events); // worker 0 caches the three blocks
+/// assert_eq!(events.len(), 1, "one Stored run");
+/// assert_eq!(engines.scores(&prompt), vec![(0, 3)]); // what a correct index now answers
+/// ```
+#[derive(Debug)]
+pub struct Engines {
+    config: EngineConfig,
+    caches: Vec<Lru>,
+    locals_of: LocalHasher,
+    stats: StreamStats,
+    held: Vec<bool>,
+}
 
-    for (q, request) in trace.iter().enumerate() {
-        let locals: Vec<LocalBlockHash> = locals_of.request(&request.hash_ids);
-        externals.clear();
+/// One request as the engines see it: its local hashes and its engine (sequence) hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    /// The local (token) hashes of its blocks.
+    pub locals: Vec<LocalBlockHash>,
+    /// The engine hashes of its blocks: the sequence-hash chain of its path.
+    pub externals: Vec<ExternalBlockHash>,
+}
+
+impl Engines {
+    /// `config.workers` engines with empty caches.
+    ///
+    /// # Panics
+    /// If `config.workers` or `config.capacity` is 0, or `config.load_bound_percent` is in
+    /// `1..100`.
+    pub fn new(config: &EngineConfig) -> Self {
+        assert!(
+            config.workers > 0 && config.capacity > 0,
+            "need workers and capacity"
+        );
+        assert!(
+            config.load_bound_percent == 0 || config.load_bound_percent >= 100,
+            "the load bound must be 0 (none) or at least 100 %"
+        );
+        Self {
+            config: *config,
+            caches: (0..config.workers).map(|_| Lru::new()).collect(),
+            locals_of: LocalHasher::new(config),
+            stats: StreamStats::default(),
+            held: Vec::new(),
+        }
+    }
+
+    /// The hashes of `request`'s blocks, as its engine and a router compute them.
+    pub fn prompt(&mut self, request: &TraceRequest) -> Prompt {
+        let locals = self.locals_of.request(&request.hash_ids);
+        let mut externals = Vec::with_capacity(locals.len());
         let mut previous: Option<SequenceHash> = None;
         for &local in &locals {
             let hash = SequenceHash::chain(previous, local);
             externals.push(ExternalBlockHash::new(hash.get()));
             previous = Some(hash);
         }
-        stats.query_blocks += locals.len() as u64;
+        Prompt { locals, externals }
+    }
 
-        // 1. The oracle, before this request's events.
-        let mut oracle = Vec::new();
-        for (w, cache) in caches.iter().enumerate() {
-            let score = externals
+    /// The exact device score of every worker with a non-zero score for `prompt` (leading
+    /// blocks it holds), as `(worker id, score)` sorted by worker id: what a correct index
+    /// answers.
+    pub fn scores(&self, prompt: &Prompt) -> Vec<(u32, u32)> {
+        let mut scores = Vec::new();
+        for (w, cache) in self.caches.iter().enumerate() {
+            let score = prompt
+                .externals
                 .iter()
                 .take_while(|e| cache.contains(e.get()))
                 .count() as u32;
             if score > 0 {
-                oracle.push((w as u32, score));
-                digest.add(q, w as u64, score);
+                scores.push((w as u32, score));
             }
         }
-        if !oracle.is_empty() {
-            stats.queries_hit += 1;
-        }
+        scores
+    }
 
-        let w = router.route(&oracle);
+    /// Runs `prompt` on worker `w` (whose exact score was `score`): evicts what it must, caches
+    /// the blocks it lacks, and appends the events it emits to `events` (see the module docs).
+    pub fn serve(&mut self, w: u32, score: u32, prompt: &Prompt, events: &mut Vec<Mutation>) {
+        let config = self.config;
+        let stats = &mut self.stats;
+        let externals = &prompt.externals;
         let worker = Worker::new(u64::from(w), 0);
-        let cache = &mut caches[w as usize];
-        stats.assigned_hit_blocks += oracle
-            .binary_search_by_key(&w, |&(ow, _)| ow)
-            .map_or(0, |i| u64::from(oracle[i].1));
+        let cache = &mut self.caches[w as usize];
+        stats.query_blocks += prompt.locals.len() as u64;
+        stats.assigned_hit_blocks += u64::from(score);
         let n = externals.len().min(config.capacity);
+        let held = &mut self.held;
         held.clear();
         held.extend(externals[..n].iter().map(|e| cache.contains(e.get())));
         let missing = held.iter().filter(|&&h| !h).count();
@@ -633,7 +676,6 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
         {
             stats.requests_with_holes += 1;
         }
-        let first_event = events.len();
 
         let parent_of = |i: usize| i.checked_sub(1).map(|p| externals[p].get());
         // Pin the request's held blocks (make them most recent) so eviction never takes them.
@@ -680,7 +722,7 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
             let blocks: Vec<StoredBlock> = (start..i)
                 .map(|j| StoredBlock {
                     external: externals[j],
-                    local: locals[j],
+                    local: prompt.locals[j],
                 })
                 .collect();
             stats.stored_events += 1;
@@ -698,29 +740,75 @@ pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
             cache.touch(externals[i].get(), parent_of(i));
         }
         debug_assert!(cache.len() <= config.capacity);
+    }
 
+    /// The counts so far (`final_memberships`: the blocks the caches hold now).
+    pub fn stats(&self) -> StreamStats {
+        StreamStats {
+            final_memberships: self.caches.iter().map(|c| c.len() as u64).sum(),
+            ..self.stats
+        }
+    }
+
+    /// Per worker id, the engine hashes its cache holds, sorted.
+    pub fn caches(&self) -> Vec<Vec<ExternalBlockHash>> {
+        self.caches
+            .iter()
+            .map(|cache| {
+                let mut blocks: Vec<ExternalBlockHash> = cache
+                    .index
+                    .keys()
+                    .map(|&k| ExternalBlockHash::new(k))
+                    .collect();
+                blocks.sort_unstable();
+                blocks
+            })
+            .collect()
+    }
+}
+
+/// Runs `trace` through `config.workers` mock engines and returns the replayable stream.
+///
+/// Deterministic: the same trace and configuration always give the same stream.
+///
+/// # Panics
+/// If `config.workers` or `config.capacity` is 0, or `config.load_bound_percent` is in `1..100`.
+pub fn generate(trace: &[TraceRequest], config: &EngineConfig) -> Stream {
+    let mut engines = Engines::new(config);
+    let mut router = Router::new(config);
+    let mut queries = Vec::with_capacity(trace.len());
+    let mut events = Vec::new();
+    let mut digest = ScoreDigest::default();
+    let mut queries_hit = 0;
+
+    for (q, request) in trace.iter().enumerate() {
+        let prompt = engines.prompt(request);
+        // 1. The oracle, before this request's events.
+        let oracle = engines.scores(&prompt);
+        for &(w, score) in &oracle {
+            digest.add(q, u64::from(w), score);
+        }
+        if !oracle.is_empty() {
+            queries_hit += 1;
+        }
+        let w = router.route(&oracle);
+        let score = oracle
+            .binary_search_by_key(&w, |&(ow, _)| ow)
+            .map_or(0, |i| oracle[i].1);
+        let first_event = events.len();
+        engines.serve(w, score, &prompt, &mut events);
         queries.push(Query {
             timestamp_ms: request.timestamp,
             worker: w,
-            locals,
+            locals: prompt.locals,
             oracle,
             events: first_event..events.len(),
         });
     }
-    stats.final_memberships = caches.iter().map(|c| c.len() as u64).sum();
+    let mut stats = engines.stats();
+    stats.queries_hit = queries_hit;
     stats.max_worker_requests = router.loads().iter().copied().max().unwrap_or(0);
-    let final_caches: Vec<Vec<ExternalBlockHash>> = caches
-        .iter()
-        .map(|cache| {
-            let mut blocks: Vec<ExternalBlockHash> = cache
-                .index
-                .keys()
-                .map(|&k| ExternalBlockHash::new(k))
-                .collect();
-            blocks.sort_unstable();
-            blocks
-        })
-        .collect();
+    let final_caches = engines.caches();
     let final_state_digest = membership_digest(
         final_caches
             .iter()

@@ -4,7 +4,33 @@
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+/// Why a trace could not be read or transformed.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The file could not be opened or read.
+    #[error("reading trace {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A line is not a trace request.
+    #[error("{path}:{line}: malformed trace line: {source}")]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// The 1-based line number.
+        line: usize,
+        /// What the JSON parser said.
+        source: serde_json::Error,
+    },
+    /// A trace-length or duplication factor of 0, or one that overflows the hash ids.
+    #[error("{0}")]
+    Factor(String),
+}
+
+type Result<T> = std::result::Result<T, TraceError>;
 
 /// Tokens per trace block in the Mooncake traces.
 pub const TRACE_BLOCK_TOKENS: usize = 512;
@@ -26,21 +52,29 @@ pub struct TraceRequest {
 
 /// The Mooncake conversation trace shipped in the repository (`data/traces/`, Apache-2.0).
 pub fn default_trace_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/traces/mooncake_conversation_trace.jsonl")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../data/traces/mooncake_conversation_trace.jsonl")
 }
 
 /// Reads a JSONL trace; blank lines are skipped, a malformed line is an error naming it.
 pub fn load_trace(path: &Path) -> Result<Vec<TraceRequest>> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let read = |source| TraceError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(read)?;
     let mut requests = Vec::new();
     for (number, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.with_context(|| format!("reading {}", path.display()))?;
+        let line = line.map_err(read)?;
         if line.trim().is_empty() {
             continue;
         }
-        let request: TraceRequest = serde_json::from_str(&line)
-            .with_context(|| format!("{}:{}: malformed trace line", path.display(), number + 1))?;
+        let request: TraceRequest =
+            serde_json::from_str(&line).map_err(|source| TraceError::Malformed {
+                path: path.to_owned(),
+                line: number + 1,
+                source,
+            })?;
         requests.push(request);
     }
     Ok(requests)
@@ -57,7 +91,9 @@ pub fn max_hash_id(trace: &[TraceRequest]) -> Option<u64> {
 /// identity; `k = 0` or an id overflowing `u64` is an error.
 pub fn scale_length(trace: &mut [TraceRequest], k: u64) -> Result<()> {
     if k == 0 {
-        bail!("the trace-length factor must be at least 1");
+        return Err(TraceError::Factor(
+            "the trace-length factor must be at least 1".into(),
+        ));
     }
     if k == 1 {
         return Ok(());
@@ -67,7 +103,9 @@ pub fn scale_length(trace: &mut [TraceRequest], k: u64) -> Result<()> {
             .and_then(|x| x.checked_add(k - 1))
             .is_none()
     }) {
-        bail!("trace-length factor {k} overflows the trace's hash ids");
+        return Err(TraceError::Factor(format!(
+            "trace-length factor {k} overflows the trace's hash ids"
+        )));
     }
     for request in trace {
         request.hash_ids = request
@@ -86,7 +124,9 @@ pub fn scale_length(trace: &mut [TraceRequest], k: u64) -> Result<()> {
 /// error.
 pub fn duplicate(trace: Vec<TraceRequest>, d: u64) -> Result<Vec<TraceRequest>> {
     if d == 0 {
-        bail!("the duplication factor must be at least 1");
+        return Err(TraceError::Factor(
+            "the duplication factor must be at least 1".into(),
+        ));
     }
     if d == 1 {
         return Ok(trace);
@@ -94,7 +134,9 @@ pub fn duplicate(trace: Vec<TraceRequest>, d: u64) -> Result<Vec<TraceRequest>> 
     let stride = max_hash_id(&trace).map_or(0, |max| max.saturating_add(1));
     // The last copy's largest id is stride * d - 1.
     if stride.checked_mul(d).is_none() {
-        bail!("duplication factor {d} overflows the trace's hash ids");
+        return Err(TraceError::Factor(format!(
+            "duplication factor {d} overflows the trace's hash ids"
+        )));
     }
     let mut out = Vec::with_capacity(trace.len() * d as usize);
     for request in &trace {
