@@ -249,7 +249,7 @@ impl Service {
 
     fn pid(&self) -> u32 {
         match self {
-            Service::Kvatlas(s) => s.child.id(),
+            Service::Kvatlas(s) => s.pid(),
             Service::Dynamo(s) => s.child.id(),
         }
     }
@@ -293,16 +293,7 @@ impl DynamoServer {
             .spawn()
             .with_context(|| format!("starting {} -m dynamo.indexer", python.display()))?;
         let stderr = child.stderr.take().context("stderr")?;
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(stderr)
-                .lines()
-                .map_while(Result::ok)
-            {
-                let _ = tx.send(line);
-            }
-        });
+        let rx = kvatlas_fleet::server::lines_of(stderr);
         let http = format!("127.0.0.1:{port}");
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {

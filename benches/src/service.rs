@@ -18,13 +18,12 @@
 //! holds, as the new part of a prompt would be. The load generator and the server share the
 //! machine's cores; figures are medians over `--runs` runs.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use hdrhistogram::Histogram;
 use kvatlas_index::Mutation;
 use kvatlas_proto::v1::{self, indexer_client::IndexerClient, kv_event, query_request};
@@ -222,84 +221,13 @@ pub(crate) fn messages(events: &[Mutation]) -> Vec<v1::PublishEventsRequest> {
         .collect()
 }
 
-/// A `kvatlas serve` child process.
-pub(crate) struct Server {
-    pub(crate) child: Child,
-    /// Its gRPC URL.
-    pub(crate) url: String,
-    /// Its HTTP address (`host:port`).
-    pub(crate) http: String,
-    /// Its log lines after the one with the addresses; held so the reader thread keeps
-    /// draining the server's stderr.
-    _log: std::sync::mpsc::Receiver<String>,
-}
+/// A `kvatlas serve` child process on loopback.
+pub(crate) use kvatlas_fleet::server::ServeChild as Server;
 
-impl Server {
-    pub(crate) fn start(binary: &Path, extra: &[String]) -> Result<Self> {
-        let mut child = Command::new(binary)
-            .args([
-                "serve",
-                "--grpc-addr",
-                "127.0.0.1:0",
-                "--http-addr",
-                "127.0.0.1:0",
-            ])
-            .args(extra)
-            .args(["--log", "warn,kvatlas_server::server=info"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting {}", binary.display()))?;
-        let stderr = child.stderr.take().context("stderr")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(stderr)
-                .lines()
-                .map_while(Result::ok)
-            {
-                let _ = tx.send(line);
-            }
-        });
-        let line = loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(30))
-                .context("the server did not log its addresses")?;
-            if line.contains("kvatlas serving") {
-                break line;
-            }
-        };
-        let after = |marker: &str| -> Result<String> {
-            let at = line
-                .find(marker)
-                .with_context(|| format!("no {marker:?} in the log line {line}"))?
-                + marker.len();
-            Ok(line[at..]
-                .split([',', ' '])
-                .next()
-                .unwrap_or_default()
-                .to_owned())
-        };
-        Ok(Self {
-            child,
-            url: format!("http://{}", after("gRPC on ")?),
-            http: after("HTTP on ")?,
-            _log: rx,
-        })
-    }
-
-    /// (VmRSS, VmHWM) in MiB.
-    pub(crate) fn memory(&self) -> (f64, f64) {
-        let pid = self.child.id();
-        (status_mib(pid, "VmRSS:"), status_mib(pid, "VmHWM:"))
-    }
-
-    pub(crate) fn stop(mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
+/// (VmRSS, VmHWM) of `server` in MiB.
+pub(crate) fn memory(server: &Server) -> (f64, f64) {
+    let pid = server.pid();
+    (status_mib(pid, "VmRSS:"), status_mib(pid, "VmHWM:"))
 }
 
 /// A `/proc/PID/status` memory field (`VmRSS:`, `VmHWM:`) in MiB (0 if unreadable).
@@ -311,13 +239,6 @@ pub(crate) fn status_mib(pid: u32, field: &str) -> f64 {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|kb| kb.parse::<f64>().ok())
         .map_or(0.0, |kb| kb / 1024.0)
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 pub(crate) async fn connect(url: &str) -> Result<IndexerClient<Channel>> {
@@ -566,7 +487,7 @@ fn run_once(
             load_events: messages.len(),
             load_seconds,
             memberships: held,
-            rss_loaded_mib: server.memory().0,
+            rss_loaded_mib: memory(&server).0,
             ..RunReport::default()
         };
         // Warm up connections and caches.
@@ -610,7 +531,7 @@ fn run_once(
         }
         Ok::<_, anyhow::Error>(report)
     })?;
-    let (rss, peak) = server.memory();
+    let (rss, peak) = memory(&server);
     report.rss_peak_mib = peak.max(rss);
     server.stop();
     Ok(report)

@@ -351,7 +351,7 @@ fn run_once(
     )?;
     runtime.block_on(until_serving(&c.url, state.memberships, probe))?;
     figures.restore_s = started.elapsed().as_secs_f64();
-    figures.restored_rss_mib = c.memory().0;
+    figures.restored_rss_mib = service::memory(&c).0;
 
     // 5: B bootstraps from C.
     let started = Instant::now();

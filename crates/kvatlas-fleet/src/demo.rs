@@ -15,9 +15,7 @@
 //! prefix-cache hit rate and the index's size; the end prints both policies side by side: how
 //! much prefill KV-aware routing saved, and whether every answer matched the engines' caches.
 
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -28,6 +26,7 @@ use rustc_hash::FxHashMap;
 
 use crate::engine::{EngineConfig, Engines, Eviction, Router, Routing};
 use crate::publish::{PublishError, Publishers};
+use crate::server::{ServeChild, ServeError};
 use crate::trace::{self, TraceError, block_tokens};
 use crate::vllm::{self, BLOCK_TOKENS};
 
@@ -66,9 +65,12 @@ pub enum DemoError {
     /// The fleet's sockets failed.
     #[error("the simulated fleet: {0}")]
     Fleet(#[from] PublishError),
-    /// The server could not be started or stopped.
-    #[error("kvatlas serve: {0}")]
-    Server(String),
+    /// The server could not be started.
+    #[error(transparent)]
+    Server(#[from] ServeError),
+    /// This executable could not be found.
+    #[error("finding this executable: {0}")]
+    Executable(std::io::Error),
     /// A query failed.
     #[error("query: {0}")]
     Query(String),
@@ -100,87 +102,6 @@ pub struct PolicyReport {
     pub index_blocks: u64,
     /// The engines' total.
     pub engine_blocks: u64,
-}
-
-/// A `kvatlas serve` child on loopback.
-struct Server {
-    child: Child,
-    grpc: String,
-}
-
-impl Server {
-    fn start(kvatlas: &Path, workers: &str) -> Result<Self, DemoError> {
-        let mut child = Command::new(kvatlas)
-            .args([
-                "serve",
-                "--grpc-addr",
-                "127.0.0.1:0",
-                "--http-addr",
-                "127.0.0.1:0",
-                "--model",
-                MODEL,
-                "--block-size",
-                &BLOCK_TOKENS.to_string(),
-                "--workers",
-                workers,
-                "--log",
-                "warn,kvatlas_server::server=info",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| DemoError::Server(format!("starting {}: {e}", kvatlas.display())))?;
-        let stderr = child
-            .stderr
-            .take()
-            .ok_or_else(|| DemoError::Server("no stderr".into()))?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr)
-                .lines()
-                .map_while(Result::ok)
-            {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).map_err(|_| {
-                DemoError::Server("it did not report its addresses within 30 s".into())
-            })?;
-            if let Some(at) = line.find("gRPC on ") {
-                let grpc = line[at + "gRPC on ".len()..]
-                    .split([',', ' '])
-                    .next()
-                    .unwrap_or_default()
-                    .to_owned();
-                // Keep draining its log so it never blocks on a full pipe.
-                std::thread::spawn(move || for _ in rx {});
-                return Ok(Self {
-                    child,
-                    grpc: format!("http://{grpc}"),
-                });
-            }
-        }
-    }
-
-    fn stop(mut self) {
-        // SIGTERM: the graceful stop (its summary goes to the drained log).
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn query_request(locals: &[kvatlas_hash::LocalBlockHash]) -> v1::QueryRequest {
@@ -229,10 +150,20 @@ fn run_policy(
         .iter()
         .map(|e| format!("{}={},replay={}", e.worker, e.live, e.replay))
         .collect();
-    let server = Server::start(kvatlas, &workers.join(","))?;
+    let serve_args: Vec<String> = [
+        "--model",
+        MODEL,
+        "--block-size",
+        &BLOCK_TOKENS.to_string(),
+        "--workers",
+        &workers.join(","),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let server = ServeChild::start(kvatlas, &serve_args)?;
     publishers.wait_subscribed(1, Duration::from_secs(30))?;
     let mut client = runtime
-        .block_on(IndexerClient::connect(server.grpc.clone()))
+        .block_on(IndexerClient::connect(server.url.clone()))
         .map_err(|e| DemoError::Query(e.to_string()))?;
 
     let bar = ProgressBar::new(trace.len() as u64);
@@ -407,8 +338,7 @@ pub fn run(args: &DemoArgs) -> Result<String, DemoError> {
     }
     let kvatlas = match &args.kvatlas {
         Some(path) => path.clone(),
-        None => std::env::current_exe()
-            .map_err(|e| DemoError::Server(format!("finding this executable: {e}")))?,
+        None => std::env::current_exe().map_err(DemoError::Executable)?,
     };
     let path = args.trace.clone().unwrap_or_else(trace::default_trace_path);
     let path = path.canonicalize().unwrap_or(path);
