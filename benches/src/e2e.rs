@@ -608,7 +608,7 @@ fn ingest_phase(
             lower_p50_us: probes.lower.value_at_quantile(0.5) as f64 / 1e3,
             lower_p99_us: probes.lower.value_at_quantile(0.99) as f64 / 1e3,
             round_trip_p50_us: probes.round_trips.value_at_quantile(0.5) as f64 / 1e3,
-            cdf: crate::openloop::cdf_of(lags),
+            cdf: crate::plot::cdf_of(lags),
         },
         exactness_queries: prompts.len() as u64,
         http_mismatches,

@@ -82,8 +82,8 @@ impl Default for OpenLoopConfig {
     }
 }
 
-/// A few points of a latency distribution, for CDF plots: `(fraction of queries ≤ value, ns)`.
-pub type Cdf = Vec<(f64, u64)>;
+pub use kvatlas_fleet::plot::Cdf;
+use kvatlas_fleet::plot::cdf_of;
 
 /// The results of one open-loop run.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -254,21 +254,6 @@ fn histogram() -> Histogram<u64> {
     Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("valid histogram bounds")
 }
 
-/// Points of a latency CDF: quantiles from 0 to 1 − 10⁻⁴, denser in the tail.
-pub(crate) fn cdf_of(histogram: &Histogram<u64>) -> Cdf {
-    let mut points = Vec::new();
-    for i in 0..=40 {
-        let q = f64::from(i) / 40.0 * 0.9;
-        points.push((q, histogram.value_at_quantile(q)));
-    }
-    // 0.9 .. 0.9999, log-spaced in 1 − q.
-    for i in 1..=30 {
-        let q = 1.0 - 0.1 * 10f64.powf(-3.0 * f64::from(i) / 30.0);
-        points.push((q, histogram.value_at_quantile(q)));
-    }
-    points.push((1.0, histogram.max()));
-    points
-}
 
 /// Runs one open-loop replay of `stream` against the backend called `name` (see the module docs).
 ///

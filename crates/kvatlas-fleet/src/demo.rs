@@ -13,7 +13,9 @@
 //!
 //! While it runs, a progress line shows events/s, queries/s, query latency p50/p99, the fleet's
 //! prefix-cache hit rate and the index's size; the end prints both policies side by side: how
-//! much prefill KV-aware routing saved, and whether every answer matched the engines' caches.
+//! much prefill KV-aware routing saved, and whether every answer matched the engines' caches,
+//! and writes two plots (`--plots DIR`): the hit rate as requests arrive, and the query latency
+//! CDF, per policy.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -25,6 +27,7 @@ use kvatlas_proto::v1::{self, indexer_client::IndexerClient, query_request};
 use rustc_hash::FxHashMap;
 
 use crate::engine::{EngineConfig, Engines, Eviction, Router, Routing};
+use crate::plot::{self, Axes, Cdf, PlotError};
 use crate::publish::{PublishError, Publishers};
 use crate::server::{ServeChild, ServeError};
 use crate::trace::{self, TraceError, block_tokens};
@@ -54,6 +57,9 @@ pub struct DemoArgs {
     /// The kvatlas executable to run as the server [default: this one].
     #[arg(long)]
     pub kvatlas: Option<PathBuf>,
+    /// Where the plots go (SVG and PNG: the hit rate as requests arrive, the query latency CDF).
+    #[arg(long, default_value = "kvatlas-demo")]
+    pub plots: PathBuf,
 }
 
 /// Why the demo stopped.
@@ -77,6 +83,9 @@ pub enum DemoError {
     /// A bad option.
     #[error("{0}")]
     Usage(String),
+    /// A plot could not be written.
+    #[error(transparent)]
+    Plot(#[from] PlotError),
 }
 
 /// What one routing policy did.
@@ -102,6 +111,10 @@ pub struct PolicyReport {
     pub index_blocks: u64,
     /// The engines' total.
     pub engine_blocks: u64,
+    /// The hit rate so far (%) as requests arrive: `(requests, hit rate)`.
+    pub hit_curve: Vec<(f64, f64)>,
+    /// The query latency distribution.
+    pub latency_cdf: Cdf,
 }
 
 fn query_request(locals: &[kvatlas_hash::LocalBlockHash]) -> v1::QueryRequest {
@@ -181,6 +194,7 @@ fn run_policy(
     let (mut events_published, mut exact, mut index_size) = (0u64, 0u64, 0u64);
     let mut events = Vec::<Mutation>::new();
     let mut tokens = Vec::new();
+    let mut hit_curve = Vec::new();
     let start = Instant::now();
     let mut last_update = start;
     for (i, request) in trace.iter().enumerate() {
@@ -233,6 +247,9 @@ fn run_policy(
             events_published += batch.stored_events + batch.removed_events;
             publishers.publish(w, batch.payload.into())?;
         }
+        if (i + 1) % 50 == 0 || i + 1 == trace.len() {
+            hit_curve.push(((i + 1) as f64, engines.stats().hit_rate() * 100.0));
+        }
         if last_update.elapsed() >= Duration::from_millis(250) {
             last_update = Instant::now();
             index_size = runtime.block_on(index_blocks(&mut client));
@@ -280,6 +297,8 @@ fn run_policy(
         exact_answers: exact,
         index_blocks: index_size,
         engine_blocks,
+        hit_curve,
+        latency_cdf: plot::cdf_of(&latency),
     })
 }
 
@@ -326,6 +345,36 @@ pub fn summary(reports: &[PolicyReport]) -> String {
     out
 }
 
+/// Writes the hit-rate curves and the query latency CDFs of both policies into `dir`.
+fn plots(dir: &Path, reports: &[PolicyReport]) -> Result<Vec<PathBuf>, DemoError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| DemoError::Usage(format!("creating {}: {e}", dir.display())))?;
+    let curves: Vec<plot::Line> = reports
+        .iter()
+        .map(|r| (r.routing.name().to_owned(), r.hit_curve.clone()))
+        .collect();
+    let mut written = plot::lines(
+        &dir.join("hit-rate"),
+        "prefix-cache hit rate: KV-aware against random routing",
+        Axes {
+            x: "requests routed",
+            y: "prompt blocks found cached (%)",
+        },
+        &curves,
+    )?;
+    let cdfs: Vec<(String, Cdf)> = reports
+        .iter()
+        .map(|r| (r.routing.name().to_owned(), r.latency_cdf.clone()))
+        .collect();
+    written.extend(plot::cdf(
+        &dir.join("query-latency"),
+        "the router's queries to kvatlas serve (gRPC)",
+        "query latency (round trip)",
+        &cdfs,
+    )?);
+    Ok(written)
+}
+
 /// Runs the demo (see the module docs) and returns the summary to print.
 ///
 /// # Errors
@@ -358,5 +407,11 @@ pub fn run(args: &DemoArgs) -> Result<String, DemoError> {
     for routing in [Routing::Random, Routing::KvAware] {
         reports.push(run_policy(args, &kvatlas, &requests, routing)?);
     }
-    Ok(summary(&reports))
+    let written = plots(&args.plots, &reports)?;
+    let mut out = summary(&reports);
+    if !written.is_empty() {
+        let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+        out.push_str(&format!("\nPlots: {}\n", names.join(", ")));
+    }
+    Ok(out)
 }

@@ -7,6 +7,7 @@
 //!   [`engine::Engines`] serves one request at a time for a live simulation.
 //! - [`vllm`]: those events encoded as vLLM 0.33's KV-event batches, byte for byte.
 //! - [`publish`]: the fleet on the wire — per engine a ZMQ XPUB and a replay ROUTER on loopback.
+//! - [`plot`]: SVG/PNG plots (the demo's and the benchmarks').
 //! - [`server`]: `kvatlas serve` as a child process on loopback (the demo's and the benchmarks').
 //! - [`demo`]: `kvatlas demo`, a fleet, a router and `kvatlas serve` in one command.
 //!
@@ -15,6 +16,7 @@
 
 pub mod demo;
 pub mod engine;
+pub mod plot;
 pub mod publish;
 pub mod server;
 pub mod trace;
