@@ -254,7 +254,6 @@ fn histogram() -> Histogram<u64> {
     Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("valid histogram bounds")
 }
 
-
 /// Runs one open-loop replay of `stream` against the backend called `name` (see the module docs).
 ///
 /// # Errors

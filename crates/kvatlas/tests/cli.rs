@@ -414,9 +414,13 @@ fn demo_row(table: &str, routing: &str) -> Vec<String> {
 
 #[test]
 fn the_demo_runs_fleet_router_and_server_and_the_index_ends_equal_to_the_caches() {
+    let plots = std::env::temp_dir().join(format!("kvatlas-demo-test-{}", std::process::id()));
+    let plots_arg = plots.to_string_lossy().into_owned();
     let out = kvatlas(
         &[
             "demo",
+            "--plots",
+            &plots_arg,
             "--requests",
             "300",
             "--engines",
@@ -451,4 +455,11 @@ fn the_demo_runs_fleet_router_and_server_and_the_index_ends_equal_to_the_caches(
         hit_rates[1] >= hit_rates[0],
         "KV-aware routing reuses at least as much as random: {hit_rates:?}\n{table}"
     );
+    // The plots need a TrueType font; where one is found, both are written.
+    if table.contains("Plots: ") {
+        for plot in ["hit-rate.svg", "query-latency.svg"] {
+            assert!(plots.join(plot).is_file(), "{plot} written:\n{table}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&plots);
 }
