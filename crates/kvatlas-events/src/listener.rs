@@ -742,6 +742,7 @@ impl Listener {
             converter: Converter::new(source),
             ranks: BTreeSet::from([Worker::new(source.worker_id, source.dp_rank)]),
             mutations: Vec::new(),
+            pending_clears: Vec::new(),
             sink,
             shared: Arc::clone(&shared),
             config,
@@ -949,6 +950,9 @@ struct ListenerThread {
     ranks: BTreeSet<Worker>,
     /// Reused conversion buffer.
     mutations: Vec<Mutation>,
+    /// Clears a resync decided, handed over with the batch that follows it (the same drive),
+    /// so the unit carries the resync ([`Unit::resync`]) with the position it resumes from.
+    pending_clears: Vec<Mutation>,
     sink: Arc<dyn MutationSink>,
     shared: Arc<Shared>,
 }
@@ -1268,8 +1272,18 @@ impl ListenerThread {
                     fingerprint,
                 } => self.apply(seq, &payload, fingerprint)?,
                 Action::Replay { id, from, to } => self.start_replay(id, from, to),
-                Action::Resync { reason } => self.resync(reason)?,
+                Action::Resync { reason } => self.resync(reason),
             }
+        }
+        // A resync with no batch after it (nothing buffered): its clears go alone.
+        if !self.pending_clears.is_empty() {
+            let mutations = std::mem::take(&mut self.pending_clears);
+            self.push(Unit {
+                worker_id: self.config.source.worker_id,
+                mutations,
+                checkpoint: None,
+                resync: true,
+            })?;
         }
         // A replay the sequencer abandoned (buffer overflow, restart) is not waited for.
         if let Some(replay) = &self.replay
@@ -1364,9 +1378,18 @@ impl ListenerThread {
         }
         self.shared.counters.add_drops(&drops);
         let source = self.config.source;
+        let resync = !self.pending_clears.is_empty();
+        let mutations = if resync {
+            let mut mutations = std::mem::take(&mut self.pending_clears);
+            mutations.append(&mut self.mutations);
+            mutations
+        } else {
+            std::mem::take(&mut self.mutations)
+        };
         let unit = Unit {
             worker_id: source.worker_id,
-            mutations: std::mem::take(&mut self.mutations),
+            mutations,
+            resync,
             // Recorded even for a batch without mutations: the stream has moved past it.
             checkpoint: Some(Checkpoint {
                 source: Worker::new(source.worker_id, source.dp_rank),
@@ -1380,7 +1403,7 @@ impl ListenerThread {
         Ok(())
     }
 
-    fn resync(&mut self, reason: ResyncReason) -> Result<(), Exit> {
+    fn resync(&mut self, reason: ResyncReason) {
         let source = self.config.source;
         tracing::warn!(
             target: "kvatlas_events::listener",
@@ -1402,16 +1425,12 @@ impl ListenerThread {
             .map(|&worker| Mutation::Cleared { worker })
             .collect();
         let clears = mutations.len() as u64;
-        self.push(Unit {
-            worker_id: source.worker_id,
-            mutations,
-            checkpoint: None,
-        })?;
+        // Handed over with the next batch, or alone at the end of this drive.
+        self.pending_clears.extend(mutations);
         self.shared
             .counters
             .resync_clears
             .fetch_add(clears, Ordering::Relaxed);
-        Ok(())
     }
 
     /// Hands one unit to the sink, waiting (with a short backoff, checking for stop) while it

@@ -211,6 +211,11 @@ pub struct Unit {
     pub mutations: Vec<Mutation>,
     /// Recorded once `mutations` are applied, in the same step.
     pub checkpoint: Option<Checkpoint>,
+    /// The unit starts by clearing the source's ranks because its stream broke (the engine
+    /// restarted, or batches were lost for good): its checkpoint may then be at or below the
+    /// source's last one. A consumer of a replicated log applies such a unit even when its
+    /// position is not new (`docs/server.md`, "Scale-out over NATS").
+    pub resync: bool,
 }
 
 /// What applying mutations did, including every anomaly (nothing is dropped silently).

@@ -486,6 +486,7 @@ fn thread_pool_never_splits_a_unit_from_its_checkpoint_and_keeps_a_workers_ranks
                 position: unit,
                 fingerprint: unit * 31,
             }),
+            resync: false,
         })
         .map_err(|_| std::io::Error::other("writers stopped"))?;
     }

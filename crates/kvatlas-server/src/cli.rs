@@ -22,6 +22,7 @@ use crate::config::{
     ConfigError, DEFAULT_SNAPSHOT_INTERVAL, IndexSettings, Limits, Persistence, ServerConfig,
     TlsFiles, TokenizerFile, WorkerDefaults, parse_engine, parse_peer_list, parse_worker_list,
 };
+use crate::nats::NatsLog;
 use crate::registry::{DEFAULT_TENANT, IndexKey};
 use crate::server::{RunningServer, ShutdownReport, StartError};
 
@@ -219,6 +220,33 @@ pub struct ServeArgs {
     /// environment variable): llm-d's GetPodScores tokenizes prompts with it. Loaded at start.
     #[arg(long = "tokenizer", env = "KVATLAS_TOKENIZER", value_delimiter = ',')]
     pub tokenizers: Vec<String>,
+    /// Be an ingest: publish every event batch the listeners and PublishEvents apply to this
+    /// NATS JetStream event log, `nats://HOST:PORT` (docs/server.md, "Scale-out").
+    #[arg(long, env = "KVATLAS_PUBLISH_TO", conflicts_with = "consume_from")]
+    pub publish_to: Option<String>,
+    /// Be a query replica of this NATS JetStream event log, `nats://HOST:PORT`: restore the
+    /// newest snapshot of the bucket, apply the stream, write snapshots in turn.
+    #[arg(long, env = "KVATLAS_CONSUME_FROM")]
+    pub consume_from: Option<String>,
+    /// The event log's JetStream stream [default: KVATLAS_EVENTS].
+    #[arg(long, env = "KVATLAS_NATS_STREAM")]
+    pub nats_stream: Option<String>,
+    /// The event log's subject prefix [default: kvatlas.events].
+    #[arg(long, env = "KVATLAS_NATS_SUBJECT_PREFIX")]
+    pub nats_subject_prefix: Option<String>,
+    /// Seconds the stream keeps a record (used when the ingest creates it) [default: 3600].
+    #[arg(long, env = "KVATLAS_NATS_MAX_AGE_SECS")]
+    pub nats_max_age_secs: Option<u64>,
+    /// Bytes the stream keeps (used when the ingest creates it) [default: 1 GiB].
+    #[arg(long, env = "KVATLAS_NATS_MAX_BYTES")]
+    pub nats_max_bytes: Option<i64>,
+    /// The object-store bucket of replica snapshots [default: KVATLAS_SNAPSHOTS].
+    #[arg(long, env = "KVATLAS_NATS_SNAPSHOT_BUCKET")]
+    pub nats_snapshot_bucket: Option<String>,
+    /// Seconds between a replica's snapshots, taken in turn with the other replicas; 0 = never
+    /// [default: 30].
+    #[arg(long, env = "KVATLAS_NATS_SNAPSHOT_INTERVAL_SECS")]
+    pub nats_snapshot_interval_secs: Option<u64>,
 }
 
 /// The TOML file of `--config`: the same settings.
@@ -253,6 +281,14 @@ struct ServeFile {
     runtime_threads: Option<usize>,
     /// `MODEL=PATH` items, as `--tokenizer`.
     tokenizer: Option<Vec<String>>,
+    publish_to: Option<String>,
+    consume_from: Option<String>,
+    nats_stream: Option<String>,
+    nats_subject_prefix: Option<String>,
+    nats_max_age_secs: Option<u64>,
+    nats_max_bytes: Option<i64>,
+    nats_snapshot_bucket: Option<String>,
+    nats_snapshot_interval_secs: Option<u64>,
 }
 
 impl ServeArgs {
@@ -375,7 +411,56 @@ impl ServeArgs {
             .iter()
             .map(|spec| TokenizerFile::parse(spec))
             .collect::<Result<_, _>>()?,
+            publish_to: None,
+            consume_from: None,
         };
+        let nats = |url: String| {
+            let defaults = NatsLog::new(url);
+            NatsLog {
+                stream: self
+                    .nats_stream
+                    .clone()
+                    .or_else(|| file.nats_stream.clone())
+                    .unwrap_or(defaults.stream),
+                subject_prefix: self
+                    .nats_subject_prefix
+                    .clone()
+                    .or_else(|| file.nats_subject_prefix.clone())
+                    .unwrap_or(defaults.subject_prefix),
+                max_age: self
+                    .nats_max_age_secs
+                    .or(file.nats_max_age_secs)
+                    .map_or(defaults.max_age, Duration::from_secs),
+                max_bytes: self
+                    .nats_max_bytes
+                    .or(file.nats_max_bytes)
+                    .unwrap_or(defaults.max_bytes),
+                snapshot_bucket: self
+                    .nats_snapshot_bucket
+                    .clone()
+                    .or_else(|| file.nats_snapshot_bucket.clone())
+                    .unwrap_or(defaults.snapshot_bucket),
+                snapshot_interval: match self
+                    .nats_snapshot_interval_secs
+                    .or(file.nats_snapshot_interval_secs)
+                {
+                    Some(0) => None,
+                    Some(secs) => Some(Duration::from_secs(secs)),
+                    None => defaults.snapshot_interval,
+                },
+                ..defaults
+            }
+        };
+        config.publish_to = self
+            .publish_to
+            .clone()
+            .or_else(|| file.publish_to.clone())
+            .map(nats);
+        config.consume_from = self
+            .consume_from
+            .clone()
+            .or_else(|| file.consume_from.clone())
+            .map(nats);
         if let Some(list) = self.workers.clone().or(file.workers) {
             let block_size = self.block_size.or(file.block_size).ok_or_else(|| {
                 CliError::Config("--workers needs --block-size (the engines' block size)".into())

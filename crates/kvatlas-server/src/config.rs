@@ -182,6 +182,11 @@ pub struct ServerConfig {
     pub peers: Vec<String>,
     /// The models' tokenizers, for llm-d's `GetPodScores` (at most one per model).
     pub tokenizers: Vec<TokenizerFile>,
+    /// An ingest: every unit the feeds apply is also published to this NATS JetStream event
+    /// log (`--publish-to`).
+    pub publish_to: Option<crate::nats::NatsLog>,
+    /// A replica: the indexes are fed by this NATS JetStream event log only (`--consume-from`).
+    pub consume_from: Option<crate::nats::NatsLog>,
 }
 
 impl Default for ServerConfig {
@@ -200,6 +205,8 @@ impl Default for ServerConfig {
             persistence: None,
             peers: Vec::new(),
             tokenizers: Vec::new(),
+            publish_to: None,
+            consume_from: None,
         }
     }
 }
@@ -272,6 +279,29 @@ impl ServerConfig {
                 return Err(ConfigError::Invalid(format!(
                     "peer {peer:?}: expected an http:// URL (a peer's HTTP address, for example \
                      http://10.0.0.7:8090)"
+                )));
+            }
+        }
+        for log in [&self.publish_to, &self.consume_from].into_iter().flatten() {
+            log.validate().map_err(ConfigError::Invalid)?;
+        }
+        if self.consume_from.is_some() {
+            let conflict = if self.publish_to.is_some() {
+                Some("--publish-to (a server is an ingest or a replica, not both)")
+            } else if !self.workers.is_empty() {
+                Some("--workers (a replica's indexes are fed by the stream only)")
+            } else if self.persistence.is_some() {
+                Some(
+                    "--data-dir (a replica restores the bucket's snapshot, which names the stream sequence it covers)",
+                )
+            } else if !self.peers.is_empty() {
+                Some("--peers (a replica bootstraps from the bucket's snapshot)")
+            } else {
+                None
+            };
+            if let Some(conflict) = conflict {
+                return Err(ConfigError::Invalid(format!(
+                    "--consume-from cannot be combined with {conflict}"
                 )));
             }
         }

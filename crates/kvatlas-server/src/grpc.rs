@@ -630,6 +630,7 @@ impl IndexerService {
         publisher: &mut Publisher,
         message: &v1::PublishEventsRequest,
     ) -> Result<(), ServiceError> {
+        self.state.registry.check_feeds_allowed()?;
         let tenant = message.index.as_ref().map_or("", |s| s.tenant.as_str());
         caller.check(if tenant.is_empty() {
             crate::registry::DEFAULT_TENANT
@@ -654,20 +655,33 @@ impl IndexerService {
         let unit = Unit {
             worker_id: prepared.worker.worker_id,
             mutations,
+            resync,
             checkpoint: prepared.seq.map(|seq| Checkpoint {
                 source: prepared.worker,
                 position: seq,
                 fingerprint: 0,
             }),
         };
+        // An ingest logs what it applies (encoded first: the unit moves to the writers).
+        let logged = prepared.entry.log.as_ref().map(|log| {
+            let record = crate::log_record::encode_unit(
+                &prepared.entry.key,
+                prepared.entry.block_size,
+                &unit,
+            );
+            (log, record)
+        });
         enqueue(&prepared.entry.pool, unit).await?;
+        if let Some((log, record)) = logged {
+            log.send(record).await;
+        }
         publisher.applied(events);
         Ok(())
     }
 }
 
 /// Enqueues a unit, waiting (without blocking the runtime) while its lane is full.
-async fn enqueue(
+pub(crate) async fn enqueue(
     pool: &kvatlas_index::ThreadPool<crate::served_index::ServedIndex>,
     unit: Unit,
 ) -> Result<(), ServiceError> {

@@ -12,6 +12,7 @@
 //! | [`snapshot`], `snapshot_stream` | the native snapshot format; streaming it over HTTP and gRPC |
 //! | [`store`] | the data directory: snapshots written atomically, the newest readable one loaded |
 //! | `peers` | bootstrapping a replica from a peer's snapshot (or a Dynamo peer's `/dump`) |
+//! | `nats`, `log_record`, `log_ingest`, `log_replica` | scale-out over NATS JetStream: the event log's records, an ingest publishing every applied unit, replicas consuming it and sharing snapshots |
 //! | `metrics` | the Prometheus instruments and exposition |
 //! | `auth` | bearer tokens (constant-time), per-tenant permissions |
 //! | `config`, `tls`, `server` | configuration and its safety rules, TLS, start and graceful shutdown |
@@ -44,7 +45,11 @@ pub mod fuzzing;
 mod grpc;
 mod http;
 mod llmd;
+mod log_ingest;
+mod log_record;
+mod log_replica;
 mod metrics;
+mod nats;
 mod peers;
 mod publish;
 mod query;
@@ -65,6 +70,7 @@ pub use config::{
 };
 pub use error::ServiceError;
 pub use llmd::TokenizerError;
+pub use nats::{DEFAULT_SNAPSHOT_BUCKET, DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, NatsLog};
 pub use peers::Bootstrap;
 pub use registry::{DEFAULT_TENANT, FeedCounters, IndexKey, MAX_NAME_BYTES, WorkerRegistration};
 pub use server::{IndexReport, Restored, RunningServer, ShutdownReport, StartError};

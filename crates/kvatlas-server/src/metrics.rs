@@ -26,6 +26,7 @@
 //! | `kvatlas_snapshot_last_bytes`, `_last_memberships`, `_last_duration_seconds`, `_last_timestamp_seconds` | gauge | (the last snapshot written) |
 //! | `kvatlas_snapshot_files_rejected_total` | counter | (unreadable snapshot files moved aside at start) |
 //! | `kvatlas_restored_memberships` | gauge | `source` (`data_dir`, `peer_snapshot`, `peer_dump`: what the state at start came from) |
+//! | `kvatlas_log_*_total` (`queued`, `published`, `publish_duplicates`, `publish_retries`, `consumed`, `applied`, `dropped_duplicate`, `dropped_stale`, `dropped_invalid`, `rebootstraps`, `sequences_lost`, `snapshots_written`, `snapshots_skipped`, `snapshots_failed`), `kvatlas_log_stream_sequence`, `kvatlas_log_lag_seconds` | counter, gauge, histogram | (with `--publish-to` or `--consume-from`: the NATS event log) |
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -107,14 +108,15 @@ const BOUNDS: [f64; 16] = [
 
 /// A fixed-bucket histogram of durations.
 #[derive(Debug, Default)]
-struct Histogram {
+pub(crate) struct Histogram {
     /// Observations per bucket (not cumulative); the last one is `+Inf`.
     buckets: [AtomicU64; BOUNDS.len() + 1],
     sum_nanos: AtomicU64,
 }
 
 impl Histogram {
-    fn observe(&self, elapsed: Duration) {
+    /// Counts one observation.
+    pub(crate) fn observe(&self, elapsed: Duration) {
         let seconds = elapsed.as_secs_f64();
         let bucket = BOUNDS
             .iter()
@@ -127,6 +129,32 @@ impl Histogram {
             u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
+    }
+
+    /// Appends the histogram `name` (with its HELP and TYPE lines) with `labels` (`k="v",…`
+    /// or empty) on every sample.
+    pub(crate) fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        header(out, name, "histogram", help);
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0;
+        for (i, count) in self.buckets.iter().enumerate() {
+            cumulative += count.load(Ordering::Relaxed);
+            let le = BOUNDS
+                .get(i)
+                .map_or_else(|| "+Inf".to_owned(), |b| format!("{b}"));
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let _ = writeln!(out, "{name}_sum{braces} {sum}");
+        let _ = writeln!(out, "{name}_count{braces} {cumulative}");
     }
 }
 
@@ -222,6 +250,9 @@ impl Metrics {
         self.render_requests(&mut out);
         self.render_recovery(&mut out);
         render_indexes(&mut out, registry, ready);
+        if let Some(role) = registry.log_role() {
+            registry.log_stats().render(&mut out, role);
+        }
         out
     }
 

@@ -37,6 +37,9 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::config::{IndexSettings, Limits};
 use crate::error::ServiceError;
+use crate::log_ingest::{LogHandle, LoggedSink};
+use crate::log_record;
+use crate::nats::LogStats;
 use crate::served_index::ServedIndex;
 use crate::snapshot::{IndexImage, RecordedFeed};
 
@@ -362,6 +365,8 @@ pub(crate) struct IndexEntry {
     /// Hashers seeded with a (LoRA, salt) pair, cached.
     seeded: Mutex<HashMap<(String, String), BlockHasher>>,
     pub(crate) pool: Arc<ThreadPool<ServedIndex>>,
+    /// The event log every applied unit is also published to (an ingest, `--publish-to`).
+    pub(crate) log: Option<Arc<LogHandle>>,
     listeners: Listeners,
     pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
     /// Counters of feeds that were stopped.
@@ -383,6 +388,7 @@ impl IndexEntry {
         block_size: BlockSize,
         settings: &IndexSettings,
         zmq: &zmq::Context,
+        log: Option<&Arc<LogHandle>>,
     ) -> Result<Self, ServiceError> {
         let pool = ThreadPool::new(
             ServedIndex::new(settings.capacity),
@@ -391,13 +397,22 @@ impl IndexEntry {
         )
         .map_err(|e| ServiceError::Internal(format!("cannot start the index writers: {e}")))?;
         let pool = Arc::new(pool);
-        let sink: Arc<dyn MutationSink> = pool.clone();
+        let sink: Arc<dyn MutationSink> = match log {
+            Some(log) => Arc::new(LoggedSink {
+                pool: Arc::clone(&pool),
+                log: Arc::clone(log),
+                key: key.clone(),
+                block_size,
+            }),
+            None => pool.clone(),
+        };
         Ok(Self {
             key,
             block_size,
             hasher: BlockHasher::with_block_size(block_size),
             seeded: Mutex::new(HashMap::new()),
             pool,
+            log: log.cloned(),
             listeners: Listeners::with_context(zmq.clone(), sink),
             feeds: Mutex::new(BTreeMap::new()),
             retired: Mutex::new(FeedCounters::default()),
@@ -672,6 +687,14 @@ impl IndexEntry {
                 report
             }
         };
+        if let Some(log) = &self.log {
+            log.send_now(log_record::encode_unregister(
+                &self.key,
+                self.block_size,
+                instance_id,
+                dp_rank,
+            ));
+        }
         (
             u32::try_from(removed.len()).unwrap_or(u32::MAX),
             listeners_stopped,
@@ -753,6 +776,20 @@ pub(crate) struct Registry {
     zmq: zmq::Context,
     /// Registered ranks over all indexes (ZMQ listeners and gRPC feeds).
     registered: AtomicUsize,
+    /// The server's part in the NATS event log, if any.
+    log_role: Option<LogRole>,
+    /// The event log's counters (zero without one).
+    log_stats: Arc<LogStats>,
+}
+
+/// A server's part in the NATS event log.
+#[derive(Debug, Clone)]
+pub(crate) enum LogRole {
+    /// It publishes every unit its feeds apply (`--publish-to`).
+    Ingest(Arc<LogHandle>),
+    /// It applies the log and has no feeds of its own (`--consume-from`); the string names the
+    /// stream, for the error a registration gets.
+    Replica(String),
 }
 
 impl fmt::Debug for Registry {
@@ -772,7 +809,46 @@ impl Registry {
             limits,
             zmq: zmq::Context::new(),
             registered: AtomicUsize::new(0),
+            log_role: None,
+            log_stats: Arc::new(LogStats::default()),
         }
+    }
+
+    /// This registry with a part in the event log (before any index exists).
+    pub(crate) fn with_log(mut self, role: LogRole, stats: Arc<LogStats>) -> Self {
+        self.log_role = Some(role);
+        self.log_stats = stats;
+        self
+    }
+
+    /// `"ingest"` or `"replica"` with an event log.
+    pub(crate) fn log_role(&self) -> Option<&'static str> {
+        self.log_role.as_ref().map(|role| match role {
+            LogRole::Ingest(_) => "ingest",
+            LogRole::Replica(_) => "replica",
+        })
+    }
+
+    /// The event log's counters.
+    pub(crate) fn log_stats(&self) -> &Arc<LogStats> {
+        &self.log_stats
+    }
+
+    /// FAILED_PRECONDITION on a replica: its indexes are fed by the event log only.
+    pub(crate) fn check_feeds_allowed(&self) -> Result<(), ServiceError> {
+        match &self.log_role {
+            Some(LogRole::Replica(stream)) => Err(ServiceError::FailedPrecondition(format!(
+                "this server is a replica of the NATS stream {stream} (--consume-from): its \
+                 indexes are fed by the stream only; register workers and publish events on \
+                 the ingest (--publish-to)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The request and size limits.
+    pub(crate) fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// Registered ranks over all indexes.
@@ -842,11 +918,16 @@ impl Registry {
                 self.limits.max_indexes
             )));
         }
+        let log = match &self.log_role {
+            Some(LogRole::Ingest(handle)) => Some(handle),
+            _ => None,
+        };
         let entry = Arc::new(IndexEntry::new(
             key.clone(),
             block_size,
             &self.settings,
             &self.zmq,
+            log,
         )?);
         indexes.insert(key.clone(), Arc::clone(&entry));
         tracing::info!(
@@ -900,6 +981,7 @@ impl Registry {
         registration: WorkerRegistration,
         held: bool,
     ) -> Result<Registered, ServiceError> {
+        self.check_feeds_allowed()?;
         registration.validate()?;
         let (entry, created_index) =
             self.index_for(&registration.index, Some(registration.block_size))?;

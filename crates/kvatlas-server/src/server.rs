@@ -102,6 +102,9 @@ pub enum StartError {
     /// A model's tokenizer (`--tokenizer`) could not be loaded.
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
+    /// The NATS event log cannot be used (`--publish-to`, `--consume-from`).
+    #[error("NATS event log: {0}")]
+    Nats(String),
     /// The data directory cannot be used.
     #[error("cannot use the data directory {path}: {source}")]
     DataDir {
@@ -168,6 +171,10 @@ pub struct RunningServer {
     bootstrap: Option<JoinHandle<Bootstrap>>,
     snapshots: Option<(DataDir, JoinHandle<()>)>,
     stop_snapshots: CancellationToken,
+    /// An ingest's publisher: stopped (and drained) after the feeds at shutdown.
+    log_publisher: Option<(CancellationToken, JoinHandle<u64>)>,
+    /// A replica's consumer.
+    replica: Option<crate::log_replica::Replica>,
 }
 
 impl RunningServer {
@@ -192,7 +199,39 @@ impl RunningServer {
         let tokenizers = tokio::task::spawn_blocking(move || Tokenizers::load(&tokenizer_files))
             .await
             .map_err(|e| StartError::Grpc(e.to_string()))??;
-        let registry = Arc::new(Registry::new(config.index, config.limits));
+        let nats_timeout = Duration::from_secs(10);
+        let mut registry = Registry::new(config.index, config.limits);
+        let mut log_publisher = None;
+        if let Some(log) = &config.publish_to {
+            let js = crate::nats::connect(log, nats_timeout)
+                .await
+                .map_err(StartError::Nats)?;
+            crate::nats::stream(&js, log)
+                .await
+                .map_err(StartError::Nats)?;
+            let stats = Arc::new(crate::nats::LogStats::default());
+            let (handle, queue) = crate::log_ingest::LogHandle::new(Arc::clone(&stats));
+            registry =
+                registry.with_log(crate::registry::LogRole::Ingest(handle), Arc::clone(&stats));
+            let stop = CancellationToken::new();
+            let task = tokio::spawn(crate::log_ingest::run_publisher(
+                js,
+                log.clone(),
+                queue,
+                stats,
+                stop.clone(),
+                config.shutdown_timeout,
+            ));
+            tracing::info!(url = %log.url, stream = %log.stream, "ingest: publishing to the NATS event log");
+            log_publisher = Some((stop, task));
+        }
+        if let Some(log) = &config.consume_from {
+            registry = registry.with_log(
+                crate::registry::LogRole::Replica(log.stream.clone()),
+                Arc::new(crate::nats::LogStats::default()),
+            );
+        }
+        let registry = Arc::new(registry);
         let state = Arc::new(State::new(
             Arc::clone(&registry),
             config.limits,
@@ -285,6 +324,17 @@ impl RunningServer {
                 outcome
             })
         });
+        let replica = match &config.consume_from {
+            Some(log) => {
+                tracing::info!(url = %log.url, stream = %log.stream, "replica: consuming the NATS event log");
+                Some(
+                    crate::log_replica::start(Arc::clone(&state), log.clone(), nats_timeout)
+                        .await
+                        .map_err(StartError::Nats)?,
+                )
+            }
+            None => None,
+        };
         let stop_snapshots = CancellationToken::new();
         let snapshots = data_dir.map(|dir| {
             let interval = config.persistence.as_ref().and_then(|p| p.interval);
@@ -309,6 +359,8 @@ impl RunningServer {
             bootstrap,
             snapshots,
             stop_snapshots,
+            log_publisher,
+            replica,
         })
     }
 
@@ -379,6 +431,10 @@ impl RunningServer {
             bootstrap.abort();
         }
         self.stop_snapshots.cancel();
+        if let Some(replica) = self.replica {
+            replica.stop.cancel();
+            let _ = replica.task.await;
+        }
         let dir = match self.snapshots {
             Some((dir, task)) => {
                 // A periodic snapshot being written is finished first.
@@ -391,6 +447,18 @@ impl RunningServer {
         let mut report = tokio::task::spawn_blocking(move || final_report(&registry))
             .await
             .unwrap_or_default();
+        // The feeds are stopped and their units applied: publish what the log still holds.
+        if let Some((stop, task)) = self.log_publisher {
+            stop.cancel();
+            match task.await {
+                Ok(0) => tracing::info!("every applied unit is published to the NATS event log"),
+                Ok(left) => tracing::error!(
+                    "{left} record(s) could not be published to the NATS event log before the \
+                     shutdown timeout"
+                ),
+                Err(error) => tracing::warn!("the NATS publisher failed: {error}"),
+            }
+        }
         if let Some(dir) = dir {
             let written = write_snapshot(Arc::clone(&self.state), dir).await;
             match &written {

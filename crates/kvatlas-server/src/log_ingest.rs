@@ -1,0 +1,218 @@
+//! The ingest side of the event log: every unit a feed hands to an index is also published
+//! to the NATS JetStream stream, in the order the index applies it.
+//!
+//! - [`LoggedSink`] sits between the ZMQ listeners and an index's writers: a unit is accepted
+//!   only if both the log's queue and the writers have room (a listener waits otherwise), so
+//!   the log never misses a unit the index applied and memory stays bounded.
+//! - [`run_publisher`] publishes the queue. Records of one source are published one at a
+//!   time (the next after the stream acknowledged the previous one), so a retry after a
+//!   failure never reorders a source; records of different sources are in flight together.
+//!   A failed publish is retried with the same message id until the stream takes it: a record
+//!   stored twice (an acknowledgement lost) is dropped by the stream's duplicate window.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use kvatlas_events::{MutationSink, SinkError};
+use kvatlas_hash::BlockSize;
+use kvatlas_index::{ThreadPool, Unit, Worker};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::log_record::{self, Outgoing};
+use crate::nats::{LogStats, NatsLog};
+use crate::registry::IndexKey;
+use crate::served_index::ServedIndex;
+
+/// Records queued for publishing before feeds wait.
+pub(crate) const QUEUE: usize = 8192;
+/// Records in flight to the stream at once (over all sources).
+const IN_FLIGHT: usize = 512;
+
+/// The handle feeds publish through.
+#[derive(Debug)]
+pub(crate) struct LogHandle {
+    tx: mpsc::Sender<Outgoing>,
+    stats: Arc<LogStats>,
+}
+
+impl LogHandle {
+    /// A handle and the receiving end [`run_publisher`] drains.
+    pub(crate) fn new(stats: Arc<LogStats>) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        (Arc::new(Self { tx, stats }), rx)
+    }
+
+    /// Waits for room, then queues `record` (from async code: `PublishEvents`).
+    pub(crate) async fn send(&self, record: Outgoing) {
+        LogStats::bump(&self.stats.queued);
+        // Fails only once the publisher is gone (shutdown): nothing is left to publish to.
+        let _ = self.tx.send(record).await;
+    }
+
+    /// Queues `record` from synchronous code (an unregistration): at once if there is room,
+    /// otherwise by a task that waits for room (or, outside a runtime, by waiting here).
+    pub(crate) fn send_now(&self, record: Outgoing) {
+        LogStats::bump(&self.stats.queued);
+        match self.tx.try_send(record) {
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
+            Err(mpsc::error::TrySendError::Full(record)) => {
+                let tx = self.tx.clone();
+                match tokio::runtime::Handle::try_current() {
+                    Ok(handle) => {
+                        handle.spawn(async move {
+                            let _ = tx.send(record).await;
+                        });
+                    }
+                    Err(_) => {
+                        let _ = tx.blocking_send(record);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A [`MutationSink`] that hands each unit to an index's writers and queues its record.
+pub(crate) struct LoggedSink {
+    pub(crate) pool: Arc<ThreadPool<ServedIndex>>,
+    pub(crate) log: Arc<LogHandle>,
+    pub(crate) key: IndexKey,
+    pub(crate) block_size: BlockSize,
+}
+
+impl MutationSink for LoggedSink {
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
+        let permit = match self.log.tx.try_reserve() {
+            Ok(permit) => permit,
+            Err(mpsc::error::TrySendError::Full(())) => return Err(SinkError::Full(unit)),
+            Err(mpsc::error::TrySendError::Closed(())) => return Err(SinkError::Closed(unit)),
+        };
+        let record = log_record::encode_unit(&self.key, self.block_size, &unit);
+        self.pool.try_push(unit)?;
+        LogStats::bump(&self.log.stats.queued);
+        permit.send(record);
+        Ok(())
+    }
+}
+
+/// A publish's outcome: the record back, and whether the stream took it.
+type Published = (Outgoing, Result<bool, String>);
+
+/// Publishes the queue until `stop` is cancelled and the queue is drained (see the module
+/// docs); returns the records it could not publish before `drain_deadline` after `stop`.
+pub(crate) async fn run_publisher(
+    js: jetstream::Context,
+    log: NatsLog,
+    mut rx: mpsc::Receiver<Outgoing>,
+    stats: Arc<LogStats>,
+    stop: CancellationToken,
+    drain_deadline: Duration,
+) -> u64 {
+    let prefix = log.subject_prefix;
+    let mut waiting: HashMap<(IndexKey, Worker), VecDeque<Outgoing>> = HashMap::new();
+    let mut busy: HashSet<(IndexKey, Worker)> = HashSet::new();
+    let mut queued = 0usize;
+    let mut flights: JoinSet<Published> = JoinSet::new();
+    let mut retry_backoff = Duration::from_millis(10);
+    let mut stopping = false;
+    let mut deadline = None;
+    loop {
+        let room = queued < QUEUE && flights.len() < IN_FLIGHT;
+        tokio::select! {
+            biased;
+            Some(done) = flights.join_next(), if !flights.is_empty() => {
+                let Ok((record, outcome)) = done else { continue };
+                match outcome {
+                    Ok(duplicate) => {
+                        retry_backoff = Duration::from_millis(10);
+                        LogStats::bump(&stats.published);
+                        if duplicate {
+                            LogStats::bump(&stats.publish_duplicates);
+                        }
+                        let source = record.source;
+                        match waiting.get_mut(&source).and_then(VecDeque::pop_front) {
+                            Some(next) => {
+                                queued -= 1;
+                                spawn_publish(&mut flights, &js, &prefix, next, Duration::ZERO);
+                            }
+                            None => {
+                                busy.remove(&source);
+                                waiting.remove(&source);
+                            }
+                        }
+                    }
+                    Err(error) => {
+                        LogStats::bump(&stats.publish_retries);
+                        tracing::warn!(
+                            "publishing to NATS failed ({error}); retrying in {retry_backoff:?}"
+                        );
+                        spawn_publish(&mut flights, &js, &prefix, record, retry_backoff);
+                        retry_backoff = (retry_backoff * 2).min(Duration::from_secs(1));
+                    }
+                }
+            }
+            received = rx.recv(), if room => match received {
+                Some(record) => {
+                    if busy.contains(&record.source) {
+                        queued += 1;
+                        waiting.entry(record.source.clone()).or_default().push_back(record);
+                    } else {
+                        busy.insert(record.source.clone());
+                        spawn_publish(&mut flights, &js, &prefix, record, Duration::ZERO);
+                    }
+                }
+                None => stopping = true,
+            },
+            () = stop.cancelled(), if !stopping => {
+                stopping = true;
+                rx.close();
+                deadline = Some(tokio::time::Instant::now() + drain_deadline);
+            }
+            () = async {
+                match deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => break,
+        }
+        if stopping && flights.is_empty() && queued == 0 && rx.is_empty() {
+            break;
+        }
+    }
+    flights.abort_all();
+    let left = queued + flights.len() + rx.len();
+    u64::try_from(left).unwrap_or(u64::MAX)
+}
+
+fn spawn_publish(
+    flights: &mut JoinSet<Published>,
+    js: &jetstream::Context,
+    prefix: &str,
+    record: Outgoing,
+    delay: Duration,
+) {
+    let js = js.clone();
+    let subject = log_record::subject(prefix, &record.source.0, record.source.1.worker_id);
+    flights.spawn(async move {
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let mut publish =
+            jetstream::message::PublishMessage::build().payload(record.payload.clone());
+        if let Some(id) = &record.message_id {
+            publish = publish.message_id(id.as_str());
+        }
+        let outcome = match js.send_publish(subject, publish).await {
+            Ok(ack) => match ack.await {
+                Ok(ack) => Ok(ack.duplicate),
+                Err(e) => Err(format!("no acknowledgement: {e}")),
+            },
+            Err(e) => Err(e.to_string()),
+        };
+        (record, outcome)
+    });
+}

@@ -1,0 +1,452 @@
+//! The records of the replicated event log (`kvatlas.v1.LogRecord`, one NATS JetStream message
+//! each): a [`Unit`] an ingest applied, turned into the engine-neutral wire form and back, with
+//! the subject and message id it is published under.
+//!
+//! - **Subject** `PREFIX.MODEL.TENANT.INSTANCE`: one subject per (model, tenant, worker), names
+//!   percent-encoded into NATS subject tokens (no `.`, `*`, `>`, whitespace or `%` left raw).
+//! - **Message id** (`Nats-Msg-Id`) `MODEL/TENANT/INSTANCE/RANK/SEQ/FINGERPRINT` for a sequenced
+//!   batch: two ingests fed by the same engine publish the same id for the same batch, and the
+//!   stream keeps the first (JetStream's duplicate window). Records without a sequence number
+//!   (a resync's clears alone, an unregistration) have no id.
+//!
+//! Decoding checks everything a replica relies on (names, block size, ranks of the record's
+//! worker, hashes present, tiers known) and says what is wrong; a replica counts and skips a
+//! record it cannot decode, it never applies part of one.
+
+use kvatlas_hash::{BlockSize, LocalBlockHash};
+use kvatlas_index::{Checkpoint, ExternalBlockHash, Mutation, StoredBlock, Tier, Unit, Worker};
+use kvatlas_proto::v1;
+use prost::Message as _;
+
+use crate::registry::IndexKey;
+
+/// A decoded record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Record {
+    /// The index.
+    pub(crate) key: IndexKey,
+    /// Its block size.
+    pub(crate) block_size: BlockSize,
+    /// The source (the worker, and the rank it was registered with).
+    pub(crate) source: Worker,
+    /// What it does.
+    pub(crate) body: Body,
+}
+
+/// What a record does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Body {
+    /// A batch (its mutations all belong to ranks of the source's worker).
+    Batch {
+        /// Its sequence number (`None`: clears alone, or an unsequenced message).
+        seq: Option<u64>,
+        /// The engine payload's fingerprint (0 for `PublishEvents`).
+        fingerprint: u64,
+        /// It begins with a resync's clears (see [`Unit::resync`]).
+        resync: bool,
+        /// The mutations.
+        mutations: Vec<Mutation>,
+    },
+    /// The source was unregistered (`None`: every rank of the worker).
+    Unregister {
+        /// Only this rank.
+        dp_rank: Option<u32>,
+    },
+}
+
+/// The source of a unit: its checkpoint's; for a resync's clears alone, the first rank cleared.
+fn source_of(unit: &Unit) -> Worker {
+    unit.checkpoint.map_or_else(
+        || {
+            Worker::new(
+                unit.worker_id,
+                unit.mutations.first().map_or(0, |m| m.worker().dp_rank),
+            )
+        },
+        |c| c.source,
+    )
+}
+
+/// The NATS subject of a record of `key`'s worker `instance_id` under `prefix`.
+pub(crate) fn subject(prefix: &str, key: &IndexKey, instance_id: u64) -> String {
+    format!(
+        "{prefix}.{}.{}.{instance_id}",
+        subject_token(&key.model),
+        subject_token(&key.tenant)
+    )
+}
+
+/// The JetStream message id of a sequenced batch.
+pub(crate) fn message_id(key: &IndexKey, source: Worker, seq: u64, fingerprint: u64) -> String {
+    format!(
+        "{}/{}/{}/{}/{seq}/{fingerprint:016x}",
+        subject_token(&key.model),
+        subject_token(&key.tenant),
+        source.worker_id,
+        source.dp_rank
+    )
+}
+
+/// A record ready to publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Outgoing {
+    /// The source it belongs to (records of one source are published one after the other).
+    pub(crate) source: (IndexKey, Worker),
+    /// The JetStream message id, if sequenced.
+    pub(crate) message_id: Option<String>,
+    /// The wire form.
+    pub(crate) payload: bytes::Bytes,
+}
+
+/// The record of a unit an ingest applied for `key`, ready to publish (the unit is not copied).
+pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) -> Outgoing {
+    let source = source_of(unit);
+    let batch = v1::LogBatch {
+        seq: unit.checkpoint.map(|c| c.position),
+        fingerprint: unit.checkpoint.map_or(0, |c| c.fingerprint),
+        resync: unit.resync,
+        mutations: unit.mutations.iter().map(encode_mutation).collect(),
+    };
+    Outgoing {
+        message_id: unit
+            .checkpoint
+            .map(|c| message_id(key, source, c.position, c.fingerprint)),
+        payload: wire(key, block_size, source, v1::log_record::Body::Batch(batch)).into(),
+        source: (key.clone(), source),
+    }
+}
+
+/// The record of an unregistration (`dp_rank` `None`: every rank of `instance_id`).
+pub(crate) fn encode_unregister(
+    key: &IndexKey,
+    block_size: BlockSize,
+    instance_id: u64,
+    dp_rank: Option<u32>,
+) -> Outgoing {
+    let source = Worker::new(instance_id, dp_rank.unwrap_or(0));
+    let body = v1::log_record::Body::Unregister(v1::LogUnregister { dp_rank });
+    Outgoing {
+        message_id: None,
+        payload: wire(key, block_size, source, body).into(),
+        source: (key.clone(), source),
+    }
+}
+
+fn wire(
+    key: &IndexKey,
+    block_size: BlockSize,
+    source: Worker,
+    body: v1::log_record::Body,
+) -> Vec<u8> {
+    v1::LogRecord {
+        index: Some(v1::IndexSelector {
+            model: key.model.clone(),
+            tenant: key.tenant.clone(),
+        }),
+        block_size: block_size.get(),
+        instance_id: source.worker_id,
+        dp_rank: source.dp_rank,
+        body: Some(body),
+    }
+    .encode_to_vec()
+}
+
+impl Record {
+    /// The unit a replica applies (its checkpoint is the source's position).
+    pub(crate) fn into_unit(self) -> Option<Unit> {
+        match self.body {
+            Body::Batch {
+                seq,
+                fingerprint,
+                resync,
+                mutations,
+            } => Some(Unit {
+                worker_id: self.source.worker_id,
+                mutations,
+                checkpoint: seq.map(|position| Checkpoint {
+                    source: self.source,
+                    position,
+                    fingerprint,
+                }),
+                resync,
+            }),
+            Body::Unregister { .. } => None,
+        }
+    }
+
+    /// Decodes and checks a wire record.
+    ///
+    /// # Errors
+    /// What is wrong with it, for the replica's log and counters.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let record =
+            v1::LogRecord::decode(bytes).map_err(|e| format!("not a kvatlas.v1.LogRecord: {e}"))?;
+        let selector = record.index.ok_or("no index")?;
+        let key = IndexKey::new(selector.model, selector.tenant);
+        key.validate().map_err(|e| e.to_string())?;
+        let block_size = BlockSize::new(record.block_size)
+            .map_err(|e| format!("block size {}: {e}", record.block_size))?;
+        let source = Worker::new(record.instance_id, record.dp_rank);
+        let body = match record.body.ok_or("no body")? {
+            v1::log_record::Body::Batch(batch) => Body::Batch {
+                seq: batch.seq,
+                fingerprint: batch.fingerprint,
+                resync: batch.resync,
+                mutations: batch
+                    .mutations
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, m)| {
+                        decode_mutation(record.instance_id, m)
+                            .map_err(|why| format!("mutations[{i}]: {why}"))
+                    })
+                    .collect::<Result<_, _>>()?,
+            },
+            v1::log_record::Body::Unregister(unregister) => Body::Unregister {
+                dp_rank: unregister.dp_rank,
+            },
+        };
+        Ok(Self {
+            key,
+            block_size,
+            source,
+            body,
+        })
+    }
+}
+
+fn tier_value(tier: Tier) -> i32 {
+    match tier {
+        Tier::Device => v1::StorageTier::Device as i32,
+        Tier::Host => v1::StorageTier::Host as i32,
+        Tier::Disk => v1::StorageTier::Disk as i32,
+        Tier::External => v1::StorageTier::External as i32,
+    }
+}
+
+fn tier_of(value: i32) -> Result<Tier, String> {
+    match v1::StorageTier::try_from(value) {
+        Ok(v1::StorageTier::Device) => Ok(Tier::Device),
+        Ok(v1::StorageTier::Host) => Ok(Tier::Host),
+        Ok(v1::StorageTier::Disk) => Ok(Tier::Disk),
+        Ok(v1::StorageTier::External) => Ok(Tier::External),
+        Err(_) => Err(format!("tier {value} is not a storage tier")),
+    }
+}
+
+fn encode_mutation(mutation: &Mutation) -> v1::LogMutation {
+    use v1::log_mutation::Event;
+    let (dp_rank, event) = match mutation {
+        Mutation::Stored {
+            worker,
+            tier,
+            parent,
+            blocks,
+        } => (
+            worker.dp_rank,
+            Event::Stored(v1::LogStored {
+                parent_hash: parent.map(ExternalBlockHash::get),
+                block_hashes: blocks.iter().map(|b| b.external.get()).collect(),
+                local_hashes: blocks.iter().map(|b| b.local.get()).collect(),
+                tier: tier_value(*tier),
+            }),
+        ),
+        Mutation::Removed {
+            worker,
+            tier,
+            blocks,
+        } => (
+            worker.dp_rank,
+            Event::Removed(v1::LogRemoved {
+                block_hashes: blocks.iter().map(|b| b.get()).collect(),
+                tier: tier_value(*tier),
+            }),
+        ),
+        Mutation::Cleared { worker } => (worker.dp_rank, Event::Cleared(v1::AllBlocksCleared {})),
+    };
+    v1::LogMutation {
+        dp_rank,
+        event: Some(event),
+    }
+}
+
+fn decode_mutation(instance_id: u64, mutation: v1::LogMutation) -> Result<Mutation, String> {
+    use v1::log_mutation::Event;
+    let worker = Worker::new(instance_id, mutation.dp_rank);
+    match mutation.event.ok_or("no event")? {
+        Event::Stored(stored) => {
+            if stored.block_hashes.is_empty() {
+                return Err("a store without blocks".into());
+            }
+            if stored.block_hashes.len() != stored.local_hashes.len() {
+                return Err(format!(
+                    "{} block hashes but {} local hashes",
+                    stored.block_hashes.len(),
+                    stored.local_hashes.len()
+                ));
+            }
+            Ok(Mutation::Stored {
+                worker,
+                tier: tier_of(stored.tier)?,
+                parent: stored.parent_hash.map(ExternalBlockHash::new),
+                blocks: stored
+                    .block_hashes
+                    .iter()
+                    .zip(&stored.local_hashes)
+                    .map(|(&external, &local)| StoredBlock {
+                        external: ExternalBlockHash::new(external),
+                        local: LocalBlockHash::new(local),
+                    })
+                    .collect(),
+            })
+        }
+        Event::Removed(removed) => {
+            if removed.block_hashes.is_empty() {
+                return Err("a removal without blocks".into());
+            }
+            Ok(Mutation::Removed {
+                worker,
+                tier: tier_of(removed.tier)?,
+                blocks: removed
+                    .block_hashes
+                    .into_iter()
+                    .map(ExternalBlockHash::new)
+                    .collect(),
+            })
+        }
+        Event::Cleared(_) => Ok(Mutation::Cleared { worker }),
+    }
+}
+
+/// A name as one NATS subject token: bytes other than ASCII letters, digits, `-` and `_` are
+/// percent-encoded (so `.`, `*`, `>`, whitespace and `%` never appear raw); empty becomes `%`.
+pub(crate) fn subject_token(name: &str) -> String {
+    if name.is_empty() {
+        return "%".to_owned();
+    }
+    let mut token = String::with_capacity(name.len());
+    for byte in name.bytes() {
+        if byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_' {
+            token.push(char::from(byte));
+        } else {
+            token.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    token
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(i: u64) -> StoredBlock {
+        StoredBlock {
+            external: ExternalBlockHash::new(u64::MAX - i),
+            local: LocalBlockHash::new(i * 7),
+        }
+    }
+
+    fn sample() -> Unit {
+        let worker = Worker::new(42, 3);
+        Unit {
+            worker_id: 42,
+            mutations: vec![
+                Mutation::Cleared { worker },
+                Mutation::Stored {
+                    worker,
+                    tier: Tier::Host,
+                    parent: Some(ExternalBlockHash::new(9)),
+                    blocks: vec![block(1), block(2)],
+                },
+                Mutation::Removed {
+                    worker: Worker::new(42, 5),
+                    tier: Tier::Disk,
+                    blocks: vec![ExternalBlockHash::new(1)],
+                },
+            ],
+            checkpoint: Some(Checkpoint {
+                source: Worker::new(42, 0),
+                position: 17,
+                fingerprint: 0xdead_beef,
+            }),
+            resync: true,
+        }
+    }
+
+    #[test]
+    fn a_unit_round_trips_through_the_wire_form() {
+        let key = IndexKey::new("meta/llama 3.1", "team.a");
+        let size = BlockSize::new(16).expect("valid");
+        let outgoing = encode_unit(&key, size, &sample());
+        let decoded = Record::decode(&outgoing.payload).expect("decodes");
+        assert_eq!(
+            (decoded.key.clone(), decoded.block_size),
+            (key.clone(), size)
+        );
+        assert_eq!(decoded.source, Worker::new(42, 0));
+        assert_eq!(decoded.into_unit(), Some(sample()));
+        assert_eq!(
+            subject("kv", &key, 42),
+            "kv.meta%2Fllama%203%2E1.team%2Ea.42"
+        );
+        assert_eq!(
+            outgoing.message_id.as_deref(),
+            Some("meta%2Fllama%203%2E1/team%2Ea/42/0/17/00000000deadbeef")
+        );
+        let unregister = Record::decode(&encode_unregister(&key, size, 42, Some(3)).payload);
+        assert_eq!(
+            unregister.map(|r| (r.source, r.body)),
+            Ok((Worker::new(42, 3), Body::Unregister { dp_rank: Some(3) }))
+        );
+    }
+
+    #[test]
+    fn records_without_a_sequence_have_no_message_id_and_name_their_rank() {
+        let key = IndexKey::new("m", "t");
+        let size = BlockSize::new(16).expect("valid");
+        let clears = Unit {
+            worker_id: 8,
+            mutations: vec![Mutation::Cleared {
+                worker: Worker::new(8, 2),
+            }],
+            checkpoint: None,
+            resync: true,
+        };
+        let outgoing = encode_unit(&key, size, &clears);
+        assert_eq!(outgoing.message_id, None);
+        let record = Record::decode(&outgoing.payload).expect("decodes");
+        assert_eq!(record.source, Worker::new(8, 2));
+        assert_eq!(record.into_unit(), Some(clears));
+    }
+
+    #[test]
+    fn bad_records_are_refused_with_a_reason() {
+        assert!(Record::decode(b"\xff\xff\xff").is_err());
+        let key = IndexKey::new("m", "t");
+        let size = BlockSize::new(16).expect("valid");
+        let mut wire =
+            v1::LogRecord::decode(&*encode_unit(&key, size, &sample()).payload).expect("decodes");
+        if let Some(v1::log_record::Body::Batch(batch)) = &mut wire.body
+            && let Some(v1::log_mutation::Event::Stored(stored)) = &mut batch.mutations[1].event
+        {
+            stored.local_hashes.pop();
+        }
+        let error = Record::decode(&wire.encode_to_vec()).expect_err("refused");
+        assert!(error.contains("mutations[1]"), "{error}");
+        wire.block_size = 0;
+        assert!(Record::decode(&wire.encode_to_vec()).is_err());
+    }
+
+    #[test]
+    fn subject_tokens_never_hold_separators_or_wildcards() {
+        for name in ["a.b", "a b", "*", ">", "%", "", "ü", "x\ty"] {
+            let token = subject_token(name);
+            assert!(!token.is_empty());
+            assert!(
+                !token.contains(['.', '*', '>', ' ', '\t']),
+                "{name:?} → {token:?}"
+            );
+        }
+        assert_ne!(subject_token("a.b"), subject_token("a%2Eb"));
+    }
+}

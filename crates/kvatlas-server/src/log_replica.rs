@@ -1,0 +1,562 @@
+//! The replica side of the event log (`kvatlas serve --consume-from`): restore the newest
+//! snapshot of the bucket, consume the stream from the sequence after the one it covers, apply
+//! every record, and write snapshots in turn with the other replicas.
+//!
+//! **Exactness.** A replica applies the records in stream order, so replicas that read the same
+//! stream hold the same state at the same stream sequence, with no timing guess. Per source it
+//! keeps the position and the recent `(sequence, fingerprint)` pairs (restored with a snapshot,
+//! as index checkpoints), and drops:
+//! - a batch it has applied (same sequence and fingerprint): a second ingest's copy that came
+//!   after the stream's duplicate window;
+//! - a batch at or below the source's position that is not a resync: an ingest re-publishing
+//!   what it replayed from an engine (a late join).
+//!
+//! A resync record (the engine restarted, or an ingest lost batches for good) is applied even
+//! when its sequence is not new: it begins by clearing the source's ranks.
+//!
+//! **Snapshots.** A snapshot is a consistent cut: the consumer stops between two records,
+//! every index's writers finish what they hold, and the images are taken before the next
+//! record is read. The object holds [`SNAPSHOT_MAGIC`], the stream sequence it covers (u64 LE)
+//! and the native snapshot (`snapshot.rs`).
+//!
+//! **Retention.** If the stream no longer holds the next sequence (the replica fell behind
+//! the retention window), the replica restores the newest snapshot if it covers the hole and
+//! continues after it (counted); otherwise it counts the sequences lost and continues.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream;
+use kvatlas_index::{Mutation, SharedKvIndex, Worker};
+use tokio::io::AsyncReadExt as _;
+use tokio_stream::StreamExt as _;
+use tokio_util::sync::CancellationToken;
+
+use crate::log_record::{Body, Record};
+use crate::nats::{LogStats, NatsLog, SNAPSHOT_OBJECT};
+use crate::registry::{IndexKey, Registry};
+use crate::state::State;
+
+/// The first bytes of a replica snapshot object.
+pub(crate) const SNAPSHOT_MAGIC: &[u8; 8] = b"KVATREPL";
+/// Recent `(sequence, fingerprint)` pairs kept per source.
+const RECENT: usize = 1024;
+
+/// What a replica does with a batch of a source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// Apply it.
+    Apply,
+    /// Already applied: drop.
+    Duplicate,
+    /// At or below the source's position, not a resync: drop.
+    Stale,
+}
+
+/// One source's sequencing state at a replica.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct SourceState {
+    position: Option<u64>,
+    recent: VecDeque<(u64, u64)>,
+}
+
+impl SourceState {
+    /// The state a checkpoint recorded.
+    pub(crate) fn from_mark(position: u64, recent: &[(u64, u64)]) -> Self {
+        let mut state = Self {
+            position: Some(position),
+            recent: recent.iter().copied().collect(),
+        };
+        while state.recent.len() > RECENT {
+            state.recent.pop_front();
+        }
+        state
+    }
+
+    /// Decides about a batch (see the module docs) and, if it is applied, records it.
+    pub(crate) fn admit(&mut self, seq: Option<u64>, fingerprint: u64, resync: bool) -> Admission {
+        let Some(seq) = seq else {
+            return Admission::Apply;
+        };
+        if self.recent.contains(&(seq, fingerprint)) {
+            return Admission::Duplicate;
+        }
+        if !resync && self.position.is_some_and(|position| seq <= position) {
+            return Admission::Stale;
+        }
+        self.position = Some(seq);
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, fingerprint));
+        Admission::Apply
+    }
+}
+
+/// The replica's running part.
+#[derive(Debug)]
+pub(crate) struct Replica {
+    pub(crate) task: tokio::task::JoinHandle<()>,
+    pub(crate) stop: CancellationToken,
+}
+
+/// Connects, bootstraps from the newest snapshot and starts consuming (the server reports
+/// not ready until the replica has read everything the stream held when it started).
+pub(crate) async fn start(
+    state: Arc<State>,
+    log: NatsLog,
+    connect_timeout: Duration,
+) -> Result<Replica, String> {
+    let js = crate::nats::connect(&log, connect_timeout).await?;
+    let stream = crate::nats::stream(&js, &log).await?;
+    let bucket = crate::nats::snapshot_bucket(&js, &log).await?;
+    state.set_bootstrapping(true);
+    let covered = restore_newest(&state.registry, &bucket).await?;
+    let stop = CancellationToken::new();
+    let stats = Arc::clone(state.registry.log_stats());
+    let consumer = Consumer {
+        state,
+        stats,
+        log,
+        stream,
+        bucket,
+        sources: HashMap::new(),
+        applied: covered.unwrap_or(0),
+        caught_up: false,
+        last_snapshot: tokio::time::Instant::now(),
+    };
+    let task = tokio::spawn(consumer.run(stop.clone()));
+    Ok(Replica { task, stop })
+}
+
+struct Consumer {
+    state: Arc<State>,
+    stats: Arc<LogStats>,
+    log: NatsLog,
+    stream: jetstream::stream::Stream,
+    bucket: jetstream::object_store::ObjectStore,
+    sources: HashMap<(IndexKey, Worker), SourceState>,
+    /// The last stream sequence applied (or covered by the restored snapshot).
+    applied: u64,
+    caught_up: bool,
+    last_snapshot: tokio::time::Instant,
+}
+
+impl Consumer {
+    async fn run(mut self, stop: CancellationToken) {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            if stop.is_cancelled() {
+                return;
+            }
+            match self.consume(&stop).await {
+                Ok(()) => return,
+                Err(error) => {
+                    tracing::warn!(
+                        "the event-log consumer stopped ({error}); resuming in {backoff:?}"
+                    );
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// Reads from the sequence after `applied` until stopped (`Ok`) or the consumer fails.
+    async fn consume(&mut self, stop: &CancellationToken) -> Result<(), String> {
+        let start = self.applied + 1;
+        let info = self
+            .stream
+            .info()
+            .await
+            .map_err(|e| format!("stream info: {e}"))?;
+        if info.state.last_sequence < start {
+            self.caught_up();
+        }
+        let consumer = self
+            .stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: self.log.subjects(),
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: start,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("creating the consumer: {e}"))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| format!("reading the stream: {e}"))?;
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let message = tokio::select! {
+                () = stop.cancelled() => return Ok(()),
+                _ = tick.tick() => {
+                    self.maybe_snapshot().await;
+                    continue;
+                }
+                message = messages.next() => message,
+            };
+            let Some(message) = message else {
+                return Err("the stream ended".into());
+            };
+            let message = message.map_err(|e| e.to_string())?;
+            let info = message.info().map_err(|e| format!("message info: {e}"))?;
+            let sequence = info.stream_sequence;
+            let pending = info.pending;
+            let published_nanos = info.published.unix_timestamp_nanos();
+            if sequence <= self.applied {
+                continue; // read again after the consumer was recreated
+            }
+            if sequence > self.applied + 1 && self.skipped(sequence).await? {
+                return Err("re-bootstrapped from a snapshot".into());
+            }
+            self.apply(&message.payload).await;
+            self.applied = sequence;
+            self.stats
+                .stream_sequence
+                .store(sequence, std::sync::atomic::Ordering::Relaxed);
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let lag = u64::try_from(i128::try_from(now).unwrap_or(i128::MAX) - published_nanos)
+                .unwrap_or(0);
+            self.stats.lag.observe(Duration::from_nanos(lag));
+            if pending == 0 {
+                self.caught_up();
+            }
+        }
+    }
+
+    fn caught_up(&mut self) {
+        if !self.caught_up {
+            self.caught_up = true;
+            self.state.set_bootstrapping(false);
+            tracing::info!(
+                stream_sequence = self.applied,
+                "replica caught up with the event log: serving queries"
+            );
+        }
+    }
+
+    /// The stream skipped from `applied + 1` to `sequence` (retention). Restores the newest
+    /// snapshot if it covers the hole (`true`: consume again after it), else counts the loss.
+    async fn skipped(&mut self, sequence: u64) -> Result<bool, String> {
+        LogStats::bump(&self.stats.rebootstraps);
+        let lost = sequence - self.applied - 1;
+        match newest_covered(&self.bucket).await {
+            Some(covered) if covered + 1 >= sequence => {
+                tracing::warn!(
+                    from = self.applied + 1,
+                    to = sequence,
+                    covered,
+                    "the stream no longer holds the next records: re-bootstrapping from the newest snapshot"
+                );
+                if let Some(covered) = restore_newest(&self.state.registry, &self.bucket).await? {
+                    self.sources.clear();
+                    self.applied = covered;
+                    return Ok(true);
+                }
+                Ok(false)
+            }
+            _ => {
+                self.stats
+                    .sequences_lost
+                    .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
+                tracing::error!(
+                    from = self.applied + 1,
+                    to = sequence,
+                    "the stream no longer holds {lost} record(s) and no snapshot covers them: \
+                     the state may miss their events"
+                );
+                Ok(false)
+            }
+        }
+    }
+
+    /// Decodes, sequences and applies one record (an invalid one is counted and skipped).
+    async fn apply(&mut self, payload: &[u8]) {
+        LogStats::bump(&self.stats.consumed);
+        let record = match Record::decode(payload) {
+            Ok(record) => record,
+            Err(why) => {
+                LogStats::bump(&self.stats.dropped_invalid);
+                tracing::warn!("dropped an event-log record: {why}");
+                return;
+            }
+        };
+        let registry = &self.state.registry;
+        let entry = match registry.index_for(&record.key, Some(record.block_size)) {
+            Ok((entry, _)) => entry,
+            Err(error) => {
+                LogStats::bump(&self.stats.dropped_invalid);
+                tracing::warn!("dropped an event-log record for {}: {error}", record.key);
+                return;
+            }
+        };
+        let source_key = (record.key.clone(), record.source);
+        match &record.body {
+            Body::Unregister { dp_rank } => {
+                let (instance, rank) = (record.source.worker_id, *dp_rank);
+                self.sources.retain(|(key, worker), _| {
+                    *key != record.key
+                        || worker.worker_id != instance
+                        || rank.is_some_and(|r| r != worker.dp_rank)
+                });
+                let entry = Arc::clone(&entry);
+                let _ = tokio::task::spawn_blocking(move || {
+                    entry.index().forget_marks(instance, rank);
+                    match rank {
+                        None => {
+                            entry.pool.remove_worker(instance);
+                        }
+                        Some(rank) => {
+                            entry.pool.flush();
+                            entry.index().apply(&Mutation::Cleared {
+                                worker: Worker::new(instance, rank),
+                            });
+                        }
+                    }
+                })
+                .await;
+                LogStats::bump(&self.stats.applied);
+            }
+            Body::Batch {
+                seq,
+                fingerprint,
+                resync,
+                ..
+            } => {
+                if !self.sources.contains_key(&source_key)
+                    && self.sources.len() >= registry.limits().max_registered_ranks
+                {
+                    LogStats::bump(&self.stats.dropped_invalid);
+                    tracing::warn!(
+                        "dropped an event-log record: more sources than --max-registered-ranks"
+                    );
+                    return;
+                }
+                let source = self.sources.entry(source_key).or_insert_with(|| {
+                    entry
+                        .index()
+                        .mark(record.source)
+                        .map(|mark| SourceState::from_mark(mark.position, &mark.recent))
+                        .unwrap_or_default()
+                });
+                match source.admit(*seq, *fingerprint, *resync) {
+                    Admission::Apply => {}
+                    Admission::Duplicate => {
+                        LogStats::bump(&self.stats.dropped_duplicate);
+                        return;
+                    }
+                    Admission::Stale => {
+                        LogStats::bump(&self.stats.dropped_stale);
+                        return;
+                    }
+                }
+                if let Some(unit) = record.into_unit()
+                    && crate::grpc::enqueue(&entry.pool, unit).await.is_ok()
+                {
+                    LogStats::bump(&self.stats.applied);
+                }
+            }
+        }
+    }
+
+    /// Writes a snapshot if it is this replica's turn: its interval passed and no other
+    /// replica wrote one within it.
+    async fn maybe_snapshot(&mut self) {
+        let Some(interval) = self.log.snapshot_interval else {
+            return;
+        };
+        if self.last_snapshot.elapsed() < interval || !self.caught_up {
+            return;
+        }
+        self.last_snapshot = tokio::time::Instant::now();
+        if let Ok(info) = self.bucket.info(SNAPSHOT_OBJECT).await {
+            let age = info.modified.map(|modified| {
+                let now = time_now_nanos();
+                Duration::from_nanos(
+                    u64::try_from(now - modified.unix_timestamp_nanos()).unwrap_or(0),
+                )
+            });
+            let newer = covered_of(info.description.as_deref()).is_some_and(|c| c >= self.applied);
+            if newer || age.is_some_and(|age| age < interval * 3 / 4) {
+                LogStats::bump(&self.stats.snapshots_skipped);
+                return;
+            }
+        }
+        match write_snapshot(&self.state.registry, &self.bucket, self.applied).await {
+            Ok(bytes) => {
+                LogStats::bump(&self.stats.snapshots_written);
+                tracing::info!(
+                    stream_sequence = self.applied,
+                    bytes,
+                    "replica snapshot written to the bucket"
+                );
+            }
+            Err(error) => {
+                LogStats::bump(&self.stats.snapshots_failed);
+                tracing::warn!("the replica snapshot failed: {error}");
+            }
+        }
+    }
+}
+
+fn time_now_nanos() -> i128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(i128::MAX))
+}
+
+/// The stream sequence an object's description names (`stream_sequence=N`).
+fn covered_of(description: Option<&str>) -> Option<u64> {
+    description?.strip_prefix("stream_sequence=")?.parse().ok()
+}
+
+/// The stream sequence the newest snapshot covers, if there is one.
+async fn newest_covered(bucket: &jetstream::object_store::ObjectStore) -> Option<u64> {
+    let info = bucket.info(SNAPSHOT_OBJECT).await.ok()?;
+    covered_of(info.description.as_deref())
+}
+
+/// Restores the newest snapshot of the bucket, if any: the stream sequence it covers.
+pub(crate) async fn restore_newest(
+    registry: &Arc<Registry>,
+    bucket: &jetstream::object_store::ObjectStore,
+) -> Result<Option<u64>, String> {
+    let mut object = match bucket.get(SNAPSHOT_OBJECT).await {
+        Ok(object) => object,
+        Err(error) if error.kind() == jetstream::object_store::GetErrorKind::NotFound => {
+            return Ok(None);
+        }
+        Err(error) => return Err(format!("reading the snapshot object: {error}")),
+    };
+    let mut bytes = Vec::new();
+    object
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(|e| format!("reading the snapshot object: {e}"))?;
+    let registry = Arc::clone(registry);
+    tokio::task::spawn_blocking(move || {
+        let rest = bytes
+            .strip_prefix(SNAPSHOT_MAGIC.as_slice())
+            .ok_or("the snapshot object is not a kvatlas replica snapshot")?;
+        let (covered, snapshot) = rest
+            .split_first_chunk::<8>()
+            .ok_or("the snapshot object is truncated")?;
+        let covered = u64::from_le_bytes(*covered);
+        let (_, images) = crate::snapshot::read(snapshot).map_err(|e| e.to_string())?;
+        for entry in registry.all() {
+            entry.pool.flush();
+        }
+        registry
+            .restore_images(&images, false)
+            .map_err(|e| e.to_string())?;
+        let memberships: u64 = images
+            .iter()
+            .map(crate::snapshot::IndexImage::memberships)
+            .sum();
+        tracing::info!(
+            stream_sequence = covered,
+            memberships,
+            "restored the newest replica snapshot"
+        );
+        Ok(Some(covered))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// Takes a consistent cut (every writer idle; the caller applies nothing meanwhile) and puts
+/// it in the bucket as covering `covered`; returns its size.
+async fn write_snapshot(
+    registry: &Arc<Registry>,
+    bucket: &jetstream::object_store::ObjectStore,
+    covered: u64,
+) -> Result<usize, String> {
+    let registry = Arc::clone(registry);
+    let bytes = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::with_capacity(1 << 20);
+        out.extend_from_slice(SNAPSHOT_MAGIC);
+        out.extend_from_slice(&covered.to_le_bytes());
+        let mut writer = crate::snapshot::Writer::new(out, crate::served_index::unix_micros_now())
+            .map_err(|e| e.to_string())?;
+        for entry in registry.all() {
+            entry.pool.flush();
+            writer.index(&entry.image()).map_err(|e| e.to_string())?;
+        }
+        writer.finish().map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    let size = bytes.len();
+    let meta = jetstream::object_store::ObjectMetadata {
+        name: SNAPSHOT_OBJECT.to_owned(),
+        description: Some(format!("stream_sequence={covered}")),
+        ..Default::default()
+    };
+    bucket
+        .put(meta, &mut bytes.as_slice())
+        .await
+        .map_err(|e| format!("putting the snapshot object: {e}"))?;
+    Ok(size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn duplicates_and_stale_batches_are_dropped_and_resyncs_applied() {
+        let mut source = SourceState::default();
+        assert_eq!(source.admit(Some(0), 10, false), Admission::Apply);
+        assert_eq!(source.admit(Some(1), 11, false), Admission::Apply);
+        // The same batch again (a second ingest's copy).
+        assert_eq!(source.admit(Some(1), 11, false), Admission::Duplicate);
+        assert_eq!(source.admit(Some(0), 10, false), Admission::Duplicate);
+        // A gap is applied (the ingest resolved it).
+        assert_eq!(source.admit(Some(5), 15, false), Admission::Apply);
+        // An old batch re-published after the recent window: stale.
+        assert_eq!(source.admit(Some(3), 13, false), Admission::Stale);
+        // The engine restarted: the resync record is applied although 0 is not new...
+        assert_eq!(source.admit(Some(0), 99, true), Admission::Apply);
+        // ...and the new stream continues from it; its duplicate is still dropped.
+        assert_eq!(source.admit(Some(1), 98, false), Admission::Apply);
+        assert_eq!(source.admit(Some(0), 99, true), Admission::Duplicate);
+        // Unsequenced records (clears alone) are always applied.
+        assert_eq!(source.admit(None, 0, true), Admission::Apply);
+    }
+
+    #[test]
+    fn the_recent_window_is_bounded_and_restored_from_a_checkpoint() {
+        let mut source = SourceState::default();
+        for seq in 0..(RECENT as u64 + 10) {
+            assert_eq!(source.admit(Some(seq), seq, false), Admission::Apply);
+        }
+        assert_eq!(source.recent.len(), RECENT);
+        // Fell out of the window: below the position, so stale rather than duplicate.
+        assert_eq!(source.admit(Some(0), 0, false), Admission::Stale);
+        let restored = SourceState::from_mark(7, &[(6, 60), (7, 70)]);
+        let mut restored_copy = restored.clone();
+        assert_eq!(
+            restored_copy.admit(Some(7), 70, false),
+            Admission::Duplicate
+        );
+        assert_eq!(restored_copy.admit(Some(8), 80, false), Admission::Apply);
+        assert_eq!(restored.position, Some(7));
+    }
+
+    #[test]
+    fn a_snapshot_description_names_the_sequence_it_covers() {
+        assert_eq!(covered_of(Some("stream_sequence=42")), Some(42));
+        assert_eq!(covered_of(Some("something else")), None);
+        assert_eq!(covered_of(None), None);
+    }
+}

@@ -1,0 +1,327 @@
+//! Scale-out over NATS JetStream (`docs/server.md`, "Scale-out over NATS JetStream"): the
+//! connection, the event-log stream and the snapshot bucket both roles share, and their
+//! counters.
+//!
+//! - An **ingest** (`--publish-to`) runs the listeners as usual and publishes every unit it
+//!   applies as a [`log_record`](crate::log_record) (`log_ingest`).
+//! - A **replica** (`--consume-from`) restores the newest snapshot of the bucket, consumes the
+//!   stream from the sequence after it and applies what it reads (`log_replica`); replicas
+//!   write snapshots in turn.
+//!
+//! Debian's nats-server is 2.9: only streams, ordered consumers, message-id deduplication and
+//! object stores are used (no 2.10 features).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream;
+
+use crate::metrics::Histogram;
+
+/// The default stream name.
+pub const DEFAULT_STREAM: &str = "KVATLAS_EVENTS";
+/// The default subject prefix.
+pub const DEFAULT_SUBJECT_PREFIX: &str = "kvatlas.events";
+/// The default object-store bucket of replica snapshots.
+pub const DEFAULT_SNAPSHOT_BUCKET: &str = "KVATLAS_SNAPSHOTS";
+/// The object holding the newest snapshot.
+pub(crate) const SNAPSHOT_OBJECT: &str = "snapshot";
+
+/// Where the event log lives and how it is kept (`--publish-to` / `--consume-from`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsLog {
+    /// The NATS server(s), `nats://HOST:PORT` (comma-separated for a cluster).
+    pub url: String,
+    /// The JetStream stream.
+    pub stream: String,
+    /// Subjects are `PREFIX.MODEL.TENANT.INSTANCE`.
+    pub subject_prefix: String,
+    /// The stream drops records older than this.
+    pub max_age: Duration,
+    /// The stream drops its oldest records beyond this many bytes.
+    pub max_bytes: i64,
+    /// The window in which JetStream drops a second record with the same message id (two
+    /// ingests fed by the same engines).
+    pub duplicate_window: Duration,
+    /// The object-store bucket of snapshots.
+    pub snapshot_bucket: String,
+    /// Time between a replica's snapshots (`None`: it never writes one).
+    pub snapshot_interval: Option<Duration>,
+}
+
+impl NatsLog {
+    /// The defaults for `url`: stream `KVATLAS_EVENTS`, 1 hour / 1 GiB retention, a 2-minute
+    /// duplicate window, snapshots every 30 s into `KVATLAS_SNAPSHOTS`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            stream: DEFAULT_STREAM.to_owned(),
+            subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
+            max_age: Duration::from_secs(3600),
+            max_bytes: 1 << 30,
+            duplicate_window: Duration::from_secs(120),
+            snapshot_bucket: DEFAULT_SNAPSHOT_BUCKET.to_owned(),
+            snapshot_interval: Some(Duration::from_secs(30)),
+        }
+    }
+
+    /// Checks names and ranges.
+    ///
+    /// # Errors
+    /// What is wrong, naming the setting.
+    pub fn validate(&self) -> Result<(), String> {
+        let name_ok = |name: &str| {
+            !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        };
+        if !name_ok(&self.stream) {
+            return Err(format!(
+                "NATS stream name {:?}: use letters, digits, '-' and '_'",
+                self.stream
+            ));
+        }
+        if !name_ok(&self.snapshot_bucket) {
+            return Err(format!(
+                "NATS snapshot bucket {:?}: use letters, digits, '-' and '_'",
+                self.snapshot_bucket
+            ));
+        }
+        let prefix_ok = !self.subject_prefix.is_empty()
+            && self.subject_prefix.split('.').all(|token| {
+                !token.is_empty() && !token.contains(['*', '>', ' ', '\t', '\r', '\n'])
+            });
+        if !prefix_ok {
+            return Err(format!(
+                "NATS subject prefix {:?}: dot-separated tokens without wildcards or spaces",
+                self.subject_prefix
+            ));
+        }
+        if self.max_bytes <= 0 || self.max_age.is_zero() || self.duplicate_window.is_zero() {
+            return Err(
+                "NATS retention (max age, max bytes) and duplicate window must be positive".into(),
+            );
+        }
+        if self.duplicate_window > self.max_age {
+            return Err("the NATS duplicate window cannot exceed the stream's max age".into());
+        }
+        Ok(())
+    }
+
+    /// The subjects the stream holds.
+    pub(crate) fn subjects(&self) -> String {
+        format!("{}.>", self.subject_prefix)
+    }
+}
+
+/// Connects to NATS (failing within `timeout`, with the URL in the message).
+pub(crate) async fn connect(
+    log: &NatsLog,
+    timeout: Duration,
+) -> Result<jetstream::Context, String> {
+    let options = async_nats::ConnectOptions::new()
+        .name("kvatlas")
+        .connection_timeout(timeout)
+        // Reconnect forever: a restarted nats-server is waited for, never given up on.
+        .max_reconnects(None);
+    let client = tokio::time::timeout(timeout, options.connect(log.url.as_str()))
+        .await
+        .map_err(|_| {
+            format!(
+                "cannot reach NATS at {}: no answer within {timeout:?}",
+                log.url
+            )
+        })?
+        .map_err(|e| format!("cannot reach NATS at {}: {e}", log.url))?;
+    Ok(jetstream::new(client))
+}
+
+/// The event-log stream, created with `log`'s retention if absent (an existing stream keeps
+/// its own configuration).
+pub(crate) async fn stream(
+    js: &jetstream::Context,
+    log: &NatsLog,
+) -> Result<jetstream::stream::Stream, String> {
+    js.get_or_create_stream(jetstream::stream::Config {
+        name: log.stream.clone(),
+        subjects: vec![log.subjects()],
+        max_age: log.max_age,
+        max_bytes: log.max_bytes,
+        duplicate_window: log.duplicate_window,
+        storage: jetstream::stream::StorageType::File,
+        discard: jetstream::stream::DiscardPolicy::Old,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| format!("NATS stream {}: {e}", log.stream))
+}
+
+/// The snapshot bucket, created if absent.
+pub(crate) async fn snapshot_bucket(
+    js: &jetstream::Context,
+    log: &NatsLog,
+) -> Result<jetstream::object_store::ObjectStore, String> {
+    match js.get_object_store(&log.snapshot_bucket).await {
+        Ok(store) => Ok(store),
+        Err(_) => js
+            .create_object_store(jetstream::object_store::Config {
+                bucket: log.snapshot_bucket.clone(),
+                description: Some("kvatlas replica snapshots".to_owned()),
+                storage: jetstream::stream::StorageType::File,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("NATS object store {}: {e}", log.snapshot_bucket)),
+    }
+}
+
+/// What the event log did in this process (both roles; `/metrics` shows them).
+#[derive(Debug, Default)]
+pub(crate) struct LogStats {
+    /// Records handed to the publisher.
+    pub(crate) queued: AtomicU64,
+    /// Records the stream acknowledged.
+    pub(crate) published: AtomicU64,
+    /// Of those, acknowledged as duplicates (another ingest published them first).
+    pub(crate) publish_duplicates: AtomicU64,
+    /// Publishes that failed and were retried.
+    pub(crate) publish_retries: AtomicU64,
+    /// Records consumed by a replica.
+    pub(crate) consumed: AtomicU64,
+    /// Of those, applied.
+    pub(crate) applied: AtomicU64,
+    /// Dropped: a batch the replica had applied (same sequence and fingerprint).
+    pub(crate) dropped_duplicate: AtomicU64,
+    /// Dropped: a batch at or below the source's position without a resync (an ingest
+    /// re-publishing what it replayed).
+    pub(crate) dropped_stale: AtomicU64,
+    /// Dropped: undecodable or refused records.
+    pub(crate) dropped_invalid: AtomicU64,
+    /// The stream skipped sequences the replica had not read (retention): re-bootstraps.
+    pub(crate) rebootstraps: AtomicU64,
+    /// Sequences lost for good (no snapshot covered them).
+    pub(crate) sequences_lost: AtomicU64,
+    /// The last stream sequence a replica applied.
+    pub(crate) stream_sequence: AtomicU64,
+    /// Snapshots written to the bucket, and skipped because another replica's was recent.
+    pub(crate) snapshots_written: AtomicU64,
+    pub(crate) snapshots_skipped: AtomicU64,
+    pub(crate) snapshots_failed: AtomicU64,
+    /// Time from the stream storing a record to the replica applying it.
+    pub(crate) lag: Histogram,
+}
+
+impl LogStats {
+    /// Adds one to `counter`.
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Appends the `kvatlas_log_*` metrics.
+    pub(crate) fn render(&self, out: &mut String, role: &str) {
+        use std::fmt::Write as _;
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let counters: [(&str, &str, u64); 13] = [
+            (
+                "queued",
+                "records handed to the publisher",
+                get(&self.queued),
+            ),
+            (
+                "published",
+                "records the stream acknowledged",
+                get(&self.published),
+            ),
+            (
+                "publish_duplicates",
+                "acknowledged as duplicates of another ingest's",
+                get(&self.publish_duplicates),
+            ),
+            (
+                "publish_retries",
+                "publishes retried",
+                get(&self.publish_retries),
+            ),
+            (
+                "consumed",
+                "records read by the replica",
+                get(&self.consumed),
+            ),
+            (
+                "applied",
+                "records applied by the replica",
+                get(&self.applied),
+            ),
+            (
+                "dropped_duplicate",
+                "records dropped: already applied",
+                get(&self.dropped_duplicate),
+            ),
+            (
+                "dropped_stale",
+                "records dropped: at or below the source's position",
+                get(&self.dropped_stale),
+            ),
+            (
+                "dropped_invalid",
+                "records dropped: undecodable or refused",
+                get(&self.dropped_invalid),
+            ),
+            (
+                "rebootstraps",
+                "re-bootstraps after the stream skipped sequences",
+                get(&self.rebootstraps),
+            ),
+            (
+                "sequences_lost",
+                "stream sequences no snapshot covered",
+                get(&self.sequences_lost),
+            ),
+            (
+                "snapshots_written",
+                "snapshots written to the bucket",
+                get(&self.snapshots_written),
+            ),
+            (
+                "snapshots_skipped",
+                "snapshot turns left to another replica",
+                get(&self.snapshots_skipped),
+            ),
+        ];
+        for (name, help, value) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP kvatlas_log_{name}_total Event log ({role}): {help}."
+            );
+            let _ = writeln!(out, "# TYPE kvatlas_log_{name}_total counter");
+            let _ = writeln!(out, "kvatlas_log_{name}_total {value}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvatlas_log_snapshots_failed_total Event log: snapshots that failed."
+        );
+        let _ = writeln!(out, "# TYPE kvatlas_log_snapshots_failed_total counter");
+        let _ = writeln!(
+            out,
+            "kvatlas_log_snapshots_failed_total {}",
+            get(&self.snapshots_failed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvatlas_log_stream_sequence The last stream sequence the replica applied."
+        );
+        let _ = writeln!(out, "# TYPE kvatlas_log_stream_sequence gauge");
+        let _ = writeln!(
+            out,
+            "kvatlas_log_stream_sequence {}",
+            get(&self.stream_sequence)
+        );
+        self.lag.render(
+            out,
+            "kvatlas_log_lag_seconds",
+            "From the stream storing a record to the replica applying it.",
+            "",
+        );
+    }
+}
