@@ -1,13 +1,14 @@
 //! kvatlas's task runner: `cargo xtask <task>`.
 //!
 //! - `ci`: everything CI checks (fmt, clippy, tests, docs, tidy, the fuzz crate and the sans-IO
-//!   event core compile, quick bench);
+//!   event core compile, quick bench); installs Debian's `nats-server` for the tests if missing;
 //! - `tidy`: the workspace's layering rules, read from `cargo metadata`;
 //! - `bench [--quick] [args…]`: the trace-replay harness; `bench micro`: criterion benches;
 //! - `interop [setup]`: the listener against vLLM's and SGLang's real publishers (PyPI wheels);
 //! - `fuzz-corpus [DIR]`: writes the decoder's fixtures as the fuzz seed corpus.
 
 mod interop;
+mod nats;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -21,7 +22,9 @@ usage: cargo xtask <task>
 tasks:
   ci                 fmt --check, clippy -D warnings, tests, loom model, docs -D warnings, tidy,
                      check kvatlas-events --no-default-features, check the fuzz crate (fuzz/,
-                     stable, --cfg fuzzing, target/fuzz-check), bench --quick
+                     stable, --cfg fuzzing, target/fuzz-check), bench --quick; the tests need
+                     nats-server (KVATLAS_NATS_SERVER, PATH or /usr/sbin): apt-get installs it
+                     when missing and running as root
   tidy               check the crate layering (see docs/ARCHITECTURE.md)
   bench [ARGS…]      run the trace-replay benchmark suite (ARGS go to kvatlas-bench; --quick = smoke run)
   bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
@@ -108,6 +111,8 @@ fn ci() -> Result<()> {
         "cargo clippy --workspace --all-targets -- -D warnings",
     )?;
 
+    // The NATS scale-out tests run a real nats-server (Debian's 2.9): installed here if missing.
+    nats::ensure_nats_server()?;
     let mut test = cargo();
     test.args(["test", "--workspace", "--locked"]);
     run(test, "cargo test --workspace")?;

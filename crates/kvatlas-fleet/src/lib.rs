@@ -9,6 +9,9 @@
 //! - [`publish`]: the fleet on the wire — per engine a ZMQ XPUB and a replay ROUTER on loopback.
 //! - [`plot`]: SVG/PNG plots (the demo's and the benchmarks').
 //! - [`server`]: `kvatlas serve` as a child process on loopback (the demo's and the benchmarks').
+//! - [`nats`]: a real `nats-server` (Debian's 2.9, JetStream on file storage) as a child process
+//!   on loopback, restartable on the same port and store (the NATS scale-out tests' and
+//!   benchmarks').
 //! - [`demo`]: `kvatlas demo`, a fleet, a router and `kvatlas serve` in one command.
 //!
 //! The crate sits beside the service, not below it: it talks to `kvatlas serve` only as an
@@ -16,6 +19,7 @@
 
 pub mod demo;
 pub mod engine;
+pub mod nats;
 pub mod plot;
 pub mod publish;
 pub mod server;
