@@ -67,6 +67,10 @@ pub enum ServiceKind {
     Kvatlas,
     /// `python -m dynamo.indexer` (`ai-dynamo-runtime` 1.6.1).
     Dynamo,
+    /// `kvatlas serve --publish-to` (the engines' ingest) → a real nats-server (JetStream) →
+    /// `kvatlas serve --consume-from` replicas; measured at the first replica
+    /// (`crate::scale_out`).
+    KvatlasNats,
 }
 
 impl ServiceKind {
@@ -75,6 +79,7 @@ impl ServiceKind {
         match self {
             ServiceKind::Kvatlas => "kvatlas",
             ServiceKind::Dynamo => "Dynamo",
+            ServiceKind::KvatlasNats => "kvatlas via NATS",
         }
     }
 }
@@ -110,6 +115,10 @@ pub struct Settings {
     pub plots: Option<PathBuf>,
     /// The services measured (both by default; one alone is for investigating, not comparing).
     pub services: Vec<ServiceKind>,
+    /// Run the query-load sweeps (on the leaf-first state; never through NATS).
+    pub sweep: bool,
+    /// Replicas behind the ingest for [`ServiceKind::KvatlasNats`].
+    pub replicas: usize,
 }
 
 /// Freshness: publish-to-visible lag.
@@ -209,6 +218,8 @@ pub struct ServiceRun {
     pub sweeps: Vec<Sweep>,
     /// Peak RSS in MiB over the run's processes (the largest).
     pub peak_rss_mib: f64,
+    /// Through NATS: what the event log measured (`None` for the other services).
+    pub scale_out: Option<crate::scale_out::LogFigures>,
 }
 
 /// The benchmark's result.
@@ -234,6 +245,7 @@ struct Prepared {
 enum Service {
     Kvatlas(Server),
     Dynamo(DynamoServer),
+    Replicated(crate::scale_out::Replicated),
 }
 
 impl Service {
@@ -244,20 +256,45 @@ impl Service {
                 &settings.dynamo_python,
                 settings.dynamo_threads,
             )?),
+            ServiceKind::KvatlasNats => Service::Replicated(crate::scale_out::Replicated::start(
+                &settings.kvatlas,
+                settings.replicas,
+            )?),
         })
     }
 
+    /// The process queries are asked of (its peak RSS is reported).
     fn pid(&self) -> u32 {
         match self {
             Service::Kvatlas(s) => s.pid(),
             Service::Dynamo(s) => s.child.id(),
+            Service::Replicated(r) => r.replicas[0].pid(),
         }
     }
 
+    /// Every process of the service (their CPU time is summed): through NATS, the ingest, the
+    /// nats-server and every replica.
+    fn pids(&self) -> Vec<u32> {
+        match self {
+            Service::Replicated(r) => r.pids(),
+            other => vec![other.pid()],
+        }
+    }
+
+    /// Where queries go (through NATS: the first replica).
     fn http(&self) -> &str {
         match self {
             Service::Kvatlas(s) => &s.http,
             Service::Dynamo(s) => &s.http,
+            Service::Replicated(r) => &r.replicas[0].http,
+        }
+    }
+
+    /// Where workers are registered (through NATS: the ingest).
+    fn register_http(&self) -> &str {
+        match self {
+            Service::Replicated(r) => &r.ingest.http,
+            other => other.http(),
         }
     }
 
@@ -265,6 +302,7 @@ impl Service {
         match self {
             Service::Kvatlas(s) => s.stop(),
             Service::Dynamo(s) => drop(s),
+            Service::Replicated(r) => r.stop(),
         }
     }
 }
@@ -401,7 +439,7 @@ fn histogram() -> Histogram<u64> {
 }
 
 fn register(service: &Service, fleet: &Publishers) -> Result<()> {
-    let mut c = Connection::connect(service.http())?;
+    let mut c = Connection::connect(service.register_http())?;
     for e in fleet.endpoints() {
         let (status, body) = c.post(
             "/register",
@@ -507,7 +545,13 @@ fn ingest_phase(
         let (addr, busy) = (service.http().to_owned(), Arc::clone(&busy));
         std::thread::spawn(move || run_probes(&addr, receiver, &busy))
     };
-    let cpu_before = cpu_seconds(service.pid())?;
+    let cpu_of = |pids: &[u32]| -> Result<f64> {
+        pids.iter()
+            .map(|&pid| cpu_seconds(pid))
+            .sum::<Result<f64>>()
+    };
+    let pids = service.pids();
+    let cpu_before = cpu_of(&pids)?;
     let mut last_probe: Option<Instant> = None;
     let mut tokens = Vec::new();
     let report = fleet::publish_schedule(&prepared.stream, &fleet, |item: &Scheduled, at| {
@@ -557,7 +601,7 @@ fn ingest_phase(
         .join()
         .map_err(|_| anyhow::anyhow!("the probe panicked"))??;
     let lags = &probes.upper;
-    let cpu = cpu_seconds(service.pid())? - cpu_before;
+    let cpu = cpu_of(&pids)? - cpu_before;
     let replays = fleet.replays_served();
 
     // Exactness over HTTP (and gRPC for kvatlas).
@@ -585,6 +629,19 @@ fn ingest_phase(
                 first_mismatch.get_or_insert(example);
             }
             Some(mismatches)
+        }
+        Service::Replicated(replicated) => {
+            // Every replica answers like the reference.
+            let mut total = 0;
+            for replica in &replicated.replicas {
+                let (mismatches, example) =
+                    grpc_exactness(&replica.url, &prompts, &prepared.expected)?;
+                if let Some(example) = example {
+                    first_mismatch.get_or_insert(example);
+                }
+                total += mismatches;
+            }
+            Some(total)
         }
         Service::Dynamo(_) => None,
     };
@@ -906,6 +963,7 @@ fn run_service(
         ingest: Vec::new(),
         sweeps: Vec::new(),
         peak_rss_mib: 0.0,
+        scale_out: None,
     };
     for p in prepared {
         progress(&format!(
@@ -927,11 +985,17 @@ fn run_service(
             ingest.http_mismatches,
             ingest.exactness_queries
         ));
+        if let Service::Replicated(replicated) = &service
+            && p.eviction == Eviction::LeafFirst
+        {
+            progress("kvatlas via NATS: a new replica bootstraps on this state");
+            run.scale_out = Some(replicated.figures(ingest.events)?);
+        }
         run.ingest.push(ingest);
-        if p.eviction == Eviction::LeafFirst {
+        if p.eviction == Eviction::LeafFirst && settings.sweep && kind != ServiceKind::KvatlasNats {
             let grpc = match &service {
                 Service::Kvatlas(s) => Some(s.url.clone()),
-                Service::Dynamo(_) => None,
+                Service::Dynamo(_) | Service::Replicated(_) => None,
             };
             let target = Target {
                 http: service.http(),
@@ -944,7 +1008,7 @@ fn run_service(
                 ServiceKind::Kvatlas => {
                     &[Protocol::Http, Protocol::GrpcUnary, Protocol::GrpcStream]
                 }
-                ServiceKind::Dynamo => &[Protocol::Http],
+                ServiceKind::Dynamo | ServiceKind::KvatlasNats => &[Protocol::Http],
             };
             for &protocol in protocols {
                 progress(&format!("{}: load sweep, {}", kind.name(), protocol.name()));
@@ -1134,15 +1198,16 @@ fn plots(dir: &Path, summary: &Summary) -> Result<()> {
 /// The first run and eviction order where it was not.
 pub fn check(summary: &Summary) -> Result<()> {
     for (r, run) in summary.runs.iter().enumerate() {
-        for service in run.iter().filter(|s| s.service == ServiceKind::Kvatlas) {
+        for service in run.iter().filter(|s| s.service != ServiceKind::Dynamo) {
             for i in &service.ingest {
                 let wrong = i.http_mismatches + i.grpc_mismatches.unwrap_or(0);
                 if wrong > 0 || !i.quiesced || i.freshness.unseen > 0 {
                     bail!(
-                        "run {}, {} eviction: kvatlas gave {wrong} wrong answers of {} (first: \
+                        "run {}, {} eviction: {} gave {wrong} wrong answers of {} (first: \
                          {}), quiesced: {}, probes unseen: {}",
                         r + 1,
                         i.eviction,
+                        service.service.name(),
                         i.exactness_queries,
                         i.first_mismatch.as_deref().unwrap_or("none"),
                         i.quiesced,

@@ -21,6 +21,7 @@ pub mod ingest;
 pub mod openloop;
 pub mod plot;
 pub mod replay;
+pub mod scale_out;
 pub mod service;
 pub mod snapshot;
 pub mod synthetic;

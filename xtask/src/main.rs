@@ -35,6 +35,11 @@ tasks:
   bench e2e [ARGS…]  kvatlas serve against Dynamo's standalone indexer (from PyPI, cached) on one
                      simulated fleet of vLLM engines: queries/s at p99 <= 1 ms, freshness, CPU,
                      memory, exactness (ARGS go to e2e-bench: --runs, --quick, --json, --plots)
+  bench scale-out [ARGS…]
+                     kvatlas serve alone against an ingest -> nats-server (JetStream) -> replicas
+                     on the same fleet: event rate, lag at a replica, a new replica's bootstrap,
+                     bytes per event (installs nats-server if missing; ARGS: --runs, --quick,
+                     --json, --check)
   interop            the listener and server against vLLM's and SGLang's real publishers, grpcio,
                      grpcurl and Dynamo's indexer, then a short `bench e2e --check` (downloads once)
   interop setup      only build target/interop (venv, wheels, extracted publisher sources)
@@ -236,7 +241,12 @@ fn bench(args: &[String]) -> Result<()> {
             "cargo bench -p kvatlas-bench (criterion micro-benchmarks)",
         );
     }
-    if let Some(bench @ ("service" | "snapshot" | "e2e")) = args.first().map(String::as_str) {
+    if let Some(bench @ ("service" | "snapshot" | "e2e" | "scale-out")) =
+        args.first().map(String::as_str)
+    {
+        if bench == "scale-out" {
+            nats::ensure_nats_server()?;
+        }
         let mut build = cargo();
         build.args(["build", "--release", "--locked", "-p", "kvatlas"]);
         run(build, "cargo build --release -p kvatlas")?;

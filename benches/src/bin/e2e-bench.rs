@@ -96,6 +96,8 @@ fn main() -> Result<()> {
         },
         plots: args.plots,
         services: args.services,
+        sweep: true,
+        replicas: 2,
     };
     let summary = e2e::run(&settings, |step| eprintln!("e2e bench: {step}"))?;
     print!("{}", e2e::markdown(&summary));

@@ -132,6 +132,11 @@ pub(crate) async fn run_publisher(
                         LogStats::bump(&stats.published);
                         if duplicate {
                             LogStats::bump(&stats.publish_duplicates);
+                        } else {
+                            stats.published_bytes.fetch_add(
+                                wire_bytes(&prefix, &record),
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
                         }
                         let source = record.source;
                         match waiting.get_mut(&source).and_then(VecDeque::pop_front) {
@@ -186,6 +191,17 @@ pub(crate) async fn run_publisher(
     flights.abort_all();
     let left = queued + flights.len() + rx.len();
     u64::try_from(left).unwrap_or(u64::MAX)
+}
+
+/// The bytes a record takes on the wire: its subject, its header block (`NATS/1.0`, the
+/// `Nats-Msg-Id` line, the blank line) and its payload.
+fn wire_bytes(prefix: &str, record: &Outgoing) -> u64 {
+    let subject = log_record::subject(prefix, &record.source.0, record.source.1.worker_id);
+    let headers = record
+        .message_id
+        .as_ref()
+        .map_or(0, |id| "NATS/1.0\r\nNats-Msg-Id: \r\n\r\n".len() + id.len());
+    (subject.len() + headers + record.payload.len()) as u64
 }
 
 fn spawn_publish(

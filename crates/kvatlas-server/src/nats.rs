@@ -185,6 +185,9 @@ pub(crate) struct LogStats {
     pub(crate) published: AtomicU64,
     /// Of those, acknowledged as duplicates (another ingest published them first).
     pub(crate) publish_duplicates: AtomicU64,
+    /// Bytes of the records the stream stored (not duplicates): subject, `Nats-Msg-Id` header
+    /// block and payload, as sent.
+    pub(crate) published_bytes: AtomicU64,
     /// Publishes that failed and were retried.
     pub(crate) publish_retries: AtomicU64,
     /// Records consumed by a replica.
@@ -222,7 +225,12 @@ impl LogStats {
     pub(crate) fn render(&self, out: &mut String, role: &str) {
         use std::fmt::Write as _;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 13] = [
+        let counters: [(&str, &str, u64); 14] = [
+            (
+                "published_bytes",
+                "bytes of the records stored (subject, headers, payload)",
+                get(&self.published_bytes),
+            ),
             (
                 "queued",
                 "records handed to the publisher",

@@ -246,6 +246,11 @@ impl RunningServer {
             Some(dir) => restore_local(dir, &registry, &state).await?,
             None => Restored::Nothing,
         };
+        // A replica of the event log is not ready before it restored the bucket's snapshot and
+        // read what the stream held (`log_replica`).
+        if config.consume_from.is_some() {
+            state.set_bootstrapping(true);
+        }
         // A replica with no state of its own bootstraps from a peer: its listeners start held.
         let bootstrap_from_peers = restored == Restored::Nothing && !config.peers.is_empty();
         let restored = if bootstrap_from_peers {

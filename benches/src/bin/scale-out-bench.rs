@@ -1,0 +1,92 @@
+//! `scale-out-bench`: scale-out over NATS JetStream behind `cargo xtask bench scale-out` (see
+//! `kvatlas_bench::scale_out`): `kvatlas serve` alone against an ingest → nats-server →
+//! replicas, on the same simulated fleet in the same run, paced (lag, bootstrap, wire bytes)
+//! and unpaced (event rate).
+//!
+//! `cargo xtask bench scale-out [--runs 3] [--quick] [--json FILE] [--check]`
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use kvatlas_bench::e2e::{self, ServiceKind, Settings};
+use kvatlas_bench::scale_out;
+
+/// kvatlas alone against kvatlas through NATS JetStream, on the same fleet.
+#[derive(Debug, Parser)]
+struct Args {
+    /// The kvatlas binary (`cargo xtask bench scale-out` builds and passes target/release/kvatlas).
+    #[arg(long)]
+    kvatlas: PathBuf,
+    /// Runs (medians reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Simulated engines.
+    #[arg(long, default_value_t = 128)]
+    workers: u32,
+    /// Blocks per engine cache.
+    #[arg(long, default_value_t = 512)]
+    capacity: usize,
+    /// Trace requests per second of the paced run (Workload A's pace).
+    #[arg(long, default_value_t = 2_000.0)]
+    rate: f64,
+    /// Trace requests per second of the unpaced run (as fast as the fleet publishes).
+    #[arg(long, default_value_t = 1_000_000.0)]
+    unpaced_rate: f64,
+    /// Replicas behind the ingest.
+    #[arg(long, default_value_t = 2)]
+    replicas: usize,
+    /// Prompts checked against the reference model per service (on every replica).
+    #[arg(long, default_value_t = 500)]
+    exactness_queries: usize,
+    /// A short run: 1 run, 3,000 trace requests.
+    #[arg(long)]
+    quick: bool,
+    /// Also write both summaries as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Exit non-zero unless every replica answered like the reference model and saw every
+    /// engine's events.
+    #[arg(long)]
+    check: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let settings = |rate: f64| Settings {
+        kvatlas: args.kvatlas.clone(),
+        dynamo_python: PathBuf::new(),
+        dynamo_threads: 0,
+        runs: if args.quick { 1 } else { args.runs },
+        workers: args.workers,
+        capacity: args.capacity,
+        requests: args.quick.then_some(3_000),
+        rate,
+        loads: Vec::new(),
+        step: Duration::from_secs(1),
+        connections: 1,
+        exactness_queries: args.exactness_queries,
+        plots: None,
+        services: vec![ServiceKind::Kvatlas, ServiceKind::KvatlasNats],
+        sweep: false,
+        replicas: args.replicas,
+    };
+    let paced = e2e::run(&settings(args.rate), |step| {
+        eprintln!("scale-out bench (paced): {step}");
+    })?;
+    let unpaced = e2e::run(&settings(args.unpaced_rate), |step| {
+        eprintln!("scale-out bench (unpaced): {step}");
+    })?;
+    print!("{}", scale_out::markdown(&paced, &unpaced));
+    if let Some(path) = args.json {
+        let both = serde_json::json!({ "paced": paced, "unpaced": unpaced });
+        std::fs::write(&path, serde_json::to_string_pretty(&both)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.check {
+        e2e::check(&paced)?;
+        e2e::check(&unpaced)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,286 @@
+//! Scale-out over NATS JetStream, measured (`cargo xtask bench scale-out`): the end-to-end
+//! benchmark's fleet and probes (`crate::e2e`) against `kvatlas serve` alone and against
+//! `kvatlas serve --publish-to` → a real nats-server → `kvatlas serve --consume-from` replicas,
+//! in the same run, on the same stream:
+//!
+//! - **Lag**: the e2e probe's publish-to-visible lag, asked of the first replica, at Workload A's
+//!   pace (an upper bound: it includes one query's round trip).
+//! - **Event rate**: the whole stream published as fast as the fleet can, until the marker is
+//!   visible on the first replica (alone: on the server), events per second.
+//! - **Bootstrap**: once the Workload A state is built and a replica has written its snapshot,
+//!   a new replica process is started; the time from its spawn to `/ready` answering 200.
+//! - **Wire bytes**: the bytes of the records the stream stored (subject, `Nats-Msg-Id` header,
+//!   payload) per vLLM event the engines published.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvatlas_fleet::nats::NatsServer;
+use serde::Serialize;
+
+use crate::e2e::{ServiceKind, Summary};
+use crate::http::{self, Connection};
+use crate::service::Server;
+
+/// An ingest, a nats-server and replicas, each a process.
+pub(crate) struct Replicated {
+    nats: NatsServer,
+    kvatlas: PathBuf,
+    /// The ingest (workers are registered with it).
+    pub(crate) ingest: Server,
+    /// The replicas (queries go to the first).
+    pub(crate) replicas: Vec<Server>,
+}
+
+/// What the event log measured in one run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LogFigures {
+    /// From a new replica's spawn to `/ready` 200 on the built state, ms.
+    pub bootstrap_ms: f64,
+    /// Bytes of the stored records per vLLM event published.
+    pub wire_bytes_per_event: f64,
+    /// Records the ingest published.
+    pub records: u64,
+}
+
+fn replica_args(url: &str) -> Vec<String> {
+    ["--consume-from", url, "--nats-snapshot-interval-secs", "1"]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+impl Replicated {
+    /// Starts nats-server, the ingest and `replicas` replicas (at least 1).
+    pub(crate) fn start(kvatlas: &Path, replicas: usize) -> Result<Self> {
+        let nats = NatsServer::start()?;
+        let url = nats.url();
+        let ingest = Server::start(kvatlas, &["--publish-to".to_owned(), url.clone()])
+            .context("starting the ingest")?;
+        let replicas = (0..replicas.max(1))
+            .map(|_| Server::start(kvatlas, &replica_args(&url)).context("starting a replica"))
+            .collect::<Result<Vec<_>>>()?;
+        for replica in &replicas {
+            wait_ready(&replica.http, Duration::from_secs(30))?;
+        }
+        Ok(Self {
+            nats,
+            kvatlas: kvatlas.to_owned(),
+            ingest,
+            replicas,
+        })
+    }
+
+    /// Every process: the ingest, nats-server, the replicas.
+    pub(crate) fn pids(&self) -> Vec<u32> {
+        let mut pids = vec![self.ingest.pid()];
+        pids.extend(self.nats.pid());
+        pids.extend(self.replicas.iter().map(Server::pid));
+        pids
+    }
+
+    /// Bootstraps a new replica on the state built so far (after the running replicas wrote
+    /// a snapshot of it) and reads the ingest's wire bytes; `events` were published.
+    pub(crate) fn figures(&self, events: u64) -> Result<LogFigures> {
+        // The replicas snapshot every second once caught up: let one cover the whole state.
+        std::thread::sleep(Duration::from_millis(2_500));
+        let started = Instant::now();
+        let replica = Server::start(&self.kvatlas, &replica_args(&self.nats.url()))
+            .context("starting the new replica")?;
+        wait_ready(&replica.http, Duration::from_secs(60))?;
+        let bootstrap_ms = started.elapsed().as_secs_f64() * 1e3;
+        let consumed = metric(&replica.http, "kvatlas_log_consumed_total")?;
+        replica.stop();
+        let records = metric(&self.ingest.http, "kvatlas_log_published_total")?;
+        if consumed * 2 > records {
+            bail!(
+                "the new replica read {consumed} of {records} records: it did not start from a \
+                 snapshot"
+            );
+        }
+        let bytes = metric(&self.ingest.http, "kvatlas_log_published_bytes_total")?;
+        Ok(LogFigures {
+            bootstrap_ms,
+            wire_bytes_per_event: bytes as f64 / events.max(1) as f64,
+            records,
+        })
+    }
+
+    /// Stops every process.
+    pub(crate) fn stop(self) {
+        for replica in self.replicas {
+            replica.stop();
+        }
+        self.ingest.stop();
+        drop(self.nats);
+    }
+}
+
+/// Waits until `GET /ready` answers 200.
+fn wait_ready(addr: &str, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(mut c) = Connection::connect(addr)
+            && let Ok((200, _)) = c.send(&http::get("/ready"))
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{addr} was not ready within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A metric's value from `/metrics`.
+fn metric(addr: &str, name: &str) -> Result<u64> {
+    let mut c = Connection::connect(addr)?;
+    let (status, body) = c.send(&http::get("/metrics"))?;
+    if status != 200 {
+        bail!("GET /metrics on {addr}: {status}");
+    }
+    let body = String::from_utf8_lossy(&body);
+    body.lines()
+        .find_map(|line| {
+            line.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map(|v| v as u64)
+        .with_context(|| format!("{name} is not in {addr}'s /metrics"))
+}
+
+fn median(values: Vec<f64>) -> f64 {
+    let mut values = values;
+    crate::service::median(&mut values)
+}
+
+/// The figures of the paced run (lag, bootstrap, bytes) and the unpaced one (event rates),
+/// medians over their runs, against the issue's bars.
+pub fn markdown(paced: &Summary, unpaced: &Summary) -> String {
+    use std::fmt::Write as _;
+    let runs = |summary: &Summary, kind: ServiceKind| -> Vec<crate::e2e::ServiceRun> {
+        summary
+            .runs
+            .iter()
+            .flat_map(|r| r.iter().filter(|s| s.service == kind).cloned())
+            .collect()
+    };
+    let leaf = |run: &crate::e2e::ServiceRun| {
+        run.ingest
+            .iter()
+            .find(|i| i.eviction == "leaf-first")
+            .cloned()
+    };
+    let rate = |summary: &Summary, kind| {
+        median(
+            runs(summary, kind)
+                .iter()
+                .filter_map(leaf)
+                .map(|i| i.events as f64 / (i.publish_seconds + i.quiesce_ms / 1e3))
+                .collect(),
+        )
+    };
+    let lag = |kind, f: fn(&crate::e2e::Freshness) -> f64| {
+        median(
+            runs(paced, kind)
+                .iter()
+                .filter_map(leaf)
+                .map(|i| f(&i.freshness))
+                .collect(),
+        )
+    };
+    let log = |f: fn(&LogFigures) -> f64| {
+        median(
+            runs(paced, ServiceKind::KvatlasNats)
+                .iter()
+                .filter_map(|r| r.scale_out.as_ref().map(f))
+                .collect(),
+        )
+    };
+    let (alone, nats) = (
+        rate(unpaced, ServiceKind::Kvatlas),
+        rate(unpaced, ServiceKind::KvatlasNats),
+    );
+    let mut out = format!(
+        "Load (paced): {}\n\nLoad (unpaced): {}\n\n",
+        paced.load, unpaced.load
+    );
+    let _ = writeln!(
+        out,
+        "| figure (leaf-first, medians of {} runs) | kvatlas alone | through NATS (replica) | bar |",
+        paced.runs.len()
+    );
+    let _ = writeln!(out, "|---|---|---|---|");
+    let _ = writeln!(
+        out,
+        "| event rate, unpaced (events/s to visible) | {alone:.0} | {nats:.0} ({:.0} %) | ≥ 50 % of alone: {} |",
+        nats / alone.max(1e-9) * 100.0,
+        if nats >= alone / 2.0 {
+            "met"
+        } else {
+            "not met"
+        }
+    );
+    for (label, f) in [
+        (
+            "lag p50 (upper bound), paced",
+            (|x: &crate::e2e::Freshness| x.p50_us) as fn(&crate::e2e::Freshness) -> f64,
+        ),
+        ("lag p99 (upper bound), paced", |x| x.p99_us),
+        ("lag p99 (lower bound), paced", |x| x.lower_p99_us),
+    ] {
+        let (a, n) = (
+            lag(ServiceKind::Kvatlas, f),
+            lag(ServiceKind::KvatlasNats, f),
+        );
+        let bar = if label.starts_with("lag p99 (upper") {
+            if n <= 5_000.0 {
+                "≤ 5 ms: met"
+            } else {
+                "≤ 5 ms: not met"
+            }
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            "| {label} | {:.2} ms | {:.2} ms | {bar} |",
+            a / 1e3,
+            n / 1e3
+        );
+    }
+    let bootstrap = log(|f| f.bootstrap_ms);
+    let _ = writeln!(
+        out,
+        "| new replica: spawn to ready on the Workload A state | — | {bootstrap:.0} ms | ≤ 2 s: {} |",
+        if bootstrap <= 2_000.0 {
+            "met"
+        } else {
+            "not met"
+        }
+    );
+    let _ = writeln!(
+        out,
+        "| bytes on the wire per vLLM event (stored records) | — | {:.1} B | — |",
+        log(|f| f.wire_bytes_per_event)
+    );
+    let cpu = |summary: &Summary, kind| {
+        median(
+            runs(summary, kind)
+                .iter()
+                .filter_map(leaf)
+                .map(|i| i.cpu_seconds_per_million_events)
+                .collect(),
+        )
+    };
+    let _ = writeln!(
+        out,
+        "| CPU s per million events, paced (alone: the server; through NATS: ingest + nats-server + replicas) | {:.1} | {:.1} | — |",
+        cpu(paced, ServiceKind::Kvatlas),
+        cpu(paced, ServiceKind::KvatlasNats)
+    );
+    out
+}
