@@ -989,7 +989,13 @@ fn run_service(
             && p.eviction == Eviction::LeafFirst
         {
             progress("kvatlas via NATS: a new replica bootstraps on this state");
-            run.scale_out = Some(replicated.figures(ingest.events)?);
+            let figures = replicated.figures(ingest.events)?;
+            progress(&format!(
+                "kvatlas via NATS: stream stored → replica applied p50 ≤ {:.2} ms, p99 ≤ {:.2} ms; \
+                 bootstrap {:.0} ms",
+                figures.replica_lag_p50_ms, figures.replica_lag_p99_ms, figures.bootstrap_ms
+            ));
+            run.scale_out = Some(figures);
         }
         run.ingest.push(ingest);
         if p.eviction == Eviction::LeafFirst && settings.sweep && kind != ServiceKind::KvatlasNats {

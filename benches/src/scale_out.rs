@@ -42,6 +42,11 @@ pub struct LogFigures {
     pub wire_bytes_per_event: f64,
     /// Records the ingest published.
     pub records: u64,
+    /// The first replica's `kvatlas_log_lag_seconds` (stream stored → replica applied): the
+    /// bucket bounds holding its 50th and 99th percentiles, ms.
+    pub replica_lag_p50_ms: f64,
+    /// The 99th percentile's bucket bound.
+    pub replica_lag_p99_ms: f64,
 }
 
 fn replica_args(url: &str) -> Vec<String> {
@@ -99,10 +104,13 @@ impl Replicated {
             );
         }
         let bytes = metric(&self.ingest.http, "kvatlas_log_published_bytes_total")?;
+        let lag = lag_buckets(&self.replicas[0].http)?;
         Ok(LogFigures {
             bootstrap_ms,
             wire_bytes_per_event: bytes as f64 / events.max(1) as f64,
             records,
+            replica_lag_p50_ms: quantile_bound(&lag, 0.5) * 1e3,
+            replica_lag_p99_ms: quantile_bound(&lag, 0.99) * 1e3,
         })
     }
 
@@ -150,6 +158,36 @@ fn metric(addr: &str, name: &str) -> Result<u64> {
         })
         .map(|v| v as u64)
         .with_context(|| format!("{name} is not in {addr}'s /metrics"))
+}
+
+/// `(upper bound s, cumulative count)` of a server's `kvatlas_log_lag_seconds` buckets.
+fn lag_buckets(addr: &str) -> Result<Vec<(f64, u64)>> {
+    let mut c = Connection::connect(addr)?;
+    let (_, body) = c.send(&http::get("/metrics"))?;
+    let body = String::from_utf8_lossy(&body);
+    Ok(body
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("kvatlas_log_lag_seconds_bucket{le=\"")?;
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect())
+}
+
+/// The upper bound of the bucket holding quantile `q`.
+fn quantile_bound(buckets: &[(f64, u64)], q: f64) -> f64 {
+    let total = buckets.last().map_or(0, |b| b.1);
+    let want = (total as f64 * q).ceil() as u64;
+    buckets
+        .iter()
+        .find(|b| b.1 >= want)
+        .map_or(f64::NAN, |b| b.0)
 }
 
 fn median(values: Vec<f64>) -> f64 {
@@ -261,6 +299,12 @@ pub fn markdown(paced: &Summary, unpaced: &Summary) -> String {
         } else {
             "not met"
         }
+    );
+    let _ = writeln!(
+        out,
+        "| of the lag: stream stored → replica applied, p50 / p99 (histogram bucket bounds), paced | — | ≤ {:.2} / ≤ {:.2} ms | — |",
+        log(|f| f.replica_lag_p50_ms),
+        log(|f| f.replica_lag_p99_ms)
     );
     let _ = writeln!(
         out,

@@ -16,7 +16,7 @@
 //!
 //! **Snapshots.** A snapshot is a consistent cut: the consumer stops between two records,
 //! every index's writers finish what they hold, and the images are taken before the next
-//! record is read. The object holds [`SNAPSHOT_MAGIC`], the stream sequence it covers (u64 LE)
+//! record is read; they are encoded and put while consumption goes on. The object holds [`SNAPSHOT_MAGIC`], the stream sequence it covers (u64 LE)
 //! and the native snapshot (`snapshot.rs`).
 //!
 //! **Retention.** If the stream no longer holds the next sequence (the replica fell behind
@@ -119,12 +119,14 @@ pub(crate) async fn start(
         state,
         stats,
         log,
+        js,
         stream,
         bucket,
         sources: HashMap::new(),
         applied: covered.unwrap_or(0),
         caught_up: false,
         last_snapshot: tokio::time::Instant::now(),
+        snapshot_put: None,
     };
     let task = tokio::spawn(consumer.run(stop.clone()));
     Ok(Replica { task, stop })
@@ -134,6 +136,7 @@ struct Consumer {
     state: Arc<State>,
     stats: Arc<LogStats>,
     log: NatsLog,
+    js: jetstream::Context,
     stream: jetstream::stream::Stream,
     bucket: jetstream::object_store::ObjectStore,
     sources: HashMap<(IndexKey, Worker), SourceState>,
@@ -141,6 +144,8 @@ struct Consumer {
     applied: u64,
     caught_up: bool,
     last_snapshot: tokio::time::Instant,
+    /// The snapshot being encoded and put, if any.
+    snapshot_put: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Consumer {
@@ -177,9 +182,12 @@ impl Consumer {
         if info.state.last_sequence < start {
             self.caught_up();
         }
+        // A push consumer: the server streams records as they are stored (no fetch requests
+        // between batches); ordered: gaps and stalls recreate it from the last sequence.
         let consumer = self
             .stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            .create_consumer(jetstream::consumer::push::OrderedConfig {
+                deliver_subject: self.js.client().new_inbox(),
                 filter_subject: self.log.subjects(),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: start,
@@ -392,20 +400,40 @@ impl Consumer {
                 return;
             }
         }
-        match write_snapshot(&self.state.registry, &self.bucket, self.applied).await {
-            Ok(bytes) => {
-                LogStats::bump(&self.stats.snapshots_written);
-                tracing::info!(
-                    stream_sequence = self.applied,
-                    bytes,
-                    "replica snapshot written to the bucket"
-                );
-            }
+        if self
+            .snapshot_put
+            .as_ref()
+            .is_some_and(|put| !put.is_finished())
+        {
+            return; // the previous one is still being put
+        }
+        // The cut pauses consumption; encoding and the upload run beside it.
+        let covered = self.applied;
+        let images = match take_cut(&self.state.registry).await {
+            Ok(images) => images,
             Err(error) => {
                 LogStats::bump(&self.stats.snapshots_failed);
                 tracing::warn!("the replica snapshot failed: {error}");
+                return;
             }
-        }
+        };
+        let (bucket, stats) = (self.bucket.clone(), Arc::clone(&self.stats));
+        self.snapshot_put = Some(tokio::spawn(async move {
+            match put_snapshot(&bucket, images, covered).await {
+                Ok(bytes) => {
+                    LogStats::bump(&stats.snapshots_written);
+                    tracing::info!(
+                        stream_sequence = covered,
+                        bytes,
+                        "replica snapshot written to the bucket"
+                    );
+                }
+                Err(error) => {
+                    LogStats::bump(&stats.snapshots_failed);
+                    tracing::warn!("the replica snapshot failed: {error}");
+                }
+            }
+        }));
     }
 }
 
@@ -474,23 +502,38 @@ pub(crate) async fn restore_newest(
     .map_err(|e| e.to_string())?
 }
 
-/// Takes a consistent cut (every writer idle; the caller applies nothing meanwhile) and puts
-/// it in the bucket as covering `covered`; returns its size.
-async fn write_snapshot(
-    registry: &Arc<Registry>,
+/// Takes a consistent cut: every writer idle (the caller applies nothing meanwhile), the images
+/// of every index.
+async fn take_cut(registry: &Arc<Registry>) -> Result<Vec<crate::snapshot::IndexImage>, String> {
+    let registry = Arc::clone(registry);
+    tokio::task::spawn_blocking(move || {
+        registry
+            .all()
+            .iter()
+            .map(|entry| {
+                entry.pool.flush();
+                entry.image()
+            })
+            .collect()
+    })
+    .await
+    .map_err(|e| e.to_string())
+}
+
+/// Encodes a cut and puts it in the bucket as covering `covered`; returns its size.
+async fn put_snapshot(
     bucket: &jetstream::object_store::ObjectStore,
+    images: Vec<crate::snapshot::IndexImage>,
     covered: u64,
 ) -> Result<usize, String> {
-    let registry = Arc::clone(registry);
     let bytes = tokio::task::spawn_blocking(move || {
         let mut out = Vec::with_capacity(1 << 20);
         out.extend_from_slice(SNAPSHOT_MAGIC);
         out.extend_from_slice(&covered.to_le_bytes());
         let mut writer = crate::snapshot::Writer::new(out, crate::served_index::unix_micros_now())
             .map_err(|e| e.to_string())?;
-        for entry in registry.all() {
-            entry.pool.flush();
-            writer.index(&entry.image()).map_err(|e| e.to_string())?;
+        for image in &images {
+            writer.index(image).map_err(|e| e.to_string())?;
         }
         writer.finish().map_err(|e| e.to_string())
     })
