@@ -47,12 +47,24 @@ pub struct LogFigures {
     pub replica_lag_p50_ms: f64,
     /// The 99th percentile's bucket bound.
     pub replica_lag_p99_ms: f64,
+    /// The ingest's `kvatlas_log_publish_seconds` (queued → acknowledged by the stream), p99
+    /// bucket bound, ms.
+    pub publish_p99_ms: f64,
 }
 
+/// Seconds between a replica's snapshots in the benchmark (the default is 30; shorter so a
+/// snapshot covers most of the state a new replica bootstraps on).
+const SNAPSHOT_INTERVAL_SECS: &str = "5";
+
 fn replica_args(url: &str) -> Vec<String> {
-    ["--consume-from", url, "--nats-snapshot-interval-secs", "1"]
-        .map(str::to_owned)
-        .to_vec()
+    [
+        "--consume-from",
+        url,
+        "--nats-snapshot-interval-secs",
+        SNAPSHOT_INTERVAL_SECS,
+    ]
+    .map(str::to_owned)
+    .to_vec()
 }
 
 impl Replicated {
@@ -87,8 +99,8 @@ impl Replicated {
     /// Bootstraps a new replica on the state built so far (after the running replicas wrote
     /// a snapshot of it) and reads the ingest's wire bytes; `events` were published.
     pub(crate) fn figures(&self, events: u64) -> Result<LogFigures> {
-        // The replicas snapshot every second once caught up: let one cover the whole state.
-        std::thread::sleep(Duration::from_millis(2_500));
+        // The replicas snapshot every 5 s, in turn, once caught up: let one cover the state.
+        std::thread::sleep(Duration::from_millis(5_500));
         let started = Instant::now();
         let replica = Server::start(&self.kvatlas, &replica_args(&self.nats.url()))
             .context("starting the new replica")?;
@@ -104,13 +116,15 @@ impl Replicated {
             );
         }
         let bytes = metric(&self.ingest.http, "kvatlas_log_published_bytes_total")?;
-        let lag = lag_buckets(&self.replicas[0].http)?;
+        let lag = buckets(&self.replicas[0].http, "kvatlas_log_lag_seconds")?;
+        let publish = buckets(&self.ingest.http, "kvatlas_log_publish_seconds")?;
         Ok(LogFigures {
             bootstrap_ms,
             wire_bytes_per_event: bytes as f64 / events.max(1) as f64,
             records,
             replica_lag_p50_ms: quantile_bound(&lag, 0.5) * 1e3,
             replica_lag_p99_ms: quantile_bound(&lag, 0.99) * 1e3,
+            publish_p99_ms: quantile_bound(&publish, 0.99) * 1e3,
         })
     }
 
@@ -160,15 +174,15 @@ fn metric(addr: &str, name: &str) -> Result<u64> {
         .with_context(|| format!("{name} is not in {addr}'s /metrics"))
 }
 
-/// `(upper bound s, cumulative count)` of a server's `kvatlas_log_lag_seconds` buckets.
-fn lag_buckets(addr: &str) -> Result<Vec<(f64, u64)>> {
+/// `(upper bound s, cumulative count)` of a server's histogram `name` (unlabelled).
+fn buckets(addr: &str, name: &str) -> Result<Vec<(f64, u64)>> {
     let mut c = Connection::connect(addr)?;
     let (_, body) = c.send(&http::get("/metrics"))?;
     let body = String::from_utf8_lossy(&body);
     Ok(body
         .lines()
         .filter_map(|line| {
-            let rest = line.strip_prefix("kvatlas_log_lag_seconds_bucket{le=\"")?;
+            let rest = line.strip_prefix(name)?.strip_prefix("_bucket{le=\"")?;
             let (le, count) = rest.split_once("\"} ")?;
             let le = if le == "+Inf" {
                 f64::INFINITY
@@ -302,7 +316,12 @@ pub fn markdown(paced: &Summary, unpaced: &Summary) -> String {
     );
     let _ = writeln!(
         out,
-        "| of the lag: stream stored → replica applied, p50 / p99 (histogram bucket bounds), paced | — | ≤ {:.2} / ≤ {:.2} ms | — |",
+        "| of the lag: ingest queued → stream acknowledged, p99 (bucket bound), paced | — | ≤ {:.2} ms | — |",
+        log(|f| f.publish_p99_ms)
+    );
+    let _ = writeln!(
+        out,
+        "| of the lag: stream stored → replica applied, p50 / p99 (bucket bounds), paced | — | ≤ {:.2} / ≤ {:.2} ms | — |",
         log(|f| f.replica_lag_p50_ms),
         log(|f| f.replica_lag_p99_ms)
     );

@@ -130,6 +130,7 @@ pub(crate) async fn run_publisher(
                     Ok(duplicate) => {
                         retry_backoff = Duration::from_millis(10);
                         LogStats::bump(&stats.published);
+                        stats.publish_latency.observe(record.queued_at.elapsed());
                         if duplicate {
                             LogStats::bump(&stats.publish_duplicates);
                         } else {

@@ -96,6 +96,8 @@ pub(crate) struct Outgoing {
     pub(crate) message_id: Option<String>,
     /// The wire form.
     pub(crate) payload: bytes::Bytes,
+    /// When the ingest queued it (for `kvatlas_log_publish_seconds`).
+    pub(crate) queued_at: std::time::Instant,
 }
 
 /// The record of a unit an ingest applied for `key`, ready to publish (the unit is not copied).
@@ -113,6 +115,7 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
             .map(|c| message_id(key, source, c.position, c.fingerprint)),
         payload: wire(key, block_size, source, v1::log_record::Body::Batch(batch)).into(),
         source: (key.clone(), source),
+        queued_at: std::time::Instant::now(),
     }
 }
 
@@ -129,6 +132,7 @@ pub(crate) fn encode_unregister(
         message_id: None,
         payload: wire(key, block_size, source, body).into(),
         source: (key.clone(), source),
+        queued_at: std::time::Instant::now(),
     }
 }
 

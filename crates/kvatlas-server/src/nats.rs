@@ -213,6 +213,8 @@ pub(crate) struct LogStats {
     pub(crate) snapshots_failed: AtomicU64,
     /// Time from the stream storing a record to the replica applying it.
     pub(crate) lag: Histogram,
+    /// Time from the ingest queueing a record to the stream acknowledging it.
+    pub(crate) publish_latency: Histogram,
 }
 
 impl LogStats {
@@ -324,6 +326,12 @@ impl LogStats {
             out,
             "kvatlas_log_stream_sequence {}",
             get(&self.stream_sequence)
+        );
+        self.publish_latency.render(
+            out,
+            "kvatlas_log_publish_seconds",
+            "From the ingest queueing a record to the stream acknowledging it.",
+            "",
         );
         self.lag.render(
             out,
