@@ -119,7 +119,6 @@ pub(crate) async fn start(
         state,
         stats,
         log,
-        js,
         stream,
         bucket,
         sources: HashMap::new(),
@@ -136,7 +135,6 @@ struct Consumer {
     state: Arc<State>,
     stats: Arc<LogStats>,
     log: NatsLog,
-    js: jetstream::Context,
     stream: jetstream::stream::Stream,
     bucket: jetstream::object_store::ObjectStore,
     sources: HashMap<(IndexKey, Worker), SourceState>,
@@ -182,12 +180,12 @@ impl Consumer {
         if info.state.last_sequence < start {
             self.caught_up();
         }
-        // A push consumer: the server streams records as they are stored (no fetch requests
-        // between batches); ordered: gaps and stalls recreate it from the last sequence.
+        // An ordered pull consumer: the replica fetches what it can apply (a stopped or slow
+        // replica is not flooded; it reads on from its own position, and finds out if retention
+        // dropped what it had not read); gaps and stalls recreate it from the last sequence.
         let consumer = self
             .stream
-            .create_consumer(jetstream::consumer::push::OrderedConfig {
-                deliver_subject: self.js.client().new_inbox(),
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: self.log.subjects(),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: start,

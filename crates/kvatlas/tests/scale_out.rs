@@ -354,3 +354,86 @@ fn two_ingests_deduplicate_and_the_survivor_carries_on() {
     replica.kill_9();
     two.kill_9();
 }
+
+/// Waits until the server answers `/ready` with 200 (a replica: it has read the stream).
+fn ready(server: &Served) {
+    use std::io::{Read, Write};
+    let started = Instant::now();
+    while started.elapsed() < CONVERGE {
+        if let Ok(mut stream) = std::net::TcpStream::connect(&server.http) {
+            let _ = write!(
+                stream,
+                "GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            );
+            let mut answer = String::new();
+            let _ = stream.read_to_string(&mut answer);
+            if answer.starts_with("HTTP/1.1 200") {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("not ready within {CONVERGE:?}: {:?}", server.log_lines());
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to the server's process.
+fn signal(server: &Served, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &server.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -{signal}");
+}
+
+#[test]
+fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let mut fleet = Fleet::new();
+    // A stream that keeps only a few dozen records.
+    let ingest = Served::start(&[
+        "--publish-to",
+        &nats.url(),
+        "--nats-max-bytes",
+        "20000",
+        "--model",
+        MODEL,
+        "--block-size",
+        &BLOCK_TOKENS.to_string(),
+        "--workers",
+        &fleet.workers_arg(),
+    ]);
+    fleet
+        .publishers
+        .wait_subscribed(1, Duration::from_secs(20))
+        .expect("the ingest subscribes");
+    let keeper = replica(&nats);
+    let sleeper = replica(&nats);
+    for server in [&keeper, &sleeper] {
+        ready(server);
+    }
+    fleet.serve(20);
+    converges(&sleeper, &fleet, "the replica before it is stopped");
+    // The sleeper stops reading; the stream moves past what it read.
+    signal(&sleeper, "STOP");
+    // Far more than the stream keeps, and than the connection buffers for the stopped replica
+    // (the ordered consumer's flow control stops delivery to it).
+    fleet.serve(1_500);
+    converges(&keeper, &fleet, "the replica that kept up");
+    // Let the keeper write a snapshot of the newest state.
+    std::thread::sleep(Duration::from_millis(2_500));
+    signal(&sleeper, "CONT");
+    converges(
+        &sleeper,
+        &fleet,
+        "the replica after it fell behind the retention window",
+    );
+    assert!(
+        metric(&sleeper, "kvatlas_log_rebootstraps_total") >= 1,
+        "the replica noticed the stream skipped what it had not read"
+    );
+    assert_eq!(metric(&sleeper, "kvatlas_log_sequences_lost_total"), 0);
+    agree(&keeper, &sleeper, &mut fleet);
+    keeper.kill_9();
+    sleeper.kill_9();
+    ingest.kill_9();
+}
