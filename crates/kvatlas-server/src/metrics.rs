@@ -135,6 +135,12 @@ impl Histogram {
     /// or empty) on every sample.
     pub(crate) fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         header(out, name, "histogram", help);
+        self.render_samples(out, name, labels);
+    }
+
+    /// Appends the samples (buckets, sum, count) of histogram `name` with `labels`, without
+    /// the HELP and TYPE lines (one family, several label sets).
+    pub(crate) fn render_samples(&self, out: &mut String, name: &str, labels: &str) {
         let sep = if labels.is_empty() { "" } else { "," };
         let mut cumulative = 0;
         for (i, count) in self.buckets.iter().enumerate() {
@@ -329,29 +335,10 @@ impl Metrics {
             "gRPC request latency (each QueryStream message is one request).",
         );
         for rpc in Rpc::ALL {
-            let h = &self.rpc(rpc).latency;
-            let mut cumulative = 0;
-            for (i, count) in h.buckets.iter().enumerate() {
-                cumulative += count.load(Ordering::Relaxed);
-                let le = BOUNDS
-                    .get(i)
-                    .map_or_else(|| "+Inf".to_owned(), |b| format!("{b}"));
-                let _ = writeln!(
-                    out,
-                    "kvatlas_request_duration_seconds_bucket{{rpc=\"{}\",le=\"{le}\"}} {cumulative}",
-                    rpc.name()
-                );
-            }
-            let sum = h.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-            let _ = writeln!(
+            self.rpc(rpc).latency.render_samples(
                 out,
-                "kvatlas_request_duration_seconds_sum{{rpc=\"{}\"}} {sum}",
-                rpc.name()
-            );
-            let _ = writeln!(
-                out,
-                "kvatlas_request_duration_seconds_count{{rpc=\"{}\"}} {cumulative}",
-                rpc.name()
+                "kvatlas_request_duration_seconds",
+                &format!("rpc=\"{}\"", rpc.name()),
             );
         }
         header(
