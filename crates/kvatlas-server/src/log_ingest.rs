@@ -4,9 +4,10 @@
 //! - [`LoggedSink`] sits between the ZMQ listeners and an index's writers: a unit is accepted
 //!   only if both the log's queue and the writers have room (a listener waits otherwise), so
 //!   the log never misses a unit the index applied and memory stays bounded.
-//! - [`run_publisher`] publishes the queue. Records of one source are published one at a
-//!   time (the next after the stream acknowledged the previous one), so a retry after a
-//!   failure never reorders a source; records of different sources are in flight together.
+//! - [`run_publisher`] publishes the queue. One message of a source is in flight at a time
+//!   (the next after the stream acknowledged the previous one), so a retry after a failure
+//!   never reorders a source; the records that queued behind it go together in the next
+//!   message (up to 64 records, 512 KiB); different sources are in flight together.
 //!   A failed publish is retried with the same message id until the stream takes it: a record
 //!   stored twice (an acknowledgement lost) is dropped by the stream's duplicate window.
 
@@ -99,8 +100,25 @@ impl MutationSink for LoggedSink {
     }
 }
 
-/// A publish's outcome: the record back, and whether the stream took it.
-type Published = (Outgoing, Result<bool, String>);
+/// A publish's outcome: the records back, and whether the stream took them (`Ok(true)`: as a
+/// duplicate).
+type Published = (Vec<Outgoing>, Result<bool, String>);
+
+/// Takes the next message's records of a source's backlog: as many as fit one message.
+fn next_group(backlog: &mut VecDeque<Outgoing>) -> Vec<Outgoing> {
+    let mut group = Vec::new();
+    let mut bytes = 0;
+    while let Some(next) = backlog.front() {
+        let full = group.len() == log_record::MAX_RECORDS_PER_MESSAGE
+            || (!group.is_empty() && bytes + next.payload.len() > log_record::MAX_MESSAGE_BYTES);
+        if full {
+            break;
+        }
+        bytes += next.payload.len();
+        group.extend(backlog.pop_front());
+    }
+    group
+}
 
 /// Publishes the queue until `stop` is cancelled and the queue is drained (see the module
 /// docs); returns the records it could not publish before `drain_deadline` after `stop`.
@@ -125,30 +143,31 @@ pub(crate) async fn run_publisher(
         tokio::select! {
             biased;
             Some(done) = flights.join_next(), if !flights.is_empty() => {
-                let Ok((record, outcome)) = done else { continue };
+                let Ok((records, outcome)) = done else { continue };
                 match outcome {
                     Ok(duplicate) => {
+                        use std::sync::atomic::Ordering::Relaxed;
                         retry_backoff = Duration::from_millis(10);
-                        LogStats::bump(&stats.published);
-                        stats.publish_latency.observe(record.queued_at.elapsed());
-                        if duplicate {
-                            LogStats::bump(&stats.publish_duplicates);
-                        } else {
-                            stats.published_bytes.fetch_add(
-                                wire_bytes(&prefix, &record),
-                                std::sync::atomic::Ordering::Relaxed,
-                            );
+                        let n = records.len() as u64;
+                        stats.published.fetch_add(n, Relaxed);
+                        for record in &records {
+                            stats.publish_latency.observe(record.queued_at.elapsed());
                         }
-                        let source = record.source;
-                        match waiting.get_mut(&source).and_then(VecDeque::pop_front) {
-                            Some(next) => {
-                                queued -= 1;
-                                spawn_publish(&mut flights, &js, &prefix, next, Duration::ZERO);
-                            }
-                            None => {
-                                busy.remove(&source);
-                                waiting.remove(&source);
-                            }
+                        if duplicate {
+                            stats.publish_duplicates.fetch_add(n, Relaxed);
+                        } else {
+                            stats.published_bytes.fetch_add(wire_bytes(&prefix, &records), Relaxed);
+                        }
+                        let Some(source) = records.into_iter().next().map(|r| r.source) else {
+                            continue;
+                        };
+                        let group = waiting.get_mut(&source).map(next_group).unwrap_or_default();
+                        if group.is_empty() {
+                            busy.remove(&source);
+                            waiting.remove(&source);
+                        } else {
+                            queued -= group.len();
+                            spawn_publish(&mut flights, &js, &prefix, group, Duration::ZERO);
                         }
                     }
                     Err(error) => {
@@ -156,7 +175,7 @@ pub(crate) async fn run_publisher(
                         tracing::warn!(
                             "publishing to NATS failed ({error}); retrying in {retry_backoff:?}"
                         );
-                        spawn_publish(&mut flights, &js, &prefix, record, retry_backoff);
+                        spawn_publish(&mut flights, &js, &prefix, records, retry_backoff);
                         retry_backoff = (retry_backoff * 2).min(Duration::from_secs(1));
                     }
                 }
@@ -168,7 +187,7 @@ pub(crate) async fn run_publisher(
                         waiting.entry(record.source.clone()).or_default().push_back(record);
                     } else {
                         busy.insert(record.source.clone());
-                        spawn_publish(&mut flights, &js, &prefix, record, Duration::ZERO);
+                        spawn_publish(&mut flights, &js, &prefix, vec![record], Duration::ZERO);
                     }
                 }
                 None => stopping = true,
@@ -189,38 +208,61 @@ pub(crate) async fn run_publisher(
             break;
         }
     }
+    let in_flight: usize = {
+        let mut n = 0;
+        while let Some(done) = flights.try_join_next() {
+            n += done.map_or(
+                0,
+                |(records, outcome)| if outcome.is_ok() { 0 } else { records.len() },
+            );
+        }
+        n + flights.len()
+    };
     flights.abort_all();
-    let left = queued + flights.len() + rx.len();
+    let left = queued + in_flight + rx.len();
     u64::try_from(left).unwrap_or(u64::MAX)
 }
 
-/// The bytes a record takes on the wire: its subject, its header block (`NATS/1.0`, the
-/// `Nats-Msg-Id` line, the blank line) and its payload.
-fn wire_bytes(prefix: &str, record: &Outgoing) -> u64 {
-    let subject = log_record::subject(prefix, &record.source.0, record.source.1.worker_id);
-    let headers = record
-        .message_id
-        .as_ref()
+/// The bytes a message takes on the wire: its subject, its header block (`NATS/1.0`, the
+/// `Nats-Msg-Id` line, the blank line) and its framed payload.
+fn wire_bytes(prefix: &str, records: &[Outgoing]) -> u64 {
+    let Some(first) = records.first() else {
+        return 0;
+    };
+    let subject = log_record::subject(prefix, &first.source.0, first.source.1.worker_id);
+    let headers = log_record::group_id(records)
         .map_or(0, |id| "NATS/1.0\r\nNats-Msg-Id: \r\n\r\n".len() + id.len());
-    (subject.len() + headers + record.payload.len()) as u64
+    let payload: usize = records
+        .iter()
+        .map(|r| r.payload.len() + varint_len(r.payload.len()))
+        .sum();
+    (subject.len() + headers + payload) as u64
 }
 
+fn varint_len(n: usize) -> usize {
+    prost::encoding::encoded_len_varint(n as u64)
+}
+
+/// Publishes `records` (one source's, in order) as one message after `delay`.
 fn spawn_publish(
     flights: &mut JoinSet<Published>,
     js: &jetstream::Context,
     prefix: &str,
-    record: Outgoing,
+    records: Vec<Outgoing>,
     delay: Duration,
 ) {
     let js = js.clone();
-    let subject = log_record::subject(prefix, &record.source.0, record.source.1.worker_id);
+    let Some(first) = records.first() else {
+        return;
+    };
+    let subject = log_record::subject(prefix, &first.source.0, first.source.1.worker_id);
     flights.spawn(async move {
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
         let mut publish =
-            jetstream::message::PublishMessage::build().payload(record.payload.clone());
-        if let Some(id) = &record.message_id {
+            jetstream::message::PublishMessage::build().payload(log_record::frame(&records));
+        if let Some(id) = log_record::group_id(&records) {
             publish = publish.message_id(id.as_str());
         }
         let outcome = match js.send_publish(subject, publish).await {
@@ -230,6 +272,6 @@ fn spawn_publish(
             },
             Err(e) => Err(e.to_string()),
         };
-        (record, outcome)
+        (records, outcome)
     });
 }

@@ -155,6 +155,57 @@ fn wire(
     .encode_to_vec()
 }
 
+/// Most records in one NATS message.
+pub(crate) const MAX_RECORDS_PER_MESSAGE: usize = 64;
+/// Most payload bytes in one NATS message (NATS's default limit is 1 MiB).
+pub(crate) const MAX_MESSAGE_BYTES: usize = 512 << 10;
+
+/// A NATS message's payload: the records, each prefixed with its length (a protobuf varint).
+pub(crate) fn frame(records: &[Outgoing]) -> bytes::Bytes {
+    let mut payload =
+        Vec::with_capacity(records.iter().map(|r| r.payload.len() + 5).sum::<usize>());
+    for record in records {
+        prost::encoding::encode_varint(record.payload.len() as u64, &mut payload);
+        payload.extend_from_slice(&record.payload);
+    }
+    payload.into()
+}
+
+/// The records of a NATS message's payload.
+///
+/// # Errors
+/// If a length is malformed or runs past the end.
+pub(crate) fn unframe(mut payload: &[u8]) -> Result<Vec<&[u8]>, String> {
+    let mut records = Vec::new();
+    while !payload.is_empty() {
+        let length = prost::encoding::decode_varint(&mut payload)
+            .map_err(|e| format!("a record's length is malformed: {e}"))?;
+        let length = usize::try_from(length)
+            .ok()
+            .filter(|&n| n <= payload.len())
+            .ok_or_else(|| format!("a record of {length} bytes runs past the message's end"))?;
+        let (record, rest) = payload.split_at(length);
+        records.push(record);
+        payload = rest;
+    }
+    Ok(records)
+}
+
+/// The message id of records published together (`None` if one has none): a single record's
+/// own id, or the first one's with `+COUNT` (two ingests may group differently; the replicas
+/// drop what the stream then keeps twice).
+pub(crate) fn group_id(records: &[Outgoing]) -> Option<String> {
+    let first = records.first()?.message_id.as_ref()?;
+    if records.iter().any(|r| r.message_id.is_none()) {
+        return None;
+    }
+    Some(if records.len() == 1 {
+        first.clone()
+    } else {
+        format!("{first}+{}", records.len())
+    })
+}
+
 impl Record {
     /// The unit a replica applies (its checkpoint is the source's position).
     pub(crate) fn into_unit(self) -> Option<Unit> {
@@ -439,6 +490,35 @@ mod tests {
         assert!(error.contains("mutations[1]"), "{error}");
         wire.block_size = 0;
         assert!(Record::decode(&wire.encode_to_vec()).is_err());
+    }
+
+    #[test]
+    fn records_are_framed_into_one_message_and_back() {
+        let key = IndexKey::new("m", "t");
+        let size = BlockSize::new(16).expect("valid");
+        let records: Vec<Outgoing> = (0..3)
+            .map(|i| {
+                let mut unit = sample();
+                if let Some(c) = &mut unit.checkpoint {
+                    c.position = i;
+                }
+                encode_unit(&key, size, &unit)
+            })
+            .collect();
+        let payload = frame(&records);
+        let parts = unframe(&payload).expect("unframes");
+        assert_eq!(parts.len(), 3);
+        for (part, record) in parts.iter().zip(&records) {
+            assert_eq!(*part, &record.payload[..]);
+        }
+        assert_eq!(group_id(&records[..1]), records[0].message_id);
+        assert_eq!(
+            group_id(&records),
+            records[0].message_id.as_ref().map(|id| format!("{id}+3"))
+        );
+        assert!(unframe(&payload[..payload.len() - 1]).is_err());
+        assert!(unframe(&[0xff; 11]).is_err());
+        assert_eq!(unframe(&[]).map(|p| p.len()), Ok(0));
     }
 
     #[test]

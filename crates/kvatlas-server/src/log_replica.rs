@@ -223,7 +223,7 @@ impl Consumer {
             if sequence > self.applied + 1 && self.skipped(sequence).await? {
                 return Err("re-bootstrapped from a snapshot".into());
             }
-            self.apply(&message.payload).await;
+            self.apply_message(&message.payload).await;
             self.applied = sequence;
             self.stats
                 .stream_sequence
@@ -282,6 +282,21 @@ impl Consumer {
                      the state may miss their events"
                 );
                 Ok(false)
+            }
+        }
+    }
+
+    /// Applies the records of one message (a malformed message is counted and skipped).
+    async fn apply_message(&mut self, payload: &[u8]) {
+        match crate::log_record::unframe(payload) {
+            Ok(records) => {
+                for record in records {
+                    self.apply(record).await;
+                }
+            }
+            Err(why) => {
+                LogStats::bump(&self.stats.dropped_invalid);
+                tracing::warn!("dropped an event-log message: {why}");
             }
         }
     }
