@@ -30,7 +30,7 @@ use crate::served_index::ServedIndex;
 
 /// Records queued for publishing before feeds wait.
 pub(crate) const QUEUE: usize = 8192;
-/// Records in flight to the stream at once (over all sources).
+/// Messages in flight to the stream at once (at most one per source).
 const IN_FLIGHT: usize = 512;
 
 /// The handle feeds publish through.
