@@ -445,3 +445,47 @@ fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
     sleeper.kill_9();
     ingest.kill_9();
 }
+
+#[test]
+fn records_lost_to_retention_with_no_snapshot_are_counted_and_the_replica_serves() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let mut fleet = Fleet::new();
+    let ingest = Served::start(&[
+        "--publish-to",
+        &nats.url(),
+        "--nats-max-bytes",
+        "20000",
+        "--model",
+        MODEL,
+        "--block-size",
+        &BLOCK_TOKENS.to_string(),
+        "--workers",
+        &fleet.workers_arg(),
+    ]);
+    fleet
+        .publishers
+        .wait_subscribed(1, Duration::from_secs(20))
+        .expect("the ingest subscribes");
+    // Published before any replica (so before any snapshot), far more than the stream keeps.
+    fleet.serve(600);
+    converges(&ingest, &fleet, "the ingest");
+    let started = Instant::now();
+    while metric(&ingest, "kvatlas_log_published_total") < fleet.batches {
+        assert!(
+            started.elapsed() < CONVERGE,
+            "the ingest published everything"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let late = replica(&nats);
+    ready(&late);
+    let lost = metric(&late, "kvatlas_log_sequences_lost_total");
+    assert!(
+        lost > 0,
+        "the stream's first records were gone and no snapshot covered them"
+    );
+    assert_eq!(metric(&late, "kvatlas_log_rebootstraps_total"), 1);
+    assert_eq!(metric(&late, "kvatlas_log_dropped_invalid_total"), 0);
+    late.kill_9();
+    ingest.kill_9();
+}
