@@ -249,8 +249,10 @@ mod tests {
                         parent = Some(external);
                     }
                 }
+                // A model no other generated request uses: the state persists across cases,
+                // and a request may have created "m" with another block size.
                 let image = crate::snapshot::IndexImage {
-                    key: crate::registry::IndexKey::new("m", ""),
+                    key: crate::registry::IndexKey::new("peer-model", ""),
                     block_size: kvatlas_hash::BlockSize::new(4).expect("a block size"),
                     capacity: None,
                     feeds: Vec::new(),
