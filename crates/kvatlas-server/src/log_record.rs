@@ -280,13 +280,7 @@ fn tier_value(tier: Tier) -> i32 {
 }
 
 fn tier_of(value: i32) -> Result<Tier, String> {
-    match v1::StorageTier::try_from(value) {
-        Ok(v1::StorageTier::Device) => Ok(Tier::Device),
-        Ok(v1::StorageTier::Host) => Ok(Tier::Host),
-        Ok(v1::StorageTier::Disk) => Ok(Tier::Disk),
-        Ok(v1::StorageTier::External) => Ok(Tier::External),
-        Err(_) => Err(format!("tier {value} is not a storage tier")),
-    }
+    crate::publish::tier_of(value, "tier").map_err(|e| e.to_string())
 }
 
 fn encode_mutation(mutation: &Mutation) -> v1::LogMutation {

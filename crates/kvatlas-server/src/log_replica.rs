@@ -228,11 +228,7 @@ impl Consumer {
             self.stats
                 .stream_sequence
                 .store(sequence, std::sync::atomic::Ordering::Relaxed);
-            let now = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos());
-            let lag = u64::try_from(i128::try_from(now).unwrap_or(i128::MAX) - published_nanos)
-                .unwrap_or(0);
+            let lag = u64::try_from(time_now_nanos() - published_nanos).unwrap_or(0);
             self.stats.lag.observe(Duration::from_nanos(lag));
             if pending == 0 {
                 self.caught_up();

@@ -266,8 +266,8 @@ fn sequence(grpc: &mut GrpcFeed, seq: Option<u64>) -> Sequenced {
     outcome
 }
 
-/// The tier of a proto enum value.
-fn tier_of(value: i32, field: &str) -> Result<Tier, ServiceError> {
+/// The tier of a proto enum value (`field` names it in the error).
+pub(crate) fn tier_of(value: i32, field: &str) -> Result<Tier, ServiceError> {
     match v1::StorageTier::try_from(value) {
         Ok(v1::StorageTier::Device) => Ok(Tier::Device),
         Ok(v1::StorageTier::Host) => Ok(Tier::Host),

@@ -167,21 +167,26 @@ fn converges(server: &Served, fleet: &Fleet, what: &str) {
 
 /// A metric's value from `/metrics` (0 if absent).
 fn metric(server: &Served, name: &str) -> u64 {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(&server.http).expect("HTTP connects");
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .expect("request");
-    let mut body = String::new();
-    stream.read_to_string(&mut body).expect("response");
+    let body = http_get(server, "/metrics").expect("GET /metrics");
     body.lines()
         .find_map(|line| {
             let rest = line.strip_prefix(name)?.strip_prefix(' ')?;
             rest.trim().parse::<f64>().ok()
         })
         .map_or(0, |v| v as u64)
+}
+
+/// The whole answer (status line, headers, body) to `GET path`.
+fn http_get(server: &Served, path: &str) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(&server.http)?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    Ok(answer)
 }
 
 /// The answers of both servers to the same prompts, which must be equal.
@@ -241,16 +246,24 @@ fn agree(a: &Served, b: &Served, fleet: &mut Fleet) {
 }
 
 fn ingest(nats: &NatsServer, fleet: &Fleet) -> Served {
-    Served::start(&[
+    ingest_with(nats, fleet, &[])
+}
+
+/// An ingest of the fleet's engines with `extra` flags.
+fn ingest_with(nats: &NatsServer, fleet: &Fleet, extra: &[&str]) -> Served {
+    let (url, block_size, workers) = (nats.url(), BLOCK_TOKENS.to_string(), fleet.workers_arg());
+    let mut args = vec![
         "--publish-to",
-        &nats.url(),
+        &url,
         "--model",
         MODEL,
         "--block-size",
-        &BLOCK_TOKENS.to_string(),
+        &block_size,
         "--workers",
-        &fleet.workers_arg(),
-    ])
+        &workers,
+    ];
+    args.extend_from_slice(extra);
+    Served::start(&args)
 }
 
 fn replica(nats: &NatsServer) -> Served {
@@ -363,19 +376,10 @@ fn two_ingests_deduplicate_and_the_survivor_carries_on() {
 
 /// Waits until the server answers `/ready` with 200 (a replica: it has read the stream).
 fn ready(server: &Served) {
-    use std::io::{Read, Write};
     let started = Instant::now();
     while started.elapsed() < CONVERGE {
-        if let Ok(mut stream) = std::net::TcpStream::connect(&server.http) {
-            let _ = write!(
-                stream,
-                "GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-            );
-            let mut answer = String::new();
-            let _ = stream.read_to_string(&mut answer);
-            if answer.starts_with("HTTP/1.1 200") {
-                return;
-            }
+        if http_get(server, "/ready").is_ok_and(|answer| answer.starts_with("HTTP/1.1 200")) {
+            return;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -396,18 +400,7 @@ fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
     let mut fleet = Fleet::new();
     // A stream that keeps only 100 kB of records.
-    let ingest = Served::start(&[
-        "--publish-to",
-        &nats.url(),
-        "--nats-max-bytes",
-        "100000",
-        "--model",
-        MODEL,
-        "--block-size",
-        &BLOCK_TOKENS.to_string(),
-        "--workers",
-        &fleet.workers_arg(),
-    ]);
+    let ingest = ingest_with(&nats, &fleet, &["--nats-max-bytes", "100000"]);
     fleet
         .publishers
         .wait_subscribed(1, Duration::from_secs(20))
@@ -450,18 +443,7 @@ fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
 fn records_lost_to_retention_with_no_snapshot_are_counted_and_the_replica_serves() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
     let mut fleet = Fleet::new();
-    let ingest = Served::start(&[
-        "--publish-to",
-        &nats.url(),
-        "--nats-max-bytes",
-        "20000",
-        "--model",
-        MODEL,
-        "--block-size",
-        &BLOCK_TOKENS.to_string(),
-        "--workers",
-        &fleet.workers_arg(),
-    ]);
+    let ingest = ingest_with(&nats, &fleet, &["--nats-max-bytes", "20000"]);
     fleet
         .publishers
         .wait_subscribed(1, Duration::from_secs(20))
