@@ -171,15 +171,26 @@ impl Consumer {
 
     /// Reads from the sequence after `applied` until stopped (`Ok`) or the consumer fails.
     async fn consume(&mut self, stop: &CancellationToken) -> Result<(), String> {
-        let start = self.applied + 1;
-        let info = self
-            .stream
-            .info()
-            .await
-            .map_err(|e| format!("stream info: {e}"))?;
-        if info.state.last_sequence < start {
+        let (messages, last_sequence) = {
+            let info = self
+                .stream
+                .info()
+                .await
+                .map_err(|e| format!("stream info: {e}"))?;
+            (info.state.messages, info.state.last_sequence)
+        };
+        if last_sequence > self.applied && messages == 0 {
+            // Retention dropped everything after this replica's position (the stream is empty):
+            // a skip to the sequence after the last, like one seen on a message.
+            if self.skipped(last_sequence + 1).await? {
+                return Err("re-bootstrapped from a snapshot".into());
+            }
+            self.applied = last_sequence;
+        }
+        if last_sequence <= self.applied {
             self.caught_up();
         }
+        let start = self.applied + 1;
         // An ordered pull consumer: the replica fetches what it can apply (a stopped or slow
         // replica is not flooded; it reads on from its own position, and finds out if retention
         // dropped what it had not read); gaps and stalls recreate it from the last sequence.
