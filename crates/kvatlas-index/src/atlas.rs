@@ -926,6 +926,65 @@ impl Membership for Sink<'_> {
         };
     }
 
+    fn add_along(&mut self, first: NodeRef, len: u32, level: Level) {
+        if len == 0 {
+            return;
+        }
+        if let Pending::Add {
+            edge,
+            level: run_level,
+            ref mut hi,
+            ..
+        } = self.pending
+            && edge == first.edge
+            && run_level == level
+            && *hi == first.offset
+        {
+            *hi += len;
+            return;
+        }
+        self.flush();
+        self.pending = Pending::Add {
+            edge: first.edge,
+            level,
+            lo: first.offset,
+            hi: first.offset + len,
+        };
+    }
+
+    fn remove_along(&mut self, first: NodeRef, len: u32, level: Level) {
+        if len == 0 {
+            return;
+        }
+        if let Pending::Remove {
+            edge,
+            level: run_level,
+            ref mut lo,
+            ..
+        } = self.pending
+            && edge == first.edge
+            && run_level == level
+            && *lo == first.offset + len
+        {
+            *lo = first.offset;
+            return;
+        }
+        self.flush();
+        self.pending = Pending::Remove {
+            edge: first.edge,
+            level,
+            lo: first.offset,
+            hi: first.offset + len,
+        };
+    }
+
+    fn locals_along(&self, first: NodeRef, len: u32, into: &mut Vec<LocalBlockHash>) {
+        let from = first.offset as usize;
+        into.extend_from_slice(
+            &self.forest.edges[first.edge as usize].locals[from..from + len as usize],
+        );
+    }
+
     fn remove(&mut self, node: NodeRef, level: Level) {
         if let Pending::Remove {
             edge,
@@ -1621,6 +1680,7 @@ impl KvIndex for Atlas {
 mod tests {
     use super::*;
     use crate::model::{ExternalBlockHash, StoredBlock, Tier};
+    use crate::reference::ReferenceIndex;
 
     /// Per-position counts (the model) against the run-length encoding, after every change.
     fn check_spans(changes: &[(u32, u32, Level, bool)]) {
@@ -1839,6 +1899,93 @@ mod tests {
         assert_eq!(report.removed, 1);
         assert!(!atlas.books.ledgers.contains_key(&worker));
         assert_eq!(atlas.stats().memberships, 0);
+    }
+
+    /// A rank's two sequences share a prefix; the first is removed whole and stored again (the
+    /// peer harness's Workload B cycle). The second's suffix leaves the forest and comes back as
+    /// one run on one edge, in a handful of forest changes rather than one per block, and the
+    /// answers equal the reference model's throughout.
+    #[test]
+    fn a_sibling_under_a_restored_prefix_is_rerooted_per_run() {
+        let worker = Worker::new(7, 0);
+        // A chain of blocks with the given engine hashes; local hash = f(engine hash).
+        let chain = |hashes: &[u64]| -> Vec<StoredBlock> {
+            hashes
+                .iter()
+                .map(|&h| StoredBlock {
+                    external: ExternalBlockHash::new(h),
+                    local: LocalBlockHash::new(h.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
+                })
+                .collect()
+        };
+        let prefix: Vec<u64> = (1..=256).collect();
+        let first: Vec<u64> = prefix.iter().copied().chain(10_000..10_768).collect();
+        let second: Vec<u64> = prefix.iter().copied().chain(20_000..20_768).collect();
+        let store = |hashes: &[u64]| Mutation::Stored {
+            worker,
+            tier: Tier::Device,
+            parent: None,
+            blocks: chain(hashes),
+        };
+        let remove = Mutation::Removed {
+            worker,
+            tier: Tier::Device,
+            blocks: first.iter().map(|&h| ExternalBlockHash::new(h)).collect(),
+        };
+        let query = |hashes: &[u64]| -> Vec<LocalBlockHash> {
+            chain(hashes).iter().map(|b| b.local).collect()
+        };
+        let scores = |m: &Matches| -> Vec<(Worker, u32)> {
+            m.workers.iter().map(|w| (w.worker, w.device)).collect()
+        };
+        let mut atlas = Atlas::new();
+        let mut reference = ReferenceIndex::new();
+        for m in [store(&first), store(&second)] {
+            atlas.apply(&m);
+            reference.apply(&m);
+        }
+        let options = MatchOptions::default();
+        let check = |atlas: &Atlas, reference: &ReferenceIndex| {
+            for q in [query(&first), query(&second)] {
+                assert_eq!(
+                    scores(&atlas.find_matches(&q, &options)),
+                    scores(&reference.find_matches(&q, &options))
+                );
+            }
+        };
+        check(&atlas, &reference);
+        let runs = |atlas: &Atlas| atlas.books.ledgers[&worker].1.run_count();
+        let (runs_before, edges_before) = (runs(&atlas), atlas.forest.live_edges());
+        assert_eq!(
+            scores(&atlas.find_matches(&query(&second), &options)),
+            [(worker, 1024)]
+        );
+
+        atlas.apply(&remove);
+        reference.apply(&remove);
+        check(&atlas, &reference);
+        assert!(
+            atlas
+                .find_matches(&query(&second), &options)
+                .workers
+                .is_empty()
+        );
+
+        atlas.forest.journal = Some(Vec::new());
+        atlas.apply(&store(&first));
+        reference.apply(&store(&first));
+        let changes = atlas.forest.journal.take().map_or(0, |j| j.len());
+        check(&atlas, &reference);
+        assert_eq!(
+            scores(&atlas.find_matches(&query(&second), &options)),
+            [(worker, 1024)]
+        );
+        assert_eq!(
+            (runs(&atlas), atlas.forest.live_edges()),
+            (runs_before, edges_before)
+        );
+        // 1,792 blocks come back; a per-block re-rooting recorded one change for each.
+        assert!(changes <= 16, "{changes} forest changes for two runs");
     }
 
     /// After every rank leaves, nothing of the forest is left in use, whatever the history.

@@ -38,6 +38,7 @@ use crate::model::{
     ApplyReport, ExternalBlockHash, IndexStats, Level, Mutation, StoredBlock, Tier, TierSet,
     UNROOTED, Worker, WorkerBlocks, table_bytes,
 };
+use crate::run_ledger::RunNode;
 use crate::slot_table::{SlotTable, hash_of};
 use crate::snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 
@@ -132,6 +133,38 @@ pub(crate) trait Membership {
         let node = self.child(Some(from), locals[0]);
         self.add(node, level);
         (node, 1)
+    }
+
+    /// [`Membership::add`] for the `len` consecutive nodes `first.advance(0..len)` of one
+    /// stretch, in path order (a run of the run-structured ledger changing level). Default: one
+    /// call per block; a backend that keeps covers per stretch does it in one step.
+    fn add_along(&mut self, first: Self::Node, len: u32, level: Level)
+    where
+        Self::Node: RunNode,
+    {
+        for k in 0..len {
+            self.add(first.advance(k), level);
+        }
+    }
+
+    /// [`Membership::remove`] for the `len` consecutive nodes `first.advance(0..len)` of one
+    /// stretch, last first (so the path stays prefix-closed in between).
+    fn remove_along(&mut self, first: Self::Node, len: u32, level: Level)
+    where
+        Self::Node: RunNode,
+    {
+        for k in (0..len).rev() {
+            self.remove(first.advance(k), level);
+        }
+    }
+
+    /// Appends the local hashes of the `len` consecutive nodes `first.advance(0..len)` to
+    /// `into` (a run leaving the rooted forest keeps them).
+    fn locals_along(&self, first: Self::Node, len: u32, into: &mut Vec<LocalBlockHash>)
+    where
+        Self::Node: RunNode,
+    {
+        into.extend((0..len).map(|k| self.local(first.advance(k))));
     }
 }
 
@@ -711,6 +744,16 @@ impl Dangling {
     /// The hash of the parent `item` waits for.
     pub(crate) fn parent_of(&self, item: u32) -> Option<ExternalBlockHash> {
         self.parents.get(&item).copied()
+    }
+
+    /// How many parents items wait for.
+    pub(crate) fn parents_waited_for(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// The parents items wait for (in no particular order).
+    pub(crate) fn each_parent_waited_for(&self) -> impl Iterator<Item = ExternalBlockHash> + '_ {
+        self.waiting.keys().copied()
     }
 
     /// Takes the list of the items waiting for `parent` (just stored); each one the caller

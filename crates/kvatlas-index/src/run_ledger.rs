@@ -57,6 +57,10 @@ pub(crate) trait RunNode: NodeBits + PartialEq {
 /// their probes already overlap.)
 const PREFETCH_AHEAD: usize = 12;
 
+/// A stretch of placed blocks looks up the parents runs wait for (instead of checking each
+/// placed block) when it is more than this many times longer than their number.
+const ADOPT_LOOKUP_RATIO: usize = 4;
+
 /// `Run::flags`: the run's first block has a parent.
 const HAS_PARENT: u8 = 1;
 /// `Run::flags`: on `remove`'s deletion stack (parent links can form cycles).
@@ -115,6 +119,8 @@ thread_local! {
     static STRETCHES: Cell<Vec<Segment>> = const { Cell::new(Vec::new()) };
     /// `remove`'s runs touched.
     static TOUCHED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+    /// `place_stretch`'s placed blocks that runs wait for: (position, engine hash).
+    static ADOPTING: Cell<Vec<(u32, ExternalBlockHash)>> = const { Cell::new(Vec::new()) };
 }
 
 /// Per-block recency for capacity-bounded backends (as in the per-block ledger).
@@ -794,26 +800,19 @@ impl<N: RunNode> LevelForest<N> for RunLedger<N> {
         let old = run.level;
         match (old == UNROOTED, level == UNROOTED) {
             (false, false) => {
-                for k in 0..run.len {
-                    sink.add(run.node.advance(k), level);
-                }
-                for k in (0..run.len).rev() {
-                    sink.remove(run.node.advance(k), old);
-                }
+                sink.add_along(run.node, run.len, level);
+                sink.remove_along(run.node, run.len, old);
                 self.runs[r as usize].level = level;
             }
             (false, true) => {
                 // Leaves the rooted forest. A run held on no tier is about to be deleted and
                 // needs no local hashes.
                 if !run.tiers.is_empty() {
-                    let locals = (0..run.len)
-                        .map(|k| sink.local(run.node.advance(k)))
-                        .collect();
+                    let mut locals = Vec::with_capacity(run.len as usize);
+                    sink.locals_along(run.node, run.len, &mut locals);
                     self.locals.insert(r, locals);
                 }
-                for k in (0..run.len).rev() {
-                    sink.remove(run.node.advance(k), old);
-                }
+                sink.remove_along(run.node, run.len, old);
                 self.runs[r as usize].level = UNROOTED;
             }
             (true, false) => self.root(sink, r, level),
@@ -837,25 +836,37 @@ impl<N: RunNode> LevelForest<N> for RunLedger<N> {
 
 impl<N: RunNode> RunLedger<N> {
     /// Roots the unrooted run `r` (its parent, if any, is rooted) at `level`: asks the backend
-    /// for each block's node, cutting the run where the path leaves a stretch.
+    /// for the path of its blocks a stretch at a time ([`Membership::extend_path`]), cutting
+    /// the run where the path leaves a stretch. Re-rooting a run the forest has kept (or can
+    /// append in one piece) costs per stretch, not per block: before, each block was asked for
+    /// on its own, and an edge rebuilt block by block grew its storage one block at a time
+    /// (peer Workload B store 168 µs, most of it reallocation).
     fn root<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, level: Level) {
         let locals = self.locals.remove(&r).unwrap_or_default();
         let run = self.runs[r as usize];
         debug_assert_eq!(locals.len(), run.len as usize);
-        let mut previous =
+        let Some(&first_local) = locals.first() else {
+            self.runs[r as usize].level = level;
+            return;
+        };
+        let parent =
             (run.flags & HAS_PARENT != 0).then(|| self.node_at(run.parent_run, run.parent));
         self.runs[r as usize].level = level;
+        sink.expect(locals.len());
+        let first = sink.child(parent, first_local);
+        sink.add(first, level);
+        self.runs[r as usize].node = first;
         let mut piece = r;
-        for (k, &local) in (0u32..).zip(&locals) {
-            let node = sink.child(previous, local);
-            if k == 0 {
-                self.runs[r as usize].node = node;
-            } else if previous.map(|p| p.advance(1)) != Some(node) {
-                piece = self.split(piece, run.start + k);
+        let mut last = first;
+        let mut k = 1usize;
+        while k < locals.len() {
+            let (node, added) = sink.extend_path(last, &locals[k..], level);
+            if node != last.advance(1) {
+                piece = self.split(piece, run.start + k as u32);
                 self.runs[piece as usize].node = node;
             }
-            sink.add(node, level);
-            previous = Some(node);
+            last = node.advance(added as u32 - 1);
+            k += added;
         }
     }
 
@@ -1094,8 +1105,26 @@ impl<N: RunNode> RunLedger<N> {
         }
         LOCALS.set(locals);
         if !self.dangling.is_empty() {
-            for (at, block) in (pos..).zip(blocks) {
-                let Some(waiting) = self.dangling.take_waiting(block.external) else {
+            // The placed blocks some run waits for, in position order: when few parents are
+            // waited for, each is looked up (a removed prefix leaves a rank's other sequences
+            // waiting for one block, and its re-store should not probe every block it stores);
+            // else every placed block is checked.
+            let mut adopting = ADOPTING.take();
+            adopting.clear();
+            if self.dangling.parents_waited_for() * ADOPT_LOOKUP_RATIO < blocks.len() {
+                for hash in self.dangling.each_parent_waited_for() {
+                    if let Some(at) = self.find(hash)
+                        && (pos..pos + n).contains(&at)
+                    {
+                        adopting.push((at, hash));
+                    }
+                }
+                adopting.sort_unstable_by_key(|&(at, _)| at);
+            } else {
+                adopting.extend((pos..).zip(blocks).map(|(at, block)| (at, block.external)));
+            }
+            for &(at, hash) in &adopting {
+                let Some(waiting) = self.dangling.take_waiting(hash) else {
                     continue;
                 };
                 for w in waiting {
@@ -1109,6 +1138,7 @@ impl<N: RunNode> RunLedger<N> {
                     propagate(self, sink, w);
                 }
             }
+            ADOPTING.set(adopting);
         }
     }
 
