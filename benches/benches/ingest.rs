@@ -19,7 +19,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use kvatlas_bench::ingest::{self, EncodedBatch, IngestConfig, IngestStream};
 use kvatlas_bench::trace::{default_trace_path, load_trace};
 use kvatlas_events::{Converter, DropCounters, decode_batch};
-use kvatlas_index::{Atlas, Locked};
+use kvatlas_index::{Atlas, baseline::Locked};
 
 fn stream() -> IngestStream {
     let trace = load_trace(&default_trace_path()).expect("the trace in data/traces");

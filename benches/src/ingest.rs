@@ -168,7 +168,7 @@ fn encode(
 
 #[cfg(test)]
 mod tests {
-    use kvatlas_index::{Atlas, Locked};
+    use kvatlas_index::{Atlas, baseline::Locked};
 
     use super::*;
 

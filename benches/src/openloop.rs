@@ -37,7 +37,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use hdrhistogram::Histogram;
 use kvatlas_index::{
-    EnqueueError, LeftRight, Locked, MatchOptions, Mutation, SharedKvIndex, ThreadPool,
+    EnqueueError, MatchOptions, Mutation, SharedKvIndex, ThreadPool,
+    baseline::{LeftRight, Locked},
 };
 
 use crate::engine::Stream;

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    ApplyReport, ConcurrentRadixTree, Exclusive, IndexStats, KvIndex, MatchOptions, Matches,
-    Mutation, RadixTree, ReferenceIndex, SharedKvIndex, Snapshot,
+    ApplyReport, Exclusive, IndexStats, KvIndex, MatchOptions, Matches, Mutation, ReferenceIndex,
+    SharedKvIndex, Snapshot,
+    baseline::{ConcurrentRadixTree, RadixTree},
 };
 
 use crate::engine::{Router, ScoreDigest, Stream, membership_digest};
@@ -20,17 +21,21 @@ pub struct Backend {
     pub name: &'static str,
     /// Whether it runs by default (`false` for slow oracles, which only suit tiny runs).
     pub default: bool,
+    /// What it is to a user: `"default"` (kvatlas's index, `kvatlas_index::Atlas`), `"baseline"`
+    /// (a design kept for comparison, `kvatlas_index::baseline`) or `"oracle"` (the reference
+    /// model).
+    pub role: &'static str,
     /// Builds an empty index.
     pub make: fn() -> Box<dyn KvIndex + Sync>,
     /// Builds an empty index used directly by the concurrent presets, for a backend that is
     /// concurrent itself (`make` is then the same index behind [`kvatlas_index::Exclusive`]);
-    /// `None` puts `make`'s index behind a front ([`kvatlas_index::LeftRight`] or
-    /// [`kvatlas_index::Locked`]).
+    /// `None` puts `make`'s index behind a front ([`kvatlas_index::baseline::LeftRight`] or
+    /// [`kvatlas_index::baseline::Locked`]).
     pub shared: Option<fn() -> Box<dyn SharedKvIndex>>,
 }
 
 /// A registry backend as a concrete [`KvIndex`] + [`Sync`] type, so it can sit behind
-/// [`kvatlas_index::Locked`] and [`kvatlas_index::ThreadPool`] (the concurrent front).
+/// [`kvatlas_index::baseline::Locked`] and [`kvatlas_index::ThreadPool`] (the concurrent front).
 pub struct Boxed(pub Box<dyn KvIndex + Sync>);
 
 impl std::fmt::Debug for Boxed {
@@ -86,30 +91,35 @@ pub const BACKENDS: &[Backend] = &[
     Backend {
         name: "atlas",
         default: true,
+        role: "default",
         make: || Box::new(kvatlas_index::Atlas::new()),
         shared: Some(|| Box::new(kvatlas_index::ConcurrentAtlas::new())),
     },
     Backend {
         name: "radix",
         default: true,
+        role: "baseline",
         make: || Box::new(RadixTree::new()),
         shared: None,
     },
     Backend {
         name: "positional",
         default: true,
-        make: || Box::new(kvatlas_index::PositionalIndexer::new()),
+        role: "baseline",
+        make: || Box::new(kvatlas_index::baseline::PositionalIndexer::new()),
         shared: None,
     },
     Backend {
         name: "crtc",
         default: true,
+        role: "baseline",
         make: || Box::new(Exclusive(ConcurrentRadixTree::new())),
         shared: Some(|| Box::new(ConcurrentRadixTree::new())),
     },
     Backend {
         name: "reference",
         default: false,
+        role: "oracle",
         make: || Box::new(ReferenceIndex::new()),
         shared: None,
     },
@@ -128,6 +138,14 @@ pub fn shared_backend(name: &str) -> Option<Box<dyn SharedKvIndex>> {
         .find(|b| b.name == name)
         .and_then(|b| b.shared)
         .map(|make| make())
+}
+
+/// `name (role)` of a registered backend (see [`Backend::role`]), or the name alone.
+pub fn labelled(name: &str) -> String {
+    match BACKENDS.iter().find(|b| b.name == name) {
+        Some(b) => format!("{name} ({})", b.role),
+        None => name.to_string(),
+    }
 }
 
 /// Names of the backends that run when none are chosen.

@@ -21,7 +21,7 @@ use kvatlas_bench::trace::{default_trace_path, load_trace};
 use kvatlas_events::{
     ApplyInline, Converter, DropCounters, Listener, ListenerConfig, ListenerOptions,
 };
-use kvatlas_index::{Atlas, Locked};
+use kvatlas_index::{Atlas, baseline::Locked};
 
 /// Ingestion over a loopback ZMQ socket vs in process.
 #[derive(Debug, Parser)]

@@ -650,7 +650,11 @@ fn main() -> Result<()> {
             } else {
                 String::new()
             },
-            backends.join(", ")
+            backends
+                .iter()
+                .map(|b| kvatlas_bench::replay::labelled(b))
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
     );
 

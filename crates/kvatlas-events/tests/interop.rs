@@ -36,7 +36,7 @@ use kvatlas_events::{
 };
 use kvatlas_hash::BlockSize;
 use kvatlas_index::{
-    Atlas, KvIndex, Locked, Mutation, ReferenceIndex, SharedKvIndex, ThreadPool, Worker,
+    Atlas, KvIndex, Mutation, ReferenceIndex, SharedKvIndex, ThreadPool, Worker, baseline::Locked,
 };
 
 const WORKER: u64 = 11;

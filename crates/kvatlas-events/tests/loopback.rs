@@ -24,7 +24,8 @@ use kvatlas_events::{
 };
 use kvatlas_hash::BlockSize;
 use kvatlas_index::{
-    Atlas, KvIndex, Locked, Mutation, ReferenceIndex, SharedKvIndex, ThreadPool, Unit, Worker,
+    Atlas, KvIndex, Mutation, ReferenceIndex, SharedKvIndex, ThreadPool, Unit, Worker,
+    baseline::Locked,
 };
 
 const WAIT: Duration = Duration::from_secs(10);

@@ -44,7 +44,7 @@ pub trait SharedKvIndex: Send + Sync {
     fn apply(&self, mutation: &Mutation) -> ApplyReport;
 
     /// Applies a mutation the caller gives up (a front that keeps mutations, such as
-    /// [`crate::LeftRight`]'s log, then needs no copy). Same contract as [`SharedKvIndex::apply`].
+    /// [`crate::baseline::LeftRight`]'s log, then needs no copy). Same contract as [`SharedKvIndex::apply`].
     fn apply_owned(&self, mutation: Mutation) -> ApplyReport {
         self.apply(&mutation)
     }

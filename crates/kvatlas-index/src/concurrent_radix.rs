@@ -1,11 +1,11 @@
 //! `ConcurrentRadixTree`: a radix tree that readers walk while writers change it, and that
 //! writers of different worker ranks change at the same time — without a global lock
-//! ([`crate::Locked`]) or a second copy ([`crate::LeftRight`]).
+//! ([`crate::baseline::Locked`]) or a second copy ([`crate::baseline::LeftRight`]).
 //!
 //! # Structure
 //!
 //! - **Nodes** are one per local-hash path from the root (per-block nodes, as in
-//!   [`crate::RadixTree`]). Each node is an `Arc<Node>` whose mutable part — the ranks with a
+//!   [`crate::baseline::RadixTree`]). Each node is an `Arc<Node>` whose mutable part — the ranks with a
 //!   rooted block there and how many at each level (sorted by rank), and its children by local
 //!   hash — sits behind the node's own `parking_lot::RwLock`. First blocks hang from `roots`, a
 //!   sharded `DashMap` keyed by local hash. Children point to their parent weakly.

@@ -407,7 +407,7 @@ impl<N: NodeBits> Ledger<N> {
     /// Applies a removal on one tier.
     ///
     /// One `Removed` is applied as a whole (readers never see part of a mutation through
-    /// [`crate::Locked`]), so it runs in three passes: drop the tier from every named block; then
+    /// [`crate::baseline::Locked`]), so it runs in three passes: drop the tier from every named block; then
     /// recompute levels (a head-first list unroots the chain once, from its top); then free the
     /// blocks held on no tier, children before parents, so a removed chain never passes through
     /// the dangling table.

@@ -20,7 +20,7 @@
 //! Costs: every mutation is applied twice and the index is held twice in memory; the log holds the
 //! mutations one copy has not applied yet (usually one). Writes are serialized through one lock
 //! (mutations of different ranks commute, but both copies must receive the same ones).
-//! [`crate::Locked`] is the single-copy alternative that lets a busy writer delay readers.
+//! [`crate::baseline::Locked`] is the single-copy alternative that lets a busy writer delay readers.
 //!
 //! The protocol itself is [`TwoCopies`], generic over what a copy is and what the log holds:
 //! `LeftRight` logs whole mutations; [`crate::ConcurrentAtlas`] keeps the writer-only part of its

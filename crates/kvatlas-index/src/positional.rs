@@ -1,7 +1,7 @@
 //! `PositionalIndexer`: a position-keyed index with jump search, after NVIDIA Dynamo's
 //! `PositionalIndexer`, made exact.
 //!
-//! One node per local-hash path from the root, as in [`crate::RadixTree`], but nodes are found
+//! One node per local-hash path from the root, as in [`crate::baseline::RadixTree`], but nodes are found
 //! through a flat map keyed by `(position, local hash)` instead of by walking from the root. Paths
 //! that share a `(position, local hash)` slot are told apart by their **path hash**: the
 //! [`SequenceHash`] chain of the path's *local* hashes (never the engines' external hashes).

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    Atlas, Checkpoint, ConcurrentAtlas, ConcurrentRadixTree, EnqueueError, ExternalBlockHash,
-    KvIndex, LeftRight, Locked, MatchOptions, Mutation, RadixTree, ReferenceIndex, SharedKvIndex,
-    StoredBlock, ThreadPool, Tier, Unit, Worker,
+    Atlas, Checkpoint, ConcurrentAtlas, EnqueueError, ExternalBlockHash, KvIndex, MatchOptions,
+    Mutation, ReferenceIndex, SharedKvIndex, StoredBlock, ThreadPool, Tier, Unit, Worker,
+    baseline::{ConcurrentRadixTree, LeftRight, Locked, RadixTree},
 };
 
 const CHAIN: u64 = 48;

@@ -5,8 +5,8 @@
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    ExternalBlockHash, KvIndex, MatchOptions, Mutation, PositionalIndexer, RadixTree,
-    ReferenceIndex, StoredBlock, Tier, Worker,
+    ExternalBlockHash, KvIndex, MatchOptions, Mutation, ReferenceIndex, StoredBlock, Tier, Worker,
+    baseline::{PositionalIndexer, RadixTree},
 };
 use proptest::prelude::*;
 
@@ -238,10 +238,10 @@ proptest! {
     #[test]
     fn concurrent_fronts_match_reference(ops in prop::collection::vec(op(), 1..40)) {
         run_differential(
-            || Box::new(kvatlas_index::Exclusive(kvatlas_index::LeftRight::new(kvatlas_index::Atlas::new(), kvatlas_index::Atlas::new()))),
+            || Box::new(kvatlas_index::Exclusive(kvatlas_index::baseline::LeftRight::new(kvatlas_index::Atlas::new(), kvatlas_index::Atlas::new()))),
             &ops,
         );
-        run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::Locked::new(RadixTree::new()))), &ops);
+        run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::baseline::Locked::new(RadixTree::new()))), &ops);
     }
 }
 
@@ -251,9 +251,9 @@ proptest! {
     /// The concurrent radix tree, driven through `KvIndex` (its own ledgers and shared tree).
     #[test]
     fn concurrent_radix_tree_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
-        run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::ConcurrentRadixTree::new())), &ops);
+        run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::baseline::ConcurrentRadixTree::new())), &ops);
         // Reclamation under every anomaly: once every rank is gone, so is every node.
-        let tree = kvatlas_index::ConcurrentRadixTree::new();
+        let tree = kvatlas_index::baseline::ConcurrentRadixTree::new();
         for op in &ops {
             match op {
                 Op::Apply(m) => kvatlas_index::SharedKvIndex::apply(&tree, m),
@@ -279,7 +279,7 @@ fn block(e: u64) -> StoredBlock {
 fn every_backend() -> [fn() -> Box<dyn KvIndex>; 5] {
     [
         || Box::new(RadixTree::new()),
-        || Box::new(kvatlas_index::PositionalIndexer::new()),
+        || Box::new(kvatlas_index::baseline::PositionalIndexer::new()),
         || Box::new(kvatlas_index::Atlas::new()),
         || {
             Box::new(kvatlas_index::Exclusive(
@@ -288,7 +288,7 @@ fn every_backend() -> [fn() -> Box<dyn KvIndex>; 5] {
         },
         || {
             Box::new(kvatlas_index::Exclusive(
-                kvatlas_index::ConcurrentRadixTree::new(),
+                kvatlas_index::baseline::ConcurrentRadixTree::new(),
             ))
         },
     ]

@@ -10,8 +10,9 @@ use std::sync::Arc;
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    ConcurrentAtlas, ExternalBlockHash, LeftRight, MatchOptions, Mutation, RadixTree,
-    SharedKvIndex, StoredBlock, Tier, Worker,
+    ConcurrentAtlas, ExternalBlockHash, MatchOptions, Mutation, SharedKvIndex, StoredBlock, Tier,
+    Worker,
+    baseline::{LeftRight, RadixTree},
 };
 
 const WORKER: Worker = Worker::new(1, 0);

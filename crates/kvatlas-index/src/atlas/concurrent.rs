@@ -6,7 +6,7 @@
 //! propagation — and its result is a short list of forest changes ([`ForestOp`]).
 //!
 //! So this front keeps the books **once**, on the writer's side, and the forest **twice**, in the
-//! left-right arrangement of [`crate::LeftRight`] (the same synchronization code,
+//! left-right arrangement of [`crate::baseline::LeftRight`] (the same synchronization code,
 //! [`TwoCopies`]): a write runs the ledger against the back forest, which records its changes;
 //! the back forest is published; the other copy replays the recorded changes on its next turn.
 //! Compared with `LeftRight<Atlas>`, a mutation pays the ledger once instead of twice and the
@@ -38,7 +38,7 @@ impl Absorb<ForestOp> for Forest {
 
 /// kvatlas's default backend for concurrent use: one writer at a time, and readers that do not
 /// wait for a busy writer — at most for one write, when the writer has to change the copy they
-/// read in place (see [`crate::LeftRight`] for the protocol). The answers are exactly
+/// read in place (see [`crate::baseline::LeftRight`] for the protocol). The answers are exactly
 /// [`super::Atlas`]'s.
 ///
 /// Writes and reads both take `&self` ([`SharedKvIndex`]), so the index can be shared between
