@@ -7,7 +7,9 @@
 //!   (a) interleaved, every query checked against the engines' oracle, and (b) open loop against
 //!   the concurrent write front, once or as a sweep of offered loads (threshold throughput);
 //! - `synthetic` (Workload B): 1024 sequences × 1024 blocks, hit / partial / miss lookups and
-//!   remove + store cycles, checked against the construction;
+//!   remove + store cycles, checked against the construction; twice: with engine hashes unique
+//!   per sequence, and chained as engines make them (a worker's sequences of one group share
+//!   their prefix blocks: the peer harness's shared-prefix cycle);
 //! - `concurrent` (Workload C): one writer and one reader, alone and at once;
 //! - `clear` (Workload D): replay the events, then one `Cleared` per worker, 3 rounds;
 //! - `suite` (default): all four, the open loop as a sweep.
@@ -37,7 +39,7 @@ use kvatlas_bench::openloop::{
     run_open_loop, summarize, sweep_windows,
 };
 use kvatlas_bench::replay::{ReplayResult, backend_names, default_backends, run};
-use kvatlas_bench::synthetic::{self, SyntheticConfig, SyntheticResult};
+use kvatlas_bench::synthetic::{self, EngineHashes, SyntheticConfig, SyntheticResult};
 use kvatlas_bench::trace::{
     TRACE_BLOCK_TOKENS, default_trace_path, duplicate, load_trace, scale_length,
 };
@@ -207,6 +209,8 @@ struct Report {
     duplication_factor: u64,
     conversation: Vec<ConfigRun>,
     synthetic: Option<(SyntheticConfig, Vec<SyntheticResult>)>,
+    /// The same with chained engine hashes (the shared-prefix cycle, the peer's Workload B).
+    synthetic_chained: Option<(SyntheticConfig, Vec<SyntheticResult>)>,
     concurrent: Option<(ConcurrentConfig, Vec<ConcurrentResult>)>,
     clear: Option<(EngineConfig, Vec<ClearResult>)>,
 }
@@ -385,9 +389,18 @@ fn sweep_text(summaries: &[SweepSummary]) -> String {
 }
 
 fn synthetic_text(config: &SyntheticConfig, results: &[SyntheticResult]) -> String {
+    let hashes = match config.engine_hashes {
+        EngineHashes::Unique => "engine hashes unique per sequence",
+        EngineHashes::Chained => {
+            "engine hashes chained, so a worker's sequences of one group share their prefix \
+             blocks (the peer harness's Workload B: each cycle takes the prefix from under the \
+             worker's other sequences of the group and gives it back)"
+        }
+    };
     let mut text = format!(
         "\n### Synthetic (Workload B): {} sequences × {} blocks, {} workers, {} shared blocks in {} \
-         groups, {} lookups per kind (first 10 % discarded), {} remove + store cycles\n\n\
+         groups, {hashes}; {} lookups per kind (first 10 % discarded), {} remove + store \
+         cycles\n\n\
          | backend | build M blocks/s | store p50 / p99 | remove p50 / p99 | hit p50 / p99 \
          | partial p50 / p99 | miss p50 / p99 | heap MB | B/membership | memberships | mismatches |\n\
          |---|---|---|---|---|---|---|---|---|---|---|",
@@ -614,7 +627,7 @@ fn main() -> Result<()> {
         let per_mode = u64::from(interleaved) + if open_loop { windows.len() as u64 } else { 0 };
         units += configs.len() as u64 * n * per_mode;
     }
-    units += n * (u64::from(run_synthetic) + u64::from(run_concurrent) + u64::from(run_clear));
+    units += n * (2 * u64::from(run_synthetic) + u64::from(run_concurrent) + u64::from(run_clear));
     let bar = progress(units);
 
     let needs_trace = run_conversation || run_concurrent || run_clear;
@@ -784,7 +797,14 @@ fn main() -> Result<()> {
         }
     }
 
-    if run_synthetic {
+    for engine_hashes in [EngineHashes::Unique, EngineHashes::Chained] {
+        if !run_synthetic {
+            break;
+        }
+        let synthetic_config = SyntheticConfig {
+            engine_hashes,
+            ..synthetic_config
+        };
         bar.set_message("synthetic: generating");
         let workload = synthetic::generate(&synthetic_config);
         let mut results = Vec::new();
@@ -795,21 +815,25 @@ fn main() -> Result<()> {
             bar.inc(1);
             if !result.is_correct() {
                 failures.push(format!(
-                    "{name} synthetic: {} of {} answers differ from the construction oracle, \
-                     memberships {} / {} vs {}, {} anomalies",
+                    "{name} synthetic ({engine_hashes:?} engine hashes): {} of {} answers differ \
+                     from the construction oracle, memberships {} / {} vs {}, {} anomalies vs {}",
                     result.mismatches,
                     result.checked,
                     result.memberships,
                     result.memberships_after_cycles,
                     result.expected_memberships,
-                    result.anomalies
+                    result.anomalies,
+                    result.expected_anomalies
                 ));
             }
             results.push(result);
         }
         drop(workload);
         out(&bar, &synthetic_text(&synthetic_config, &results));
-        report.synthetic = Some((synthetic_config, results));
+        match engine_hashes {
+            EngineHashes::Unique => report.synthetic = Some((synthetic_config, results)),
+            EngineHashes::Chained => report.synthetic_chained = Some((synthetic_config, results)),
+        }
     }
 
     // Workloads C and D use Workload A's stream: random routing, leaf-first eviction.
