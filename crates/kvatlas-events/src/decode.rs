@@ -47,6 +47,7 @@ pub const MAX_DEPTH: usize = 32;
 
 /// A decoded `KVEventBatch`.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct EventBatch {
     /// The engine's timestamp of the scheduler step (seconds since the epoch).
     pub ts: f64,
@@ -71,6 +72,7 @@ pub struct SkippedEvent {
 
 /// One KV-cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Event {
     /// A run of blocks became cached (boxed: it is several times the size of the other
     /// variants, and a batch of one-block removes would otherwise move and reserve that much
@@ -98,6 +100,7 @@ pub enum SaltSource {
 /// A `BlockStored` event: every field of its wire layout (`docs/events.md` §7.2) that the
 /// producer sent.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct BlockStored {
     /// Engine hash per block (ints as their 64-bit pattern, `bin` as its last 8 bytes BE).
     pub block_hashes: Vec<u64>,
@@ -140,6 +143,7 @@ pub struct BlockStored {
 
 /// A `BlockRemoved` event (wire layout in `docs/events.md` §7.2).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct BlockRemoved {
     /// Engine hashes of the evicted blocks.
     pub block_hashes: Vec<u64>,

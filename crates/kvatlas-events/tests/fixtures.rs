@@ -9,6 +9,20 @@ use kvatlas_events::{
     BlockRemoved, BlockStored, DecodeError, Event, EventBatch, Reason, SaltSource, decode_batch,
 };
 
+/// A `BlockStored` with the fields `set` gives (the type is `#[non_exhaustive]`).
+fn block_stored(set: impl FnOnce(&mut BlockStored)) -> BlockStored {
+    let mut event = BlockStored::default();
+    set(&mut event);
+    event
+}
+
+/// A `BlockRemoved` with the fields `set` gives.
+fn block_removed(set: impl FnOnce(&mut BlockRemoved)) -> BlockRemoved {
+    let mut event = BlockRemoved::default();
+    set(&mut event);
+    event
+}
+
 fn decode(bytes: &[u8]) -> EventBatch {
     decode_batch(bytes).expect("fixture decodes")
 }
@@ -38,21 +52,20 @@ fn real_vllm_0_33_0_batch_decodes_to_the_annotated_values() {
     assert_eq!(
         batch.events,
         vec![
-            Event::BlockRemoved(BlockRemoved {
-                block_hashes: vec![H_0_33],
-                medium: Some("GPU".into()),
-                group_idx: Some(0),
-                locality: None,
-                ownership: None,
-            }),
-            Event::BlockStored(Box::new(BlockStored {
-                block_hashes: vec![H_0_33],
-                parent_block_hash: Some(H2),
-                token_ids: (1032..=1047).collect(),
-                block_size: Some(16),
-                medium: Some("CPU".into()),
-                ..BlockStored::default()
+            Event::BlockRemoved(block_removed(|e| {
+                e.block_hashes = vec![H_0_33];
+                e.medium = Some("GPU".into());
+                e.group_idx = Some(0);
+                e.locality = None;
+                e.ownership = None;
             })),
+            Event::BlockStored(Box::new(block_stored(|e| {
+                e.block_hashes = vec![H_0_33];
+                e.parent_block_hash = Some(H2);
+                e.token_ids = (1032..=1047).collect();
+                e.block_size = Some(16);
+                e.medium = Some("CPU".into());
+            }))),
         ]
     );
 }
@@ -77,21 +90,19 @@ fn real_vllm_0_23_0_array_layout() {
     assert_eq!(
         batch.events,
         vec![
-            Event::BlockStored(Box::new(BlockStored {
-                block_hashes: vec![H1, H2],
-                parent_block_hash: None,
-                token_ids: vec![1000, 1001, 1002, 1003],
-                block_size: Some(2),
-                medium: Some("GPU".into()),
-                group_idx: Some(0),
-                ..BlockStored::default()
+            Event::BlockStored(Box::new(block_stored(|e| {
+                e.block_hashes = vec![H1, H2];
+                e.parent_block_hash = None;
+                e.token_ids = vec![1000, 1001, 1002, 1003];
+                e.block_size = Some(2);
+                e.medium = Some("GPU".into());
+                e.group_idx = Some(0);
+            }))),
+            Event::BlockRemoved(block_removed(|e| {
+                e.block_hashes = vec![H2];
+                e.medium = Some("GPU".into());
+                e.group_idx = Some(0);
             })),
-            Event::BlockRemoved(BlockRemoved {
-                block_hashes: vec![H2],
-                medium: Some("GPU".into()),
-                group_idx: Some(0),
-                ..BlockRemoved::default()
-            }),
             Event::AllBlocksCleared,
         ]
     );
@@ -260,10 +271,9 @@ fn an_unknown_tag_or_a_malformed_event_skips_only_that_event() {
     assert_eq!(
         batch.events,
         vec![
-            Event::BlockRemoved(BlockRemoved {
-                block_hashes: vec![H1],
-                ..BlockRemoved::default()
-            }),
+            Event::BlockRemoved(block_removed(|e| {
+                e.block_hashes = vec![H1];
+            })),
             Event::AllBlocksCleared,
         ]
     );

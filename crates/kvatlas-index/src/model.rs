@@ -272,7 +272,18 @@ impl ApplyReport {
 }
 
 /// How `find_matches` should answer.
+///
+/// Built from [`MatchOptions::default`] (device scores of every matching rank) and the
+/// `with_*` methods; new options may be added, so the type is `#[non_exhaustive]`.
+///
+/// ```
+/// use kvatlas_index::MatchOptions;
+///
+/// let options = MatchOptions::default().with_tiered(true).with_top_k(Some(4));
+/// assert!(options.tiered && !options.early_exit);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct MatchOptions {
     /// Also compute the cumulative host and disk boundaries (otherwise they equal the device
     /// score and only workers with a device match are returned).
@@ -284,8 +295,30 @@ pub struct MatchOptions {
     pub top_k: Option<usize>,
 }
 
-/// One worker rank's match for a query.
+impl MatchOptions {
+    /// With [`MatchOptions::tiered`] set to `tiered`.
+    pub fn with_tiered(mut self, tiered: bool) -> Self {
+        self.tiered = tiered;
+        self
+    }
+
+    /// With [`MatchOptions::early_exit`] set to `early_exit`.
+    pub fn with_early_exit(mut self, early_exit: bool) -> Self {
+        self.early_exit = early_exit;
+        self
+    }
+
+    /// With [`MatchOptions::top_k`] set to `top_k`.
+    pub fn with_top_k(mut self, top_k: Option<usize>) -> Self {
+        self.top_k = top_k;
+        self
+    }
+}
+
+/// One worker rank's match for a query (`#[non_exhaustive]`: read its fields, build one with
+/// [`WorkerMatch::new`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct WorkerMatch {
     /// The worker rank.
     pub worker: Worker,
@@ -295,6 +328,19 @@ pub struct WorkerMatch {
     pub host: u32,
     /// Leading query blocks each held on any tier (`host <= disk`): the longest match.
     pub disk: u32,
+}
+
+impl WorkerMatch {
+    /// A rank's match: `device <= host <= disk` leading blocks (the caller keeps that order).
+    pub fn new(worker: Worker, device: u32, host: u32, disk: u32) -> Self {
+        debug_assert!(device <= host && host <= disk);
+        Self {
+            worker,
+            device,
+            host,
+            disk,
+        }
+    }
 }
 
 /// The answer to one query: the workers with a non-zero match, sorted by worker.

@@ -62,7 +62,7 @@ proptest! {
     #[test]
     fn bounded_atlas_is_exact_for_what_remains(capacity in 1u64..8, ops in prop::collection::vec(op(), 1..40)) {
         let queries = queries();
-        let tiered = MatchOptions { tiered: true, ..MatchOptions::default() };
+        let tiered = MatchOptions::default().with_tiered(true);
         let mut atlas = Atlas::with_capacity(capacity);
         // The concurrent Atlas shares the eviction code: it must evict the same blocks.
         let concurrent = ConcurrentAtlas::with_capacity(capacity);

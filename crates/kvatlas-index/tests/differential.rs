@@ -88,20 +88,12 @@ fn all_queries() -> Vec<Vec<LocalBlockHash>> {
 
 fn options() -> [MatchOptions; 4] {
     [
-        MatchOptions {
-            tiered: true,
-            ..MatchOptions::default()
-        },
+        MatchOptions::default().with_tiered(true),
         MatchOptions::default(),
-        MatchOptions {
-            early_exit: true,
-            ..MatchOptions::default()
-        },
-        MatchOptions {
-            tiered: true,
-            top_k: Some(1),
-            ..MatchOptions::default()
-        },
+        MatchOptions::default().with_early_exit(true),
+        MatchOptions::default()
+            .with_tiered(true)
+            .with_top_k(Some(1)),
     ]
 }
 

@@ -1054,24 +1054,9 @@ mod tests {
     fn scores_and_instances_follow_dynamo() {
         let matches = Matches {
             workers: vec![
-                kvatlas_index::WorkerMatch {
-                    worker: Worker::new(4, 2),
-                    device: 2,
-                    host: 2,
-                    disk: 2,
-                },
-                kvatlas_index::WorkerMatch {
-                    worker: Worker::new(4, 3),
-                    device: 1,
-                    host: 1,
-                    disk: 1,
-                },
-                kvatlas_index::WorkerMatch {
-                    worker: Worker::new(3, 0),
-                    device: 0,
-                    host: 0,
-                    disk: 2,
-                },
+                kvatlas_index::WorkerMatch::new(Worker::new(4, 2), 2, 2, 2),
+                kvatlas_index::WorkerMatch::new(Worker::new(4, 3), 1, 1, 1),
+                kvatlas_index::WorkerMatch::new(Worker::new(3, 0), 0, 0, 2),
             ],
         };
         let response: Value =

@@ -105,21 +105,17 @@ impl IndexEntry {
 
 /// One walk of `index`, then the options.
 fn score(index: &impl SharedKvIndex, hashes: &[LocalBlockHash], options: &QueryOptions) -> Matches {
-    let finishing = MatchOptions {
-        tiered: !options.device_only,
-        early_exit: options.early_exit,
-        top_k: options.top_k,
-    };
+    let finishing = MatchOptions::default()
+        .with_tiered(!options.device_only)
+        .with_early_exit(options.early_exit)
+        .with_top_k(options.top_k);
     if options.instances.is_empty() && options.min_blocks == 0 {
         return index.find_matches(hashes, &finishing);
     }
     // Filters first, on exact scores; then early exit and top-k on what is left.
     let mut matches = index.find_matches(
         hashes,
-        &MatchOptions {
-            tiered: finishing.tiered,
-            ..MatchOptions::default()
-        },
+        &MatchOptions::default().with_tiered(finishing.tiered),
     );
     if !options.instances.is_empty() {
         matches

@@ -547,13 +547,7 @@ fn expected_answer(matches: &Matches) -> Value {
 fn reference_answer(reference: &ReferenceIndex, tokens: &[u32]) -> Value {
     let hasher = BlockHasher::new(BLOCK).expect("block size");
     let locals: Vec<_> = hasher.local_hashes(tokens).collect();
-    expected_answer(&reference.find_matches(
-        &locals,
-        &MatchOptions {
-            tiered: true,
-            ..MatchOptions::default()
-        },
-    ))
+    expected_answer(&reference.find_matches(&locals, &MatchOptions::default().with_tiered(true)))
 }
 
 /// `/query_by_hash`'s body for `tokens`: the local hashes as i64 (1.6.1 takes `Vec<i64>`).

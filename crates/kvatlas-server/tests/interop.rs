@@ -112,10 +112,7 @@ fn chains(snapshot: &Snapshot) -> Vec<Vec<LocalBlockHash>> {
 
 async fn check(h: &mut Harness, expected: &Expected, phase: &str) {
     // Every held chain, and its first block alone, answered like the reference.
-    let options = MatchOptions {
-        tiered: true,
-        ..MatchOptions::default()
-    };
+    let options = MatchOptions::default().with_tiered(true);
     let snapshot = expected.reference.snapshot();
     let prompts = chains(&snapshot);
     assert!(
@@ -338,13 +335,9 @@ fn python_grpcio_clients_with_health_and_reflection() {
         .iter()
         .map(|p| {
             let locals: Vec<_> = hasher.local_hashes(p).collect();
-            reference_rows(&reference.find_matches(
-                &locals,
-                &MatchOptions {
-                    tiered: true,
-                    ..MatchOptions::default()
-                },
-            ))
+            reference_rows(
+                &reference.find_matches(&locals, &MatchOptions::default().with_tiered(true)),
+            )
             .into_iter()
             .map(|(i, r, d, ho, l)| [i, u64::from(r), u64::from(d), u64::from(ho), u64::from(l)])
             .collect()
@@ -548,10 +541,7 @@ async fn settle(fleet: &mut driver::Fleet, servers: &mut [&mut Harness]) {
 
 /// Every held chain of the reference answered alike by the server.
 async fn same_answers(h: &mut Harness, reference: &ReferenceIndex, model: &str, what: &str) {
-    let options = MatchOptions {
-        tiered: true,
-        ..MatchOptions::default()
-    };
+    let options = MatchOptions::default().with_tiered(true);
     let prompts = chains(&reference.snapshot());
     assert!(!prompts.is_empty(), "{what}: the fleet should hold blocks");
     for prompt in prompts {

@@ -70,7 +70,7 @@ impl Absorb<ForestOp> for Forest {
 /// });
 ///
 /// // Host-tier blocks count only in a tiered query: all 3 blocks on the host, none on the GPU.
-/// let tiered = MatchOptions { tiered: true, ..MatchOptions::default() };
+/// let tiered = MatchOptions::default().with_tiered(true);
 /// let matches = index.find_matches(&locals, &tiered);
 /// let m = matches.get(worker).expect("worker 1 matches");
 /// assert_eq!((m.device, m.host, m.disk), (0, 3, 3));

@@ -120,13 +120,7 @@ fn models(chains: &[Chain], pod: impl Fn(Worker) -> String) -> (ReferenceIndex, 
 fn tiered(reference: &ReferenceIndex, tokens: &[u32]) -> Matches {
     let hasher = BlockHasher::new(BLOCK).expect("block size");
     let locals: Vec<LocalBlockHash> = hasher.local_hashes(tokens).collect();
-    reference.find_matches(
-        &locals,
-        &MatchOptions {
-            tiered: true,
-            ..MatchOptions::default()
-        },
-    )
+    reference.find_matches(&locals, &MatchOptions::default().with_tiered(true))
 }
 
 fn as_map(scores: &[PodScore]) -> BTreeMap<String, f64> {
@@ -253,12 +247,7 @@ proptest! {
 
 #[test]
 fn tier_weights_are_added_block_by_block() {
-    let m = |device, host, disk| WorkerMatch {
-        worker: Worker::new(1, 0),
-        device,
-        host,
-        disk,
-    };
+    let m = |device, host, disk| WorkerMatch::new(Worker::new(1, 0), device, host, disk);
     assert_eq!(rank_score(&m(0, 0, 0)), 0.0);
     assert_eq!(rank_score(&m(3, 3, 3)), 3.0);
     // 1 + 1 + 0.8 + 0.8 + 1 (a disk block weighs 1.0: llm-d's weight of a tier it does not list).
@@ -294,11 +283,8 @@ fn pods_fall_back_to_the_instance_then_its_id() {
 
 #[test]
 fn a_pod_with_several_ranks_answers_with_its_best_rank() {
-    let m = |worker: u64, rank: u32, device: u32, host: u32| WorkerMatch {
-        worker: Worker::new(worker, rank),
-        device,
-        host,
-        disk: host,
+    let m = |worker: u64, rank: u32, device: u32, host: u32| {
+        WorkerMatch::new(Worker::new(worker, rank), device, host, host)
     };
     let matches = Matches {
         workers: vec![

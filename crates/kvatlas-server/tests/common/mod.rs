@@ -301,13 +301,7 @@ pub fn random_prompt(rng: &mut Rng, block_size: u32) -> (Vec<u32>, Vec<LocalBloc
 
 /// The reference's tiered answer for `locals`.
 pub fn reference_answer(reference: &ReferenceIndex, locals: &[LocalBlockHash]) -> Matches {
-    reference.find_matches(
-        locals,
-        &MatchOptions {
-            tiered: true,
-            ..MatchOptions::default()
-        },
-    )
+    reference.find_matches(locals, &MatchOptions::default().with_tiered(true))
 }
 
 /// A server answer as (instance, rank, device, host, longest) tuples.
