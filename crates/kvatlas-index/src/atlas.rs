@@ -904,26 +904,7 @@ impl Membership for Sink<'_> {
     }
 
     fn add(&mut self, node: NodeRef, level: Level) {
-        if let Pending::Add {
-            edge,
-            level: run_level,
-            ref mut hi,
-            ..
-        } = self.pending
-            && edge == node.edge
-            && run_level == level
-            && *hi == node.offset
-        {
-            *hi += 1;
-            return;
-        }
-        self.flush();
-        self.pending = Pending::Add {
-            edge: node.edge,
-            level,
-            lo: node.offset,
-            hi: node.offset + 1,
-        };
+        self.add_along(node, 1, level);
     }
 
     fn add_along(&mut self, first: NodeRef, len: u32, level: Level) {
@@ -986,26 +967,7 @@ impl Membership for Sink<'_> {
     }
 
     fn remove(&mut self, node: NodeRef, level: Level) {
-        if let Pending::Remove {
-            edge,
-            level: run_level,
-            ref mut lo,
-            ..
-        } = self.pending
-            && edge == node.edge
-            && run_level == level
-            && *lo == node.offset + 1
-        {
-            *lo -= 1;
-            return;
-        }
-        self.flush();
-        self.pending = Pending::Remove {
-            edge: node.edge,
-            level,
-            lo: node.offset,
-            hi: node.offset + 1,
-        };
+        self.remove_along(node, 1, level);
     }
 }
 
