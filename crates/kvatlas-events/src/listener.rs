@@ -17,9 +17,11 @@
 //!   returns within about one timeout.
 //! - **Replay**: an [`Action::Replay`] opens a fresh DEALER to the replay endpoint, sends
 //!   `[b"", start_be8]` and feeds every reply (2-, 3- or 4-frame layouts) to the sequencer until
-//!   the end marker. No reply for [`ListenerOptions::replay_timeout`], a socket error, or no
-//!   replay endpoint at all → [`Sequencer::handle_replay_failed`] → resync. Live batches keep
-//!   arriving meanwhile and are buffered by the sequencer (bounded).
+//!   the end marker. No reply for [`ListenerOptions::replay_timeout`] (the loop gives the
+//!   sequencer each request's deadline, sleeps until [`Sequencer::poll_timeout`] at the latest
+//!   and reports the time with [`Sequencer::handle_timeout`]), a socket error, or no replay
+//!   endpoint at all → the replay fails → resync. Live batches keep arriving meanwhile and are
+//!   buffered by the sequencer (bounded).
 //! - **Resync** ([`Action::Resync`]) → a [`Mutation::Cleared`] for every rank the source has fed,
 //!   counted and logged (`tracing`, target `kvatlas_events::listener`).
 //! - **Units and checkpoints**: each applied batch goes to the sink as one [`Unit`] — its
@@ -885,8 +887,6 @@ struct ReplayState {
     id: ReplayId,
     from: u64,
     dealer: zmq::Socket,
-    /// When the replay fails if no further reply arrives.
-    deadline: Instant,
 }
 
 impl fmt::Debug for ReplayState {
@@ -1006,9 +1006,8 @@ impl ListenerThread {
                     return exit;
                 }
             }
-            let timeout = match &self.replay {
-                Some(replay) => replay
-                    .deadline
+            let timeout = match self.sequencer.poll_timeout() {
+                Some(deadline) => deadline
                     .saturating_duration_since(Instant::now())
                     .min(recv_timeout),
                 None => recv_timeout,
@@ -1045,11 +1044,9 @@ impl ListenerThread {
             if live_ready && let Err(exit) = self.read_live() {
                 return exit;
             }
-            if let Some(replay) = &self.replay
-                && Instant::now() >= replay.deadline
-            {
-                let (id, from) = (replay.id, replay.from);
-                self.replay_failed(id, format!("replay from {from} timed out"));
+            if self.sequencer.handle_timeout(Instant::now()).is_some() {
+                let from = self.replay.as_ref().map_or(0, |replay| replay.from);
+                self.replay_abandoned(format!("replay from {from} timed out"));
                 if let Err(exit) = self.drive() {
                     return exit;
                 }
@@ -1212,9 +1209,8 @@ impl ListenerThread {
                     return self.drive();
                 }
             };
-            if let Some(replay) = &mut self.replay {
-                replay.deadline = Instant::now() + self.config.options.replay_timeout;
-            }
+            self.sequencer
+                .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
             let reply = if received.count == received.frames.len() {
                 decode_replay_reply(&received.slices()).map(|reply| match reply {
                     ReplayReply::Batch { seq, .. } => Some(seq),
@@ -1250,6 +1246,13 @@ impl ListenerThread {
     }
 
     fn replay_failed(&mut self, id: ReplayId, error: String) {
+        self.replay_abandoned(error);
+        self.sequencer.handle_replay_failed(id);
+    }
+
+    /// Counts and reports a failed replay and drops its request (the sequencer knows already,
+    /// or is told by the caller).
+    fn replay_abandoned(&mut self, error: String) {
         bump(&self.shared.counters.replays_failed);
         tracing::warn!(
             target: "kvatlas_events::listener",
@@ -1259,7 +1262,6 @@ impl ListenerThread {
         );
         self.shared.set_error(error);
         self.replay = None;
-        self.sequencer.handle_replay_failed(id);
     }
 
     /// Performs the sequencer's actions until it has none.
@@ -1329,12 +1331,9 @@ impl ListenerThread {
         };
         match self.open_dealer(&endpoint, from) {
             Ok(dealer) => {
-                self.replay = Some(ReplayState {
-                    id,
-                    from,
-                    dealer,
-                    deadline: Instant::now() + self.config.options.replay_timeout,
-                });
+                self.replay = Some(ReplayState { id, from, dealer });
+                self.sequencer
+                    .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
             }
             Err(error) => {
                 self.replay_failed(id, format!("replay request to {endpoint}: {error}"));

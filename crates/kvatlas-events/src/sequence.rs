@@ -8,10 +8,15 @@
 //! keep applying).
 //!
 //! It performs no I/O and reads no clock: the caller feeds inputs with the `handle_*` methods
-//! and drains [`Action`]s with [`Sequencer::poll_action`], like `quinn-proto`. Timeouts (a replay
-//! endpoint that never answers) are the caller's: call [`Sequencer::handle_replay_failed`].
+//! and drains [`Action`]s with [`Sequencer::poll_action`], like `quinn-proto`. Time comes in
+//! the same way: the caller gives each replay request its deadline
+//! ([`Sequencer::set_replay_deadline`], when it sends the request and again whenever an answer
+//! arrives), asks when to wake up ([`Sequencer::poll_timeout`]) and reports the time then
+//! ([`Sequencer::handle_timeout`]); a replay endpoint that never answers is then failed here,
+//! and tests drive it with made-up instants.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -119,6 +124,8 @@ pub struct SequenceCounters {
     pub overflow_resyncs: u64,
     /// Replay answers for a request no longer outstanding (ignored).
     pub stale_replay_frames: u64,
+    /// Replays failed because their deadline passed ([`Sequencer::handle_timeout`]).
+    pub replay_timeouts: u64,
     /// The most live batches buffered at once.
     pub max_buffered: u64,
 }
@@ -137,6 +144,8 @@ struct Outstanding {
     answered: bool,
     /// A catch-up ([`Sequencer::catch_up`]): no known end, and no resync if it fails.
     open_ended: bool,
+    /// When the request fails if nothing more arrives (set by the caller).
+    deadline: Option<Instant>,
 }
 
 /// The sequencing state of one source (one engine publisher).
@@ -146,7 +155,9 @@ struct Outstanding {
 ///   [`handle_replay_batch`](Self::handle_replay_batch),
 ///   [`handle_replay_end`](Self::handle_replay_end) and
 ///   [`handle_replay_failed`](Self::handle_replay_failed) for the answers to an
-///   [`Action::Replay`];
+///   [`Action::Replay`]; [`set_replay_deadline`](Self::set_replay_deadline) when the request
+///   goes out and as answers arrive, and [`handle_timeout`](Self::handle_timeout) at the
+///   instant [`poll_timeout`](Self::poll_timeout) names;
 /// - outputs: [`poll_action`](Self::poll_action) until `None` after each input.
 ///
 /// Rules (`docs/events.md` has the full state machine):
@@ -241,6 +252,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             to: u64::MAX,
             answered: false,
             open_ended: true,
+            deadline: None,
         });
         self.actions.push_back(Action::Replay {
             id,
@@ -334,7 +346,36 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         self.request_replay_if_needed();
     }
 
-    /// Replay `id` failed or timed out (or the source has no replay endpoint).
+    /// Replay `id` fails if nothing more about it arrives by `deadline`: call it when the
+    /// request is sent, and again (with a later deadline) whenever one of its answers arrives.
+    /// Ignored for a request no longer outstanding.
+    pub fn set_replay_deadline(&mut self, id: ReplayId, deadline: Instant) {
+        if let Some(replay) = self.replay.as_mut().filter(|r| r.id == id) {
+            replay.deadline = Some(deadline);
+        }
+    }
+
+    /// When [`Sequencer::handle_timeout`] must be called next: the outstanding replay's
+    /// deadline, if it has one.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.replay.and_then(|r| r.deadline)
+    }
+
+    /// The time is `now`: an outstanding replay whose deadline has passed fails (as
+    /// [`Sequencer::handle_replay_failed`], counted in
+    /// [`SequenceCounters::replay_timeouts`]). Returns the replay that timed out, so the caller
+    /// can drop its request.
+    pub fn handle_timeout(&mut self, now: Instant) -> Option<ReplayId> {
+        let replay = self.replay?;
+        if replay.deadline.is_none_or(|deadline| now < deadline) {
+            return None;
+        }
+        self.counters.replay_timeouts += 1;
+        self.handle_replay_failed(replay.id);
+        Some(replay.id)
+    }
+
+    /// Replay `id` failed (a socket error, or the source has no replay endpoint).
     pub fn handle_replay_failed(&mut self, id: ReplayId) {
         let Some(replay) = self.replay.filter(|r| r.id == id) else {
             self.counters.stale_replay_frames += 1;
@@ -460,6 +501,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             to,
             answered: false,
             open_ended: false,
+            deadline: None,
         });
         self.actions.push_back(Action::Replay {
             id,

@@ -1,5 +1,7 @@
 //! The per-source sequencing state machine: contiguous streams, gaps healed by replay, late
-//! joins, duplicates, restarts, incomplete or failed replays and buffer overflow.
+//! joins, duplicates, restarts, incomplete, failed or timed-out replays and buffer overflow.
+
+use std::time::{Duration, Instant};
 
 use kvatlas_events::{Action, ReplayId, ResyncReason, Sequencer, SequencerConfig};
 
@@ -469,4 +471,65 @@ fn a_catch_up_that_starts_late_resyncs() {
         h.replay(20..22, true),
         vec![Resync(ResyncReason::ReplayIncomplete), Apply(20), Apply(21)]
     );
+}
+
+/// Replay timeouts with made-up instants, no sleeping: nothing happens before the deadline or
+/// without one; an answer that moves the deadline postpones the failure; at the deadline the
+/// replay fails like a reported failure (resync, then the buffered batches), counted as a
+/// timeout, and its late answers are stale.
+#[test]
+fn a_replay_times_out_at_its_deadline_and_answers_push_the_deadline_back() {
+    let start = Instant::now();
+    let at = |ms: u64| start + Duration::from_millis(ms);
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([4, 5]), vec![Replay(1, 4)]);
+    let id = h.replay_id();
+    // No deadline given yet: no timeout, whatever the time.
+    assert_eq!(h.seq.poll_timeout(), None);
+    assert_eq!(h.seq.handle_timeout(at(1_000_000)), None);
+    h.seq.set_replay_deadline(id, at(100));
+    assert_eq!(h.seq.poll_timeout(), Some(at(100)));
+    assert_eq!(h.seq.handle_timeout(at(99)), None);
+    assert_eq!(h.drain(), vec![]);
+    // An answer arrives at 80 ms; the caller moves the deadline.
+    assert_eq!(h.replay([1], false), vec![Apply(1)]);
+    h.seq.set_replay_deadline(id, at(180));
+    assert_eq!(h.seq.handle_timeout(at(150)), None);
+    assert_eq!(h.seq.handle_timeout(at(180)), Some(id));
+    assert_eq!(
+        h.drain(),
+        vec![Resync(ResyncReason::ReplayFailed), Apply(4), Apply(5)]
+    );
+    assert_eq!(h.seq.poll_timeout(), None);
+    // A deadline for a request that is no longer outstanding changes nothing.
+    h.seq.set_replay_deadline(id, at(300));
+    assert_eq!(h.seq.poll_timeout(), None);
+    assert_eq!(h.seq.handle_timeout(at(500)), None);
+    let c = *h.seq.counters();
+    assert_eq!((c.replay_timeouts, c.replay_resyncs), (1, 1), "{c:?}");
+    // The timed-out replay's late answers are stale.
+    h.seq.handle_replay_batch(id, 2, payload(0, 2));
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(h.seq.counters().stale_replay_frames, 1);
+}
+
+/// A catch-up that times out is not a loss (nothing says a batch was missed): no resync.
+#[test]
+fn a_catch_up_that_times_out_changes_nothing() {
+    let start = Instant::now();
+    let mut h = resumed(9);
+    h.seq.catch_up();
+    h.drain();
+    let id = h.replay_id();
+    h.seq
+        .set_replay_deadline(id, start + Duration::from_millis(10));
+    assert_eq!(
+        h.seq.handle_timeout(start + Duration::from_millis(10)),
+        Some(id)
+    );
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(h.live([10]), vec![Apply(10)]);
+    let c = *h.seq.counters();
+    assert_eq!((c.replay_timeouts, c.resyncs), (1, 0), "{c:?}");
 }
