@@ -1104,41 +1104,54 @@ impl<N: RunNode> RunLedger<N> {
             }
         }
         LOCALS.set(locals);
-        if !self.dangling.is_empty() {
-            // The placed blocks some run waits for, in position order: when few parents are
-            // waited for, each is looked up (a removed prefix leaves a rank's other sequences
-            // waiting for one block, and its re-store should not probe every block it stores);
-            // else every placed block is checked.
+        if self.dangling.is_empty() {
+            return;
+        }
+        // The placed blocks some run waits for, in position order: when few parents are waited
+        // for, each is looked up (a removed prefix leaves a rank's other sequences waiting for
+        // one block, and its re-store should not probe every block it stores); else every
+        // placed block is checked.
+        if self.dangling.parents_waited_for() * ADOPT_LOOKUP_RATIO < blocks.len() {
             let mut adopting = ADOPTING.take();
             adopting.clear();
-            if self.dangling.parents_waited_for() * ADOPT_LOOKUP_RATIO < blocks.len() {
-                for hash in self.dangling.each_parent_waited_for() {
-                    if let Some(at) = self.find(hash)
-                        && (pos..pos + n).contains(&at)
-                    {
-                        adopting.push((at, hash));
-                    }
+            for hash in self.dangling.each_parent_waited_for() {
+                if let Some(at) = self.find(hash)
+                    && (pos..pos + n).contains(&at)
+                {
+                    adopting.push((at, hash));
                 }
-                adopting.sort_unstable_by_key(|&(at, _)| at);
-            } else {
-                adopting.extend((pos..).zip(blocks).map(|(at, block)| (at, block.external)));
             }
+            adopting.sort_unstable_by_key(|&(at, _)| at);
             for &(at, hash) in &adopting {
-                let Some(waiting) = self.dangling.take_waiting(hash) else {
-                    continue;
-                };
-                for w in waiting {
-                    if self.runs[w as usize].start == at {
-                        // A block naming itself as parent can never be reached; keep it aside.
-                        continue;
-                    }
-                    self.dangling.adopted(w);
-                    let holder = self.run_of(at);
-                    self.link_child(holder, at, w);
-                    propagate(self, sink, w);
-                }
+                self.adopt_waiting(sink, at, hash);
             }
             ADOPTING.set(adopting);
+        } else {
+            for (at, block) in (pos..).zip(blocks) {
+                self.adopt_waiting(sink, at, block.external);
+            }
+        }
+    }
+
+    /// Hangs the runs waiting for `hash` (just placed at `at`) under it.
+    fn adopt_waiting<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        at: u32,
+        hash: ExternalBlockHash,
+    ) {
+        let Some(waiting) = self.dangling.take_waiting(hash) else {
+            return;
+        };
+        for w in waiting {
+            if self.runs[w as usize].start == at {
+                // A block naming itself as parent can never be reached; keep it aside.
+                continue;
+            }
+            self.dangling.adopted(w);
+            let holder = self.run_of(at);
+            self.link_child(holder, at, w);
+            propagate(self, sink, w);
         }
     }
 
