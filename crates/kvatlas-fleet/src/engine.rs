@@ -479,8 +479,8 @@ impl Lru {
         self.index.contains_key(&key)
     }
 
-    fn unlink(&mut self, slot: u32) {
-        let Node { prev, next, .. } = self.nodes[slot as usize];
+    fn unlink(&mut self, at: u32) {
+        let Node { prev, next, .. } = self.nodes[at as usize];
         if prev == NIL {
             self.head = next;
         } else {
@@ -493,15 +493,15 @@ impl Lru {
         }
     }
 
-    fn push_front(&mut self, slot: u32) {
-        self.nodes[slot as usize].prev = NIL;
-        self.nodes[slot as usize].next = self.head;
+    fn push_front(&mut self, at: u32) {
+        self.nodes[at as usize].prev = NIL;
+        self.nodes[at as usize].next = self.head;
         if self.head == NIL {
-            self.tail = slot;
+            self.tail = at;
         } else {
-            self.nodes[self.head as usize].prev = slot;
+            self.nodes[self.head as usize].prev = at;
         }
-        self.head = slot;
+        self.head = at;
     }
 
     /// Cached children of `key`.
@@ -511,10 +511,10 @@ impl Lru {
 
     /// Makes `key` (whose parent is `parent`) the most recently used, inserting it if absent.
     fn touch(&mut self, key: u64, parent: Option<u64>) {
-        if let Some(&slot) = self.index.get(&key) {
-            if self.head != slot {
-                self.unlink(slot);
-                self.push_front(slot);
+        if let Some(&at) = self.index.get(&key) {
+            if self.head != at {
+                self.unlink(at);
+                self.push_front(at);
             }
             return;
         }
@@ -528,34 +528,34 @@ impl Lru {
             prev: NIL,
             next: NIL,
         };
-        let slot = match self.free.pop() {
-            Some(slot) => {
-                self.nodes[slot as usize] = node;
-                slot
+        let at = match self.free.pop() {
+            Some(at) => {
+                self.nodes[at as usize] = node;
+                at
             }
             None => {
                 self.nodes.push(node);
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.index.insert(key, slot);
-        self.push_front(slot);
+        self.index.insert(key, at);
+        self.push_front(at);
     }
 
     /// Removes and returns the least recently used key.
     fn pop_lru(&mut self) -> Option<u64> {
-        let slot = self.tail;
-        if slot == NIL {
+        let at = self.tail;
+        if at == NIL {
             return None;
         }
-        self.unlink(slot);
-        self.free.push(slot);
+        self.unlink(at);
+        self.free.push(at);
         let Node {
             key,
             parent,
             has_parent,
             ..
-        } = self.nodes[slot as usize];
+        } = self.nodes[at as usize];
         self.index.remove(&key);
         if has_parent && let Some(count) = self.children.get_mut(&parent) {
             *count -= 1;

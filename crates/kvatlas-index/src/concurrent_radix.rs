@@ -14,7 +14,7 @@
 //!   run in parallel. The ledger absorbs every anomaly (holes, dangling parents, duplicates,
 //!   conflicts, cycles) and drives a per-call [`Membership`] sink that adds and removes the rank's
 //!   rooted memberships in the shared tree. A rank whose ledger empties is dropped from the map.
-//! - **Node handles** (what a ledger stores for a rooted block) are slots of the rank's own
+//! - **Node handles** (what a ledger stores for a rooted block) are entries of the rank's own
 //!   handle table, each holding an `Arc` of the node (see [`Handles`]): a writer reaches the
 //!   nodes its ledger names by an array index under its rank's mutex, with no shared table.
 //!   Readers never use handles: they follow `Arc` links from the roots.
@@ -33,7 +33,7 @@
 //!    detaching writer checks under that same parent lock), so another rank cannot detach it
 //!    between the ledger's `child` and `add` calls; `add` then turns the pin into a membership.
 //!    A handle is released when its block's last membership goes (the ledger then keeps the
-//!    block's local hash and never uses the handle again), so a reused slot never stands for a
+//!    block's local hash and never uses the handle again), so a reused entry never stands for a
 //!    block that still uses the old node.
 //! 4. Lock order: a rank's mutex, then the `roots` shard or a parent node, then its child node;
 //!    the rank map's shard locks are taken alone. Readers hold one lock at a time.
@@ -79,7 +79,7 @@
 //! Dynamo's CRTC. Per-block nodes make long shared prefixes cost `O(depth × ranks)` per query,
 //! where [`crate::Atlas`] compares runs. Memory is per node (136 bytes with its `Arc` header,
 //! holding one member and one child inline; tables beyond), per further rank-membership (32
-//! bytes) and per rooted block (a 16-byte handle slot), on top of the ledgers. Writes of one rank take node write locks that readers of those nodes briefly
+//! bytes) and per rooted block (a 16-byte handle entry), on top of the ledgers. Writes of one rank take node write locks that readers of those nodes briefly
 //! wait for. `clear`, `remove_worker` and `restore` go rank by rank (each rank atomically with
 //! respect to its own mutations); a concurrent reader may see some ranks already changed and
 //! others not, which the per-rank guarantee allows. There is no loom model of this protocol yet;
@@ -102,7 +102,7 @@ use crate::model::{
 };
 use crate::snapshot::{Snapshot, WorkerSnapshot};
 
-/// A ledger's node handle: a slot of its rank's [`Handles`].
+/// A ledger's node handle: an entry of its rank's [`Handles`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Handle(u32);
 
@@ -553,39 +553,39 @@ impl Drop for Tree {
     }
 }
 
-/// The nodes a rank's ledger names, by [`Handle`]: one slot per rooted block of the rank (and one
+/// The nodes a rank's ledger names, by [`Handle`]: one entry per rooted block of the rank (and one
 /// for a block joining, between `child` and `add`), holding the node and the memberships taken
 /// through it — 1 for a rooted block, 2 for an instant while its level changes (the ledger adds
-/// the new level before removing the old). A slot is freed when that count returns to 0 (the
+/// the new level before removing the old). An entry is freed when that count returns to 0 (the
 /// block left the rooted forest: the ledger keeps its local hash and never uses the handle
-/// again), so slots are reused only for handles the ledger has dropped. Lookups are an array
+/// again), so entries are reused only for handles the ledger has dropped. Lookups are an array
 /// index under the rank's mutex: no shared table, no hashing.
 #[derive(Debug, Default)]
 struct Handles {
-    slots: Vec<Slot>,
+    entries: Vec<HandleEntry>,
     free: Vec<u32>,
 }
 
 #[derive(Debug, Default)]
-struct Slot {
+struct HandleEntry {
     node: Option<Arc<Node>>,
     memberships: u32,
 }
 
 impl Handles {
     fn insert(&mut self, node: Arc<Node>) -> Handle {
-        let slot = Slot {
+        let entry = HandleEntry {
             node: Some(node),
             memberships: 0,
         };
         match self.free.pop() {
             Some(i) => {
-                self.slots[i as usize] = slot;
+                self.entries[i as usize] = entry;
                 Handle(i)
             }
             None => {
-                self.slots.push(slot);
-                Handle((self.slots.len() - 1) as u32)
+                self.entries.push(entry);
+                Handle((self.entries.len() - 1) as u32)
             }
         }
     }
@@ -593,7 +593,7 @@ impl Handles {
     /// The node of a live handle.
     fn node(&self, handle: Handle) -> &Arc<Node> {
         match self
-            .slots
+            .entries
             .get(handle.0 as usize)
             .and_then(|s| s.node.as_ref())
         {
@@ -604,11 +604,11 @@ impl Handles {
         }
     }
 
-    /// Frees a handle's slot; returns its node (`None` if the handle was not live).
+    /// Frees a handle's entry; returns its node (`None` if the handle was not live).
     fn release(&mut self, handle: Handle) -> Option<Arc<Node>> {
-        let node = self.slots.get_mut(handle.0 as usize)?.node.take()?;
+        let node = self.entries.get_mut(handle.0 as usize)?.node.take()?;
         self.free.push(handle.0);
-        if self.free.len() == self.slots.len() {
+        if self.free.len() == self.entries.len() {
             // Every handle is gone (the rank left the tree): give the memory back.
             *self = Self::default();
         }
@@ -616,7 +616,7 @@ impl Handles {
     }
 
     fn heap_bytes(&self) -> u64 {
-        (self.slots.capacity() * std::mem::size_of::<Slot>() + self.free.capacity() * 4) as u64
+        (self.entries.capacity() * std::mem::size_of::<HandleEntry>() + self.free.capacity() * 4) as u64
     }
 }
 
@@ -679,7 +679,7 @@ impl Membership for Sink<'_> {
             self.pinned = None;
             node.pins.fetch_sub(1, Ordering::AcqRel);
         }
-        self.handles.slots[handle.0 as usize].memberships += 1;
+        self.handles.entries[handle.0 as usize].memberships += 1;
     }
 
     fn remove(&mut self, handle: Handle, level: Level) {
@@ -689,13 +689,13 @@ impl Membership for Sink<'_> {
             state.members.remove(self.worker, level);
             state.is_empty()
         };
-        let slot = &mut self.handles.slots[handle.0 as usize];
+        let entry = &mut self.handles.entries[handle.0 as usize];
         debug_assert!(
-            slot.memberships > 0,
+            entry.memberships > 0,
             "{handle:?} removed more than it added"
         );
-        slot.memberships = slot.memberships.saturating_sub(1);
-        let node = if slot.memberships == 0 {
+        entry.memberships = entry.memberships.saturating_sub(1);
+        let node = if entry.memberships == 0 {
             self.handles.release(handle)
         } else {
             None
@@ -1172,7 +1172,7 @@ mod tests {
         drop(sink_a);
         assert_eq!(tree.nodes.load(Ordering::Relaxed), 0);
         assert!(tree.roots.is_empty());
-        assert!(handles_a.slots.is_empty() && handles_b.slots.is_empty());
+        assert!(handles_a.entries.is_empty() && handles_b.entries.is_empty());
     }
 
     #[test]

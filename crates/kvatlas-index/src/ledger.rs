@@ -1,4 +1,4 @@
-//! Per-worker chain bookkeeping, one slot per block (the ledger of `radix`, `positional` and
+//! Per-rank chain bookkeeping, one slot per block (the ledger of `radix`, `positional` and
 //! `crtc`; Atlas uses [`crate::run_ledger::RunLedger`], which keeps the same contract per run of
 //! blocks): which blocks a worker rank holds, their parent links, and which of them are *rooted*
 //! — reachable from a sequence start through held blocks — at each cumulative tier level.

@@ -2,9 +2,12 @@
 
 use kvatlas_hash::LocalBlockHash;
 
-/// An inference worker's data-parallel rank: the unit that owns blocks.
+/// One data-parallel **rank** of an inference worker: the unit that owns blocks.
 ///
-/// Two ranks of one worker hold separate caches and are separate owners everywhere.
+/// Two ranks of one worker hold separate caches and are separate owners everywhere. The words
+/// have one meaning each in kvatlas: a *worker* is an engine instance, named by its `worker_id`
+/// ([`crate::KvIndex::remove_worker`] takes one and drops all of its ranks); a *rank* is a value
+/// of this type. The type keeps the short name routers know (Dynamo's `WorkerWithDpRank`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Worker {
     /// The worker (engine instance) id.
@@ -14,7 +17,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// A worker's rank.
+    /// Rank `dp_rank` of worker `worker_id`.
     pub const fn new(worker_id: u64, dp_rank: u32) -> Self {
         Self { worker_id, dp_rank }
     }

@@ -3,7 +3,7 @@
 //!
 //! One node per local-hash path from the root, as in [`crate::baseline::RadixTree`], but nodes are found
 //! through a flat map keyed by `(position, local hash)` instead of by walking from the root. Paths
-//! that share a `(position, local hash)` slot are told apart by their **path hash**: the
+//! that share a `(position, local hash)` cell are told apart by their **path hash**: the
 //! [`SequenceHash`] chain of the path's *local* hashes (never the engines' external hashes).
 //!
 //! # Why jumping is exact
@@ -19,10 +19,10 @@
 //!
 //! # Path hashes on the query side
 //!
-//! A `(position, local)` slot holding a single node does **not** prove that the node lies on the
+//! A `(position, local)` cell holding a single node does **not** prove that the node lies on the
 //! query's path (the query may differ earlier, at a position a jump skipped), so every node a
 //! query uses is checked against the query's own path hash at that position. The query computes
-//! its chain lazily, only as far as the deepest probe that found a slot, and caches it. Two
+//! its chain lazily, only as far as the deepest probe that found a cell, and caches it. Two
 //! distinct paths are treated as one only if their 64-bit path hashes collide at the same
 //! position and local hash — the same kind of assumption as identifying a block by its 64-bit
 //! local hash. Writes never rely on it: a node's children are found by parent identity.
@@ -38,7 +38,7 @@ use crate::model::{
 };
 use crate::snapshot::Snapshot;
 
-/// Marks "no node" (the parent of a first block, or a free slot's parent).
+/// Marks "no node" (the parent of a first block, or a free cell's parent).
 const NIL: u32 = u32::MAX;
 /// A rank's level on a node where it has no rooted block.
 const ABSENT: Level = 3;
@@ -82,12 +82,12 @@ impl Node {
     }
 }
 
-/// The nodes of one `(position, local hash)` slot.
+/// The nodes of one `(position, local hash)` cell.
 #[derive(Debug, Clone)]
 enum Entry {
-    /// The common case: one path reaches this slot.
+    /// The common case: one path reaches this cell.
     Single(u32),
-    /// Several paths reach this slot: `(path hash, node)` pairs.
+    /// Several paths reach this cell: `(path hash, node)` pairs.
     Multi(Vec<(SequenceHash, u32)>),
 }
 
@@ -96,13 +96,13 @@ enum Entry {
 struct Arena {
     nodes: Vec<Node>,
     free: Vec<u32>,
-    slots: FxHashMap<(u32, LocalBlockHash), Entry>,
+    cells: FxHashMap<(u32, LocalBlockHash), Entry>,
 }
 
 impl Arena {
     /// The node for `local` under `parent` (`NIL` = root), if it exists.
     fn find_child(&self, parent: u32, position: u32, local: LocalBlockHash) -> Option<u32> {
-        match self.slots.get(&(position, local))? {
+        match self.cells.get(&(position, local))? {
             Entry::Single(node) => (self.nodes[*node as usize].parent == parent).then_some(*node),
             Entry::Multi(nodes) => nodes
                 .iter()
@@ -113,7 +113,7 @@ impl Arena {
 
     /// The node at `(position, local)` whose path hash is `seq`, if any.
     fn find_path(&self, position: u32, local: LocalBlockHash, seq: SequenceHash) -> Option<u32> {
-        match self.slots.get(&(position, local))? {
+        match self.cells.get(&(position, local))? {
             Entry::Single(node) => (self.nodes[*node as usize].seq == seq).then_some(*node),
             Entry::Multi(nodes) => nodes.iter().find(|(s, _)| *s == seq).map(|&(_, n)| n),
         }
@@ -127,18 +127,18 @@ impl Arena {
                 return;
             }
             let (parent, key) = (n.parent, (n.position, n.local));
-            let emptied = match self.slots.get_mut(&key) {
+            let emptied = match self.cells.get_mut(&key) {
                 Some(Entry::Single(_)) | None => true,
                 Some(Entry::Multi(nodes)) => {
                     nodes.retain(|&(_, n)| n != node);
                     if let [(_, last)] = nodes[..] {
-                        self.slots.insert(key, Entry::Single(last));
+                        self.cells.insert(key, Entry::Single(last));
                     }
                     false
                 }
             };
             if emptied {
-                self.slots.remove(&key);
+                self.cells.remove(&key);
             }
             let freed = &mut self.nodes[node as usize];
             freed.members = Vec::new();
@@ -153,9 +153,9 @@ impl Arena {
     }
 
     fn heap_bytes(&self) -> u64 {
-        let slot_entry = std::mem::size_of::<((u32, LocalBlockHash), Entry)>();
+        let cell_entry = std::mem::size_of::<((u32, LocalBlockHash), Entry)>();
         let multi: usize = self
-            .slots
+            .cells
             .values()
             .map(|e| match e {
                 Entry::Single(_) => 0,
@@ -169,7 +169,7 @@ impl Arena {
             .sum();
         (self.nodes.capacity() * std::mem::size_of::<Node>()
             + members
-            + table_bytes(self.slots.capacity(), slot_entry)
+            + table_bytes(self.cells.capacity(), cell_entry)
             + multi
             + self.free.capacity() * 4) as u64
     }
@@ -236,9 +236,9 @@ impl Membership for Sink<'_> {
             self.arena.nodes[parent as usize].children += 1;
         }
         let arena = &mut *self.arena;
-        match arena.slots.get_mut(&(position, local)) {
+        match arena.cells.get_mut(&(position, local)) {
             None => {
-                arena.slots.insert((position, local), Entry::Single(id));
+                arena.cells.insert((position, local), Entry::Single(id));
             }
             Some(Entry::Multi(nodes)) => nodes.push((seq, id)),
             Some(entry @ Entry::Single(_)) => {
@@ -331,7 +331,7 @@ impl<'a> Query<'a> {
             id = MISSING;
             let key_position = u32::try_from(position).ok();
             if let Some(p) = key_position
-                && self.arena.slots.contains_key(&(p, self.locals[position]))
+                && self.arena.cells.contains_key(&(p, self.locals[position]))
             {
                 let seq = self.seq(position);
                 if let Some(node) = self.arena.find_path(p, self.locals[position], seq) {
@@ -660,7 +660,7 @@ mod tests {
         assert_eq!(index.remove_worker(1), oracle.remove_worker(1));
         index.apply(&Mutation::Cleared { worker: b });
         index.apply(&Mutation::Cleared { worker: c });
-        assert!(index.arena.slots.is_empty());
+        assert!(index.arena.cells.is_empty());
         assert_eq!(index.arena.free.len(), index.arena.nodes.len());
     }
 }

@@ -3,11 +3,12 @@
 //! the ledger turns every mutation into prefix-closed changes of rooted membership) and a
 //! layout that stores what a stored run has in common once.
 //!
-//! A block is a **position** in the rank's arena. The only per-block data is its engine hash
-//! (`hashes[position]`, 8 bytes) and its entry in a table of positions keyed by engine hash
-//! (a 2-byte position and a 2-byte tag in 64-byte buckets while positions fit in 16 bits,
+//! A block is held in a **slot** of the rank's arena (a slot is a block's record and its
+//! index, as in the other ledger). The only per-block data is its engine hash
+//! (`hashes[slot]`, 8 bytes) and its entry in a table of slots keyed by engine hash
+//! (a 2-byte slot and a 2-byte tag in 64-byte buckets while slots fit in 16 bits,
 //! [`crate::tag_table`]). Everything else belongs to a [`Run`]: consecutive
-//! positions `start..start + len` where every block but the first has the block before it as its
+//! slots `start..start + len` where every block but the first has the block before it as its
 //! parent, all on the same tiers and therefore at the same level, and — when rooted — at
 //! consecutive offsets of one stretch of the backend's path (`node.advance(k)` is block `k`'s
 //! node, [`RunNode`]). A run keeps its parent block, its child runs (runs whose parent block is
@@ -21,8 +22,8 @@
 //! side table, as the backend has no node for them.
 //!
 //! Invariants (checked after every mutation in debug builds, [`RunLedger::check`]):
-//! - `starts` maps each run's first position to the run; runs and the free ranges tile the arena
-//!   `0..hashes.len()`; the table holds exactly the positions in runs, each under its hash;
+//! - `starts` maps each run's first slot to the run; runs and the free ranges tile the arena
+//!   `0..hashes.len()`; the table holds exactly the slots in runs, each under its hash;
 //! - a run's `parent`/`parent_run` name a held block and the run holding it, and the run is in
 //!   that run's child list; a run with a parent that is not held is listed in `dangling` under
 //!   its parent's hash (except a block naming itself as parent, which can never be reached);
@@ -68,12 +69,12 @@ const VISITING: u8 = 2;
 /// `Run::flags`: the record is on the free list.
 const FREE: u8 = 4;
 
-/// Consecutive positions that share parent links, tiers, level and a stretch of path.
+/// Consecutive slots that share parent links, tiers, level and a stretch of path.
 #[derive(Debug, Clone, Copy)]
 struct Run<N> {
     start: u32,
     len: u32,
-    /// The first block's parent position when that parent is held, else `NIL`.
+    /// The first block's parent slot when that parent is held, else `NIL`.
     parent: u32,
     /// The run holding `parent`, else `NIL`.
     parent_run: u32,
@@ -88,7 +89,7 @@ struct Run<N> {
     flags: u8,
 }
 
-/// One run of removed (or tier-gaining) blocks found so far: positions `lo..hi` of run `run`,
+/// One run of removed (or tier-gaining) blocks found so far: slots `lo..hi` of run `run`,
 /// which spans `start..end`.
 #[derive(Debug, Clone, Copy)]
 struct Segment {
@@ -99,8 +100,8 @@ struct Segment {
     hi: u32,
 }
 
-/// New blocks of a store at consecutive positions, already in the table, waiting to be placed in
-/// runs together: `blocks[first..first + len]` at positions `pos..pos + len`, whose parent is
+/// New blocks of a store at consecutive slots, already in the table, waiting to be placed in
+/// runs together: `blocks[first..first + len]` at slots `pos..pos + len`, whose parent is
 /// `previous` (held) or else `previous_hash` (not held, or none).
 #[derive(Debug, Clone, Copy)]
 struct Fresh {
@@ -119,33 +120,33 @@ thread_local! {
     static STRETCHES: Cell<Vec<Segment>> = const { Cell::new(Vec::new()) };
     /// `remove`'s runs touched.
     static TOUCHED: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
-    /// `place_stretch`'s placed blocks that runs wait for: (position, engine hash).
+    /// `place_stretch`'s placed blocks that runs wait for: (slot, engine hash).
     static ADOPTING: Cell<Vec<(u32, ExternalBlockHash)>> = const { Cell::new(Vec::new()) };
 }
 
 /// Per-block recency for capacity-bounded backends (as in the per-block ledger).
 #[derive(Debug, Clone, Default)]
 struct Recency {
-    /// Last store time of each position (parallel to `hashes`).
+    /// Last store time of each slot (parallel to `hashes`).
     stamps: Vec<u64>,
     clock: u64,
-    /// `(stamp, position, external)` of blocks that are now leaves.
+    /// `(stamp, slot, external)` of blocks that are now leaves.
     candidates: Vec<(u64, u32, ExternalBlockHash)>,
 }
 
 /// One worker rank's blocks and chains, as runs (see the module docs).
 #[derive(Debug, Clone)]
 pub(crate) struct RunLedger<N> {
-    /// Positions, hashed by their engine hash.
+    /// Slots, hashed by their engine hash.
     table: SlotTable,
-    /// Engine hash per position (free positions hold stale values; the table never names them).
+    /// Engine hash per slot (free slots hold stale values; the table never names them).
     hashes: Vec<ExternalBlockHash>,
     runs: Vec<Run<N>>,
     free_runs: Vec<u32>,
-    /// Bit `p` is set iff a run or a hole starts at position `p`: the run holding a position is
+    /// Bit `p` is set iff a run or a hole starts at slot `p`: the run holding a slot is
     /// the one starting at the nearest set bit at or before it.
     bounds: Vec<u64>,
-    /// First position → run.
+    /// First slot → run.
     starts: FxHashMap<u32, u32>,
     /// Holes (free arena ranges, coalesced, never touching the arena's end): start → length.
     holes: FxHashMap<u32, u32>,
@@ -154,7 +155,7 @@ pub(crate) struct RunLedger<N> {
     classes: Vec<Vec<u32>>,
     /// Entries in `classes`.
     class_entries: usize,
-    /// Positions in holes.
+    /// Slots in holes.
     free_blocks: u64,
     /// Local hashes of the blocks of unrooted runs.
     locals: FxHashMap<u32, Vec<LocalBlockHash>>,
@@ -224,7 +225,7 @@ impl<N: RunNode> RunLedger<N> {
         self.starts.len()
     }
 
-    /// Arena positions in use or in holes (for tests).
+    /// Arena slots in use or in holes (for tests).
     #[cfg(test)]
     pub(crate) fn arena_len(&self) -> usize {
         self.hashes.len()
@@ -400,7 +401,7 @@ impl<N: RunNode> RunLedger<N> {
             .find(hash_of(external), |i| hashes[i as usize] == external)
     }
 
-    /// The run holding the held position `pos` (`NIL` if `pos` is not held).
+    /// The run holding the held slot `pos` (`NIL` if `pos` is not held).
     #[inline]
     fn run_of(&self, pos: u32) -> u32 {
         self.bound_at_or_before(pos)
@@ -556,7 +557,7 @@ impl<N: RunNode> RunLedger<N> {
         c.prev_sibling = NIL;
     }
 
-    /// Cuts run `r` before position `at` (inside it, not its first): the blocks from `at` on
+    /// Cuts run `r` before slot `at` (inside it, not its first): the blocks from `at` on
     /// become a new run, a child of `r`'s new last block, taking the child runs that hang on
     /// them. Returns the new run.
     fn split(&mut self, r: u32, at: u32) -> u32 {
@@ -611,9 +612,9 @@ impl<N: RunNode> RunLedger<N> {
 
     // ---- the arena ----------------------------------------------------------------------------
 
-    /// Free positions for a piece of at most `want` new blocks: a hole that holds them all
+    /// Free slots for a piece of at most `want` new blocks: a hole that holds them all
     /// (the smallest size class that surely does, or a fitting hole of `want`'s own class); else,
-    /// when holes make up half the arena, the largest hole; else new positions at the arena's
+    /// when holes make up half the arena, the largest hole; else new slots at the arena's
     /// end. Returns `(start, len)`, `1 <= len <= want`.
     fn alloc(&mut self, want: u32) -> (u32, u32) {
         let want = want.max(1);
@@ -724,7 +725,7 @@ impl<N: RunNode> RunLedger<N> {
         }
     }
 
-    /// Gives positions back (no run starts inside them), merging with neighbouring holes; a
+    /// Gives slots back (no run starts inside them), merging with neighbouring holes; a
     /// hole at the arena's end shortens the arena instead.
     fn free_range(&mut self, mut start: u32, mut len: u32) {
         if len == 0 {
@@ -886,11 +887,11 @@ impl<N: RunNode> RunLedger<N> {
         sink.expect(blocks.len());
         // The run being built from this store's new blocks (its last block is `previous`).
         let mut open = NIL;
-        // Free positions reserved for new blocks.
+        // Free slots reserved for new blocks.
         let mut range = (0u32, 0u32);
         // Held blocks (consecutive in one run) that gain `tier`.
         let mut gaining: Option<Segment> = None;
-        // New blocks at consecutive positions, in the table but not yet placed in runs.
+        // New blocks at consecutive slots, in the table but not yet placed in runs.
         // (Placed before anything else happens: when a held block or a new range comes, and at
         // the end. Placing them right after the loop instead measured ≈ 1 µs slower per 1024-block
         // store, from code generation alone.)
@@ -902,7 +903,7 @@ impl<N: RunNode> RunLedger<N> {
                 range = self.alloc((blocks.len() - i) as u32);
             }
             // New blocks, one after another, until a held one or the end of the free range:
-            // each block's position is written before the table is probed, so one probe finds
+            // each block's slot is written before the table is probed, so one probe finds
             // a held block or adds this one. (Kept tight: this is a long store's whole work.)
             let first = i;
             let limit = blocks.len().min(i + range.1 as usize);
@@ -1041,7 +1042,7 @@ impl<N: RunNode> RunLedger<N> {
         }
     }
 
-    /// Places new blocks, already at positions `pos..` in the arena and the table, each the
+    /// Places new blocks, already at slots `pos..` in the arena and the table, each the
     /// parent of the next; the first one's parent is `previous` (held) or, when that is `None`,
     /// `previous_hash` (not held, or no parent). They extend `open` while they continue it (on
     /// a rooted run: while the backend's path stays on one stretch, [`Membership::extend_path`]),
@@ -1107,7 +1108,7 @@ impl<N: RunNode> RunLedger<N> {
         if self.dangling.is_empty() {
             return;
         }
-        // The placed blocks some run waits for, in position order: when few parents are waited
+        // The placed blocks some run waits for, in slot order: when few parents are waited
         // for, each is looked up (a removed prefix leaves a rank's other sequences waiting for
         // one block, and its re-store should not probe every block it stores); else every
         // placed block is checked.
@@ -1262,7 +1263,7 @@ impl<N: RunNode> RunLedger<N> {
             });
         }
         stretches.extend(current);
-        // In position order, overlapping stretches (blocks named twice) and touching ones in
+        // In slot order, overlapping stretches (blocks named twice) and touching ones in
         // the same run merge; each merged stretch loses the tier at once.
         if !stretches.is_sorted_by_key(|s| s.lo) {
             stretches.sort_unstable_by_key(|s| s.lo);
@@ -1273,7 +1274,7 @@ impl<N: RunNode> RunLedger<N> {
         for &s in stretches.iter() {
             if let Some(m) = &mut merged {
                 if s.lo < m.hi {
-                    // Overlap: the same positions, so the same run.
+                    // Overlap: the same slots, so the same run.
                     report.unknown_removes += u64::from(s.hi.min(m.hi) - s.lo);
                     m.hi = m.hi.max(s.hi);
                     continue;
@@ -1324,7 +1325,7 @@ impl<N: RunNode> RunLedger<N> {
     }
 
     /// Deletes a run held on no tier (already unrooted by `propagate`): its child runs wait for
-    /// their parent's hash again; its positions and record are freed.
+    /// their parent's hash again; its slots and record are freed.
     fn delete_run(&mut self, d: u32) {
         let run = self.runs[d as usize];
         debug_assert!(run.level == UNROOTED && run.tiers.is_empty());
@@ -1354,7 +1355,7 @@ impl<N: RunNode> RunLedger<N> {
             self.table.remove(hash_of(self.hashes[pos]), pos as u32);
         }
         self.starts.remove(&run.start);
-        // The start bit stays: the positions become a hole (or leave the arena).
+        // The start bit stays: the slots become a hole (or leave the arena).
         self.locals.remove(&d);
         self.runs[d as usize] = Self::bare(0, 0, run.node, TierSet::default(), UNROOTED, FREE);
         self.free_runs.push(d);

@@ -1,6 +1,6 @@
-//! A hash table of block positions keyed by engine hash, shared by the per-rank ledgers: the
-//! entries are the positions only (2 bytes each, beside a 2-byte tag, while they fit), and a
-//! lookup compares the engine hash stored at a candidate position whose tag matches.
+//! A hash table of block slots keyed by engine hash, shared by the per-rank ledgers: the
+//! entries are the slots only (2 bytes each, beside a 2-byte tag, while they fit), and a
+//! lookup compares the engine hash stored at a candidate slot whose tag matches.
 
 use hashbrown::HashTable;
 
@@ -99,7 +99,7 @@ impl SlotTable {
         rehash: impl Fn(u32) -> u64,
     ) -> Option<u32> {
         if matches!(self, Self::Narrow(_)) && u16::try_from(slot).is_err() {
-            // Widen first (rarely: a rank past 65,535 positions), then probe the wide table.
+            // Widen first (rarely: a rank past 65,535 slots), then probe the wide table.
             let found = self.find(hash, &eq);
             if found.is_none() {
                 self.insert(hash, slot, rehash);

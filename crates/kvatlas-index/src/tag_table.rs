@@ -1,6 +1,6 @@
 //! A hash table of 16-bit slot indices in cache-line buckets, each entry beside a 16-bit tag of
 //! its hash: the narrow form of [`crate::slot_table::SlotTable`], which ranks use while their
-//! positions fit in 16 bits.
+//! slots fit in 16 bits.
 //!
 //! Why not hashbrown here (measured on the synthetic workload, 1,024-block stores into ranks of
 //! 8,192 blocks that were not touched lately):

@@ -1,0 +1,197 @@
+//! The writer-only books of an Atlas: per rank its ledger and rank index, and how a mutation,
+//! a clear, a snapshot and a restore change the forest through them.
+
+use rustc_hash::FxHashMap;
+
+use crate::model::{ApplyReport, IndexStats, Mutation, Worker, WorkerBlocks};
+use crate::run_ledger::RunLedger;
+use crate::snapshot::{Snapshot, WorkerSnapshot};
+
+use super::capacity::Bound;
+use super::forest::{Forest, NodeRef};
+use super::sink::Sink;
+
+/// The writer-only part of an Atlas: per rank, its ledger and its rank index in the forest. Every
+/// change it makes to the forest goes through the forest's recorded operations (see
+/// [`ForestOp`]), so [`ConcurrentAtlas`] can keep one `Books` for two forests.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Books {
+    /// Per rank: its rank index in the forest and its ledger (hashed: looked up on every mutation;
+    /// listings sort by rank).
+    pub(super) ledgers: FxHashMap<Worker, (u32, RunLedger<NodeRef>)>,
+    /// Indices of ranks that left, for reuse.
+    pub(super) free_rank_indices: Vec<u32>,
+    /// The optional capacity bound and its eviction state.
+    pub(super) bound: Option<Bound>,
+}
+
+impl Books {
+    /// The rank's slot and ledger, given a slot in `forest` if new.
+    pub(super) fn rank_index_and_ledger(
+        &mut self,
+        forest: &mut Forest,
+        worker: Worker,
+    ) -> (u32, &mut RunLedger<NodeRef>) {
+        let free_rank_indices = &mut self.free_rank_indices;
+        let (rank_index, ledger) = self.ledgers.entry(worker).or_insert_with(|| {
+            let rank_index = free_rank_indices.pop().unwrap_or(forest.ranks.len() as u32);
+            forest.assign_rank_index(rank_index, worker);
+            (rank_index, RunLedger::default())
+        });
+        (*rank_index, ledger)
+    }
+
+    pub(super) fn release_if_empty(&mut self, worker: Worker) {
+        if let Some((rank_index, ledger)) = self.ledgers.get(&worker)
+            && ledger.len() == 0
+        {
+            self.free_rank_indices.push(*rank_index);
+            self.ledgers.remove(&worker);
+        }
+    }
+
+    pub(super) fn clear_worker(&mut self, forest: &mut Forest, worker: Worker) -> u64 {
+        let Some((rank_index, ledger)) = self.ledgers.get_mut(&worker) else {
+            return 0;
+        };
+        let ended = ledger.clear(&mut Sink::new(forest, *rank_index));
+        self.release_if_empty(worker);
+        ended
+    }
+}
+
+impl Books {
+    /// Applies one rank's mutation, changing `forest` to match.
+    pub(super) fn apply(&mut self, forest: &mut Forest, mutation: &Mutation) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        let worker = mutation.worker();
+        let held_before = match self.bound {
+            Some(_) => self.ledgers.get(&worker).map_or(0, |(_, l)| l.len()),
+            None => 0,
+        };
+        let clock = self.bound.as_ref().map(|b| b.clock);
+        match mutation {
+            Mutation::Stored {
+                tier,
+                parent,
+                blocks,
+                ..
+            } => {
+                let (rank_index, ledger) = self.rank_index_and_ledger(forest, worker);
+                if let Some(clock) = clock {
+                    ledger.track_recency(clock);
+                    ledger.set_clock(clock);
+                }
+                ledger.store(
+                    &mut Sink::new(forest, rank_index),
+                    *tier,
+                    *parent,
+                    blocks,
+                    &mut report,
+                );
+            }
+            Mutation::Removed { tier, blocks, .. } => {
+                let (rank_index, ledger) = self.rank_index_and_ledger(forest, worker);
+                ledger.remove(
+                    &mut Sink::new(forest, rank_index),
+                    *tier,
+                    blocks,
+                    &mut report,
+                );
+            }
+            Mutation::Cleared { .. } => report.cleared += self.clear_worker(forest, worker),
+        }
+        if self.bound.is_some() {
+            self.enforce_bound(forest, worker, held_before, &mut report);
+        }
+        self.release_if_empty(worker);
+        report
+    }
+
+    /// Drops every rank of `worker_id`.
+    pub(super) fn remove_worker(&mut self, forest: &mut Forest, worker_id: u64) -> ApplyReport {
+        let mut ranks: Vec<Worker> = self
+            .ledgers
+            .keys()
+            .filter(|w| w.worker_id == worker_id)
+            .copied()
+            .collect();
+        ranks.sort_unstable();
+        let mut report = ApplyReport::default();
+        for worker in ranks {
+            report.cleared += self.clear_worker(forest, worker);
+        }
+        if self.bound.is_some() {
+            self.rebuild_heap();
+        }
+        report
+    }
+
+    /// Drops everything (the capacity bound stays).
+    pub(super) fn clear(&mut self, forest: &mut Forest) {
+        *self = Self::with_capacity(self.bound.as_ref().map(|b| b.capacity));
+        forest.reset();
+    }
+
+    /// A consistent cut; `forest` is the copy in step with these books.
+    pub(super) fn snapshot(&self, forest: &Forest) -> Snapshot {
+        let mut workers: Vec<WorkerSnapshot> = self
+            .ledgers
+            .iter()
+            .map(|(worker, (_, ledger))| WorkerSnapshot {
+                worker: *worker,
+                blocks: ledger.snapshot(|node: NodeRef| {
+                    forest.edges[node.edge as usize].locals[node.offset as usize]
+                }),
+            })
+            .filter(|w| !w.blocks.is_empty())
+            .collect();
+        workers.sort_unstable_by_key(|w| w.worker);
+        Snapshot { workers }
+    }
+
+    /// Replaces the contents with a snapshot's.
+    pub(super) fn restore(&mut self, forest: &mut Forest, snapshot: &Snapshot) {
+        self.clear(forest);
+        let bounded = self.bound.is_some();
+        for w in &snapshot.workers {
+            let (rank_index, ledger) = self.rank_index_and_ledger(forest, w.worker);
+            if bounded {
+                // Restored blocks count as stored now, in snapshot order.
+                ledger.track_recency(0);
+            }
+            let mut sink = Sink::new(forest, rank_index);
+            for block in &w.blocks {
+                ledger.restore(&mut sink, block);
+            }
+            drop(sink);
+            self.release_if_empty(w.worker);
+        }
+        if bounded {
+            self.rebuild_heap();
+        }
+    }
+
+    /// Occupancy, and the heap of these books plus `forest_bytes`.
+    pub(super) fn stats(&self, forest_bytes: u64) -> IndexStats {
+        let mut workers: Vec<WorkerBlocks> = self
+            .ledgers
+            .iter()
+            .map(|(worker, (_, ledger))| WorkerBlocks {
+                worker: *worker,
+                per_tier: ledger.per_tier(),
+            })
+            .collect();
+        workers.sort_unstable_by_key(|w| w.worker);
+        IndexStats {
+            memberships: workers.iter().flat_map(|w| w.per_tier).sum(),
+            heap_bytes: forest_bytes
+                + self
+                    .ledgers
+                    .values()
+                    .map(|(_, l)| l.heap_bytes())
+                    .sum::<u64>(),
+            workers,
+        }
+    }
+}
