@@ -28,7 +28,7 @@
 //!
 //! An edge is truncated when its tail is covered by no rank and carries no branch, and freed when
 //! nothing remains, so memory follows the live state rather than the churn. Each rank's blocks are
-//! kept by a [`RunLedger`]: per block only its engine hash and a table entry, everything else per
+//! kept by a [`RunLedger`](crate::run_ledger::RunLedger): per block only its engine hash and a table entry, everything else per
 //! run of consecutive blocks (a run's blocks sit at consecutive offsets of one edge, so one
 //! `(edge, offset)` names them all).
 

@@ -8,7 +8,7 @@
 //!
 //! # Why jumping is exact
 //!
-//! The shared [`Ledger`] reports *rooted* membership, which is prefix-closed along every path: a
+//! The shared [`Ledger`](crate::ledger::Ledger) reports *rooted* membership, which is prefix-closed along every path: a
 //! worker rank with a rooted block at level `l` on the query's node at position `p` also has one
 //! at a level `<= l` on the query's node at `p - 1`. So for each rank, its best level on the
 //! query's node at position `p` (`3` when it has none there, or the node does not exist) is a

@@ -13,7 +13,7 @@
 //! are bytes left is refused before anything is reserved (every element takes at least one
 //! byte), so the output holds at most 4 (tokens) or 8 (hashes) bytes per input byte.
 
-use super::bin_hash;
+use super::visitors::bin_hash;
 
 /// How one msgpack marker byte is decoded by [`token_ids`] (see [`TOKEN_TABLE`]).
 #[derive(Debug, Clone, Copy)]
@@ -117,21 +117,21 @@ pub(crate) fn token_ids(bytes: &[u8], count: usize) -> Option<(Vec<u32>, usize)>
     let mut pos = 0usize;
     let mut rejected = 0u64;
     let mut done = 0usize;
-    for slot in &mut ids {
+    for id in &mut ids {
         let Some(window) = bytes.get(pos..).and_then(<[u8]>::first_chunk::<9>) else {
             break;
         };
         let (value, reject, len) = token_step(window);
         rejected |= value & reject;
         // Keeps the low 32 bits; an id with more is rejected above.
-        *slot = value as u32;
+        *id = value as u32;
         pos += len;
         done += 1;
     }
     if rejected != 0 {
         return None;
     }
-    for slot in ids.get_mut(done..)? {
+    for id in ids.get_mut(done..)? {
         let rest = bytes.get(pos..)?;
         let mut window = [0u8; 9];
         let available = rest.len().min(window.len());
@@ -142,7 +142,7 @@ pub(crate) fn token_ids(bytes: &[u8], count: usize) -> Option<(Vec<u32>, usize)>
         if value & reject != 0 || len > rest.len() {
             return None;
         }
-        *slot = value as u32;
+        *id = value as u32;
         pos += len;
     }
     Some((ids, pos))

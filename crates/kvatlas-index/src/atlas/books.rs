@@ -13,7 +13,7 @@ use super::sink::Sink;
 
 /// The writer-only part of an Atlas: per rank, its ledger and its rank index in the forest. Every
 /// change it makes to the forest goes through the forest's recorded operations (see
-/// [`ForestOp`]), so [`ConcurrentAtlas`] can keep one `Books` for two forests.
+/// [`ForestOp`](super::forest::ForestOp)), so [`ConcurrentAtlas`](super::ConcurrentAtlas) can keep one `Books` for two forests.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Books {
     /// Per rank: its rank index in the forest and its ledger (hashed: looked up on every mutation;

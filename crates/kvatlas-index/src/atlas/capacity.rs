@@ -10,7 +10,7 @@ use super::forest::Forest;
 use super::sink::Sink;
 
 /// Capacity bound: at most `capacity` held (rank, block) pairs; beyond it, the least recently
-/// stored *leaf* across all ranks is evicted (see [`Atlas::with_capacity`]).
+/// stored *leaf* across all ranks is evicted (see [`Atlas::with_capacity`](super::Atlas::with_capacity)).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Bound {
     pub(super) capacity: u64,
@@ -23,7 +23,7 @@ pub(super) struct Bound {
     /// Every block, least recent first: used only when no leaf is left (parent links in a
     /// cycle); built on demand, validated when popped.
     pub(super) fallback: BinaryHeap<Reverse<(u64, Worker, u32, ExternalBlockHash)>>,
-    /// Evictions not yet taken by [`Atlas::take_evictions`] (bounded by `capacity`).
+    /// Evictions not yet taken by [`Atlas::take_evictions`](super::Atlas::take_evictions) (bounded by `capacity`).
     pub(super) evicted: Vec<Eviction>,
     /// Reused buffer.
     pub(super) candidates: Vec<(u64, u32, ExternalBlockHash)>,

@@ -113,7 +113,7 @@ pub(super) struct Forest {
     /// forest, given when it stores its first block and reused after it leaves.
     pub(super) ranks: Vec<Worker>,
     /// While `Some`, every change is also recorded here, so that a second copy can be brought
-    /// to the same state by [`Forest::replay`] (see [`ConcurrentAtlas`]).
+    /// to the same state by [`Forest::replay`] (see [`ConcurrentAtlas`](super::ConcurrentAtlas)).
     pub(super) journal: Option<Vec<ForestOp>>,
 }
 

@@ -7,8 +7,9 @@
 use proptest::prelude::*;
 
 use super::*;
+use crate::decode::MsgpackError;
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 #[test]

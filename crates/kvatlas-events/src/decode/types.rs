@@ -1,0 +1,192 @@
+//! The decoder's public output: a decoded batch and its events, and why a batch fails.
+
+use std::fmt;
+
+use crate::counters::Reason;
+
+/// A decoded `KVEventBatch`.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct EventBatch {
+    /// The engine's timestamp of the scheduler step (seconds since the epoch).
+    pub ts: f64,
+    /// The batch's data-parallel rank (`data_parallel_rank` / `attn_dp_rank`), if sent.
+    pub dp_rank: Option<u32>,
+    /// The events that decoded, in batch order.
+    pub events: Vec<Event>,
+    /// The events that did not decode (unknown tag, malformed), with their position.
+    pub skipped: Vec<SkippedEvent>,
+}
+
+/// An event of the batch that was skipped while decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SkippedEvent {
+    /// Position of the event in the batch's `events` array.
+    pub index: usize,
+    /// [`Reason::MalformedEvent`] or [`Reason::UnknownEventType`].
+    pub reason: Reason,
+    /// Which field or shape was wrong (for logs).
+    pub detail: &'static str,
+}
+
+/// One KV-cache event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A run of blocks became cached (boxed: it is several times the size of the other
+    /// variants, and a batch of one-block removes would otherwise move and reserve that much
+    /// per event).
+    BlockStored(Box<BlockStored>),
+    /// Blocks were evicted.
+    BlockRemoved(BlockRemoved),
+    /// Every block of the source was dropped (all tiers).
+    AllBlocksCleared,
+}
+
+/// Where a store's cache salt came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SaltSource {
+    /// The map layout's top-level `cache_salt` key (SGLang ≥ 0.5.20).
+    TopLevel,
+    /// A map event's nested `metadata: {cache_salt}`.
+    Metadata,
+    /// The positional metadata map at position 7 (SGLang 0.5.18–0.5.19).
+    PositionalMetadata,
+    /// A `"dynamo-cache-salt:"`-prefixed string in the first block's `extra_keys`.
+    ExtraKeys,
+}
+
+/// A `BlockStored` event: every field of its wire layout (`docs/events.md` §7.2) that the
+/// producer sent.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct BlockStored {
+    /// Engine hash per block (ints as their 64-bit pattern, `bin` as its last 8 bytes BE).
+    pub block_hashes: Vec<u64>,
+    /// Engine hash of the block before the first one; `None` = the run starts the sequence.
+    pub parent_block_hash: Option<u64>,
+    /// Tokens of all blocks, concatenated (pair-encoded ids already flattened, see
+    /// [`BlockStored::pair_encoded`]). Empty for a tokenless (location-only) store.
+    pub token_ids: Vec<u32>,
+    /// Whether `token_ids` came as `[[a, b], ...]` pairs (SGLang EAGLE): flattened to the first
+    /// of each pair plus the second of the last pair, one more token than pairs.
+    pub pair_encoded: bool,
+    /// Tokens per block; `None` only for a tokenless store that did not send it.
+    pub block_size: Option<u32>,
+    /// Deprecated LoRA adapter id.
+    pub lora_id: Option<u64>,
+    /// Storage tier string, as sent.
+    pub medium: Option<String>,
+    /// LoRA adapter name.
+    pub lora_name: Option<String>,
+    /// The request's cache salt, from the first of the sources in [`SaltSource`] order that
+    /// carries a non-empty one.
+    pub cache_salt: Option<String>,
+    /// Where `cache_salt` came from.
+    pub salt_source: Option<SaltSource>,
+    /// Whether `extra_keys` carried multimodal or prompt-embedding entries (tuples or bytes).
+    pub non_token_extra_keys: bool,
+    /// KV-cache group (hybrid models); 0 = the full-attention group.
+    pub group_idx: Option<u64>,
+    /// KV-cache spec kind (`full_attention`, `sliding_window`, `mamba`, ...).
+    pub kv_cache_spec_kind: Option<String>,
+    /// Sliding-window size of the group's spec.
+    pub kv_cache_spec_sliding_window: Option<u64>,
+    /// `LOCAL` or `REMOTE` (offload tiers).
+    pub locality: Option<String>,
+    /// Secondary offload tier id (for example `kvcr`).
+    pub ownership: Option<String>,
+    /// The request session that triggered the store (attribution only).
+    pub session_id: Option<String>,
+}
+
+/// A `BlockRemoved` event (wire layout in `docs/events.md` §7.2).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct BlockRemoved {
+    /// Engine hashes of the evicted blocks.
+    pub block_hashes: Vec<u64>,
+    /// Storage tier string, as sent.
+    pub medium: Option<String>,
+    /// KV-cache group.
+    pub group_idx: Option<u64>,
+    /// `LOCAL` or `REMOTE`.
+    pub locality: Option<String>,
+    /// Secondary offload tier id.
+    pub ownership: Option<String>,
+}
+
+/// Why a whole batch could not be decoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The payload is not well-formed msgpack (truncated, reserved marker, too deep).
+    #[error("payload is not well-formed msgpack: {0}")]
+    Msgpack(#[source] MsgpackError),
+    /// The top-level value is neither an array nor a map.
+    #[error("payload is not a batch: expected an array or a map, found {found}")]
+    NotABatch {
+        /// What was found instead.
+        found: &'static str,
+    },
+    /// The batch array has fewer than 2 elements.
+    #[error("batch array has {len} element(s), expected 2 or 3")]
+    TooShort {
+        /// The array's length.
+        len: usize,
+    },
+    /// A required batch field (`ts`, `events`) is missing.
+    #[error("batch field `{0}` is missing")]
+    MissingField(&'static str),
+    /// A batch field has the wrong type.
+    #[error("batch field `{0}` has the wrong type")]
+    InvalidField(&'static str),
+    /// The data-parallel rank is negative (rejected, never bit-cast).
+    #[error("batch data-parallel rank {0} is negative")]
+    NegativeDpRank(i64),
+    /// The data-parallel rank does not fit in a `u32`.
+    #[error("batch data-parallel rank {0} does not fit in u32")]
+    DpRankOutOfRange(u64),
+}
+
+/// Why a payload is not well-formed msgpack: the msgpack parser's own error, kept opaque.
+///
+/// The parser's error type is not part of this crate's API (a new `rmp-serde` must not change
+/// it): this value shows the parser's message as its `Display` and its `Debug`, and the parser's
+/// cause, if any (the I/O error of a truncated read), as [`std::error::Error::source`].
+pub struct MsgpackError(pub(super) rmp_serde::decode::Error);
+
+impl fmt::Display for MsgpackError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Debug for MsgpackError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for MsgpackError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.0)
+    }
+}
+
+impl DecodeError {
+    /// A msgpack parser error as a [`DecodeError::Msgpack`] (crate-private: no public
+    /// conversion names the parser's type).
+    pub(super) fn msgpack(error: rmp_serde::decode::Error) -> Self {
+        DecodeError::Msgpack(MsgpackError(error))
+    }
+
+    /// The counter this error is recorded under.
+    pub fn reason(&self) -> Reason {
+        match self {
+            DecodeError::NegativeDpRank(_) => Reason::NegativeDpRank,
+            DecodeError::DpRankOutOfRange(_) => Reason::DpRankOutOfRange,
+            _ => Reason::MalformedBatch,
+        }
+    }
+}

@@ -1,0 +1,670 @@
+//! The listener thread: polls its SUB, connection monitor and replay DEALER, drives the
+//! sequencer (live batches, replays, resyncs), and hands each applied batch to the sink.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvatlas_index::{Checkpoint, Mutation, Unit, Worker};
+
+use super::config::millis_i32;
+use super::status::{Shared, bump};
+use super::{ListenerConfig, ListenerStatus, MutationSink, Resume, SinkError};
+use crate::convert::Converter;
+use crate::counters::DropCounters;
+use crate::decode::decode_batch;
+use crate::frames::{ReplayReply, decode_live_message, decode_replay_reply, replay_request};
+use crate::sequence::{Action, ReplayId, ResyncReason, Sequencer};
+
+/// At most this many frames of one message are kept (the longest valid layout has 4); further
+/// frames are received and discarded, so a hostile peer cannot make a message grow unbounded.
+const MAX_KEPT_FRAMES: usize = 4;
+
+/// At most this many distinct ranks are remembered per source for resync clears (a source is
+/// one engine rank; batches normally all carry the same rank).
+const MAX_TRACKED_RANKS: usize = 64;
+
+/// A fatal condition that ends the listener thread.
+#[derive(Debug)]
+enum Exit {
+    /// Asked to stop.
+    Stopped,
+    /// A fatal error (already recorded).
+    Failed,
+}
+
+/// An outstanding replay request and its socket.
+struct ReplayState {
+    id: ReplayId,
+    from: u64,
+    dealer: zmq::Socket,
+}
+
+impl fmt::Debug for ReplayState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplayState")
+            .field("id", &self.id)
+            .field("from", &self.from)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A received multipart message: its first [`MAX_KEPT_FRAMES`] frames and its true frame count.
+struct Received {
+    frames: Vec<Vec<u8>>,
+    count: usize,
+}
+
+/// Receives one whole multipart message, keeping at most [`MAX_KEPT_FRAMES`] frames.
+/// `Ok(None)` when nothing is ready (`EAGAIN`).
+fn receive(socket: &zmq::Socket, flags: i32) -> Result<Option<Received>, zmq::Error> {
+    let first = match socket.recv_bytes(flags) {
+        Ok(frame) => frame,
+        Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => return Ok(None),
+        Err(error) => return Err(error),
+    };
+    let mut frames = vec![first];
+    let mut count = 1;
+    // The rest of a multipart message is delivered atomically with its first frame.
+    while socket.get_rcvmore()? {
+        let frame = socket.recv_bytes(0)?;
+        count += 1;
+        if frames.len() < MAX_KEPT_FRAMES {
+            frames.push(frame);
+        }
+    }
+    Ok(Some(Received { frames, count }))
+}
+
+impl Received {
+    fn slices(&self) -> Vec<&[u8]> {
+        self.frames.iter().map(Vec::as_slice).collect()
+    }
+}
+
+/// The listener thread's state.
+pub(super) struct ListenerThread {
+    context: zmq::Context,
+    config: ListenerConfig,
+    sub: zmq::Socket,
+    /// The PAIR receiving the SUB's connection events, if it could be set up.
+    monitor: Option<zmq::Socket>,
+    /// The connection error this thread last reported in `last_error` (cleared on connect).
+    connection_error: Option<String>,
+    /// While held: the live batches received, oldest first (at most the sequencer's buffer;
+    /// the oldest are dropped beyond it, and replayed after the release).
+    held: Option<VecDeque<(u64, Vec<u8>)>>,
+    replay: Option<ReplayState>,
+    sequencer: Sequencer<Vec<u8>>,
+    converter: Converter,
+    /// Ranks this source has fed (cleared on resync), capped at [`MAX_TRACKED_RANKS`].
+    ranks: BTreeSet<Worker>,
+    /// Reused conversion buffer.
+    mutations: Vec<Mutation>,
+    /// Clears a resync decided, handed over with the batch that follows it (the same drive),
+    /// so the unit carries the resync ([`Unit::resync`]) with the position it resumes from.
+    pending_clears: Vec<Mutation>,
+    sink: Arc<dyn MutationSink>,
+    shared: Arc<Shared>,
+}
+
+impl ListenerThread {
+    /// The thread's state for `config`'s source, owning `sub` and `monitor`: held if the config
+    /// says so, the sequencer resumed from [`ListenerConfig::resume`] if set.
+    pub(super) fn new(
+        context: zmq::Context,
+        config: ListenerConfig,
+        sub: zmq::Socket,
+        monitor: Option<zmq::Socket>,
+        sink: Arc<dyn MutationSink>,
+        shared: Arc<Shared>,
+    ) -> Self {
+        let source = config.source;
+        let sequencer = match &config.resume {
+            Some(resume) => {
+                Sequencer::resume(config.options.sequencer, resume.position, &resume.recent)
+            }
+            None => Sequencer::new(config.options.sequencer),
+        };
+        Self {
+            context,
+            sub,
+            monitor,
+            connection_error: None,
+            held: config.hold.then(VecDeque::new),
+            replay: None,
+            sequencer,
+            converter: Converter::new(source),
+            ranks: BTreeSet::from([Worker::new(source.worker_id, source.dp_rank)]),
+            mutations: Vec::new(),
+            pending_clears: Vec::new(),
+            sink,
+            shared,
+            config,
+        }
+    }
+
+    pub(super) fn run(&mut self) {
+        match self.event_loop() {
+            Exit::Stopped => self.shared.set_status(ListenerStatus::Stopped),
+            Exit::Failed => self.shared.set_status(ListenerStatus::Failed),
+        }
+    }
+
+    fn fail(&self, error: String) -> Exit {
+        tracing::error!(
+            target: "kvatlas_events::listener",
+            worker_id = self.config.source.worker_id,
+            dp_rank = self.config.source.dp_rank,
+            "listener failed: {error}"
+        );
+        self.shared.set_error(error);
+        Exit::Failed
+    }
+
+    /// After resuming a stream, asks the engine for what it published meanwhile (see
+    /// [`Sequencer::catch_up`]); without a replay endpoint the next live batch shows any gap.
+    fn catch_up(&mut self) -> Result<(), Exit> {
+        if self.config.replay_endpoint.is_some() {
+            self.sequencer.catch_up();
+            self.drive()?;
+        }
+        Ok(())
+    }
+
+    fn event_loop(&mut self) -> Exit {
+        if self.held.is_none()
+            && self.config.resume.is_some()
+            && let Err(exit) = self.catch_up()
+        {
+            return exit;
+        }
+        let recv_timeout = self.config.options.recv_timeout;
+        loop {
+            if self.shared.stopping() {
+                return Exit::Stopped;
+            }
+            if self.held.is_some() {
+                let released = self.shared.release.lock().take();
+                if let Some(resume) = released
+                    && let Err(exit) = self.release(resume)
+                {
+                    return exit;
+                }
+            }
+            let timeout = match self.sequencer.poll_timeout() {
+                Some(deadline) => deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(recv_timeout),
+                None => recv_timeout,
+            };
+            let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+            let (live_ready, monitor_ready, replay_ready) = {
+                let mut items = Vec::with_capacity(3);
+                items.push(self.sub.as_poll_item(zmq::POLLIN));
+                if let Some(monitor) = &self.monitor {
+                    items.push(monitor.as_poll_item(zmq::POLLIN));
+                }
+                let replay_at = items.len();
+                if let Some(replay) = &self.replay {
+                    items.push(replay.dealer.as_poll_item(zmq::POLLIN));
+                }
+                match zmq::poll(&mut items, timeout_ms) {
+                    Ok(_) => (
+                        items.first().is_some_and(zmq::PollItem::is_readable),
+                        self.monitor.is_some()
+                            && items.get(1).is_some_and(zmq::PollItem::is_readable),
+                        self.replay.is_some()
+                            && items.get(replay_at).is_some_and(zmq::PollItem::is_readable),
+                    ),
+                    Err(zmq::Error::EINTR) => (false, false, false),
+                    Err(error) => return self.fail(format!("zmq poll: {error}")),
+                }
+            };
+            if monitor_ready {
+                self.read_monitor();
+            }
+            if replay_ready && let Err(exit) = self.read_replay() {
+                return exit;
+            }
+            if live_ready && let Err(exit) = self.read_live() {
+                return exit;
+            }
+            if self.sequencer.handle_timeout(Instant::now()).is_some() {
+                let from = self.replay.as_ref().map_or(0, |replay| replay.from);
+                self.replay_abandoned(format!("replay from {from} timed out"));
+                if let Err(exit) = self.drive() {
+                    return exit;
+                }
+            }
+        }
+    }
+
+    /// Leaves the held state: continue from `resume`, then apply what was buffered.
+    fn release(&mut self, resume: Option<Resume>) -> Result<(), Exit> {
+        let resumed = resume.is_some();
+        if let Some(resume) = resume {
+            self.sequencer = Sequencer::resume(
+                self.config.options.sequencer,
+                resume.position,
+                &resume.recent,
+            );
+            self.shared
+                .last_seq
+                .store(resume.position, Ordering::Release);
+        }
+        let held = self.held.take().unwrap_or_default();
+        self.shared.set_status(if held.is_empty() {
+            ListenerStatus::Pending
+        } else {
+            ListenerStatus::Active
+        });
+        if resumed {
+            self.catch_up()?;
+        }
+        for (seq, payload) in held {
+            self.sequencer.handle_live(seq, payload);
+            self.drive()?;
+        }
+        Ok(())
+    }
+
+    /// Reads the SUB's connection events: a failed or lost connection is reported in
+    /// `last_error` (and counted) until a connection is made again.
+    fn read_monitor(&mut self) {
+        let Some(monitor) = &self.monitor else {
+            return;
+        };
+        while let Ok(Some(received)) = receive(monitor, zmq::DONTWAIT) {
+            let (Some(head), Some(address)) = (received.frames.first(), received.frames.get(1))
+            else {
+                continue;
+            };
+            let Some(event) = head.get(..2).map(|b| u16::from_le_bytes([b[0], b[1]])) else {
+                continue;
+            };
+            let value = head
+                .get(2..6)
+                .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let address = String::from_utf8_lossy(address);
+            let counters = &self.shared.counters;
+            let error = match zmq::SocketEvent::from_raw(event) {
+                zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
+                    bump(&counters.connects);
+                    if let Some(ours) = self.connection_error.take() {
+                        let mut last = self.shared.last_error.lock();
+                        if last.as_deref() == Some(ours.as_str()) {
+                            *last = None;
+                        }
+                    }
+                    None
+                }
+                zmq::SocketEvent::CONNECT_RETRIED => {
+                    bump(&counters.connect_retries);
+                    Some(format!(
+                        "cannot reach the engine at {address}: the connection attempt failed \
+                         (the engine may be down or the address wrong); retrying in {value} ms"
+                    ))
+                }
+                zmq::SocketEvent::DISCONNECTED => {
+                    bump(&counters.disconnects);
+                    Some(format!(
+                        "the engine at {address} closed the connection; reconnecting"
+                    ))
+                }
+                zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL
+                | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL
+                | zmq::SocketEvent::HANDSHAKE_FAILED_AUTH => Some(format!(
+                    "the ZMQ handshake with {address} failed: is it an engine's ZMQ PUB?"
+                )),
+                _ => None,
+            };
+            if let Some(error) = error {
+                self.shared.set_error(error.clone());
+                self.connection_error = Some(error);
+            }
+        }
+    }
+
+    /// Reads up to `max_batches_per_wakeup` live messages without blocking.
+    fn read_live(&mut self) -> Result<(), Exit> {
+        for _ in 0..self.config.options.max_batches_per_wakeup {
+            let received = match receive(&self.sub, zmq::DONTWAIT) {
+                Ok(Some(received)) => received,
+                Ok(None) => return Ok(()),
+                Err(zmq::Error::ETERM) => return Err(Exit::Stopped),
+                Err(error) => return Err(self.fail(format!("SUB receive: {error}"))),
+            };
+            bump(&self.shared.counters.messages_received);
+            let seq = if received.count == received.frames.len() {
+                decode_live_message(&received.slices()).map(|m| m.seq)
+            } else {
+                Err(crate::frames::FrameError::FrameCount {
+                    count: received.count,
+                    expected: "3",
+                })
+            };
+            match seq {
+                Ok(seq) => {
+                    bump(&self.shared.counters.batches_received);
+                    let micros = self.shared.started.elapsed().as_micros();
+                    self.shared.last_batch_micros.store(
+                        u64::try_from(micros).unwrap_or(u64::MAX - 1) + 1,
+                        Ordering::Relaxed,
+                    );
+                    let mut frames = received.frames;
+                    let payload = frames.pop().unwrap_or_default();
+                    if let Some(held) = &mut self.held {
+                        if held.len() >= self.config.options.sequencer.max_buffered.max(1) {
+                            held.pop_front();
+                            bump(&self.shared.counters.held_dropped);
+                        }
+                        held.push_back((seq, payload));
+                        continue;
+                    }
+                    if self.shared.status() == ListenerStatus::Pending {
+                        self.shared.set_status(ListenerStatus::Active);
+                    }
+                    self.sequencer.handle_live(seq, payload);
+                    self.drive()?;
+                }
+                Err(error) => {
+                    bump(&self.shared.counters.bad_frames);
+                    self.shared.set_error(format!("live message: {error}"));
+                }
+            }
+            if self.shared.stopping() {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads every replay reply available without blocking.
+    fn read_replay(&mut self) -> Result<(), Exit> {
+        loop {
+            let Some(replay) = &self.replay else {
+                return Ok(());
+            };
+            let id = replay.id;
+            let received = match receive(&replay.dealer, zmq::DONTWAIT) {
+                Ok(Some(received)) => received,
+                Ok(None) => return Ok(()),
+                Err(error) => {
+                    self.replay_failed(id, format!("replay receive: {error}"));
+                    return self.drive();
+                }
+            };
+            self.sequencer
+                .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
+            let reply = if received.count == received.frames.len() {
+                decode_replay_reply(&received.slices()).map(|reply| match reply {
+                    ReplayReply::Batch { seq, .. } => Some(seq),
+                    ReplayReply::End => None,
+                })
+            } else {
+                Err(crate::frames::FrameError::FrameCount {
+                    count: received.count,
+                    expected: "2, 3 or 4",
+                })
+            };
+            match reply {
+                Ok(Some(seq)) => {
+                    let mut frames = received.frames;
+                    let payload = frames.pop().unwrap_or_default();
+                    self.sequencer.handle_replay_batch(id, seq, payload);
+                }
+                Ok(None) => {
+                    bump(&self.shared.counters.replays_completed);
+                    self.replay = None;
+                    self.sequencer.handle_replay_end(id);
+                }
+                Err(error) => {
+                    bump(&self.shared.counters.bad_frames);
+                    self.shared.set_error(format!("replay reply: {error}"));
+                }
+            }
+            self.drive()?;
+            if self.shared.stopping() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn replay_failed(&mut self, id: ReplayId, error: String) {
+        self.replay_abandoned(error);
+        self.sequencer.handle_replay_failed(id);
+    }
+
+    /// Counts and reports a failed replay and drops its request (the sequencer knows already,
+    /// or is told by the caller).
+    fn replay_abandoned(&mut self, error: String) {
+        bump(&self.shared.counters.replays_failed);
+        tracing::warn!(
+            target: "kvatlas_events::listener",
+            worker_id = self.config.source.worker_id,
+            dp_rank = self.config.source.dp_rank,
+            "{error}"
+        );
+        self.shared.set_error(error);
+        self.replay = None;
+    }
+
+    /// Performs the sequencer's actions until it has none.
+    fn drive(&mut self) -> Result<(), Exit> {
+        while let Some(action) = self.sequencer.poll_action() {
+            match action {
+                Action::Apply {
+                    seq,
+                    payload,
+                    fingerprint,
+                } => self.apply(seq, &payload, fingerprint)?,
+                Action::Replay { id, from, to } => self.start_replay(id, from, to),
+                Action::Resync { reason } => self.resync(reason),
+            }
+        }
+        // A resync with no batch after it (nothing buffered): its clears go alone.
+        if !self.pending_clears.is_empty() {
+            let mutations = std::mem::take(&mut self.pending_clears);
+            self.push(Unit {
+                worker_id: self.config.source.worker_id,
+                mutations,
+                checkpoint: None,
+                resync: true,
+            })?;
+        }
+        // A replay the sequencer abandoned (buffer overflow, restart) is not waited for.
+        if let Some(replay) = &self.replay
+            && self
+                .sequencer
+                .outstanding_replay()
+                .is_none_or(|(id, _, _)| id != replay.id)
+        {
+            self.replay = None;
+        }
+        self.publish_sequence_counters();
+        Ok(())
+    }
+
+    fn publish_sequence_counters(&self) {
+        let s = self.sequencer.counters();
+        let c = &self.shared.counters;
+        let set = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
+        set(&c.duplicates, s.duplicates);
+        set(&c.gaps, s.replays_requested - s.catch_ups);
+        set(&c.late_joins, s.late_joins);
+        set(&c.catch_ups, s.catch_ups);
+        set(&c.resyncs, s.resyncs);
+        set(&c.restarts, s.restarts);
+        set(&c.replay_resyncs, s.replay_resyncs);
+        set(&c.overflow_resyncs, s.overflow_resyncs);
+        set(&c.batches_replayed, s.applied_from_replay);
+    }
+
+    fn start_replay(&mut self, id: ReplayId, from: u64, to: u64) {
+        tracing::debug!(
+            target: "kvatlas_events::listener",
+            worker_id = self.config.source.worker_id,
+            dp_rank = self.config.source.dp_rank,
+            "gap: replaying {from}..{to}"
+        );
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            self.replay_failed(
+                id,
+                format!("gap {from}..{to} and no replay endpoint: resync"),
+            );
+            return;
+        };
+        match self.open_dealer(&endpoint, from) {
+            Ok(dealer) => {
+                self.replay = Some(ReplayState { id, from, dealer });
+                self.sequencer
+                    .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
+            }
+            Err(error) => {
+                self.replay_failed(id, format!("replay request to {endpoint}: {error}"));
+            }
+        }
+    }
+
+    fn open_dealer(&self, endpoint: &str, from: u64) -> Result<zmq::Socket, zmq::Error> {
+        let options = &self.config.options;
+        let dealer = self.context.socket(zmq::DEALER)?;
+        dealer.set_linger(0)?;
+        dealer.set_maxmsgsize(options.max_frame_bytes)?;
+        dealer.set_reconnect_ivl(millis_i32(options.reconnect_interval, "").unwrap_or(100))?;
+        // With ZMQ_IMMEDIATE off (the default) the request is queued until the connection is up;
+        // the send timeout only guards against a full queue.
+        dealer.set_sndtimeo(millis_i32(options.recv_timeout, "").unwrap_or(100))?;
+        dealer.connect(endpoint)?;
+        let start = replay_request(from);
+        dealer.send_multipart([&b""[..], &start[..]], 0)?;
+        Ok(dealer)
+    }
+
+    /// Decodes and converts a batch and hands it to the sink as one unit with its checkpoint.
+    fn apply(&mut self, seq: u64, payload: &[u8], fingerprint: u64) -> Result<(), Exit> {
+        let mut drops = DropCounters::new();
+        self.mutations.clear();
+        match decode_batch(payload) {
+            Ok(batch) => {
+                let worker = self.converter.worker_for(batch.dp_rank);
+                if self.ranks.len() < MAX_TRACKED_RANKS {
+                    self.ranks.insert(worker);
+                }
+                self.converter
+                    .convert_batch(&batch, &mut self.mutations, &mut drops);
+            }
+            Err(error) => {
+                drops.record(error.reason());
+                bump(&self.shared.counters.batch_decode_errors);
+                self.shared.set_error(format!("batch {seq}: {error}"));
+            }
+        }
+        self.shared.counters.add_drops(&drops);
+        let source = self.config.source;
+        let resync = !self.pending_clears.is_empty();
+        let mutations = if resync {
+            let mut mutations = std::mem::take(&mut self.pending_clears);
+            mutations.append(&mut self.mutations);
+            mutations
+        } else {
+            std::mem::take(&mut self.mutations)
+        };
+        let unit = Unit {
+            worker_id: source.worker_id,
+            mutations,
+            resync,
+            // Recorded even for a batch without mutations: the stream has moved past it.
+            checkpoint: Some(Checkpoint {
+                source: Worker::new(source.worker_id, source.dp_rank),
+                position: seq,
+                fingerprint,
+            }),
+        };
+        self.push(unit)?;
+        bump(&self.shared.counters.batches_applied);
+        self.shared.last_seq.store(seq, Ordering::Release);
+        Ok(())
+    }
+
+    fn resync(&mut self, reason: ResyncReason) {
+        let source = self.config.source;
+        tracing::warn!(
+            target: "kvatlas_events::listener",
+            worker_id = source.worker_id,
+            dp_rank = source.dp_rank,
+            ?reason,
+            "resync: clearing the worker's blocks and rebuilding from live events"
+        );
+        self.shared.set_error(format!(
+            "resync ({reason:?}) of worker {} rank {}",
+            source.worker_id, source.dp_rank
+        ));
+        if reason == ResyncReason::Restart {
+            self.shared.last_seq.store(u64::MAX, Ordering::Release);
+        }
+        let mutations: Vec<Mutation> = self
+            .ranks
+            .iter()
+            .map(|&worker| Mutation::Cleared { worker })
+            .collect();
+        let clears = mutations.len() as u64;
+        // Handed over with the next batch, or alone at the end of this drive.
+        self.pending_clears.extend(mutations);
+        self.shared
+            .counters
+            .resync_clears
+            .fetch_add(clears, Ordering::Relaxed);
+    }
+
+    /// Hands one unit to the sink, waiting (with a short backoff, checking for stop) while it
+    /// is full.
+    fn push(&mut self, unit: Unit) -> Result<(), Exit> {
+        let counters = &self.shared.counters;
+        let mut unit = unit;
+        let mut waiting_since = None;
+        let mut backoff = Duration::from_micros(20);
+        loop {
+            let mutations = unit.mutations.len() as u64;
+            match self.sink.try_push(unit) {
+                Ok(()) => {
+                    counters
+                        .mutations_enqueued
+                        .fetch_add(mutations, Ordering::Relaxed);
+                    if let Some(since) = waiting_since {
+                        let waited = Instant::now().saturating_duration_since(since);
+                        counters.backpressure_micros.fetch_add(
+                            u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+                            Ordering::Relaxed,
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(SinkError::Full(back)) => {
+                    if waiting_since.is_none() {
+                        waiting_since = Some(Instant::now());
+                        bump(&counters.backpressure_waits);
+                    }
+                    if self.shared.stopping() {
+                        counters
+                            .mutations_abandoned
+                            .fetch_add(back.mutations.len() as u64, Ordering::Relaxed);
+                        return Err(Exit::Stopped);
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(1));
+                    unit = back;
+                }
+                Err(SinkError::Closed(back)) => {
+                    counters
+                        .mutations_abandoned
+                        .fetch_add(back.mutations.len() as u64, Ordering::Relaxed);
+                    return Err(self.fail("the mutation sink is closed".to_owned()));
+                }
+            }
+        }
+    }
+}
