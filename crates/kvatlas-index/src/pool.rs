@@ -56,6 +56,27 @@ pub enum EnqueueError<T = Mutation> {
 }
 
 /// A pool of writer threads in front of a [`SharedKvIndex`] (see the module docs).
+///
+/// ```
+/// use kvatlas_hash::LocalBlockHash;
+/// use kvatlas_index::{
+///     ConcurrentAtlas, ExternalBlockHash, MatchOptions, Mutation, StoredBlock, ThreadPool, Tier,
+///     Worker,
+/// };
+///
+/// // One writer thread, at most 1,024 mutations waiting per lane.
+/// let pool = ThreadPool::new(ConcurrentAtlas::new(), 1, 1024)?;
+/// let worker = Worker::new(7, 0);
+/// let local = LocalBlockHash::new(42);
+/// let blocks = vec![StoredBlock { external: ExternalBlockHash::new(1), local }];
+/// pool.enqueue(Mutation::Stored { worker, tier: Tier::Device, parent: None, blocks })
+///     .expect("the pool is running");
+/// // Everything enqueued before `flush` is applied when it returns.
+/// assert_eq!(pool.flush().stored, 1);
+/// let matches = pool.find_matches(&[local], &MatchOptions::default());
+/// assert_eq!(matches.device_score(worker), 1);
+/// # Ok::<(), std::io::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct ThreadPool<I: SharedKvIndex + 'static> {
     index: Arc<I>,
