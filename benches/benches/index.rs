@@ -3,7 +3,7 @@
 //! of a whole 1024-block sequence, and `find_matches` hit / partial / miss, for every backend.
 //!
 //! Run with `cargo xtask bench micro -- index` (criterion; `KVATLAS_BACKENDS=atlas` for one backend). The trace-replay harness
-//! (`cargo xtask bench --preset synthetic`) measures the same workload with percentiles, the
+//! (`cargo xtask bench synthetic`) measures the same workload with percentiles, the
 //! oracle check and heap figures.
 
 use std::hint::black_box;

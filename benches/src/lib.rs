@@ -11,15 +11,22 @@
 //! [`plot`] draws the sweep and latency CDF; [`ingest`] turns the trace into vLLM msgpack event
 //! batches for the KV-event ingestion benchmarks; [`service`] loads a `kvatlas serve` process with
 //! Workload A and measures its gRPC queries (`cargo xtask bench service`).
+//!
+//! The `kvatlas-bench` binary is [`cli`] (one subcommand per preset, resolved into a
+//! [`harness::Plan`]), [`harness`] (runs the plan's workloads) and [`render`] (its markdown tables
+//! and plots).
 
 pub mod clear;
+pub mod cli;
 pub mod concurrent;
 pub mod e2e;
 pub mod fleet;
+pub mod harness;
 pub mod http;
 pub mod ingest;
 pub mod openloop;
 pub mod plot;
+pub mod render;
 pub mod replay;
 pub mod scale_out;
 pub mod service;

@@ -3,7 +3,9 @@
 //! - `ci`: everything CI checks (fmt, clippy, tests, docs, tidy, the fuzz crate and the sans-IO
 //!   event core compile, quick bench); installs Debian's `nats-server` for the tests if missing;
 //! - `tidy`: the workspace's layering rules, read from `cargo metadata`;
-//! - `bench [--quick] [args…]`: the trace-replay harness; `bench micro`: criterion benches;
+//! - `bench [PRESET] [--quick] [args…]`: the trace-replay harness (`kvatlas-bench`; PRESET is
+//!   `suite`, the default, `conversation`, `synthetic`, `concurrent` or `clear`); `bench micro`:
+//!   criterion benches;
 //! - `interop [setup]`: the listener against vLLM's and SGLang's real publishers (PyPI wheels);
 //! - `fuzz-corpus [DIR]`: writes the decoder's fixtures as the fuzz seed corpus.
 
@@ -26,7 +28,10 @@ tasks:
                      nats-server (KVATLAS_NATS_SERVER, PATH or /usr/sbin): apt-get installs it
                      when missing and running as root
   tidy               check the crate layering (see docs/ARCHITECTURE.md)
-  bench [ARGS…]      run the trace-replay benchmark suite (ARGS go to kvatlas-bench; --quick = smoke run)
+  bench [PRESET] [ARGS…]
+                     the trace-replay harness kvatlas-bench: PRESET is suite (the default),
+                     conversation, synthetic, concurrent or clear, ARGS the preset's flags
+                     (--quick = smoke run; `cargo xtask bench PRESET --help` lists them)
   bench micro [ARGS…] run the criterion micro-benchmarks (ARGS go to cargo bench)
   bench service [ARGS…] the gRPC service under load: kvatlas serve with the Workload A state
                      (ARGS go to service-bench: --runs, --seconds, --in-flight, --quick, --json)
@@ -271,6 +276,16 @@ fn bench(args: &[String]) -> Result<()> {
         }
         cmd.args(&args[1..]);
         return run(cmd, &format!("{bin} {}", args[1..].join(" ")));
+    }
+    if let Some(i) = args
+        .iter()
+        .position(|a| a == "--preset" || a.starts_with("--preset="))
+    {
+        let preset = match args[i].strip_prefix("--preset=") {
+            Some(preset) => preset,
+            None => args.get(i + 1).map_or("PRESET", String::as_str),
+        };
+        bail!("--preset is gone: the preset is a subcommand now, `cargo xtask bench {preset} …`");
     }
     let mut cmd = cargo();
     cmd.args([
