@@ -616,7 +616,8 @@ impl Handles {
     }
 
     fn heap_bytes(&self) -> u64 {
-        (self.entries.capacity() * std::mem::size_of::<HandleEntry>() + self.free.capacity() * 4) as u64
+        (self.entries.capacity() * std::mem::size_of::<HandleEntry>() + self.free.capacity() * 4)
+            as u64
     }
 }
 
