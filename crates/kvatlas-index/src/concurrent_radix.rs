@@ -743,7 +743,7 @@ impl ConcurrentRadixTree {
     }
 
     /// Nodes currently attached (every node on a path where some rank has a rooted block).
-    pub fn nodes(&self) -> usize {
+    pub(crate) fn nodes(&self) -> usize {
         self.tree.nodes.load(Ordering::Relaxed)
     }
 
@@ -1196,5 +1196,60 @@ mod tests {
         drop(sink);
         assert_eq!(tree.nodes.load(Ordering::Relaxed), 0);
         assert!(tree.roots.is_empty());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 300,
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Reclamation under every anomaly (unknown parents, cycles, repeats, out-of-order
+        /// removes, mixed tiers): once every rank is gone, so is every node.
+        #[test]
+        fn every_node_is_reclaimed_when_every_rank_leaves(
+            ops in proptest::collection::vec(
+                (
+                    0u64..3,
+                    0usize..4,
+                    proptest::option::weighted(0.7, 0u64..12),
+                    proptest::collection::vec((0u64..12, 0u64..6), 1..5),
+                    0u8..17,
+                ),
+                1..40,
+            )
+        ) {
+            let tree = ConcurrentRadixTree::new();
+            for (id, tier, parent, blocks, kind) in ops {
+                let worker = Worker::new(id, 0);
+                let tier = Tier::ALL[tier];
+                match kind {
+                    0..10 => tree.apply(&Mutation::Stored {
+                        worker,
+                        tier,
+                        parent: parent.map(ExternalBlockHash::new),
+                        blocks: blocks
+                            .iter()
+                            .map(|&(e, l)| StoredBlock {
+                                external: ExternalBlockHash::new(e),
+                                local: LocalBlockHash::new(l),
+                            })
+                            .collect(),
+                    }),
+                    10..15 => tree.apply(&Mutation::Removed {
+                        worker,
+                        tier,
+                        blocks: blocks.iter().map(|&(e, _)| ExternalBlockHash::new(e)).collect(),
+                    }),
+                    15 => tree.apply(&Mutation::Cleared { worker }),
+                    _ => tree.remove_worker(id),
+                };
+            }
+            for id in 0..3 {
+                tree.apply(&Mutation::Cleared { worker: Worker::new(id, 0) });
+            }
+            proptest::prop_assert_eq!(tree.nodes(), 0, "nodes left after every rank cleared");
+        }
     }
 }

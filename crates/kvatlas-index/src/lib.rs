@@ -51,7 +51,8 @@ pub use pool::{EnqueueError, ThreadPool};
 pub use reference::ReferenceIndex;
 pub use snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 
-/// Kept at the root, out of the docs, for the side-by-side harness `../shared/peer-bench`
-/// (outside this repository), which names it here; new code uses [`baseline::ConcurrentRadixTree`].
+/// Kept at the root, out of the docs, for an external harness that runs Dynamo's kv-router
+/// beside kvatlas in one process and names the type here; new code uses
+/// [`baseline::ConcurrentRadixTree`].
 #[doc(hidden)]
 pub use baseline::ConcurrentRadixTree;
