@@ -232,6 +232,7 @@ impl Forest {
 
     /// A new edge whose first block is `local`, branching off `parent` at offset `attach`
     /// (`parent == NIL`: a root edge), with room for `capacity` blocks; returns its id.
+    #[inline]
     pub(super) fn branch_off(
         &mut self,
         parent: u32,
@@ -270,6 +271,7 @@ impl Forest {
 
     /// Appends `more` to `edge`'s run (the path extends its last block, and no branch can
     /// attach where the appended blocks go), reserving room for `reserve` blocks when short.
+    #[inline]
     pub(super) fn extend_edge(&mut self, edge: u32, more: &[LocalBlockHash], reserve: usize) {
         let locals = &mut self.edges[edge as usize].locals;
         if locals.capacity() - locals.len() < more.len() {
@@ -292,6 +294,7 @@ impl Forest {
 
     /// Applies a run of membership changes ([`Forest::update_run`]), then gives back what a
     /// stored run over-reserved, or truncates and frees what a removal left unused.
+    #[inline]
     pub(super) fn settle(
         &mut self,
         edge: u32,

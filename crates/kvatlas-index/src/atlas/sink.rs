@@ -45,6 +45,7 @@ pub(super) enum Pending {
 }
 
 impl<'a> Sink<'a> {
+    #[inline]
     pub(super) fn new(forest: &'a mut Forest, rank_index: u32) -> Self {
         Self {
             forest,
@@ -55,6 +56,7 @@ impl<'a> Sink<'a> {
     }
 
     /// Applies the pending run, if any.
+    #[inline]
     pub(super) fn flush(&mut self) {
         match std::mem::replace(&mut self.pending, Pending::None) {
             Pending::None => {}
@@ -87,6 +89,7 @@ impl Drop for Sink<'_> {
 impl Membership for Sink<'_> {
     type Node = NodeRef;
 
+    #[inline]
     fn child(&mut self, parent: Option<NodeRef>, local: LocalBlockHash) -> NodeRef {
         if matches!(self.pending, Pending::Remove { .. }) {
             // A pending removal defers truncating its edge; settle it before the shape changes.
@@ -126,14 +129,17 @@ impl Membership for Sink<'_> {
         NodeRef { edge, offset: 0 }
     }
 
+    #[inline]
     fn local(&self, node: NodeRef) -> LocalBlockHash {
         self.forest.edges[node.edge as usize].locals[node.offset as usize]
     }
 
+    #[inline]
     fn expect(&mut self, blocks: usize) {
         self.expected = blocks;
     }
 
+    #[inline]
     fn extend_path(
         &mut self,
         from: NodeRef,
@@ -170,10 +176,12 @@ impl Membership for Sink<'_> {
         (first, added)
     }
 
+    #[inline]
     fn add(&mut self, node: NodeRef, level: Level) {
         self.add_along(node, 1, level);
     }
 
+    #[inline]
     fn add_along(&mut self, first: NodeRef, len: u32, level: Level) {
         if len == 0 {
             return;
@@ -200,6 +208,7 @@ impl Membership for Sink<'_> {
         };
     }
 
+    #[inline]
     fn remove_along(&mut self, first: NodeRef, len: u32, level: Level) {
         if len == 0 {
             return;
@@ -226,6 +235,7 @@ impl Membership for Sink<'_> {
         };
     }
 
+    #[inline]
     fn locals_along(&self, first: NodeRef, len: u32, into: &mut Vec<LocalBlockHash>) {
         let from = first.offset as usize;
         into.extend_from_slice(
@@ -233,6 +243,7 @@ impl Membership for Sink<'_> {
         );
     }
 
+    #[inline]
     fn remove(&mut self, node: NodeRef, level: Level) {
         self.remove_along(node, 1, level);
     }

@@ -120,6 +120,7 @@ pub(super) fn bounds_of_spans(spans: &[Span]) -> [u32; LEVELS] {
 
 /// Inserts a cover, growing small cover lists one at a time (most edges are covered by one or
 /// two ranks; doubling would leave most of each list's allocation unused).
+#[inline]
 pub(super) fn insert_cover(covers: &mut Vec<Cover>, at: usize, cover: Cover) {
     if covers.len() == covers.capacity() && covers.len() < 8 {
         covers.reserve_exact(1);
@@ -128,6 +129,7 @@ pub(super) fn insert_cover(covers: &mut Vec<Cover>, at: usize, cover: Cover) {
 }
 
 /// Removes a cover, giving memory back when the list is mostly unused.
+#[inline]
 pub(super) fn remove_cover(covers: &mut Vec<Cover>, at: usize) {
     covers.remove(at);
     if covers.capacity() > 2 * covers.len() + 2 {
