@@ -6,6 +6,7 @@ use std::hash::BuildHasher;
 use hashbrown::HashTable;
 use kvatlas_hash::LocalBlockHash;
 use rustc_hash::{FxBuildHasher, FxHashMap};
+use smallvec::SmallVec;
 
 use crate::ledger::NodeBits;
 use crate::model::{LEVELS, Level, Worker, table_bytes};
@@ -55,6 +56,23 @@ pub(super) struct Cover {
     pub(super) bounds: [u32; LEVELS],
 }
 
+/// An edge's covers, sorted by rank. Most edges are covered by one rank (a sequence only one
+/// worker cached), so one cover is kept inline, without an allocation; the list is as large as
+/// a `Vec` either way.
+pub(super) type Covers = SmallVec<[Cover; 1]>;
+
+// The inline cover costs no room: the list stays the size of a `Vec`.
+const _: () = assert!(std::mem::size_of::<Covers>() == std::mem::size_of::<Vec<Cover>>());
+
+/// Heap bytes of a cover list (none while its one cover is inline).
+pub(super) fn covers_heap_bytes(covers: &Covers) -> usize {
+    if covers.spilled() {
+        covers.capacity() * std::mem::size_of::<Cover>()
+    } else {
+        0
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Edge {
     pub(super) locals: Vec<LocalBlockHash>,
@@ -71,7 +89,7 @@ pub(super) struct Edge {
     /// ([`Forest::child_edge`] relies on it).
     pub(super) max_child_offset: u32,
     /// Sorted by worker rank (see `Atlas::ranks`).
-    pub(super) covers: Vec<Cover>,
+    pub(super) covers: Covers,
 }
 
 impl Edge {
@@ -545,7 +563,7 @@ impl Forest {
         let per_edge: usize = self
             .edges
             .iter()
-            .map(|e| e.locals.capacity() * 8 + e.covers.capacity() * std::mem::size_of::<Cover>())
+            .map(|e| e.locals.capacity() * 8 + covers_heap_bytes(&e.covers))
             .sum();
         let multiple_entry = std::mem::size_of::<((u32, u32), ExplicitCounts)>();
         let multiple_counts: usize = self

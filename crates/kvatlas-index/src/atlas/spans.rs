@@ -3,7 +3,7 @@
 
 use crate::model::{LEVELS, Level};
 
-use super::forest::{Cover, Span};
+use super::forest::{Cover, Covers, Span};
 
 /// The counts a cover's bounds imply: one block per position, at the lowest level whose bound
 /// covers it.
@@ -121,7 +121,7 @@ pub(super) fn bounds_of_spans(spans: &[Span]) -> [u32; LEVELS] {
 /// Inserts a cover, growing small cover lists one at a time (most edges are covered by one or
 /// two ranks; doubling would leave most of each list's allocation unused).
 #[inline]
-pub(super) fn insert_cover(covers: &mut Vec<Cover>, at: usize, cover: Cover) {
+pub(super) fn insert_cover(covers: &mut Covers, at: usize, cover: Cover) {
     if covers.len() == covers.capacity() && covers.len() < 8 {
         covers.reserve_exact(1);
     }
@@ -130,7 +130,7 @@ pub(super) fn insert_cover(covers: &mut Vec<Cover>, at: usize, cover: Cover) {
 
 /// Removes a cover, giving memory back when the list is mostly unused.
 #[inline]
-pub(super) fn remove_cover(covers: &mut Vec<Cover>, at: usize) {
+pub(super) fn remove_cover(covers: &mut Covers, at: usize) {
     covers.remove(at);
     if covers.capacity() > 2 * covers.len() + 2 {
         covers.shrink_to_fit();
