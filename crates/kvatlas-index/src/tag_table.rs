@@ -18,7 +18,8 @@
 //! its home bucket (linear, wrapping); every full bucket it passes counts it in its overflow
 //! count, and a lookup goes on past a bucket only while that count is non-zero. Removal clears
 //! the lane and takes the entry off the counts it added. The bucket count is any number (the home
-//! is the hash's high half scaled to it), so growth is by a quarter, not doubling.
+//! is the hash's high half scaled to it), so growth is by half while a table is small and by a quarter
+//! beyond, not doubling.
 //!
 //! Memory: at most 3/4 of the lanes are used, so 64 bytes hold 11.25 entries at the most (5.7
 //! bytes per entry), 4.6 just after growing by a quarter (7.1 bytes per entry); hashbrown with
@@ -154,6 +155,15 @@ fn tag_of(hash: u64) -> u16 {
 fn max_entries(buckets: usize) -> usize {
     buckets * LANES * LOAD_NUM / LOAD_DEN
 }
+
+/// Below this many buckets (1,440 entries at the load bound) a table grows by half, above by a
+/// quarter. Rehashing on the way up was 11 % of the peer harness's Workload A apply, whose
+/// ranks hold a few hundred blocks each (fresh indexes: every table grows from empty); growing
+/// small tables by half took 8 % off it (+7.7 % events/s at W=128, +8 % at W=16, alternated
+/// runs) for +1.5 % heap. Growing every table by half also cost the synthetic workload's
+/// 8,192-entry tables +6 % heap; doubling, measured earlier, +13 % events for +3.9 % heap on
+/// Workload A.
+const SMALL_TABLE_BUCKETS: usize = 128;
 
 /// The load bound, as a fraction of the lanes.
 const LOAD_NUM: usize = 3;
@@ -382,22 +392,26 @@ impl TagTable {
         }
     }
 
-    /// Rebuilds the table with room for `entries`, and at least half more buckets than now:
-    /// growth one entry at a time stays amortized, and the load after growing stays low enough
-    /// that most entries find room in their home bucket (measured: at the full 3/4 load, a cold
-    /// store of 1,024 blocks took 15 µs; a quarter lower, 10 µs). The factor trades rehashing
-    /// for room: a table grown by ×1.25 steps re-places each entry about 4 times on its way up,
-    /// by ×1.5 about twice. Measured on the peer harness's Workload A (fresh indexes, so every
-    /// rank's table grows from empty; 8 alternated runs): ×1.25 → ×1.5 gave +7.7 % events/s at
-    /// W=128 and +8 % at W=16 for +1.5 % and +2.2 % heap; doubling, measured earlier, +13 % for
-    /// +3.9 %.
+    /// Rebuilds the table with room for `entries`, and at least half more buckets than now while
+    /// it is small ([`SMALL_TABLE_BUCKETS`]), a quarter more beyond: growth one entry at a time
+    /// stays amortized, and the load after growing stays low enough that most entries find room
+    /// in their home bucket (measured: at the full 3/4 load, a cold store of 1,024 blocks took
+    /// 15 µs; a quarter lower, 10 µs). The factor trades rehashing for room: a table grown by
+    /// ×1.25 steps re-places each entry about 4 times on its way up, by ×1.5 about twice.
     fn grow_to(&mut self, entries: usize, rehash: impl Fn(u32) -> u64) {
         let mut needed = (entries * LOAD_DEN).div_ceil(LANES * LOAD_NUM);
         while max_entries(needed) < entries {
             needed += 1;
         }
         let current = self.buckets.len();
-        let buckets = needed.max(current + current / 2 + 1);
+        // Small tables grow by half (few bytes either way, and fewer rehashes while a rank's
+        // table fills), large ones by a quarter (room that is not used costs real memory).
+        let step = if current < SMALL_TABLE_BUCKETS {
+            current / 2
+        } else {
+            current / 4
+        };
+        let buckets = needed.max(current + step + 1);
         let old = std::mem::replace(&mut self.buckets, vec![Bucket::EMPTY; buckets]);
         self.len = 0;
         self.max_len = max_entries(buckets);
@@ -597,11 +611,11 @@ mod tests {
         assert_eq!(table.buckets.len(), buckets);
     }
 
-    /// Grown by quarters: 8,192 entries added one at a time take at most 7.2 bytes each (a
-    /// quarter over the 3/4 load bound, module docs), and hashes crafted to share one home do
-    /// not grow the table beyond its load bound.
+    /// Grown by a quarter once large: 8,192 entries added one at a time take at most 7.2 bytes
+    /// each (a quarter over the 3/4 load bound, module docs), and hashes crafted to share one
+    /// home do not grow the table beyond its load bound.
     #[test]
-    fn grows_by_a_quarter_and_colliding_hashes_stay_in_bounds() {
+    fn grows_by_a_quarter_when_large_and_colliding_hashes_stay_in_bounds() {
         let hash = |p: u32| hash_of(ExternalBlockHash::new(u64::from(p) * 7919 + 1));
         let mut table = TagTable::default();
         for p in 0..8192u32 {
