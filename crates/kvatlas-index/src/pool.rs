@@ -22,18 +22,9 @@
 //! through [`SharedKvIndex::apply_batch`]), so a left-right front publishes once per
 //! batch rather than once per mutation when the lane is busy: fewer copy swaps, and fewer reads
 //! that overlap one. An idle lane still applies a lone mutation at once.
-//!
-//! [`ThreadPool::submit_unit`] goes one step further for producers with threads of their own
-//! (the ZMQ listeners): when the unit's lane is idle — nothing queued, nothing being applied,
-//! nobody else applying inline — the caller applies the unit itself, and only a busy lane gets
-//! it queued. An idle lane holds nothing of the unit's worker, so the unit overtakes nothing,
-//! and the hand-off to the writer thread (a wake-up, which on a loaded machine is most of an
-//! event's way from the socket to the answers) is skipped while the writers keep up; under
-//! load, units queue and are applied in batches as before.
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
@@ -89,41 +80,9 @@ pub enum EnqueueError<T = Mutation> {
 #[derive(Debug)]
 pub struct ThreadPool<I: SharedKvIndex + 'static> {
     index: Arc<I>,
-    lanes: Vec<Lane>,
+    lanes: Vec<Sender<Task>>,
     threads: Vec<JoinHandle<()>>,
     reports: Arc<Mutex<ApplyReport>>,
-}
-
-/// One writer thread's queue, and what [`ThreadPool::submit_unit`] needs to know it is idle.
-#[derive(Debug)]
-struct Lane {
-    sender: Sender<Task>,
-    /// Tasks sent to the lane and not yet applied: counted up before a send (down again if it
-    /// fails), down by the writer only after it applied them. Zero means the writer holds
-    /// nothing, queued or in hand.
-    unapplied: Arc<AtomicUsize>,
-    /// Held by a caller applying a unit inline (at most one per lane); a flush takes it to
-    /// wait for one in progress.
-    inline: Mutex<()>,
-}
-
-impl Lane {
-    /// Sends a task, waiting while the lane is full.
-    fn send(&self, task: Task) -> Result<(), Task> {
-        self.unapplied.fetch_add(1, Ordering::SeqCst);
-        self.sender.send(task).map_err(|e| {
-            self.unapplied.fetch_sub(1, Ordering::SeqCst);
-            e.0
-        })
-    }
-
-    /// Sends a task if the lane has room.
-    fn try_send(&self, task: Task) -> Result<(), TrySendError<Task>> {
-        self.unapplied.fetch_add(1, Ordering::SeqCst);
-        self.sender.try_send(task).inspect_err(|_| {
-            self.unapplied.fetch_sub(1, Ordering::SeqCst);
-        })
-    }
 }
 
 impl std::fmt::Debug for Task {
@@ -150,23 +109,13 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
         for lane in 0..threads.max(1) {
             let (sender, receiver) = bounded(queue_capacity.max(1));
             let (index, reports) = (Arc::clone(&index), Arc::clone(&reports));
-            let unapplied = Arc::new(AtomicUsize::new(0));
-            let writer = Writer {
-                receiver,
-                reports,
-                unapplied: Arc::clone(&unapplied),
-                max_batch: MAX_BATCH.min(queue_capacity.max(1)),
-            };
+            let max_batch = MAX_BATCH.min(queue_capacity.max(1));
             let handle = std::thread::Builder::new()
                 .name(format!("kvatlas-writer-{lane}"))
-                .spawn(move || writer.run(&*index));
+                .spawn(move || writer_loop(&*index, &receiver, &reports, max_batch));
             match handle {
                 Ok(handle) => {
-                    lanes.push(Lane {
-                        sender,
-                        unapplied,
-                        inline: Mutex::new(()),
-                    });
+                    lanes.push(sender);
                     handles.push(handle);
                 }
                 Err(error) => {
@@ -200,11 +149,11 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     /// Tasks waiting in the lanes, not yet taken by a writer (a gauge of how far the writers
     /// are behind).
     pub fn queued(&self) -> usize {
-        self.lanes.iter().map(|lane| lane.sender.len()).sum()
+        self.lanes.iter().map(Sender::len).sum()
     }
 
     /// The lane of every rank of `worker_id`.
-    fn lane(&self, worker_id: u64) -> &Lane {
+    fn lane(&self, worker_id: u64) -> &Sender<Task> {
         let hash = FxBuildHasher.hash_one(worker_id);
         &self.lanes[(hash % self.lanes.len() as u64) as usize]
     }
@@ -216,7 +165,7 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     pub fn enqueue(&self, mutation: Mutation) -> Result<(), EnqueueError> {
         self.lane(mutation.worker().worker_id)
             .send(Task::Apply(mutation))
-            .map_err(|task| match task {
+            .map_err(|e| match e.0 {
                 Task::Apply(m) => EnqueueError::Stopped(m),
                 _ => unreachable_task(),
             })
@@ -245,7 +194,7 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     pub fn enqueue_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
         self.lane(unit.worker_id)
             .send(Task::Unit(unit))
-            .map_err(|task| match task {
+            .map_err(|e| match e.0 {
                 Task::Unit(u) => EnqueueError::Stopped(u),
                 _ => unreachable_task(),
             })
@@ -266,39 +215,8 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
             })
     }
 
-    /// Applies a unit on the caller's thread if its lane is idle (see the module docs), else
-    /// enqueues it if the lane has room, as [`ThreadPool::try_enqueue_unit`] does.
-    ///
-    /// For producers on threads of their own: the call takes as long as the apply. Units of
-    /// one worker submitted by one thread are applied in submission order, each whole, as
-    /// through the queue: inline only when the lane holds nothing (so no earlier unit of the
-    /// worker), at most one caller inline per lane.
-    ///
-    /// # Errors
-    /// As [`ThreadPool::try_enqueue_unit`]'s, when the lane was busy.
-    pub fn submit_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
-        let lane = self.lane(unit.worker_id);
-        if lane.unapplied.load(Ordering::SeqCst) == 0
-            && let Some(_inline) = lane.inline.try_lock()
-            && lane.unapplied.load(Ordering::SeqCst) == 0
-        {
-            let mut mutations = unit.mutations;
-            let mut checkpoints: Vec<Checkpoint> = unit.checkpoint.into_iter().collect();
-            let report = if checkpoints.is_empty() {
-                self.index.apply_batch(&mut mutations)
-            } else {
-                self.index
-                    .apply_checkpointed(&mut mutations, &mut checkpoints)
-            };
-            self.reports.lock().merge(&report);
-            return Ok(());
-        }
-        self.try_enqueue_unit(unit)
-    }
-
-    /// Waits until every mutation enqueued before this call has been applied (and every
-    /// [`ThreadPool::submit_unit`] applying inline when it was called has returned); returns
-    /// the reports accumulated since the previous flush.
+    /// Waits until every mutation enqueued before this call has been applied; returns the
+    /// reports accumulated since the previous flush.
     pub fn flush(&self) -> ApplyReport {
         let acks: Vec<_> = self
             .lanes
@@ -311,9 +229,6 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
         for done in acks {
             // A disconnected ack means that writer stopped; nothing more will come from it.
             let _ = done.recv();
-        }
-        for lane in &self.lanes {
-            drop(lane.inline.lock());
         }
         std::mem::take(&mut *self.reports.lock())
     }
@@ -335,64 +250,50 @@ fn unreachable_task() -> ! {
     unreachable!("a send hands back the task it was given")
 }
 
-/// A writer thread's side of its lane.
-struct Writer {
-    receiver: Receiver<Task>,
-    reports: Arc<Mutex<ApplyReport>>,
-    /// The lane's count of tasks not yet applied ([`Lane::unapplied`]).
-    unapplied: Arc<AtomicUsize>,
+fn writer_loop<I: SharedKvIndex>(
+    index: &I,
+    receiver: &Receiver<Task>,
+    reports: &Mutex<ApplyReport>,
     max_batch: usize,
-}
-
-impl Writer {
-    fn run<I: SharedKvIndex>(self, index: &I) {
-        let mut pending = ApplyReport::default();
-        let mut batch = Vec::with_capacity(self.max_batch);
-        let mut checkpoints: Vec<Checkpoint> = Vec::new();
-        // Tasks taken from the lane and not yet applied (counted down once they are).
-        let mut taken = 0;
-        // Invariant: a unit's mutations and checkpoint land in the same `apply_checkpointed`
-        // call.
-        let apply = |batch: &mut Vec<Mutation>, checkpoints: &mut Vec<Checkpoint>| {
-            if batch.is_empty() && checkpoints.is_empty() {
-                return ApplyReport::default();
-            }
-            if checkpoints.is_empty() {
-                index.apply_batch(batch)
-            } else {
-                index.apply_checkpointed(batch, checkpoints)
-            }
-        };
-        while let Ok(task) = self.receiver.recv() {
-            // The task just received, then whatever else is already waiting (up to a batch).
-            let mut next = Some(task);
-            while let Some(task) = next.take() {
-                taken += 1;
-                match task {
-                    Task::Apply(mutation) => batch.push(mutation),
-                    Task::Unit(unit) => {
-                        batch.extend(unit.mutations);
-                        checkpoints.extend(unit.checkpoint);
-                    }
-                    Task::Flush(ack) => {
-                        pending.merge(&apply(&mut batch, &mut checkpoints));
-                        self.reports.lock().merge(&std::mem::take(&mut pending));
-                        self.unapplied
-                            .fetch_sub(std::mem::take(&mut taken), Ordering::SeqCst);
-                        let _ = ack.send(());
-                        continue;
-                    }
-                }
-                if batch.len() < self.max_batch {
-                    next = self.receiver.try_recv().ok();
-                }
-            }
-            pending.merge(&apply(&mut batch, &mut checkpoints));
-            self.unapplied
-                .fetch_sub(std::mem::take(&mut taken), Ordering::SeqCst);
+) {
+    let mut pending = ApplyReport::default();
+    let mut batch = Vec::with_capacity(max_batch);
+    let mut checkpoints: Vec<Checkpoint> = Vec::new();
+    // Invariant: a unit's mutations and checkpoint land in the same `apply_checkpointed` call.
+    let apply = |batch: &mut Vec<Mutation>, checkpoints: &mut Vec<Checkpoint>| {
+        if batch.is_empty() && checkpoints.is_empty() {
+            return ApplyReport::default();
         }
-        self.reports.lock().merge(&pending);
+        if checkpoints.is_empty() {
+            index.apply_batch(batch)
+        } else {
+            index.apply_checkpointed(batch, checkpoints)
+        }
+    };
+    while let Ok(task) = receiver.recv() {
+        // The task just received, then whatever else is already waiting (up to a batch).
+        let mut next = Some(task);
+        while let Some(task) = next.take() {
+            match task {
+                Task::Apply(mutation) => batch.push(mutation),
+                Task::Unit(unit) => {
+                    batch.extend(unit.mutations);
+                    checkpoints.extend(unit.checkpoint);
+                }
+                Task::Flush(ack) => {
+                    pending.merge(&apply(&mut batch, &mut checkpoints));
+                    reports.lock().merge(&std::mem::take(&mut pending));
+                    let _ = ack.send(());
+                    continue;
+                }
+            }
+            if batch.len() < max_batch {
+                next = receiver.try_recv().ok();
+            }
+        }
+        pending.merge(&apply(&mut batch, &mut checkpoints));
     }
+    reports.lock().merge(&pending);
 }
 
 impl<I: SharedKvIndex + 'static> Drop for ThreadPool<I> {

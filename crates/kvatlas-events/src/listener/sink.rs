@@ -17,8 +17,8 @@ pub enum SinkError {
 /// index.
 ///
 /// Contract: units of one worker pushed by one thread are applied in push order, each whole
-/// ([`ThreadPool`]'s sticky lanes guarantee it). `try_push` never waits for room; the listener
-/// waits and retries on [`SinkError::Full`], which is how backpressure reaches the socket.
+/// ([`ThreadPool`]'s sticky lanes guarantee it). `try_push` never blocks; the listener waits
+/// and retries on [`SinkError::Full`], which is how backpressure reaches the socket.
 pub trait MutationSink: Send + Sync {
     /// Hands over one unit (a batch's mutations and its checkpoint) if there is room.
     ///
@@ -27,11 +27,9 @@ pub trait MutationSink: Send + Sync {
     fn try_push(&self, unit: Unit) -> Result<(), SinkError>;
 }
 
-/// Through [`ThreadPool::submit_unit`]: applied on the listener's thread while the writer's lane
-/// is idle (no hand-off to wait for), queued when it is busy.
 impl<I: SharedKvIndex + 'static> MutationSink for ThreadPool<I> {
     fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
-        self.submit_unit(unit).map_err(|error| match error {
+        self.try_enqueue_unit(unit).map_err(|error| match error {
             EnqueueError::Full(u) => SinkError::Full(u),
             EnqueueError::Stopped(u) => SinkError::Closed(u),
         })
