@@ -409,58 +409,45 @@ impl SyntheticPreset {
 
 impl ConcurrentPreset {
     fn plan(self) -> Result<Plan> {
-        let (quick, seed) = (self.common.quick, self.common.seed);
-        let backends = self.common.backends()?;
-        let workers = self.stream.workers(quick)?;
-        let engine = self.stream.engine(
-            workers,
-            Eviction::LeafFirst,
-            Routing::Random,
-            DEFAULT_LOAD_BOUND_PERCENT,
-            seed,
-        );
-        Ok(Plan {
-            quick,
-            backends,
-            trace: self.stream.trace(quick),
-            conversation: None,
-            synthetic: None,
-            base: Some(BasePlan {
-                engine,
-                concurrent: Some(self.concurrent.config(quick, &self.front)),
-                clear_rounds: None,
-            }),
-            json: self.common.json,
-        })
+        let concurrent = self.concurrent.config(self.common.quick, &self.front);
+        leaf_first_plan(&self.common, &self.stream, Some(concurrent), None)
     }
 }
 
 impl ClearPreset {
     fn plan(self) -> Result<Plan> {
-        let (quick, seed) = (self.common.quick, self.common.seed);
-        let backends = self.common.backends()?;
-        let workers = self.stream.workers(quick)?;
-        let engine = self.stream.engine(
-            workers,
-            Eviction::LeafFirst,
-            Routing::Random,
-            DEFAULT_LOAD_BOUND_PERCENT,
-            seed,
-        );
-        Ok(Plan {
-            quick,
-            backends,
-            trace: self.stream.trace(quick),
-            conversation: None,
-            synthetic: None,
-            base: Some(BasePlan {
-                engine,
-                concurrent: None,
-                clear_rounds: Some(self.clear.rounds),
-            }),
-            json: self.common.json,
-        })
+        leaf_first_plan(&self.common, &self.stream, None, Some(self.clear.rounds))
     }
+}
+
+/// The plan of a preset that replays the leaf-first, randomly routed stream (Workloads C and D).
+fn leaf_first_plan(
+    common: &CommonArgs,
+    stream: &StreamArgs,
+    concurrent: Option<ConcurrentConfig>,
+    clear_rounds: Option<usize>,
+) -> Result<Plan> {
+    let quick = common.quick;
+    let engine = stream.engine(
+        stream.workers(quick)?,
+        Eviction::LeafFirst,
+        Routing::Random,
+        DEFAULT_LOAD_BOUND_PERCENT,
+        common.seed,
+    );
+    Ok(Plan {
+        quick,
+        backends: common.backends()?,
+        trace: stream.trace(quick),
+        conversation: None,
+        synthetic: None,
+        base: Some(BasePlan {
+            engine,
+            concurrent,
+            clear_rounds,
+        }),
+        json: common.json.clone(),
+    })
 }
 
 impl CommonArgs {
