@@ -157,6 +157,21 @@ fn ci() -> Result<()> {
     doc.args(["doc", "--workspace", "--no-deps", "--locked"])
         .env("RUSTDOCFLAGS", "-D warnings");
     run(doc, "cargo doc --workspace --no-deps (warnings denied)")?;
+    // The private items' docs too: the module and type docs a newcomer reads link each other.
+    let mut private_doc = cargo();
+    private_doc
+        .args([
+            "doc",
+            "--workspace",
+            "--no-deps",
+            "--locked",
+            "--document-private-items",
+        ])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(
+        private_doc,
+        "cargo doc --workspace --no-deps --document-private-items (warnings denied)",
+    )?;
 
     eprintln!("\n==> cargo xtask tidy");
     tidy::run(&workspace_root())?;
