@@ -244,7 +244,18 @@ proptest! {
     #[test]
     fn concurrent_radix_tree_matches_reference(ops in prop::collection::vec(op(), 1..40)) {
         run_differential(|| Box::new(kvatlas_index::Exclusive(kvatlas_index::baseline::ConcurrentRadixTree::new())), &ops);
-        // (That every node is reclaimed once every rank is gone is a unit test of the tree.)
+        // Reclamation under every anomaly: once every rank is gone, so is every node.
+        let tree = kvatlas_index::baseline::ConcurrentRadixTree::new();
+        for op in &ops {
+            match op {
+                Op::Apply(m) => kvatlas_index::SharedKvIndex::apply(&tree, m),
+                Op::RemoveWorker(id) => kvatlas_index::SharedKvIndex::remove_worker(&tree, *id),
+            };
+        }
+        for worker in WORKERS {
+            kvatlas_index::SharedKvIndex::apply(&tree, &Mutation::Cleared { worker });
+        }
+        prop_assert_eq!(tree.nodes(), 0, "nodes left after every rank cleared");
     }
 }
 
