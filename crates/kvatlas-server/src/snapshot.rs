@@ -12,18 +12,30 @@
 //!                  endpoint str · replay endpoint str · topic str · pod name str (version ≥ 2;
 //!                  empty = none)                                            (of the last INDEX)
 //!   3 MARK         instance · dp rank · position · n · n × (seq delta · fingerprint fixed u64)
-//!   4 BLOCKS       n · n × (engine hash fixed u64 · local hash fixed u64 · parent)
+//!   4 BLOCKS       n · chains until n entries:
+//!                  chain := length · parent of its first entry ·
+//!                           length × (engine hash fixed u64 · local hash fixed u64)
+//!                  each entry after a chain's first has the entry before it as its parent;
 //!                  parent: 0 = none, 1 = an engine hash follows (fixed u64),
 //!                          k ≥ 2 = the block k − 1 entries earlier in this table
-//!   5 RANK         instance · dp rank · n · n × ((entry delta << 4) | tiers)
+//!   5 RANK         instance · dp rank · n · runs until n memberships:
+//!                  run := (entry delta << 4) | tiers · further entries
+//!                  (a run is consecutive entries of the table with the same tiers; the delta
+//!                  is from the previous run's last entry)
 //! trailer := 255 · indexes · memberships · XXH3-64 of every byte before the trailer (fixed u64)
 //! str     := length · UTF-8 bytes
 //! ```
 //!
 //! The block table of an index holds each distinct (engine hash, local hash, parent) once, parents
-//! before their children where they are in the table, so the ranks that share a prefix (engines
-//! with consistent hashes, the usual deployment) share its entries; a rank is then a sorted list
-//! of entries, delta-coded with the tiers in the low 4 bits — a couple of bytes per membership.
+//! before their children where they are in the table (depth first, so a chain is consecutive
+//! entries and is written as one run whose parents are implied), and the ranks that share a prefix
+//! (engines with consistent hashes, the usual deployment) share its entries; a rank is then a
+//! sorted list of entries written as runs of consecutive entries, delta-coded with the tiers in
+//! the low 4 bits — a rank that holds whole chains costs a few bytes per chain, not per block.
+//!
+//! Versions 1 and 2 wrote one parent per block table entry and one varint per membership
+//! (`n × (engine hash · local hash · parent)`, `n × ((entry delta << 4) | tiers)`); they are
+//! still read.
 //!
 //! A reader refuses a stream whose magic is wrong, whose version is newer than
 //! [`FORMAT_VERSION`], whose records are malformed or truncated, or whose checksum does not
@@ -43,8 +55,9 @@ use crate::registry::{IndexKey, WorkerRegistration};
 /// The stream's first bytes.
 pub const MAGIC: &[u8; 8] = b"KVATSNAP";
 /// The format version this build writes and the newest it reads (2 added the pod name of a
-/// registration; version 1 files are read as registrations without one).
-pub const FORMAT_VERSION: u16 = 2;
+/// registration, and version 1 files are read as registrations without one; 3 writes the block
+/// table as chains and the ranks as runs).
+pub const FORMAT_VERSION: u16 = 3;
 
 const INDEX: u8 = 1;
 const REGISTRATION: u8 = 2;
@@ -272,21 +285,33 @@ impl<W: Write> Writer<W> {
         let table = BlockTable::build(snapshot);
         self.buf.push(BLOCKS);
         put_varint(&mut self.buf, table.entries.len() as u64);
-        for (i, entry) in table.entries.iter().enumerate() {
-            self.buf
-                .extend_from_slice(&entry.external.get().to_le_bytes());
-            self.buf.extend_from_slice(&entry.local.get().to_le_bytes());
-            match entry.parent {
+        let mut start = 0;
+        while start < table.entries.len() {
+            // The chain: every next entry whose parent is the entry before it.
+            let mut end = start + 1;
+            while end < table.entries.len()
+                && table.entries[end].parent == Some(table.entries[end - 1].external)
+            {
+                end += 1;
+            }
+            put_varint(&mut self.buf, (end - start) as u64);
+            match table.entries[start].parent {
                 None => self.buf.push(0),
                 Some(parent) => match table.position.get(&parent) {
-                    Some(&at) if at < i => put_varint(&mut self.buf, (i - at) as u64 + 1),
+                    Some(&at) if at < start => put_varint(&mut self.buf, (start - at) as u64 + 1),
                     _ => {
                         self.buf.push(1);
                         self.buf.extend_from_slice(&parent.get().to_le_bytes());
                     }
                 },
             }
-            self.maybe_flush()?;
+            for entry in &table.entries[start..end] {
+                self.buf
+                    .extend_from_slice(&entry.external.get().to_le_bytes());
+                self.buf.extend_from_slice(&entry.local.get().to_le_bytes());
+                self.maybe_flush()?;
+            }
+            start = end;
         }
         for worker in &snapshot.workers {
             self.buf.push(RANK);
@@ -300,13 +325,21 @@ impl<W: Write> Writer<W> {
             entries.sort_unstable();
             put_varint(&mut self.buf, entries.len() as u64);
             let mut previous = 0usize;
-            for (entry, tiers) in entries {
-                self.memberships += u64::from(tiers.count_ones());
+            let mut at = 0;
+            while at < entries.len() {
+                let (entry, tiers) = entries[at];
+                let mut end = at + 1;
+                while end < entries.len() && entries[end] == (entry + (end - at), tiers) {
+                    end += 1;
+                }
+                self.memberships += u64::from(tiers.count_ones()) * (end - at) as u64;
                 put_varint(
                     &mut self.buf,
                     (((entry - previous) as u64) << 4) | u64::from(tiers),
                 );
-                previous = entry;
+                put_varint(&mut self.buf, (end - at - 1) as u64);
+                previous = entry + (end - at - 1);
+                at = end;
                 self.maybe_flush()?;
             }
         }
@@ -683,27 +716,18 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                 let n = reader.varint("a block table")?;
                 table.clear();
                 table.reserve((n as usize).min(PREALLOC));
-                for i in 0..n {
-                    let external = ExternalBlockHash::new(reader.fixed_u64("a block table")?);
-                    let local = LocalBlockHash::new(reader.fixed_u64("a block table")?);
-                    let parent = match reader.varint("a block table")? {
-                        0 => None,
-                        1 => Some(ExternalBlockHash::new(reader.fixed_u64("a block table")?)),
-                        back => {
-                            let at = i.checked_sub(back - 1).ok_or_else(|| {
-                                SnapshotError::Corrupt(format!(
-                                    "block {i} names a parent {} entries before the table",
-                                    back - 1
-                                ))
-                            })?;
-                            Some(table[at as usize].external)
-                        }
-                    };
-                    table.push(Entry {
-                        external,
-                        local,
-                        parent,
-                    });
+                if version >= 3 {
+                    read_chains(&mut reader, n, &mut table)?;
+                } else {
+                    for _ in 0..n {
+                        let (external, local) = read_hashes(&mut reader)?;
+                        let parent = read_parent(&mut reader, &table)?;
+                        table.push(Entry {
+                            external,
+                            local,
+                            parent,
+                        });
+                    }
                 }
             }
             RANK => {
@@ -711,8 +735,20 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                 let n = reader.varint("a rank")?;
                 let mut blocks = Vec::with_capacity((n as usize).min(PREALLOC));
                 let mut entry = 0u64;
-                for _ in 0..n {
+                while (blocks.len() as u64) < n {
                     let packed = reader.varint("a rank's blocks")?;
+                    // Versions before 3: every membership is a run of one.
+                    let further = if version >= 3 {
+                        reader.varint("a rank's blocks")?
+                    } else {
+                        0
+                    };
+                    if further >= n - blocks.len() as u64 {
+                        return Err(SnapshotError::Corrupt(format!(
+                            "a rank's run of {} blocks passes its count of {n}",
+                            further.saturating_add(1)
+                        )));
+                    }
                     entry = entry
                         .checked_add(packed >> 4)
                         .ok_or_else(|| SnapshotError::Corrupt("a rank's entry overflows".into()))?;
@@ -720,22 +756,25 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                     if tiers.is_empty() {
                         return Err(SnapshotError::Corrupt("a membership without a tier".into()));
                     }
-                    memberships += u64::from(tiers.bits().count_ones());
-                    let e = usize::try_from(entry)
+                    let last = entry + further;
+                    let run = usize::try_from(entry)
                         .ok()
-                        .and_then(|i| table.get(i))
+                        .zip(usize::try_from(last).ok())
+                        .and_then(|(first, last)| table.get(first..=last))
                         .ok_or_else(|| {
                             SnapshotError::Corrupt(format!(
-                                "a rank names block {entry} of a table of {}",
+                                "a rank names block {last} of a table of {}",
                                 table.len()
                             ))
                         })?;
-                    blocks.push(SnapshotBlock {
+                    memberships += u64::from(tiers.bits().count_ones()) * (further + 1);
+                    blocks.extend(run.iter().map(|e| SnapshotBlock {
                         external: e.external,
                         local: e.local,
                         parent: e.parent,
                         tiers,
-                    });
+                    }));
+                    entry = last;
                 }
                 blocks.sort_unstable_by_key(|b| b.external);
                 let image = images
@@ -772,6 +811,65 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
             }
         }
     }
+}
+
+/// A block table entry's two hashes.
+fn read_hashes<R: Read>(
+    reader: &mut Reader<R>,
+) -> Result<(ExternalBlockHash, LocalBlockHash), SnapshotError> {
+    let external = ExternalBlockHash::new(reader.fixed_u64("a block table")?);
+    let local = LocalBlockHash::new(reader.fixed_u64("a block table")?);
+    Ok((external, local))
+}
+
+/// A parent as coded in the block table, for the entry about to be appended to `table`.
+fn read_parent<R: Read>(
+    reader: &mut Reader<R>,
+    table: &[Entry],
+) -> Result<Option<ExternalBlockHash>, SnapshotError> {
+    let i = table.len() as u64;
+    Ok(match reader.varint("a block table")? {
+        0 => None,
+        1 => Some(ExternalBlockHash::new(reader.fixed_u64("a block table")?)),
+        back => {
+            let at = i.checked_sub(back - 1).ok_or_else(|| {
+                SnapshotError::Corrupt(format!(
+                    "block {i} names a parent {} entries before the table",
+                    back - 1
+                ))
+            })?;
+            Some(table[at as usize].external)
+        }
+    })
+}
+
+/// A version 3 block table of `n` entries: chains, each entry after a chain's first the child of
+/// the entry before it.
+fn read_chains<R: Read>(
+    reader: &mut Reader<R>,
+    n: u64,
+    table: &mut Vec<Entry>,
+) -> Result<(), SnapshotError> {
+    while (table.len() as u64) < n {
+        let length = reader.varint("a block table")?;
+        if length == 0 || length > n - table.len() as u64 {
+            return Err(SnapshotError::Corrupt(format!(
+                "a chain of {length} blocks in a table of {n} with {} read",
+                table.len()
+            )));
+        }
+        let mut parent = read_parent(reader, table)?;
+        for _ in 0..length {
+            let (external, local) = read_hashes(reader)?;
+            table.push(Entry {
+                external,
+                local,
+                parent,
+            });
+            parent = Some(external);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -828,7 +926,15 @@ mod tests {
     fn workers() -> impl Strategy<Value = Vec<WorkerSnapshot>> {
         proptest::collection::btree_map(
             (0u64..4, 0u32..2),
-            proptest::collection::vec((0u64..40, 0u8..16, proptest::option::of(0u64..40)), 0..30),
+            proptest::collection::vec(
+                (
+                    0u64..40,
+                    0u8..16,
+                    // Random parents, and chains (the parent is the block before).
+                    prop_oneof![proptest::option::of(0u64..40), Just(Some(u64::MAX))],
+                ),
+                0..30,
+            ),
             0..5,
         )
         .prop_map(|ranks| {
@@ -840,7 +946,14 @@ mod tests {
                         .map(|(h, tiers, parent)| SnapshotBlock {
                             external: ExternalBlockHash::new(h * 1_000_003 + id % 2),
                             local: LocalBlockHash::new(h.wrapping_mul(0x9e37_79b9)),
-                            parent: parent.map(|p| ExternalBlockHash::new(p * 1_000_003 + id % 2)),
+                            parent: parent.map(|p| {
+                                let p = if p == u64::MAX {
+                                    h.saturating_sub(1)
+                                } else {
+                                    p
+                                };
+                                ExternalBlockHash::new(p * 1_000_003 + id % 2)
+                            }),
                             tiers: TierSet::from_bits(tiers.max(1)),
                         })
                         .collect();
@@ -880,6 +993,73 @@ mod tests {
             let cut = at.index(bytes.len());
             prop_assert!(read(&bytes[..cut]).is_err());
         }
+    }
+
+    /// A fixed image with what the block table and the ranks encode: shared chains, a chain
+    /// that branches, a hole (a parent outside the table), runs of one tier and tier changes.
+    fn fixture_image() -> IndexImage {
+        let block = |h: u64, parent: Option<u64>, tiers: u8| SnapshotBlock {
+            external: ExternalBlockHash::new(h),
+            local: LocalBlockHash::new(h ^ 0x5555),
+            parent: parent.map(ExternalBlockHash::new),
+            tiers: TierSet::from_bits(tiers),
+        };
+        let chain = |from: u64, len: u64, tiers: u8| {
+            (from..from + len)
+                .map(move |h| block(h, (h > from).then(|| h - 1), tiers))
+                .collect::<Vec<_>>()
+        };
+        let mut one = chain(100, 20, 1);
+        one.extend(chain(500, 3, 3));
+        let mut two = chain(100, 12, 1);
+        two.extend((0..5).map(|i| block(200 + i, Some(if i == 0 { 111 } else { 199 + i }), 2)));
+        two.push(block(900, Some(777), 1));
+        let mut three = chain(100, 20, 1);
+        three[7].tiers = TierSet::from_bits(5);
+        let workers = [(1, 0, one), (2, 1, two), (3, 0, three)]
+            .into_iter()
+            .map(|(id, rank, mut blocks)| {
+                blocks.sort_unstable_by_key(|b| b.external);
+                WorkerSnapshot {
+                    worker: Worker::new(id, rank),
+                    blocks,
+                }
+            })
+            .collect();
+        image(workers)
+    }
+
+    /// A version 2 file (one parent per table entry, one varint per membership), written by
+    /// this module before version 3: still read, equal to the image it was written from.
+    #[test]
+    fn version_2_files_are_read() {
+        let bytes = include_bytes!("../tests/data/snapshot-v2.kvs");
+        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), 2);
+        let (created, images) = read(&bytes[..]).expect("a version 2 file is read");
+        assert_eq!(created, 123);
+        assert_eq!(images, vec![fixture_image()]);
+        let again = encode(&images);
+        assert!(
+            again.len() < bytes.len(),
+            "{} ≥ {}",
+            again.len(),
+            bytes.len()
+        );
+        assert_eq!(read(&again[..]).expect("reads").1, images);
+    }
+
+    /// Chains and runs are what version 3 writes for the fixture: its table is four chains (the
+    /// shared chain, its branch, the 500s, the hole's child) and its ranks are runs.
+    #[test]
+    fn chains_and_runs_are_written_as_such() {
+        let bytes = encode(&[fixture_image()]);
+        let v2 = include_bytes!("../tests/data/snapshot-v2.kvs");
+        // 20 + 5 + 3 + 1 table entries save one parent byte each but the four chains' first,
+        // and pay one length byte per chain; the ranks' 61 blocks in 8 runs save a byte each
+        // but the runs' first, and pay one length byte per run (every delta keeps its width).
+        let table_saved = 29 - 4 - 4;
+        let ranks_saved = 61 - 8 - 8;
+        assert_eq!(bytes.len(), v2.len() - table_saved - ranks_saved);
     }
 
     /// A version 1 stream (registrations without a pod name) written by hand: still read.
@@ -925,10 +1105,10 @@ mod tests {
     fn errors_name_the_problem() {
         let bytes = encode(&[image(Vec::new())]);
         let mut newer = bytes.clone();
-        newer[8] = 3;
+        newer[8] = 4;
         assert!(matches!(
             read(&newer[..]),
-            Err(SnapshotError::NewerVersion { found: 3 })
+            Err(SnapshotError::NewerVersion { found: 4 })
         ));
         assert!(matches!(
             read(&b"NOTASNAPxxxxxxxx"[..]),
