@@ -1010,6 +1010,11 @@ pub(crate) struct PeerRequest {
     url: String,
 }
 
+/// Most peers a server keeps (1.6.1 keeps any number; a bound keeps the list's memory bounded).
+pub(crate) const MAX_PEERS: usize = 256;
+/// Longest peer URL accepted.
+pub(crate) const MAX_PEER_URL_BYTES: usize = 2048;
+
 pub(crate) async fn register_peer(
     AxumState(state): AxumState<Arc<State>>,
     headers: HeaderMap,
@@ -1018,7 +1023,26 @@ pub(crate) async fn register_peer(
     if let Err(response) = caller(&state, &headers) {
         return *response;
     }
-    state.peers.lock().insert(request.url);
+    if request.url.len() > MAX_PEER_URL_BYTES {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "the peer url is {} bytes long; at most {MAX_PEER_URL_BYTES} are accepted",
+                request.url.len()
+            ),
+        );
+    }
+    let mut peers = state.peers.lock();
+    if peers.len() >= MAX_PEERS && !peers.contains(&request.url) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{MAX_PEERS} peers are registered, the most this server keeps: deregister one \
+                 first"
+            ),
+        );
+    }
+    peers.insert(request.url);
     ok(StatusCode::CREATED)
 }
 
@@ -1049,6 +1073,63 @@ pub(crate) async fn peers(AxumState(state): AxumState<Arc<State>>, headers: Head
 mod tests {
     use super::*;
     use kvatlas_index::{KvIndex, ReferenceIndex, SnapshotBlock, TierSet, WorkerSnapshot};
+
+    /// The peer list is bounded in count and URL length, with a message saying so.
+    #[tokio::test]
+    async fn the_peer_list_is_bounded() {
+        let registry = Arc::new(crate::registry::Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits::default(),
+        ));
+        let state = Arc::new(State::new(
+            registry,
+            crate::config::Limits::default(),
+            None,
+            0,
+        ));
+        let register = |url: String| {
+            let state = Arc::clone(&state);
+            async move {
+                register_peer(
+                    AxumState(state),
+                    HeaderMap::new(),
+                    Json(PeerRequest { url }),
+                )
+                .await
+                .status()
+            }
+        };
+        for i in 0..MAX_PEERS {
+            assert_eq!(
+                register(format!("http://h{i}:1")).await,
+                StatusCode::CREATED
+            );
+        }
+        // Again: already there, accepted.
+        assert_eq!(register("http://h0:1".into()).await, StatusCode::CREATED);
+        assert_eq!(
+            register("http://one-more:1".into()).await,
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            register(format!("http://{}", "x".repeat(MAX_PEER_URL_BYTES))).await,
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(state.peers.lock().len(), MAX_PEERS);
+        let removed = deregister_peer(
+            AxumState(Arc::clone(&state)),
+            HeaderMap::new(),
+            Json(PeerRequest {
+                url: "http://h0:1".into(),
+            }),
+        )
+        .await;
+        assert_eq!(removed.status(), StatusCode::OK);
+        assert_eq!(
+            register("http://one-more:1".into()).await,
+            StatusCode::CREATED
+        );
+    }
 
     #[test]
     fn scores_and_instances_follow_dynamo() {

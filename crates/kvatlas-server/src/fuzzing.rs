@@ -3,7 +3,9 @@
 //! message and go through the same validation, conversion and index work as over gRPC, against
 //! one small in-process server state (bounded: few indexes, a capacity per index). What a peer
 //! sends a bootstrapping replica goes through the same test: a native snapshot (read and checked)
-//! and a Dynamo `/dump` (parsed and applied). Not an API.
+//! and a Dynamo `/dump` (parsed and applied). So do the JSON bodies of Dynamo's HTTP routes
+//! (parsed as axum's `Json` does, then handled by the route) and llm-d's `GetPodScores` (with a
+//! small word-level tokenizer for model `m`). Not an API.
 //!
 //! The property: no input panics, and none is answered with INTERNAL — a bad request is the
 //! client's error, and says so.
@@ -13,44 +15,172 @@ use std::sync::{Arc, OnceLock};
 use kvatlas_proto::v1;
 use prost::Message;
 
+use axum::Json;
+use axum::extract::State as AxumState;
+use axum::http::{HeaderMap, StatusCode};
+use http_body_util::BodyExt as _;
+use kvatlas_proto::llmd::indexer::v1::GetPodScoresRequest;
+
 use crate::auth::Caller;
 use crate::config::{IndexSettings, Limits};
+use crate::dynamo;
 use crate::error::ServiceError;
 use crate::grpc::{IndexerService, registration_of};
+use crate::llmd::{PodScoresService, Tokenizers};
 use crate::publish::{Admission, Publisher};
-use crate::registry::Registry;
+use crate::registry::{LogRole, Registry};
 use crate::state::State;
+
+/// The fuzzed server's limits: few indexes and ranks.
+fn limits() -> Limits {
+    Limits {
+        max_query_tokens: 1 << 14,
+        max_indexes: 8,
+        max_registered_ranks: 64,
+        ..Limits::default()
+    }
+}
+
+fn settings() -> IndexSettings {
+    IndexSettings {
+        writer_threads: 1,
+        writer_queue: 1024,
+        capacity: Some(50_000),
+        ..IndexSettings::default()
+    }
+}
 
 fn state() -> Arc<State> {
     static STATE: OnceLock<Arc<State>> = OnceLock::new();
     Arc::clone(STATE.get_or_init(|| {
-        let limits = Limits {
-            max_query_tokens: 1 << 14,
-            max_indexes: 8,
-            max_registered_ranks: 64,
-            ..Limits::default()
-        };
-        let settings = IndexSettings {
-            writer_threads: 1,
-            writer_queue: 1024,
-            capacity: Some(50_000),
-            ..IndexSettings::default()
-        };
-        let registry = Arc::new(Registry::new(settings, limits));
-        Arc::new(State::new(registry, limits, None, 0))
+        let registry = Arc::new(Registry::new(settings(), limits()));
+        Arc::new(State::new(registry, limits(), None, 0))
     }))
+}
+
+/// The state `POST /register` bodies go to: a replica's, whose registry refuses a registration
+/// after every check of the request has passed, so that no listener (no socket, no thread)
+/// starts for a fuzzed endpoint.
+fn register_state() -> Arc<State> {
+    static STATE: OnceLock<Arc<State>> = OnceLock::new();
+    Arc::clone(STATE.get_or_init(|| {
+        let registry = Registry::new(settings(), limits())
+            .with_log(LogRole::Replica("fuzzing".into()), Arc::default());
+        Arc::new(State::new(Arc::new(registry), limits(), None, 0))
+    }))
+}
+
+/// A tokenizer.json for model `m`: whitespace-split words `tN` with id N (N < 64), `<unk>` 64.
+const TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+"normalizer":null,"pre_tokenizer":{"type":"WhitespaceSplit"},"post_processor":null,
+"decoder":null,"model":{"type":"WordLevel","unk_token":"<unk>","vocab":{"<unk>":64,
+"t0":0,"t1":1,"t2":2,"t3":3,"t4":4,"t5":5,"t6":6,"t7":7,"t8":8,"t9":9,"t10":10,"t11":11,
+"t12":12,"t13":13,"t14":14,"t15":15,"t16":16,"t17":17,"t18":18,"t19":19,"t20":20,"t21":21,
+"t22":22,"t23":23,"t24":24,"t25":25,"t26":26,"t27":27,"t28":28,"t29":29,"t30":30,"t31":31,
+"t32":32,"t33":33,"t34":34,"t35":35,"t36":36,"t37":37,"t38":38,"t39":39,"t40":40,"t41":41,
+"t42":42,"t43":43,"t44":44,"t45":45,"t46":46,"t47":47,"t48":48,"t49":49,"t50":50,"t51":51,
+"t52":52,"t53":53,"t54":54,"t55":55,"t56":56,"t57":57,"t58":58,"t59":59,"t60":60,"t61":61,
+"t62":62,"t63":63}}}"#;
+
+fn pod_scores() -> PodScoresService {
+    static SERVICE: OnceLock<PodScoresService> = OnceLock::new();
+    SERVICE
+        .get_or_init(|| {
+            let mut tokenizers = Tokenizers::default();
+            if let Err(e) = tokenizers.add("m", TOKENIZER.as_bytes()) {
+                panic!("the fuzzing tokenizer does not parse: {e}");
+            }
+            PodScoresService::new(state(), Arc::new(tokenizers))
+        })
+        .clone()
+}
+
+/// One runtime for the async handlers (a route's blocking work runs on its blocking pool).
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(runtime) => runtime,
+            Err(e) => panic!("no tokio runtime for fuzzing: {e}"),
+        }
+    })
+}
+
+/// A Dynamo route's JSON `body` (the route picked by `route`), parsed as axum's `Json`
+/// extractor does (`None` if it does not parse: axum answers 400/422) and handled; a 500 is
+/// INTERNAL, another error status the client's error.
+fn dynamo_route(route: u8, body: &[u8]) -> Option<Result<(), ServiceError>> {
+    fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<Json<T>> {
+        serde_json::from_slice(body).ok().map(Json)
+    }
+    let headers = HeaderMap::new();
+    let state = AxumState(state());
+    runtime().block_on(async move {
+        let (name, response) = match route % 6 {
+            0 => (
+                "/register",
+                dynamo::register(AxumState(register_state()), headers, parse(body)?).await,
+            ),
+            1 => (
+                "/unregister",
+                dynamo::unregister(state, headers, parse(body)?).await,
+            ),
+            2 => ("/query", dynamo::query(state, headers, parse(body)?).await),
+            3 => (
+                "/query_by_hash",
+                dynamo::query_by_hash(state, headers, parse(body)?).await,
+            ),
+            4 => (
+                "/register_peer",
+                dynamo::register_peer(state, headers, parse(body)?).await,
+            ),
+            _ => (
+                "/deregister_peer",
+                dynamo::deregister_peer(state, headers, parse(body)?).await,
+            ),
+        };
+        let status = response.status();
+        if status.is_success() {
+            return Some(Ok(()));
+        }
+        let text = response
+            .into_body()
+            .collect()
+            .await
+            .map(|body| String::from_utf8_lossy(&body.to_bytes()).into_owned())
+            .unwrap_or_default();
+        let message = format!("{name} answered {status}: {text}");
+        Some(Err(if status == StatusCode::INTERNAL_SERVER_ERROR {
+            ServiceError::Internal(message)
+        } else {
+            ServiceError::InvalidArgument(message)
+        }))
+    })
 }
 
 /// Decodes `data[1..]` as the request `data[0]` selects and handles it; `None` when the bytes
 /// are not that message (tonic answers INVALID_ARGUMENT then), else the handling's outcome.
-/// Selectors (mod 5): 0 `Query`, 1 `RegisterWorker`, 2 `PublishEvents`, 3 a peer's native
-/// snapshot, 4 a peer's Dynamo `/dump`.
+/// Selectors (mod 7): 0 `Query`, 1 `RegisterWorker`, 2 `PublishEvents`, 3 a peer's native
+/// snapshot, 4 a peer's Dynamo `/dump`, 5 a Dynamo route's JSON body (the next byte picks the
+/// route), 6 llm-d's `GetPodScores`.
 pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
     let (&selector, body) = data.split_first()?;
     let state = state();
     let service = IndexerService::new(Arc::clone(&state));
     let caller = Caller::anonymous();
-    Some(match selector % 5 {
+    Some(match selector % 7 {
+        5 => {
+            let (&route, json) = body.split_first()?;
+            return dynamo_route(route, json);
+        }
+        6 => {
+            let mut request = tonic::Request::new(GetPodScoresRequest::decode(body).ok()?);
+            request.extensions_mut().insert(caller);
+            runtime().block_on(pod_scores().answer(request)).map(drop)
+        }
         3 => crate::snapshot::read(body)
             .map(drop)
             .map_err(|e| ServiceError::InvalidArgument(e.to_string())),
@@ -269,7 +399,96 @@ mod tests {
                     writer.finish().expect("finished")
                 }
             });
-        prop_oneof![query, register, publish, peer]
+        // Dynamo's routes: JSON bodies with the routes' fields, hostile values and types.
+        let json_value = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<i64>().prop_map(serde_json::Value::from),
+            any::<u64>().prop_map(serde_json::Value::from),
+            any::<f64>().prop_map(serde_json::Value::from),
+            name().prop_map(serde_json::Value::from),
+            proptest::collection::vec(any::<u32>(), 0..80).prop_map(serde_json::Value::from),
+        ];
+        let hashes = proptest::collection::vec(
+            prop_oneof![
+                any::<u64>().prop_map(serde_json::Value::from),
+                any::<i64>().prop_map(serde_json::Value::from),
+                any::<u64>().prop_map(|h| serde_json::Value::from(h.to_string())),
+                json_value.clone(),
+            ],
+            0..40,
+        );
+        let http = (
+            0..6u8,
+            name(),
+            proptest::option::of(name()),
+            proptest::collection::vec(any::<u32>(), 0..120),
+            hashes,
+            (any::<u64>(), 0..40u32, proptest::option::of(0..4u32)),
+            (
+                prop_oneof![
+                    Just("tcp://127.0.0.1:1".to_owned()),
+                    Just("ipc:///tmp/x".to_owned()),
+                    name()
+                ],
+                proptest::option::of(prop_oneof![Just("vLLM".to_owned()), name()]),
+            ),
+            proptest::option::of(("[a-z_]{1,12}", json_value)),
+        )
+            .prop_map(
+                |(
+                    route,
+                    model,
+                    group,
+                    tokens,
+                    hashes,
+                    (id, block_size, rank),
+                    (url, kind),
+                    extra,
+                )| {
+                    let mut body = match route {
+                        0 => serde_json::json!({"instance_id": id % 4, "endpoint": url,
+                            "model_name": model, "routing_group": group, "block_size": block_size,
+                            "dp_rank": rank, "type": kind}),
+                        1 => serde_json::json!({"instance_id": id % 4, "model_name": model,
+                            "tenant_id": group, "dp_rank": rank}),
+                        2 => serde_json::json!({"token_ids": tokens, "model_name": model,
+                            "routing_group": group, "lora_name": kind, "cache_salt": group}),
+                        3 => serde_json::json!({"block_hashes": hashes, "modelname": model,
+                            "routing_group": group}),
+                        _ => serde_json::json!({"url": url}),
+                    };
+                    if let (Some((field, value)), Some(fields)) = (extra, body.as_object_mut()) {
+                        fields.insert(field, value);
+                    }
+                    let mut bytes = vec![5, route];
+                    bytes.extend(body.to_string().into_bytes());
+                    bytes
+                },
+            );
+        let pod_scores = (
+            prop_oneof![
+                proptest::collection::vec(0..70u32, 0..200).prop_map(|words| words
+                    .iter()
+                    .map(|w| format!("t{w}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")),
+                "\\PC{0,200}",
+            ],
+            name(),
+            proptest::collection::vec(name(), 0..3),
+        )
+            .prop_map(|(prompt, model, pod_identifiers)| {
+                let mut bytes = vec![6];
+                GetPodScoresRequest {
+                    prompt,
+                    model_name: if model.len() > 2 { "m".into() } else { model },
+                    pod_identifiers,
+                }
+                .encode(&mut bytes)
+                .map(|()| bytes)
+                .unwrap_or_default()
+            });
+        prop_oneof![query, register, publish, peer, http, pod_scores]
     }
 
     proptest! {

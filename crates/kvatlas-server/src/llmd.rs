@@ -98,33 +98,43 @@ impl Tokenizers {
     /// # Errors
     /// The first file that cannot be read or parsed.
     pub(crate) fn load(files: &[TokenizerFile]) -> Result<Self, TokenizerError> {
-        let mut by_model = BTreeMap::new();
+        let mut tokenizers = Self::default();
         for file in files {
             let bytes = std::fs::read(&file.path).map_err(|source| TokenizerError::Read {
                 model: file.model.clone(),
                 path: file.path.clone(),
                 source,
             })?;
-            let parse_error = |reason: String| TokenizerError::Parse {
-                model: file.model.clone(),
-                path: file.path.clone(),
-                reason,
-            };
-            let mut tokenizer =
-                Tokenizer::from_bytes(&bytes).map_err(|e| parse_error(e.to_string()))?;
-            tokenizer
-                .with_truncation(None)
-                .map_err(|e| parse_error(e.to_string()))?;
-            tokenizer.with_padding(None);
+            let vocabulary =
+                tokenizers
+                    .add(&file.model, &bytes)
+                    .map_err(|reason| TokenizerError::Parse {
+                        model: file.model.clone(),
+                        path: file.path.clone(),
+                        reason,
+                    })?;
             tracing::info!(
                 model = %file.model,
                 path = %file.path.display(),
-                vocabulary = tokenizer.get_vocab_size(true),
+                vocabulary,
                 "loaded tokenizer"
             );
-            by_model.insert(file.model.clone(), Arc::new(tokenizer));
         }
-        Ok(Self { by_model })
+        Ok(tokenizers)
+    }
+
+    /// Parses a tokenizer.json's `bytes` as `model`'s tokenizer, truncation and padding off;
+    /// returns the size of its vocabulary.
+    ///
+    /// # Errors
+    /// Why the bytes are not a tokenizer.
+    pub(crate) fn add(&mut self, model: &str, bytes: &[u8]) -> Result<usize, String> {
+        let mut tokenizer = Tokenizer::from_bytes(bytes).map_err(|e| e.to_string())?;
+        tokenizer.with_truncation(None).map_err(|e| e.to_string())?;
+        tokenizer.with_padding(None);
+        let vocabulary = tokenizer.get_vocab_size(true);
+        self.by_model.insert(model.to_owned(), Arc::new(tokenizer));
+        Ok(vocabulary)
     }
 
     /// The tokenizer of `model`.
@@ -276,7 +286,7 @@ impl PodScoresService {
     }
 
     /// Answers one request (see the module docs).
-    async fn answer(
+    pub(crate) async fn answer(
         &self,
         request: Request<GetPodScoresRequest>,
     ) -> Result<GetPodScoresResponse, ServiceError> {
