@@ -119,6 +119,27 @@ fn request(
     }
 }
 
+/// A POST of `len` bytes (`{}` and spaces: JSON, were it not too long), as a client over a
+/// route's body limit sends it.
+fn post_long(addr: SocketAddr, path: &str, len: usize) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    stream.set_read_timeout(Some(WAIT)).expect("read timeout");
+    let mut body = b"{}".to_vec();
+    body.resize(len, b' ');
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {len}\r\nconnection: close\r\n\r\n"
+    )
+    .expect("send");
+    stream.write_all(&body).expect("send the body");
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .unwrap_or_else(|e| panic!("POST {path} of {len} bytes on {addr}: {e}"));
+    common::parse_http(&response)
+}
+
 fn post(addr: SocketAddr, path: &str, body: &Value) -> Reply {
     request(addr, "POST", path, JSON, &body.to_string())
 }
@@ -793,6 +814,20 @@ fn routes_answer_like_dynamo() {
         "/query_by_hash",
         &json!({"block_hashes": [-1, 9_223_372_036_854_775_807_i64], "model_name": MODEL}),
     );
+    // Body limits (1.6.1's: 2 MiB, 8 MiB on the query routes): a body one byte over is refused
+    // alike.
+    for (path, limit) in [
+        ("/register", 2 << 20),
+        ("/unregister", 2 << 20),
+        ("/register_peer", 2 << 20),
+        ("/query", 8 << 20),
+        ("/query_by_hash", 8 << 20),
+    ] {
+        let d = post_long(pair.d(), path, limit + 1);
+        let k = post_long(pair.k(), path, limit + 1);
+        assert_eq!(d, k, "a body over {limit} bytes to {path}");
+        assert_eq!(k.0, 413, "a body over {limit} bytes to {path}: {k:?}");
+    }
     for line in ERROR_CASES.lines().filter(|l| !l.trim().is_empty()) {
         let mut parts = line.trim().splitn(4, ' ');
         let (method, path) = (parts.next().expect("method"), parts.next().expect("path"));
