@@ -182,6 +182,13 @@ pub struct ServeArgs {
     /// kvatlas (native snapshot, exact) or Dynamo indexers (`/dump`), tried in order.
     #[arg(long, env = "KVATLAS_PEERS")]
     pub peers: Option<String>,
+    /// A file whose first line is the bearer token sent to peers (a peer listening beyond
+    /// loopback requires one; `/snapshot` needs a token allowed every tenant).
+    #[arg(long, env = "KVATLAS_PEER_TOKEN_FILE")]
+    pub peer_token_file: Option<PathBuf>,
+    /// PEM CA certificates to trust for https:// peers [default: the system's roots].
+    #[arg(long, env = "KVATLAS_PEER_CA_CERT")]
+    pub peer_ca_cert: Option<PathBuf>,
     /// Most token ids per query [default: 1048576].
     #[arg(long, env = "KVATLAS_MAX_QUERY_TOKENS")]
     pub max_query_tokens: Option<usize>,
@@ -268,6 +275,8 @@ struct ServeFile {
     data_dir: Option<PathBuf>,
     snapshot_interval_secs: Option<u64>,
     peers: Option<String>,
+    peer_token_file: Option<PathBuf>,
+    peer_ca_cert: Option<PathBuf>,
     max_query_tokens: Option<usize>,
     max_message_bytes: Option<usize>,
     max_concurrent_requests: Option<usize>,
@@ -403,6 +412,8 @@ impl ServeArgs {
                 .or(file.peers)
                 .map(|list| parse_peer_list(&list))
                 .unwrap_or_default(),
+            peer_token_file: self.peer_token_file.clone().or(file.peer_token_file),
+            peer_ca_cert: self.peer_ca_cert.clone().or(file.peer_ca_cert),
             tokenizers: if self.tokenizers.is_empty() {
                 file.tokenizer.unwrap_or_default()
             } else {

@@ -180,6 +180,11 @@ pub struct ServerConfig {
     /// Peers (base URLs of kvatlas or Dynamo indexers' HTTP side) a replica with no local
     /// snapshot bootstraps from, tried in order.
     pub peers: Vec<String>,
+    /// A file whose first line is the bearer token sent to peers (`--peer-token-file`).
+    pub peer_token_file: Option<PathBuf>,
+    /// PEM CA certificates trusted for `https://` peers (`--peer-ca-cert`; default: the system's
+    /// roots).
+    pub peer_ca_cert: Option<PathBuf>,
     /// The models' tokenizers, for llm-d's `GetPodScores` (at most one per model).
     pub tokenizers: Vec<TokenizerFile>,
     /// An ingest: every unit the feeds apply is also published to this NATS JetStream event
@@ -204,6 +209,8 @@ impl Default for ServerConfig {
             shutdown_timeout: Duration::from_secs(10),
             persistence: None,
             peers: Vec::new(),
+            peer_token_file: None,
+            peer_ca_cert: None,
             tokenizers: Vec::new(),
             publish_to: None,
             consume_from: None,
@@ -275,10 +282,10 @@ impl ServerConfig {
             }
         }
         for peer in &self.peers {
-            if !peer.starts_with("http://") {
+            if !peer.starts_with("http://") && !peer.starts_with("https://") {
                 return Err(ConfigError::Invalid(format!(
-                    "peer {peer:?}: expected an http:// URL (a peer's HTTP address, for example \
-                     http://10.0.0.7:8090)"
+                    "peer {peer:?}: expected an http:// or https:// URL (a peer's HTTP address, \
+                     for example http://10.0.0.7:8090)"
                 )));
             }
         }

@@ -10,13 +10,22 @@
 //! checkpoints) is applied instead and the listeners start from scratch (replaying from the
 //! engine's ring where they can), as Dynamo's own replicas do. With no reachable peer the replica
 //! starts empty.
+//!
+//! A peer is `http://` or `https://` (rustls; the CA certificates of `--peer-ca-cert`, else the
+//! system's roots). With `--peer-token-file` every request carries that bearer token: a peer
+//! that listens beyond loopback requires one, and `/snapshot` needs a token allowed every tenant.
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::{self, pki_types};
 
 use crate::dynamo;
 use crate::registry::Registry;
@@ -56,22 +65,164 @@ pub enum Bootstrap {
     },
 }
 
-/// `GET url`: the response once its status and headers are in (within [`ANSWER_TIMEOUT`]).
-async fn request(url: &str) -> Result<hyper::Response<hyper::body::Incoming>, String> {
-    let uri: hyper::Uri = url.parse().map_err(|e| format!("bad URL {url:?}: {e}"))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(format!(
-            "{url}: only http:// peers are supported (a TLS peer cannot be fetched yet)"
-        ));
+/// How this server reaches its peers: the bearer token it sends and, for `https://` peers, the
+/// roots it trusts.
+#[derive(Clone, Default)]
+pub(crate) struct PeerAccess {
+    token: Option<String>,
+    tls: Option<TlsConnector>,
+}
+
+impl std::fmt::Debug for PeerAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the token.
+        f.debug_struct("PeerAccess")
+            .field("token", &self.token.as_ref().map(|_| "…"))
+            .field("tls", &self.tls.is_some())
+            .finish()
     }
-    let client = Client::builder(TokioExecutor::new()).build_http::<http_body_util::Empty<Bytes>>();
-    let request = hyper::Request::get(uri)
-        .header("accept", "*/*")
-        .body(http_body_util::Empty::new())
+}
+
+impl PeerAccess {
+    /// The token (the first line of its file, trimmed) and, when a peer is `https://`, a TLS
+    /// connector trusting `ca_pem`'s certificates, else the system's roots.
+    ///
+    /// # Errors
+    /// A message naming what is wrong: an empty token, a CA file without a certificate.
+    pub(crate) fn new(
+        token_text: Option<&str>,
+        ca_pem: Option<&[u8]>,
+        peers: &[String],
+    ) -> Result<Self, String> {
+        let token = match token_text {
+            Some(text) => {
+                let token = text.lines().next().unwrap_or_default().trim();
+                if token.is_empty() {
+                    return Err("the peer token file is empty".into());
+                }
+                Some(token.to_owned())
+            }
+            None => None,
+        };
+        let tls = if peers.iter().any(|p| p.starts_with("https://")) || ca_pem.is_some() {
+            Some(connector(ca_pem)?)
+        } else {
+            None
+        };
+        Ok(Self { token, tls })
+    }
+}
+
+/// A rustls client trusting `ca_pem`'s certificates, or the system's roots without it.
+fn connector(ca_pem: Option<&[u8]>) -> Result<TlsConnector, String> {
+    use pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_pem {
+        Some(pem) => {
+            for cert in pki_types::CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| format!("bad CA certificate PEM: {e}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("unusable CA certificate: {e}"))?;
+            }
+            if roots.is_empty() {
+                return Err("the peer CA file holds no certificate".into());
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                // Every https:// peer will then fail its handshake, each saying so.
+                tracing::warn!(
+                    errors = found.errors.len(),
+                    "no system root certificates to check https:// peers with: give \
+                     --peer-ca-cert"
+                );
+            }
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(TlsConnector::from(Arc::new(config)))
+}
+
+/// `GET url`: the response once its status and headers are in (within [`ANSWER_TIMEOUT`]).
+async fn request(
+    access: &PeerAccess,
+    url: &str,
+) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+    let uri: hyper::Uri = url.parse().map_err(|e| format!("bad URL {url:?}: {e}"))?;
+    let https = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => return Err(format!("{url}: a peer is an http:// or https:// URL")),
+    };
+    let host = uri
+        .host()
+        .ok_or_else(|| format!("{url}: no host"))?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let authority = uri
+        .authority()
+        .map_or_else(|| host.clone(), |a| a.as_str().to_owned());
+    let mut request = hyper::Request::get(uri.path_and_query().map_or("/", |p| p.as_str()))
+        .header(hyper::header::HOST, authority)
+        .header(hyper::header::ACCEPT, "*/*");
+    if let Some(token) = &access.token {
+        request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let request = request
+        .body(http_body_util::Empty::<Bytes>::new())
         .map_err(|e| e.to_string())?;
-    tokio::time::timeout(ANSWER_TIMEOUT, client.request(request))
+    let answer = async {
+        let tcp = TcpStream::connect((host.as_str(), port))
+            .await
+            .map_err(|e| format!("cannot connect: {e}"))?;
+        if https {
+            let connector = access
+                .tls
+                .as_ref()
+                .ok_or_else(|| format!("{url}: no TLS configured for https:// peers"))?;
+            let name =
+                pki_types::ServerName::try_from(host.clone()).map_err(|e| format!("{url}: {e}"))?;
+            let tls = connector
+                .connect(name, tcp)
+                .await
+                .map_err(|e| format!("TLS: {e}"))?;
+            send(tls, request).await
+        } else {
+            send(tcp, request).await
+        }
+    };
+    tokio::time::timeout(ANSWER_TIMEOUT, answer)
         .await
         .map_err(|_| format!("no answer within {ANSWER_TIMEOUT:?}"))?
+}
+
+/// Sends `request` on a new HTTP/1.1 connection over `io`; the connection is driven by a task
+/// until the answer's body is read.
+async fn send(
+    io: impl AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    request: hyper::Request<http_body_util::Empty<Bytes>>,
+) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!("peer connection: {e}");
+        }
+    });
+    sender
+        .send_request(request)
+        .await
         .map_err(|e| e.to_string())
 }
 
@@ -100,8 +251,8 @@ async fn next_piece(
 }
 
 /// `GET url`, whole: (status, body).
-async fn get(url: &str) -> Result<(u16, Bytes), String> {
-    let response = request(url).await?;
+async fn get(access: &PeerAccess, url: &str) -> Result<(u16, Bytes), String> {
+    let response = request(access, url).await?;
     let status = response.status().as_u16();
     let mut body = response.into_body();
     let (mut whole, mut received) = (Vec::new(), 0);
@@ -133,12 +284,16 @@ impl std::io::Read for Pieces {
 
 /// Restores the first peer that answers (see the module docs), then releases every held
 /// listener.
-pub(crate) async fn bootstrap(registry: &std::sync::Arc<Registry>, peers: &[String]) -> Bootstrap {
+pub(crate) async fn bootstrap(
+    registry: &std::sync::Arc<Registry>,
+    peers: &[String],
+    access: &PeerAccess,
+) -> Bootstrap {
     let mut failures = Vec::new();
     let mut outcome = None;
     for peer in peers {
         let base = peer.trim_end_matches('/');
-        match try_peer(registry, base).await {
+        match try_peer(registry, base, access).await {
             Ok(done) => {
                 outcome = Some(done);
                 break;
@@ -155,8 +310,12 @@ pub(crate) async fn bootstrap(registry: &std::sync::Arc<Registry>, peers: &[Stri
     outcome.unwrap_or(Bootstrap::Empty { failures })
 }
 
-async fn try_peer(registry: &std::sync::Arc<Registry>, base: &str) -> Result<Bootstrap, String> {
-    let response = request(&format!("{base}/snapshot")).await?;
+async fn try_peer(
+    registry: &std::sync::Arc<Registry>,
+    base: &str,
+    access: &PeerAccess,
+) -> Result<Bootstrap, String> {
+    let response = request(access, &format!("{base}/snapshot")).await?;
     let status = response.status().as_u16();
     if status == 200 {
         // The snapshot is read (and checked) as it downloads; it is restored only once whole
@@ -201,10 +360,23 @@ async fn try_peer(registry: &std::sync::Arc<Registry>, base: &str) -> Result<Boo
         return restored;
     }
     if status != 404 && status != 405 {
-        return Err(format!("GET /snapshot answered {status}"));
+        let mut body = response.into_body();
+        let mut received = 0;
+        let said = match next_piece(&mut body, &mut received).await {
+            Ok(Some(piece)) => String::from_utf8_lossy(&piece[..piece.len().min(512)])
+                .trim()
+                .to_owned(),
+            _ => String::new(),
+        };
+        let hint = if status == 401 || status == 403 {
+            " (give --peer-token-file a token the peer allows every tenant)"
+        } else {
+            ""
+        };
+        return Err(format!("GET /snapshot answered {status}: {said}{hint}"));
     }
     // Not a kvatlas peer: Dynamo's /dump.
-    let (status, body) = get(&format!("{base}/dump")).await?;
+    let (status, body) = get(access, &format!("{base}/dump")).await?;
     if status != 200 {
         return Err(format!("GET /dump answered {status}"));
     }

@@ -73,6 +73,9 @@ pub enum StartError {
     /// The TLS files were refused.
     #[error("{0}")]
     Tls(String),
+    /// The peer token or CA file was refused.
+    #[error("peers: {0}")]
+    PeerAccess(String),
     /// A listen address could not be bound.
     #[error("cannot listen for {what} on {addr}: {source}")]
     Bind {
@@ -253,6 +256,31 @@ impl RunningServer {
         }
         // A replica with no state of its own bootstraps from a peer: its listeners start held.
         let bootstrap_from_peers = restored == Restored::Nothing && !config.peers.is_empty();
+        let peer_access = if bootstrap_from_peers {
+            let read = |path: &std::path::Path, what: &str| {
+                std::fs::read(path).map_err(|e| {
+                    StartError::PeerAccess(format!(
+                        "cannot read the {what} {}: {e}",
+                        path.display()
+                    ))
+                })
+            };
+            let token = config
+                .peer_token_file
+                .as_deref()
+                .map(|path| read(path, "peer token file"))
+                .transpose()?
+                .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
+            let ca = config
+                .peer_ca_cert
+                .as_deref()
+                .map(|path| read(path, "peer CA certificate"))
+                .transpose()?;
+            crate::peers::PeerAccess::new(token.as_deref(), ca.as_deref(), &config.peers)
+                .map_err(StartError::PeerAccess)?
+        } else {
+            crate::peers::PeerAccess::default()
+        };
         let restored = if bootstrap_from_peers {
             state.set_bootstrapping(true);
             Restored::Peers
@@ -323,7 +351,7 @@ impl RunningServer {
         let bootstrap = bootstrap_from_peers.then(|| {
             let (state, peers) = (Arc::clone(&state), config.peers.clone());
             tokio::spawn(async move {
-                let outcome = crate::peers::bootstrap(&state.registry, &peers).await;
+                let outcome = crate::peers::bootstrap(&state.registry, &peers, &peer_access).await;
                 record_bootstrap(&state, &outcome);
                 state.set_bootstrapping(false);
                 outcome

@@ -448,3 +448,96 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
         "{c_report:?}"
     );
 }
+
+/// A peer behind TLS and authentication (as any peer listening beyond loopback is): a replica
+/// with the peer's CA and an every-tenant token bootstraps from it over https; without a token,
+/// or with a token of one tenant, the peer refuses and the replica says why and starts empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_bootstraps_from_a_tls_peer_with_a_token() {
+    let dir = temp_dir("tls-peer");
+    let workers = [Worker::new(1, 0), Worker::new(2, 0)];
+    let batches = script(31, MODEL, &workers, 300, BLOCK);
+    let mut reference = ReferenceIndex::new();
+    apply(&mut reference, &batches);
+    // The peer's state, put in its data directory by a plain run.
+    let mut loader = start(persistent(&dir.join("data"), None)).await;
+    publish(&mut loader.client, &batches).await;
+    loader.server.shutdown().await;
+
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
+    std::fs::write(dir.join("cert.pem"), certified.cert.pem()).expect("write");
+    std::fs::write(dir.join("key.pem"), certified.signing_key.serialize_pem()).expect("write");
+    std::fs::write(
+        dir.join("tokens"),
+        "admin-0123456789abcdef name=admin\nteam-0123456789abcdef tenants=a name=team\n",
+    )
+    .expect("write");
+    std::fs::write(dir.join("admin"), "admin-0123456789abcdef\n").expect("write");
+    std::fs::write(dir.join("team"), "team-0123456789abcdef\n").expect("write");
+    let peer = kvatlas_server::RunningServer::start(ServerConfig {
+        tls: Some(kvatlas_server::TlsFiles {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+        }),
+        auth_tokens: Some(dir.join("tokens")),
+        ..persistent(&dir.join("data"), None)
+    })
+    .await
+    .expect("the TLS peer starts");
+    assert!(matches!(peer.restored(), Restored::DataDir { .. }));
+    let url = format!("https://{}", peer.http_addr());
+
+    for (token, expected) in [(None, "401"), (Some("team"), "403")] {
+        let mut refused = start(ServerConfig {
+            peers: vec![url.clone()],
+            peer_token_file: token.map(|t| dir.join(t)),
+            peer_ca_cert: Some(dir.join("cert.pem")),
+            ..ServerConfig::default()
+        })
+        .await;
+        let outcome = refused.server.bootstrap().await.expect("a bootstrap ran");
+        let Bootstrap::Empty { failures } = &outcome else {
+            panic!("token {token:?}: expected an empty start, got {outcome:?}");
+        };
+        assert!(
+            failures[0].contains(expected) && failures[0].contains("--peer-token-file"),
+            "{failures:?}"
+        );
+        refused.server.shutdown().await;
+    }
+    // Without the peer's CA, the system's roots do not know the self-signed certificate.
+    let mut untrusting = start(ServerConfig {
+        peers: vec![url.clone()],
+        peer_token_file: Some(dir.join("admin")),
+        ..ServerConfig::default()
+    })
+    .await;
+    let outcome = untrusting
+        .server
+        .bootstrap()
+        .await
+        .expect("a bootstrap ran");
+    assert!(
+        matches!(&outcome, Bootstrap::Empty { failures } if failures[0].contains("TLS")),
+        "{outcome:?}"
+    );
+    untrusting.server.shutdown().await;
+
+    let mut replica = start(ServerConfig {
+        peers: vec![url.clone()],
+        peer_token_file: Some(dir.join("admin")),
+        peer_ca_cert: Some(dir.join("cert.pem")),
+        ..ServerConfig::default()
+    })
+    .await;
+    let outcome = replica.server.bootstrap().await.expect("a bootstrap ran");
+    assert!(
+        matches!(&outcome, Bootstrap::Snapshot { peer: used, .. } if *used == url),
+        "{outcome:?}"
+    );
+    assert_answers(&mut replica, &reference, 5, "the replica of a TLS peer").await;
+    let report = replica.server.shutdown().await;
+    assert_eq!(report.indexes[0].digest, reference.snapshot().digest());
+    peer.shutdown().await;
+}
