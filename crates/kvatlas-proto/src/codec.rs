@@ -8,10 +8,15 @@
 //! - **Encoding into a flat buffer.** prost writes varints byte by byte; into tonic's `BytesMut`
 //!   each byte is a capacity check and a copy. The message is encoded into a reused, exactly
 //!   sized `Vec<u8>` and appended in one copy.
+//! - **The answers by hand.** `QueryResponse` (and a `QueryStreamResponse` holding one) are
+//!   encoded and decoded by [`answers`]'s hand-written code, byte for byte prost's, because an
+//!   answer lists a whole fleet of worker ranks (see there).
 //! - **A message that does not decode is INVALID_ARGUMENT** ("malformed QueryRequest message:
 //!   …") rather than tonic's INTERNAL: a client sent bad bytes; nothing failed inside the server.
 
 use std::marker::PhantomData;
+
+mod answers;
 
 use prost::Message;
 use prost::bytes::{Buf, BufMut};
@@ -57,18 +62,20 @@ pub struct MessageEncoder<T> {
     _message: PhantomData<T>,
 }
 
-impl<T: Message> Encoder for MessageEncoder<T> {
+impl<T: Message + 'static> Encoder for MessageEncoder<T> {
     type Item = T;
     type Error = Status;
 
     fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        let len = item.encoded_len();
         self.scratch.clear();
-        self.scratch.resize(len, 0);
-        let mut slice: &mut [u8] = &mut self.scratch;
-        item.encode_raw(&mut slice);
-        // `encoded_len` is exact, so the slice is full.
-        debug_assert!(slice.is_empty());
+        if !answers::encode(&item, &mut self.scratch) {
+            let len = item.encoded_len();
+            self.scratch.resize(len, 0);
+            let mut slice: &mut [u8] = &mut self.scratch;
+            item.encode_raw(&mut slice);
+            // `encoded_len` is exact, so the slice is full.
+            debug_assert!(slice.is_empty());
+        }
         buf.put_slice(&self.scratch);
         Ok(())
     }
@@ -83,14 +90,15 @@ impl<T: Message> Encoder for MessageEncoder<T> {
 #[derive(Debug)]
 pub struct MessageDecoder<U>(PhantomData<U>);
 
-impl<U: Message + Default> Decoder for MessageDecoder<U> {
+impl<U: Message + Default + 'static> Decoder for MessageDecoder<U> {
     type Item = U;
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
         let len = buf.remaining();
         let decoded = if buf.chunk().len() >= len {
-            let decoded = U::decode(&buf.chunk()[..len]);
+            let bytes = &buf.chunk()[..len];
+            let decoded = answers::decode::<U>(bytes).map_or_else(|| U::decode(bytes), Ok);
             buf.advance(len);
             decoded
         } else {
