@@ -57,7 +57,7 @@ fn put_field(out: &mut Vec<u8>, tag: u8, value: u64) {
 
 fn varint_len(value: u64) -> usize {
     // 1 byte per 7 bits, at least one.
-    ((64 - (value | 1).leading_zeros() as usize) + 6) / 7
+    (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
 }
 
 fn match_len(m: &WorkerMatch) -> usize {
