@@ -9,7 +9,7 @@
 //!   each byte is a capacity check and a copy. The message is encoded into a reused, exactly
 //!   sized `Vec<u8>` and appended in one copy.
 //! - **The answers by hand.** `QueryResponse` (and a `QueryStreamResponse` holding one) are
-//!   encoded and decoded by [`answers`]'s hand-written code, byte for byte prost's, because an
+//!   encoded and decoded by hand-written code (`codec/answers.rs`), byte for byte prost's, because an
 //!   answer lists a whole fleet of worker ranks (see there).
 //! - **A message that does not decode is INVALID_ARGUMENT** ("malformed QueryRequest message:
 //!   …") rather than tonic's INTERNAL: a client sent bad bytes; nothing failed inside the server.
