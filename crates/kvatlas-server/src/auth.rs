@@ -28,6 +28,11 @@ use subtle::ConstantTimeEq;
 
 use crate::error::ServiceError;
 
+/// The bearer token a client's token file holds: its first line, trimmed (empty if none).
+pub(crate) fn token_of_file(text: &str) -> &str {
+    text.lines().next().unwrap_or_default().trim()
+}
+
 /// The shortest token accepted, in bytes.
 pub const MIN_TOKEN_BYTES: usize = 16;
 

@@ -608,7 +608,7 @@ impl ConnectArgs {
         let token = match &self.token_file {
             Some(path) => {
                 let text = String::from_utf8_lossy(&read_file(path)?).into_owned();
-                Some(text.lines().next().unwrap_or_default().trim().to_owned())
+                Some(crate::auth::token_of_file(&text).to_owned())
             }
             None => None,
         };

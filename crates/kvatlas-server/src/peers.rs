@@ -15,9 +15,8 @@
 //! system's roots). With `--peer-token-file` every request carries that bearer token: a peer
 //! that listens beyond loopback requires one, and `/snapshot` needs a token allowed every tenant.
 
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -96,7 +95,7 @@ impl PeerAccess {
     ) -> Result<Self, String> {
         let token = match token_text {
             Some(text) => {
-                let token = text.lines().next().unwrap_or_default().trim();
+                let token = crate::auth::token_of_file(text);
                 if token.is_empty() {
                     return Err("the peer token file is empty".into());
                 }
@@ -285,7 +284,7 @@ impl std::io::Read for Pieces {
 /// Restores the first peer that answers (see the module docs), then releases every held
 /// listener.
 pub(crate) async fn bootstrap(
-    registry: &std::sync::Arc<Registry>,
+    registry: &Arc<Registry>,
     peers: &[String],
     access: &PeerAccess,
 ) -> Bootstrap {
@@ -311,7 +310,7 @@ pub(crate) async fn bootstrap(
 }
 
 async fn try_peer(
-    registry: &std::sync::Arc<Registry>,
+    registry: &Arc<Registry>,
     base: &str,
     access: &PeerAccess,
 ) -> Result<Bootstrap, String> {
@@ -322,7 +321,7 @@ async fn try_peer(
         // and its checksum matched.
         let (sender, receiver) = tokio::sync::mpsc::channel(PIECES_IN_FLIGHT);
         let reader = {
-            let registry = std::sync::Arc::clone(registry);
+            let registry = Arc::clone(registry);
             let peer = base.to_owned();
             tokio::task::spawn_blocking(move || {
                 let pieces = Pieces {
@@ -380,7 +379,7 @@ async fn try_peer(
     if status != 200 {
         return Err(format!("GET /dump answered {status}"));
     }
-    let registry = std::sync::Arc::clone(registry);
+    let registry = Arc::clone(registry);
     let peer = base.to_owned();
     tokio::task::spawn_blocking(move || {
         let parsed = dynamo::parse_dump(&body)?;

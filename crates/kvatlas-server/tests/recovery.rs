@@ -323,6 +323,32 @@ async fn unreadable_snapshots_are_moved_aside_and_the_previous_one_is_used() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Starts a replica with `config`, which must bootstrap from `peer`'s native snapshot and then
+/// answer like `reference`; shuts it down, checks its final digest against the reference and
+/// returns that digest.
+async fn bootstrapped_replica(
+    config: ServerConfig,
+    peer: &str,
+    reference: &ReferenceIndex,
+    seed: u64,
+    what: &str,
+) -> u64 {
+    let mut replica = start(config).await;
+    let outcome = replica.server.bootstrap().await.expect("a bootstrap ran");
+    assert!(
+        matches!(&outcome, Bootstrap::Snapshot { peer: used, .. } if used == peer),
+        "{what}: expected {peer}'s snapshot, got {outcome:?}"
+    );
+    assert_answers(&mut replica, reference, seed, what).await;
+    let report = replica.server.shutdown().await;
+    assert_eq!(
+        report.indexes[0].digest,
+        reference.snapshot().digest(),
+        "{what}"
+    );
+    report.indexes[0].digest
+}
+
 #[derive(Clone, Copy)]
 enum Damage {
     Truncate,
@@ -401,21 +427,19 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
     });
 
     let peer = format!("http://{}", a.server.http_addr());
-    let mut b = start(ServerConfig {
-        peers: vec![format!("http://{broken_addr}"), peer.clone()],
-        ..ServerConfig::default()
-    })
+    let b_digest = bootstrapped_replica(
+        ServerConfig {
+            peers: vec![format!("http://{broken_addr}"), peer.clone()],
+            ..ServerConfig::default()
+        },
+        &peer,
+        &reference,
+        10,
+        "the replica, the broken peer skipped for the next one",
+    )
     .await;
-    let outcome = b.server.bootstrap().await.expect("a bootstrap ran");
-    assert!(
-        matches!(&outcome, Bootstrap::Snapshot { peer: used, .. } if *used == peer),
-        "the broken peer is skipped for the next one: {outcome:?}"
-    );
-    assert_answers(&mut b, &reference, 10, "the replica").await;
-    let b_report = b.server.shutdown().await;
     let a_report = a.server.shutdown().await;
-    assert_eq!(b_report.indexes[0].digest, reference.snapshot().digest());
-    assert_eq!(a_report.indexes[0].digest, b_report.indexes[0].digest);
+    assert_eq!(a_report.indexes[0].digest, b_digest);
 
     // Alone, the broken peer leaves the replica empty, with the reason.
     let broken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -524,20 +548,18 @@ async fn a_replica_bootstraps_from_a_tls_peer_with_a_token() {
     );
     untrusting.server.shutdown().await;
 
-    let mut replica = start(ServerConfig {
-        peers: vec![url.clone()],
-        peer_token_file: Some(dir.join("admin")),
-        peer_ca_cert: Some(dir.join("cert.pem")),
-        ..ServerConfig::default()
-    })
+    bootstrapped_replica(
+        ServerConfig {
+            peers: vec![url.clone()],
+            peer_token_file: Some(dir.join("admin")),
+            peer_ca_cert: Some(dir.join("cert.pem")),
+            ..ServerConfig::default()
+        },
+        &url,
+        &reference,
+        5,
+        "the replica of a TLS peer",
+    )
     .await;
-    let outcome = replica.server.bootstrap().await.expect("a bootstrap ran");
-    assert!(
-        matches!(&outcome, Bootstrap::Snapshot { peer: used, .. } if *used == url),
-        "{outcome:?}"
-    );
-    assert_answers(&mut replica, &reference, 5, "the replica of a TLS peer").await;
-    let report = replica.server.shutdown().await;
-    assert_eq!(report.indexes[0].digest, reference.snapshot().digest());
     peer.shutdown().await;
 }
