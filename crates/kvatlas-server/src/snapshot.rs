@@ -756,7 +756,9 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                     if tiers.is_empty() {
                         return Err(SnapshotError::Corrupt("a membership without a tier".into()));
                     }
-                    let last = entry + further;
+                    let last = entry
+                        .checked_add(further)
+                        .ok_or_else(|| SnapshotError::Corrupt("a rank's entry overflows".into()))?;
                     let run = usize::try_from(entry)
                         .ok()
                         .zip(usize::try_from(last).ok())
@@ -1099,6 +1101,29 @@ mod tests {
         assert_eq!(u16::from_le_bytes([again[8], again[9]]), FORMAT_VERSION);
         let (_, reread) = read(&again[..]).expect("reads");
         assert_eq!(reread[0].feeds, images[0].feeds);
+    }
+
+    /// A run reaching past the largest entry number is refused, not overflowed.
+    #[test]
+    fn a_run_past_the_largest_entry_is_refused() {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        bytes.extend_from_slice(&[0, 0]);
+        bytes.extend_from_slice(&7i64.to_le_bytes());
+        bytes.push(INDEX);
+        put_str(&mut bytes, "m");
+        put_str(&mut bytes, "t");
+        put_varint(&mut bytes, 16);
+        put_varint(&mut bytes, 0);
+        bytes.push(RANK);
+        put_varint(&mut bytes, 1);
+        put_varint(&mut bytes, 0);
+        // A count of u64::MAX admits a run of u64::MAX − 1 further entries after entry 2^60 − 1.
+        put_varint(&mut bytes, u64::MAX);
+        put_varint(&mut bytes, ((u64::MAX >> 4) << 4) | 1);
+        put_varint(&mut bytes, u64::MAX - 1);
+        assert!(matches!(read(&bytes[..]), Err(SnapshotError::Corrupt(_))));
     }
 
     #[test]
