@@ -546,6 +546,102 @@ fn a_forced_gap_is_healed_by_replay() {
     }
 }
 
+/// A listener started held (as a server starts its listeners while it restores a snapshot)
+/// buffers live batches and applies none; its buffer is bounded, so the oldest are dropped
+/// (counted). Released at the snapshot's position, it first asks the engine for everything after
+/// that position (a catch-up), which fills the hole between the snapshot and the oldest batch
+/// still buffered, then goes through its buffer: what the catch-up already applied is dropped as a
+/// duplicate, so every batch is applied exactly once and the index ends equal to the reference
+/// model of the whole stream.
+#[test]
+fn a_held_listener_released_at_a_snapshot_position_applies_every_batch_once() {
+    const HELD: usize = 12;
+    let mut h = Harness::new();
+    let mut publisher = Publisher::loopback(&h.ctx);
+    let mut options = fast_options();
+    options.sequencer.max_buffered = HELD;
+    let config = ListenerConfig::new(source(), publisher.endpoint.clone())
+        .with_replay_endpoint(publisher.replay_endpoint.clone())
+        .with_options(options)
+        .held();
+    let id = h.listeners.start(config).expect("the listener starts");
+    // The subscription comes up: empty batches until one reaches the (held) listener.
+    let mut sent: Vec<Vec<u8>> = Vec::new();
+    let started = Instant::now();
+    while state(&h.listeners, id).counters.batches_received == 0 {
+        let payload = publisher.empty(publisher.next_seq);
+        sent.push(payload.clone());
+        publisher.publish(payload, true);
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(started.elapsed() < WAIT, "subscription never came up");
+    }
+    let events = event_stream(13, 40);
+    publish_all(&mut publisher, &events, |_| true);
+    sent.extend(events.iter().cloned());
+    wait_for("the live batches buffered", || {
+        state(&h.listeners, id).counters.batches_received as usize > events.len()
+    });
+    let s = state(&h.listeners, id);
+    assert_eq!(s.status, ListenerStatus::Held, "{s:?}");
+    assert_eq!(
+        s.counters.batches_applied, 0,
+        "nothing applied while held: {s:?}"
+    );
+    assert_eq!(s.last_seq, None, "{s:?}");
+    assert!(
+        s.counters.held_dropped >= (events.len() - HELD) as u64,
+        "the held buffer keeps the newest {HELD}: {s:?}"
+    );
+
+    // The snapshot restored meanwhile holds batches 0..=position, as the index's checkpoint
+    // records them: (seq, fingerprint) of each.
+    let position = sent.len() - 25;
+    let restore = Converter::new(source());
+    let mut mutations = Vec::new();
+    let mut drops = DropCounters::new();
+    for payload in &sent[..=position] {
+        mutations.clear();
+        let _ = restore.ingest(payload, &mut mutations, &mut drops);
+        for m in mutations.drain(..) {
+            h.pool
+                .enqueue(m)
+                .expect("the pool takes the snapshot's mutations");
+        }
+    }
+    h.pool.flush();
+    let recent: Vec<(u64, u64)> = sent[..=position]
+        .iter()
+        .enumerate()
+        .map(|(seq, payload)| (seq as u64, xxhash_rust::xxh3::xxh3_64(payload)))
+        .collect();
+    h.listeners
+        .release(
+            id,
+            Some(kvatlas_events::Resume {
+                position: position as u64,
+                recent,
+            }),
+        )
+        .expect("released");
+    let tail = publisher.pump(&h.listeners, id);
+    sent.extend(tail);
+
+    let s = state(&h.listeners, id);
+    assert_eq!(s.counters.catch_ups, 1, "{s:?}");
+    assert_eq!(s.counters.resyncs, 0, "{s:?}");
+    assert!(
+        s.counters.duplicates > 0,
+        "buffered batches the snapshot or the catch-up held were dropped: {s:?}"
+    );
+    assert_eq!(
+        s.counters.batches_applied as usize,
+        sent.len() - 1 - position,
+        "every batch after the snapshot's position applied once: {s:?}"
+    );
+    h.reference_apply(&sent);
+    h.assert_index_matches_reference();
+}
+
 #[test]
 fn a_publisher_restart_resyncs_the_worker() {
     let mut h = Harness::new();
