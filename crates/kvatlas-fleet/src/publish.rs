@@ -5,7 +5,8 @@
 //! An XPUB is a PUB that also reports its subscribers: [`Publishers::wait_subscribed`] lets a
 //! simulation start publishing only once the indexer listens to every engine, so nothing is lost
 //! to ZMQ's slow-joiner window. Every payload published is kept (the replay history), so an
-//! indexer that sees a gap gets every batch back.
+//! indexer that sees a gap gets every batch back — or, with [`Publishers::bind_with_ring`], the
+//! newest N, as vLLM's bounded replay buffer keeps them.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -52,8 +53,43 @@ pub struct Endpoints {
     pub replay: String,
 }
 
-/// Per engine, every payload it published, by sequence number.
-type History = Arc<Mutex<Vec<Vec<Arc<[u8]>>>>>;
+/// Per engine, the payloads it can still replay.
+type History = Arc<Mutex<Vec<Ring>>>;
+
+/// One engine's replay history: every payload it published, or the newest `limit` of them as
+/// vLLM's bounded replay buffer keeps.
+#[derive(Debug, Clone, Default)]
+struct Ring {
+    /// The sequence number of `batches[0]`.
+    first: u64,
+    batches: std::collections::VecDeque<Arc<[u8]>>,
+    limit: Option<usize>,
+}
+
+impl Ring {
+    /// Appends the next batch; returns its sequence number.
+    fn push(&mut self, payload: Arc<[u8]>) -> u64 {
+        self.batches.push_back(payload);
+        let seq = self.first + self.batches.len() as u64 - 1;
+        if self.limit.is_some_and(|limit| self.batches.len() > limit) {
+            self.batches.pop_front();
+            self.first += 1;
+        }
+        seq
+    }
+
+    /// The batches from `start` on (from the oldest kept if `start` is older), with their
+    /// sequence numbers.
+    fn from(&self, start: u64) -> Vec<(u64, Arc<[u8]>)> {
+        let skip = usize::try_from(start.saturating_sub(self.first)).unwrap_or(usize::MAX);
+        self.batches
+            .iter()
+            .enumerate()
+            .skip(skip)
+            .map(|(i, p)| (self.first + i as u64, Arc::clone(p)))
+            .collect()
+    }
+}
 
 /// The fleet's sockets and its replay server.
 pub struct Publishers {
@@ -83,11 +119,21 @@ fn bound(socket: &zmq::Socket) -> Result<String, PublishError> {
 
 impl Publishers {
     /// Binds an XPUB and a ROUTER on loopback for each of `workers` engines (ids
-    /// `0..workers`) and starts serving replays.
+    /// `0..workers`) and starts serving replays of everything published.
     ///
     /// # Errors
     /// If a socket cannot be created or bound.
     pub fn bind(workers: u32) -> Result<Self, PublishError> {
+        Self::bind_with_ring(workers, None)
+    }
+
+    /// As [`Publishers::bind`], each engine keeping only its newest `ring` batches for replay
+    /// (`None`: all), as vLLM's bounded replay buffer does: a replay asked from an older batch
+    /// starts at the oldest one kept.
+    ///
+    /// # Errors
+    /// If a socket cannot be created or bound.
+    pub fn bind_with_ring(workers: u32, ring: Option<usize>) -> Result<Self, PublishError> {
         let context = zmq::Context::new();
         let mut publishers = Vec::new();
         let mut routers = Vec::new();
@@ -109,7 +155,13 @@ impl Publishers {
                 replay,
             });
         }
-        let history: History = Arc::new(Mutex::new(vec![Vec::new(); workers as usize]));
+        let history: History = Arc::new(Mutex::new(vec![
+            Ring {
+                limit: ring,
+                ..Ring::default()
+            };
+            workers as usize
+        ]));
         let stop = Arc::new(AtomicBool::new(false));
         let replays = Arc::new(AtomicU64::new(0));
         let replay = {
@@ -185,9 +237,7 @@ impl Publishers {
                 .history
                 .lock()
                 .map_err(|_| PublishError::Replay("the replay server panicked".into()))?;
-            let batches = &mut history[worker as usize];
-            batches.push(Arc::clone(&payload));
-            batches.len() as u64 - 1
+            history[worker as usize].push(Arc::clone(&payload))
         };
         let publisher = &self.publishers[worker as usize];
         publisher.send(TOPIC, zmq::SNDMORE)?;
@@ -227,7 +277,7 @@ impl Drop for Publishers {
 /// then the end marker (sequence `u64::MAX`, empty payload).
 fn serve_replays(
     routers: &[zmq::Socket],
-    history: &Mutex<Vec<Vec<Arc<[u8]>>>>,
+    history: &Mutex<Vec<Ring>>,
     stop: &AtomicBool,
     served: &AtomicU64,
 ) -> Result<(), PublishError> {
@@ -254,16 +304,11 @@ fn serve_replays(
             let Ok(start) = <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes) else {
                 continue;
             };
-            let batches: Vec<Arc<[u8]>> = match history.lock() {
-                Ok(history) => history[worker]
-                    .iter()
-                    .skip(usize::try_from(start).unwrap_or(usize::MAX))
-                    .cloned()
-                    .collect(),
+            let batches = match history.lock() {
+                Ok(history) => history[worker].from(start),
                 Err(_) => return Err(PublishError::Replay("the history lock is poisoned".into())),
             };
-            for (i, payload) in batches.iter().enumerate() {
-                let seq = start + i as u64;
+            for (seq, payload) in &batches {
                 router.send_multipart(
                     [
                         identity.as_slice(),
@@ -294,6 +339,35 @@ fn serve_replays(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bounded_ring_keeps_the_newest_batches_with_their_numbers() {
+        let mut ring = Ring {
+            limit: Some(2),
+            ..Ring::default()
+        };
+        for i in 0u8..5 {
+            assert_eq!(ring.push(Arc::from(vec![i])), u64::from(i));
+        }
+        let replayed = |start| -> Vec<(u64, Vec<u8>)> {
+            ring.from(start)
+                .into_iter()
+                .map(|(seq, payload)| (seq, payload.to_vec()))
+                .collect()
+        };
+        assert_eq!(
+            replayed(0),
+            [(3, vec![3]), (4, vec![4])],
+            "from the oldest kept"
+        );
+        assert_eq!(replayed(4), [(4, vec![4])]);
+        assert!(replayed(5).is_empty());
+        let mut all = Ring::default();
+        for i in 0u8..5 {
+            all.push(Arc::from(vec![i]));
+        }
+        assert_eq!(all.from(1).len(), 4);
+    }
 
     #[test]
     fn a_subscriber_gets_live_batches_and_replays_from_any_sequence() {

@@ -6,188 +6,15 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::Served;
-use kvatlas_fleet::engine::{EngineConfig, Engines, Eviction, Router, membership_digest};
+use common::fleet::{CONVERGE, Fleet, converges, metric, ready, runtime, signal};
 use kvatlas_fleet::nats::NatsServer;
-use kvatlas_fleet::publish::Publishers;
-use kvatlas_fleet::trace::{TraceRequest, block_tokens, default_trace_path, load_trace};
-use kvatlas_fleet::vllm::{BLOCK_TOKENS, encode_batch};
-use kvatlas_index::{ExternalBlockHash, Mutation, Tier, Worker};
+use kvatlas_fleet::vllm::BLOCK_TOKENS;
 use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
-use tokio_stream::StreamExt as _;
 
 const MODEL: &str = "m";
-const WORKERS: u32 = 6;
-/// Bound on a replica catching up with what was published.
-const CONVERGE: Duration = Duration::from_secs(30);
-
-/// Mock engines serving the Mooncake trace, publishing vLLM batches on ZMQ.
-struct Fleet {
-    engines: Engines,
-    router: Router,
-    publishers: Publishers,
-    trace: Vec<TraceRequest>,
-    next: usize,
-    tokens: Vec<u32>,
-    batches: u64,
-}
-
-impl Fleet {
-    fn new() -> Self {
-        let config = EngineConfig {
-            block_tokens: BLOCK_TOKENS,
-            ..EngineConfig::new(WORKERS, 96, Eviction::LeafFirst, 7)
-        };
-        Self {
-            engines: Engines::new(&config),
-            router: Router::new(&config),
-            publishers: Publishers::bind(WORKERS).expect("engine sockets bind"),
-            trace: load_trace(&default_trace_path()).expect("the trace loads"),
-            next: 0,
-            tokens: Vec::new(),
-            batches: 0,
-        }
-    }
-
-    /// `--workers` for `kvatlas serve`.
-    fn workers_arg(&self) -> String {
-        self.publishers
-            .endpoints()
-            .iter()
-            .map(|e| format!("{}={},replay={}", e.worker, e.live, e.replay))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    /// Serves the next `n` requests (random routing), publishing each one's events.
-    fn serve(&mut self, n: usize) {
-        let mut events = Vec::<Mutation>::new();
-        for _ in 0..n {
-            let request = &self.trace[self.next % self.trace.len()];
-            self.next += 1;
-            let prompt = self.engines.prompt(request);
-            let truth = self.engines.scores(&prompt);
-            let w = self.router.route(&truth);
-            let score = truth
-                .binary_search_by_key(&w, |&(ow, _)| ow)
-                .map_or(0, |k| truth[k].1);
-            events.clear();
-            self.engines.serve(w, score, &prompt, &mut events);
-            if events.is_empty() {
-                continue;
-            }
-            let ids: BTreeMap<u64, u64> = prompt
-                .locals
-                .iter()
-                .zip(&request.hash_ids)
-                .map(|(l, &id)| (l.get(), id))
-                .collect();
-            let batch = encode_batch(0.0, &events, true, true, &mut self.tokens, |block, out| {
-                let id = ids.get(&block.local.get()).copied().unwrap_or_default();
-                block_tokens(id, BLOCK_TOKENS as usize, out);
-            });
-            self.publishers
-                .publish(w, batch.payload.into())
-                .expect("published");
-            self.batches += 1;
-        }
-    }
-
-    /// The digest of what the engines' caches hold now.
-    fn oracle(&self) -> u64 {
-        let caches = self.engines.caches();
-        membership_digest(
-            caches
-                .iter()
-                .enumerate()
-                .flat_map(|(w, blocks)| blocks.iter().map(move |b| (Worker::new(w as u64, 0), b))),
-        )
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// The membership digest (device tier) of the server's state, from its `Snapshot` RPC.
-fn state_digest(grpc: &str) -> Result<u64, String> {
-    let bytes = runtime().block_on(async {
-        let mut client = IndexerClient::connect(grpc.to_owned())
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut chunks = client
-            .snapshot(v1::SnapshotRequest::default())
-            .await
-            .map_err(|e| e.to_string())?
-            .into_inner();
-        let mut bytes = Vec::new();
-        while let Some(chunk) = chunks.next().await {
-            bytes.extend_from_slice(&chunk.map_err(|e| e.to_string())?.data);
-        }
-        Ok::<_, String>(bytes)
-    })?;
-    let (_, images) = kvatlas_server::snapshot::read(&bytes[..]).map_err(|e| e.to_string())?;
-    let memberships: Vec<(Worker, ExternalBlockHash)> = images
-        .iter()
-        .flat_map(|image| &image.snapshot.workers)
-        .flat_map(|w| {
-            w.blocks
-                .iter()
-                .filter(|b| b.tiers.contains(Tier::Device))
-                .map(move |b| (w.worker, b.external))
-        })
-        .collect();
-    Ok(membership_digest(memberships.iter().map(|(w, b)| (*w, b))))
-}
-
-/// Waits until the server's state equals the oracle.
-fn converges(server: &Served, fleet: &Fleet, what: &str) {
-    let want = fleet.oracle();
-    let started = Instant::now();
-    let mut last = Err("never asked".to_owned());
-    while started.elapsed() < CONVERGE {
-        last = state_digest(&server.grpc);
-        if last.as_ref() == Ok(&want) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!(
-        "{what}: the state did not converge to the engines' caches within {CONVERGE:?} \
-         (oracle {want:#x}, server {last:?}); log: {:?}",
-        server.log_lines()
-    );
-}
-
-/// A metric's value from `/metrics` (0 if absent).
-fn metric(server: &Served, name: &str) -> u64 {
-    let body = http_get(server, "/metrics").expect("GET /metrics");
-    body.lines()
-        .find_map(|line| {
-            let rest = line.strip_prefix(name)?.strip_prefix(' ')?;
-            rest.trim().parse::<f64>().ok()
-        })
-        .map_or(0, |v| v as u64)
-}
-
-/// The whole answer (status line, headers, body) to `GET path`.
-fn http_get(server: &Served, path: &str) -> std::io::Result<String> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(&server.http)?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer)?;
-    Ok(answer)
-}
 
 /// The answers of both servers to the same prompts, which must be equal.
 fn agree(a: &Served, b: &Served, fleet: &mut Fleet) {
@@ -372,27 +199,6 @@ fn two_ingests_deduplicate_and_the_survivor_carries_on() {
     );
     replica.kill_9();
     two.kill_9();
-}
-
-/// Waits until the server answers `/ready` with 200 (a replica: it has read the stream).
-fn ready(server: &Served) {
-    let started = Instant::now();
-    while started.elapsed() < CONVERGE {
-        if http_get(server, "/ready").is_ok_and(|answer| answer.starts_with("HTTP/1.1 200")) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("not ready within {CONVERGE:?}: {:?}", server.log_lines());
-}
-
-/// Sends `signal` (`STOP`, `CONT`) to the server's process.
-fn signal(server: &Served, signal: &str) {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{signal}"), &server.child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success(), "kill -{signal}");
 }
 
 #[test]

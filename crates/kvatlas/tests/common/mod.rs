@@ -2,6 +2,8 @@
 
 #![allow(dead_code, unreachable_pub)] // each test binary uses a part
 
+pub mod fleet;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
