@@ -895,6 +895,7 @@ pub fn workers(args: &ListArgs) -> Result<String, CliError> {
                         "resyncs": counters.resyncs, "restarts": counters.restarts,
                         "catch_ups": counters.catch_ups,
                         "replay_resyncs": counters.replay_resyncs,
+                        "held_dropped": counters.held_dropped,
                         "decode_errors": counters.decode_errors,
                         "dropped": counters.dropped,
                     },
@@ -1268,5 +1269,67 @@ mod tests {
         let error = args.resolve().expect_err("typo").to_string();
         assert!(error.contains("grpc_adr"), "{error}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Dynamo's standalone indexer's command line (`python -m dynamo.indexer --port --threads
+    /// --block-size --workers --model-name --routing-group --peers`) starts `kvatlas serve`
+    /// with the same meaning (and still on loopback).
+    #[test]
+    fn dynamos_command_line_maps_onto_serve() {
+        #[derive(clap::Parser)]
+        struct Line {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let line = <Line as clap::Parser>::try_parse_from([
+            "kvatlas-serve",
+            "--port",
+            "9100",
+            "--threads",
+            "3",
+            "--block-size",
+            "32",
+            "--workers",
+            "1=tcp://127.0.0.1:5557,2:1=tcp://127.0.0.1:5558",
+            "--model-name",
+            "llama",
+            "--routing-group",
+            "team-a",
+            "--peers",
+            "http://127.0.0.1:8091,http://127.0.0.1:8092",
+        ])
+        .expect("Dynamo's flags parse");
+        let (config, _) = line.serve.resolve().expect("resolves");
+        assert_eq!(
+            config.http_addr,
+            SocketAddr::from(([127, 0, 0, 1], 9100)),
+            "--port, on loopback"
+        );
+        assert_eq!(config.index.writer_threads, 3, "--threads");
+        let workers: Vec<_> = config
+            .workers
+            .iter()
+            .map(|w| {
+                (
+                    w.index.model.as_str(),
+                    w.index.tenant.as_str(),
+                    w.instance_id,
+                    w.dp_rank,
+                    w.block_size.get(),
+                    w.endpoint.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            workers,
+            [
+                ("llama", "team-a", 1, 0, 32, "tcp://127.0.0.1:5557"),
+                ("llama", "team-a", 2, 1, 32, "tcp://127.0.0.1:5558"),
+            ]
+        );
+        assert_eq!(
+            config.peers,
+            ["http://127.0.0.1:8091", "http://127.0.0.1:8092"]
+        );
     }
 }

@@ -14,9 +14,12 @@
 //! - **tenants**: 1.6.1 partitions by `(model_name, routing_group)` and ignores `tenant_id`.
 //!   kvatlas maps `routing_group` to its tenant and, when only `tenant_id` is given, isolates by
 //!   it too (stricter: a query of tenant A never sees tenant B's workers);
-//! - the Mooncake RFC's names are accepted as well: `modelname` for `model_name`, `type`
-//!   (`vLLM`, `SGLang`) for the engine, `seq_hashes` / `block_hash` for `block_hashes`, and
-//!   `additionalsalt`; `/query_by_hash` takes hashes as signed or unsigned 64-bit integers;
+//! - the Mooncake RFC's names are accepted as well: on `/register` `modelname` for `model_name`,
+//!   `type` (`vLLM`, `SGLang`) for the engine and `additionalsalt`; on the queries `model` (and
+//!   `modelname`) for `model_name`, `seq_hashes` / `block_hash` for `block_hashes`, and the
+//!   RFC's `instance_id` (one instance's answer) and `block_size` (checked against the index's:
+//!   400 if it differs); its deprecated `lora_id` is refused (400); `/query_by_hash` takes hashes
+//!   as signed or unsigned 64-bit integers;
 //! - `/unregister` with a `dp_rank` removes that rank only (1.6.1 removes every rank unless a
 //!   `routing_group` is also given); an instance may be registered in several indexes;
 //! - a `block_size` of 0 is refused (400); an endpoint ZMQ cannot use is refused at
@@ -407,6 +410,7 @@ struct SequenceInfo {
     replay_resyncs: u64,
     restarts: u64,
     duplicates: u64,
+    held_dropped: u64,
 }
 
 /// One worker of `/workers` (1.6.1's `WorkerInfo`).
@@ -519,6 +523,7 @@ fn worker_info(
                     replay_resyncs: view.counters.replay_resyncs,
                     restarts: view.counters.restarts,
                     duplicates: view.counters.duplicates,
+                    held_dropped: view.counters.held_dropped,
                 },
             },
         );
@@ -544,28 +549,73 @@ fn worker_info(
 // /query, /query_by_hash
 // ---------------------------------------------------------------------------------------------
 
-/// `POST /query`.
+/// `POST /query` (1.6.1's fields, plus the Mooncake RFC's: `model`, `instance_id`,
+/// `block_size`; its deprecated `lora_id` is refused with the reason).
 #[derive(Debug, Deserialize)]
 pub(crate) struct QueryRequest {
     token_ids: Vec<u32>,
-    #[serde(alias = "modelname")]
+    #[serde(alias = "model", alias = "modelname")]
     model_name: String,
     routing_group: Option<String>,
     tenant_id: Option<String>,
     lora_name: Option<String>,
     cache_salt: Option<String>,
+    /// The RFC's: only this instance's ranks.
+    instance_id: Option<u64>,
+    /// The RFC's: the block size the caller hashed with.
+    block_size: Option<u32>,
+    /// The RFC's deprecated LoRA id (refused).
+    lora_id: Option<Value>,
 }
 
-/// `POST /query_by_hash`.
+/// `POST /query_by_hash` (as `/query`, with the hashes instead of the tokens).
 #[derive(Debug, Deserialize)]
 pub(crate) struct QueryByHashRequest {
     #[serde(alias = "seq_hashes", alias = "block_hash")]
     block_hashes: Vec<AnyU64>,
-    #[serde(alias = "modelname")]
+    #[serde(alias = "model", alias = "modelname")]
     model_name: String,
     routing_group: Option<String>,
     tenant_id: Option<String>,
     cache_salt: Option<String>,
+    /// The RFC's: only this instance's ranks.
+    instance_id: Option<u64>,
+    /// The RFC's: the block size the caller hashed with.
+    block_size: Option<u32>,
+    /// The RFC's deprecated LoRA id (refused).
+    lora_id: Option<Value>,
+}
+
+/// The Mooncake RFC's query fields that 1.6.1 does not have.
+#[derive(Debug, Default)]
+struct RfcQueryFields<'a> {
+    /// Only this instance's ranks (omitted: every instance of the index).
+    instance_id: Option<u64>,
+    /// The block size the caller hashed with: checked against the index's.
+    block_size: Option<u32>,
+    /// The RFC's deprecated LoRA id: refused (an id cannot be mapped to the name engines hash).
+    lora_id: Option<&'a Value>,
+}
+
+impl RfcQueryFields<'_> {
+    /// The 400 answer for a field kvatlas cannot honour, if any.
+    fn refusal(&self) -> Option<Response> {
+        self.lora_id.map(|_| {
+            error(
+                StatusCode::BAD_REQUEST,
+                "lora_id is not accepted (the Mooncake RFC deprecates it): give the adapter's \
+                 lora_name, which the engines mix into their block hashes",
+            )
+        })
+    }
+
+    /// The query options these fields ask for.
+    fn options(&self) -> QueryOptions {
+        QueryOptions {
+            instances: self.instance_id.into_iter().collect(),
+            ..QueryOptions::default()
+        }
+    }
 }
 
 /// `/query`'s answer as JSON bytes: `scores` (device tokens by instance, then rank; instances
@@ -651,7 +701,11 @@ fn answer(
     input: QueryInput<'_>,
     lora_name: &str,
     cache_salt: &str,
+    rfc: &RfcQueryFields<'_>,
 ) -> Response {
+    if let Some(refusal) = rfc.refusal() {
+        return refusal;
+    }
     let caller = match caller(state, headers) {
         Ok(caller) => caller,
         Err(response) => return *response,
@@ -665,11 +719,25 @@ fn answer(
     let Some(entry) = state.registry.get(key) else {
         return not_found(key);
     };
+    if let Some(size) = rfc.block_size
+        && size != entry.block_size.get()
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "block_size mismatch for model={} routing_group={}: the index has {}, the \
+                 query gives {size}",
+                key.model,
+                key.tenant,
+                entry.block_size.get()
+            ),
+        );
+    }
     match entry.query(
         input,
         lora_name,
         cache_salt,
-        &QueryOptions::default(),
+        &rfc.options(),
         state.limits.max_query_tokens,
     ) {
         Ok(answer) => (
@@ -701,6 +769,11 @@ pub(crate) async fn query(
         QueryInput::Tokens(&request.token_ids),
         request.lora_name.as_deref().unwrap_or_default(),
         request.cache_salt.as_deref().unwrap_or_default(),
+        &RfcQueryFields {
+            instance_id: request.instance_id,
+            block_size: request.block_size,
+            lora_id: request.lora_id.as_ref(),
+        },
     )
 }
 
@@ -731,6 +804,11 @@ pub(crate) async fn query_by_hash(
         QueryInput::LocalHashes(&hashes),
         "",
         "",
+        &RfcQueryFields {
+            instance_id: request.instance_id,
+            block_size: request.block_size,
+            lora_id: request.lora_id.as_ref(),
+        },
     )
 }
 

@@ -56,6 +56,62 @@ pub(crate) fn status(error: ServiceError) -> Status {
     }
 }
 
+/// tonic reports an inbound message larger than `--max-message-bytes` as OUT_OF_RANGE; gRPC's own
+/// code for it (grpc-core, grpc-go, grpc-java) is RESOURCE_EXHAUSTED, a limit, and that is what
+/// kvatlas answers. kvatlas itself never answers OUT_OF_RANGE, so the mapping is unambiguous.
+pub(crate) fn inbound_status(status: Status) -> Status {
+    if status.code() == tonic::Code::OutOfRange {
+        Status::resource_exhausted(status.message().to_owned())
+    } else {
+        status
+    }
+}
+
+/// A gRPC service whose trailers-only answers (a request tonic refused before the handler ran,
+/// such as a unary message over the size limit) carry [`inbound_status`]'s code.
+#[derive(Debug, Clone)]
+pub(crate) struct OversizeStatus<S>(pub(crate) S);
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for OversizeStatus<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B, R> tonic::codegen::Service<tonic::codegen::http::Request<B>> for OversizeStatus<S>
+where
+    S: tonic::codegen::Service<
+            tonic::codegen::http::Request<B>,
+            Response = tonic::codegen::http::Response<R>,
+        >,
+    S::Future: Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<R>;
+    type Error = S::Error;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: tonic::codegen::http::Request<B>) -> Self::Future {
+        let answer = self.0.call(request);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            let headers = response.headers_mut();
+            let out_of_range = tonic::Code::OutOfRange as i32;
+            if headers
+                .get("grpc-status")
+                .is_some_and(|v| v.as_bytes() == out_of_range.to_string().as_bytes())
+            {
+                headers.insert(
+                    "grpc-status",
+                    tonic::codegen::http::HeaderValue::from(tonic::Code::ResourceExhausted as i32),
+                );
+            }
+            Ok(response)
+        })
+    }
+}
+
 /// The interceptor in front of the service: authenticates the `authorization` header and
 /// attaches the [`Caller`] (anonymous without authentication) to the request.
 pub(crate) fn authenticate(state: &State, mut request: Request<()>) -> Result<Request<()>, Status> {
@@ -244,6 +300,7 @@ fn counters_of(c: &FeedCounters) -> v1::WorkerCounters {
         disconnects: c.disconnects,
         catch_ups: c.catch_ups,
         replay_resyncs: c.replay_resyncs,
+        held_dropped: c.held_dropped,
         dropped: c
             .drops
             .iter()
@@ -591,7 +648,7 @@ impl IndexerService {
             let message = match message {
                 Ok(Some(message)) => message,
                 Ok(None) => break None,
-                Err(status) => break Some(status),
+                Err(status) => break Some(inbound_status(status)),
             };
             if let Err(error) = self.publish_one(&caller, &mut publisher, &message).await {
                 let applied = publisher.counts.messages_applied;
@@ -765,7 +822,7 @@ impl Stream for QueryAnswers {
             }
             Poll::Ready(Some(Err(status))) => {
                 self.done = true;
-                Poll::Ready(Some(Err(status)))
+                Poll::Ready(Some(Err(inbound_status(status))))
             }
             Poll::Ready(None) => {
                 self.done = true;

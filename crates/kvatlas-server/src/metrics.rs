@@ -615,6 +615,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
             ("disconnect", c.disconnects),
             ("catch_up", c.catch_ups),
             ("replay_resync", c.replay_resyncs),
+            ("held_dropped", c.held_dropped),
         ] {
             let _ = writeln!(
                 out,

@@ -233,6 +233,9 @@ pub struct FeedCounters {
     pub catch_ups: u64,
     /// Resyncs because a replay could not fill a hole.
     pub replay_resyncs: u64,
+    /// Live batches a held listener (waiting for a snapshot) dropped from its full buffer; the
+    /// catch-up replay asks for them again.
+    pub held_dropped: u64,
     /// Events dropped, by reason.
     pub drops: DropCounters,
 }
@@ -258,6 +261,7 @@ impl FeedCounters {
         self.disconnects += other.disconnects;
         self.catch_ups += other.catch_ups;
         self.replay_resyncs += other.replay_resyncs;
+        self.held_dropped += other.held_dropped;
         for (reason, n) in other.drops.iter() {
             self.drops.add(reason, n);
         }
@@ -285,6 +289,7 @@ impl From<&ListenerCounters> for FeedCounters {
             disconnects: c.disconnects,
             catch_ups: c.catch_ups,
             replay_resyncs: c.replay_resyncs,
+            held_dropped: c.held_dropped,
             drops: c.drops,
         }
     }
@@ -1033,11 +1038,15 @@ impl Registry {
     /// again (ZMQ listeners continue from their checkpoints, `PublishEvents` ranks keep their
     /// sequence numbers) — a restart; without, they are left to this server's own configuration
     /// (a replica bootstrapping from a peer). Returns the feeds that could not be registered.
+    ///
+    /// # Errors
+    /// What [`Registry::check_images`] finds, before anything is changed.
     pub(crate) fn restore_images(
         &self,
         images: &[IndexImage],
         adopt_feeds: bool,
     ) -> Result<Vec<(WorkerRegistration, ServiceError)>, ServiceError> {
+        self.check_images(images)?;
         let mut failed = Vec::new();
         for image in images {
             let (entry, _) = self.index_for(&image.key, Some(image.block_size))?;
@@ -1069,6 +1078,47 @@ impl Registry {
             }
         }
         Ok(failed)
+    }
+
+    /// Whether every index of `images` can be restored here: its key is valid, an index that
+    /// exists already has the image's block size, the images agree with each other, and the new
+    /// indexes fit the index limit. [`Registry::restore_images`] checks this before it changes
+    /// anything, so a snapshot is restored whole or not at all (no partial state for a later
+    /// bootstrap to land on).
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT (a bad key), FAILED_PRECONDITION (a block size that differs from the
+    /// server's index or from another image of the same index), RESOURCE_EXHAUSTED (the index
+    /// limit).
+    pub(crate) fn check_images(&self, images: &[IndexImage]) -> Result<(), ServiceError> {
+        let indexes = self.indexes.read();
+        let mut created: HashMap<&IndexKey, BlockSize> = HashMap::new();
+        for image in images {
+            image.key.validate()?;
+            if let Some(entry) = indexes.get(&image.key) {
+                check_block_size(entry, Some(image.block_size))?;
+                continue;
+            }
+            let size = *created.entry(&image.key).or_insert(image.block_size);
+            if size != image.block_size {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "the snapshot holds the index for {} twice, with block sizes {} and {}",
+                    image.key,
+                    size.get(),
+                    image.block_size.get()
+                )));
+            }
+        }
+        if indexes.len() + created.len() > self.limits.max_indexes {
+            return Err(ServiceError::ResourceExhausted(format!(
+                "the snapshot holds {} indexes this server does not have and it has {} of its \
+                 limit of {} (--max-indexes)",
+                created.len(),
+                indexes.len(),
+                self.limits.max_indexes
+            )));
+        }
+        Ok(())
     }
 
     /// Unregisters `instance_id` (one rank or all) from the index of `model` in `tenant`, or in

@@ -44,7 +44,7 @@ use crate::auth::{TokenFileError, Tokens};
 use crate::config::Persistence;
 use crate::config::{ConfigError, ServerConfig};
 use crate::error::ServiceError;
-use crate::grpc::{IndexerService, authenticate};
+use crate::grpc::{IndexerService, OversizeStatus, authenticate};
 use crate::llmd::{PodScoresService, TokenizerError, Tokenizers};
 use crate::peers::Bootstrap;
 use crate::registry::{Feed, IndexKey, Registry};
@@ -521,7 +521,9 @@ async fn open_data_dir(persistence: &Persistence) -> Result<DataDir, StartError>
     opened.map_err(|source| StartError::DataDir { path, source })
 }
 
-/// Restores the data directory's newest readable snapshot, logging every file refused.
+/// Restores the data directory's newest usable snapshot, logging every file refused: one that
+/// cannot be read, or one that reads but cannot be restored whole here (checked before anything
+/// is applied), is moved aside and the next older one is tried.
 async fn restore_local(
     dir: &DataDir,
     registry: &Arc<Registry>,
@@ -530,9 +532,18 @@ async fn restore_local(
     let (dir, registry) = (dir.clone(), Arc::clone(registry));
     let path = dir.path().to_owned();
     let loaded = tokio::task::spawn_blocking(move || {
-        let loaded = dir.load()?;
-        let mut restored = None;
-        if let Some((path, created, images)) = loaded.snapshot {
+        let mut refused: Vec<(std::path::PathBuf, String)> = Vec::new();
+        loop {
+            let loaded = dir.load()?;
+            refused.extend(
+                loaded
+                    .rejected
+                    .into_iter()
+                    .map(|(file, why)| (file, why.to_string())),
+            );
+            let Some((path, created, images)) = loaded.snapshot else {
+                return Ok::<_, std::io::Error>((None, refused));
+            };
             let memberships: u64 = images.iter().map(crate::snapshot::IndexImage::memberships).sum();
             match registry.restore_images(&images, true) {
                 Ok(failed) => {
@@ -551,15 +562,17 @@ async fn restore_local(
                         indexes = images.len(),
                         "restored the data directory's snapshot"
                     );
-                    restored = Some((path, memberships));
+                    return Ok((Some((path, memberships)), refused));
                 }
-                Err(error) => tracing::error!(
-                    path = %path.display(),
-                    "the snapshot could not be restored ({error}); starting empty"
-                ),
+                Err(error) => {
+                    dir.set_aside(&path);
+                    refused.push((
+                        path,
+                        format!("it cannot be restored on this server ({error}); nothing of it was applied"),
+                    ));
+                }
             }
         }
-        Ok::<_, std::io::Error>((restored, loaded.rejected))
     })
     .await
     .map_err(|e| StartError::Grpc(e.to_string()))?
@@ -572,6 +585,9 @@ async fn restore_local(
             file.display(),
             file.display()
         );
+    }
+    if restored.is_none() && !rejected.is_empty() {
+        tracing::warn!("no snapshot of the data directory could be used; starting empty");
     }
     let recovery = &state.metrics.recovery;
     recovery
@@ -786,17 +802,23 @@ fn serve_grpc(
         let state = Arc::clone(state);
         move |request| authenticate(&state, request)
     };
+    // A message over the size limit is RESOURCE_EXHAUSTED (`OversizeStatus`), as gRPC's other
+    // implementations answer it.
     let service = InterceptedService::new(
-        IndexerServer::new(IndexerService::new(Arc::clone(state)))
-            .max_decoding_message_size(limits.max_message_bytes)
-            .max_encoding_message_size(limits.max_message_bytes),
+        OversizeStatus(
+            IndexerServer::new(IndexerService::new(Arc::clone(state)))
+                .max_decoding_message_size(limits.max_message_bytes)
+                .max_encoding_message_size(limits.max_message_bytes),
+        ),
         auth.clone(),
     );
     // llm-d's API behind the same token check, limits and metrics.
     let llmd = InterceptedService::new(
-        IndexerServiceServer::new(PodScoresService::new(Arc::clone(state), tokenizers))
-            .max_decoding_message_size(limits.max_message_bytes)
-            .max_encoding_message_size(limits.max_message_bytes),
+        OversizeStatus(
+            IndexerServiceServer::new(PodScoresService::new(Arc::clone(state), tokenizers))
+                .max_decoding_message_size(limits.max_message_bytes)
+                .max_encoding_message_size(limits.max_message_bytes),
+        ),
         auth,
     );
     let reflection = || {

@@ -8,7 +8,10 @@
 //! Loading tries the snapshots newest first; one that cannot be read (truncated, altered, from a
 //! newer kvatlas) is logged with the reason and renamed to `*.kvs.rejected` — moved aside, never
 //! deleted, never retried — and the next older one is tried; with none left the server starts
-//! empty. A bad file never stops the server from starting.
+//! empty. A file that reads but does not fit the server's settings (an index whose block size
+//! the server's own configuration fixes otherwise, more indexes than its limit) is set aside the
+//! same way by the server ([`DataDir::set_aside`]). A bad file never stops the server from
+//! starting.
 
 use std::fs::{self, File};
 use std::io::{BufReader, BufWriter};
@@ -161,9 +164,7 @@ impl DataDir {
                     });
                 }
                 Err(error) => {
-                    let mut aside = path.clone().into_os_string();
-                    aside.push(".rejected");
-                    let _ = fs::rename(&path, &aside);
+                    set_aside(&path);
                     rejected.push((path, error));
                 }
             }
@@ -173,6 +174,23 @@ impl DataDir {
             rejected,
         })
     }
+
+    /// Moves a snapshot that was read but cannot be used here (it does not fit this server's
+    /// settings) aside as a refused file is, so that the next [`DataDir::load`] tries the next
+    /// older one; returns the name it now has.
+    pub fn set_aside(&self, path: &Path) -> PathBuf {
+        set_aside(path)
+    }
+}
+
+/// Renames `path` to `path.rejected` (kept for the operator, never retried); returns the new
+/// name.
+fn set_aside(path: &Path) -> PathBuf {
+    let mut aside = path.to_owned().into_os_string();
+    aside.push(".rejected");
+    let aside = PathBuf::from(aside);
+    let _ = fs::rename(path, &aside);
+    aside
 }
 
 #[cfg(test)]

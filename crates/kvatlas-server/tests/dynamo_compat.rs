@@ -17,7 +17,8 @@
 //! - `each_recovers_the_others_dump`: a Dynamo replica started with `--peers` at kvatlas answers
 //!   like kvatlas, and a kvatlas replica bootstrapped from Dynamo's `/dump` answers like Dynamo;
 //! - `head_first_eviction`, `non_uniform_engine_hashes`, `tenant_isolation`,
-//!   `mooncake_field_names`: the intended differences.
+//!   `intended_differences_in_requests` (the Mooncake RFC's field names among them): the
+//!   intended differences.
 
 mod common;
 #[path = "../../../xtask/interop/driver.rs"]
@@ -657,7 +658,6 @@ const ERROR_CASES: &str = r#"
     POST /query text/plain {"token_ids":[1],"model_name":"m"}
     POST /query - {"token_ids":[1],"model_name":"m"}
     POST /query json {"model_name":"m"}
-    POST /query json {"token_ids":[1,2,3],"model":"m"}
     POST /query json {"token_ids":[1,-2,3],"model_name":"m"}
     POST /query json {"token_ids":[1,2,4294967296],"model_name":"m"}
     POST /query json {"token_ids":"abc","model_name":"m"}
@@ -1501,6 +1501,36 @@ fn intended_differences_in_requests() {
         json!({"token_ids": [1, 2, 3], "modelname": MODEL}),
         422,
         200,
+    );
+    status(
+        "/query with the RFC's `model`",
+        "/query",
+        json!({"token_ids": [1, 2, 3], "model": MODEL}),
+        422,
+        200,
+    );
+    status(
+        "/query_by_hash with the RFC's `model`",
+        "/query_by_hash",
+        json!({"block_hashes": [1], "model": MODEL}),
+        422,
+        200,
+    );
+    // The RFC's `block_size` (1.6.1 ignores it) is checked against the index's.
+    status(
+        "/query with the RFC's `block_size`, not the index's",
+        "/query",
+        json!({"token_ids": [1, 2, 3], "model_name": MODEL, "block_size": 32}),
+        200,
+        400,
+    );
+    // The RFC's deprecated `lora_id` (1.6.1 ignores it) is refused with the reason.
+    status(
+        "/query with the RFC's deprecated `lora_id`",
+        "/query",
+        json!({"token_ids": [1, 2, 3], "model_name": MODEL, "lora_id": 1}),
+        200,
+        400,
     );
     status(
         "/query_by_hash with `seq_hashes`",

@@ -234,8 +234,75 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
         .query(token_query(MODEL, "", vec![70_000; 2_000]))
         .await
         .expect_err("too large");
-    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains("too large"), "{status:?}");
+    // On a QueryStream a bad query gets an error answer and the stream goes on; a message over
+    // the size limit ends the stream with RESOURCE_EXHAUSTED.
+    let streamed = |id: u64, model: &str, tokens: Vec<u32>| v1::QueryRequest {
+        request_id: id,
+        ..token_query(model, "", tokens)
+    };
+    let queries = vec![
+        streamed(1, MODEL, tokens.clone()),
+        streamed(2, "unknown-model", tokens.clone()),
+        streamed(3, MODEL, tokens.clone()),
+        streamed(4, MODEL, vec![70_000; 2_000]),
+        streamed(5, MODEL, tokens.clone()),
+    ];
+    let mut answers = h
+        .client
+        .query_stream(tokio_stream::iter(queries))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    let mut outcomes = Vec::new();
+    let ended = loop {
+        match answers.message().await {
+            Ok(Some(answer)) => outcomes.push((
+                answer.request_id,
+                match answer.outcome {
+                    Some(v1::query_stream_response::Outcome::Response(_)) => "answer".to_owned(),
+                    Some(v1::query_stream_response::Outcome::Error(e)) => {
+                        assert!(e.message.contains("unknown-model"), "{e:?}");
+                        format!("error {}", e.code)
+                    }
+                    None => "nothing".to_owned(),
+                },
+            )),
+            Ok(None) => break None,
+            Err(status) => break Some(status),
+        }
+    };
+    assert_eq!(
+        outcomes,
+        [
+            (1, "answer".to_owned()),
+            (2, format!("error {}", Code::NotFound as u32)),
+            (3, "answer".to_owned())
+        ]
+    );
+    let ended = ended.expect("the oversized message ends the stream");
+    assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
+    // PublishEvents alike: nothing of an oversized message is applied.
+    let oversized = v1::PublishEventsRequest {
+        index: selector(MODEL, ""),
+        instance_id: 1,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: (1_000..2_000).collect(),
+                local_hashes: (1_000..2_000).collect(),
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    let status = h
+        .client
+        .publish_events(tokio_stream::iter([oversized]))
+        .await
+        .expect_err("too large");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     // None of it changed the index, and good queries are still answered exactly.
     let report_digest = reference.snapshot().digest();
     let mut rng = Rng(3);
@@ -276,6 +343,96 @@ async fn authed(url: &str, token: Option<&str>) -> Client {
     )
     .await
     .expect("connects")
+}
+
+/// Dynamo's query routes also take the Mooncake RFC's fields: `model` for `model_name`,
+/// `instance_id` (that instance's answer only), `block_size` (checked against the index's), and
+/// refuse its deprecated `lora_id` with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamo_queries_take_the_mooncake_rfc_fields() {
+    let mut h = start(ServerConfig::default()).await;
+    let hasher = kvatlas_hash::BlockHasher::new(BLOCK).expect("size");
+    let tokens = prompt_tokens(&[1, 2, 3], BLOCK);
+    let locals: Vec<u64> = hasher.local_hashes(&tokens).map(|l| l.get()).collect();
+    // Instance 1 holds the three blocks, instance 2 the first two.
+    let store = |instance: u64, blocks: usize| v1::PublishEventsRequest {
+        index: selector(MODEL, ""),
+        instance_id: instance,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: (0..blocks as u64).map(|b| instance * 100 + b).collect(),
+                local_hashes: locals[..blocks].to_vec(),
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    h.client
+        .publish_events(tokio_stream::iter([store(1, 3), store(2, 2)]))
+        .await
+        .expect("published");
+    let http = h.server.http_addr();
+    let post = |path: &str, body: serde_json::Value| {
+        let (status, text) = http_post_json(http, path, &body.to_string());
+        let json = serde_json::from_str::<serde_json::Value>(&text).unwrap_or_default();
+        (status, json, text)
+    };
+    let scores = |json: &serde_json::Value| json["scores"].clone();
+    let both = serde_json::json!({"1": {"0": 12}, "2": {"0": 8}});
+    let (status, json, text) = post(
+        "/query",
+        serde_json::json!({"token_ids": tokens, "model": MODEL}),
+    );
+    assert_eq!((status, scores(&json)), (200, both.clone()), "{text}");
+    let (status, json, text) = post(
+        "/query",
+        serde_json::json!({"token_ids": tokens, "model": MODEL, "instance_id": 2, "block_size": BLOCK}),
+    );
+    assert_eq!(
+        (status, scores(&json)),
+        (200, serde_json::json!({"2": {"0": 8}})),
+        "{text}"
+    );
+    assert_eq!(
+        json["instances"].as_object().map(|o| o.len()),
+        Some(1),
+        "{text}"
+    );
+    let (status, json, text) = post(
+        "/query_by_hash",
+        serde_json::json!({"seq_hashes": locals, "model": MODEL, "instance_id": 1}),
+    );
+    assert_eq!(
+        (status, scores(&json)),
+        (200, serde_json::json!({"1": {"0": 12}})),
+        "{text}"
+    );
+    let (status, _, text) = post(
+        "/query",
+        serde_json::json!({"token_ids": tokens, "model": MODEL, "block_size": BLOCK * 2}),
+    );
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains("block_size mismatch") && text.contains(&format!("the index has {BLOCK}")),
+        "{text}"
+    );
+    let (status, _, text) = post(
+        "/query",
+        serde_json::json!({"token_ids": tokens, "model": MODEL, "lora_id": 3}),
+    );
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains("lora_id is not accepted") && text.contains("lora_name"),
+        "{text}"
+    );
+    // Without the RFC's fields, 1.6.1's request is answered as before.
+    let (status, json, text) = post(
+        "/query",
+        serde_json::json!({"token_ids": tokens, "model_name": MODEL}),
+    );
+    assert_eq!((status, scores(&json)), (200, both), "{text}");
+    h.server.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -344,6 +501,12 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
             (
                 "PublishEvents",
                 raw.publish_events(tokio_stream::iter([store("a")]))
+                    .await
+                    .expect_err(""),
+            ),
+            (
+                "Snapshot",
+                raw.snapshot(v1::SnapshotRequest::default())
                     .await
                     .expect_err(""),
             ),
@@ -424,6 +587,30 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
         .expect("list")
         .into_inner();
     assert_eq!(all.indexes.len(), 2);
+    // A token allowed every tenant unregisters an instance from all of them at once.
+    let removed = admin
+        .raw()
+        .unregister_worker(v1::UnregisterWorkerRequest {
+            index: selector(MODEL, ""),
+            instance_id: 1,
+            all_tenants: true,
+            ..v1::UnregisterWorkerRequest::default()
+        })
+        .await
+        .expect("across tenants")
+        .into_inner();
+    let mut tenants: Vec<_> = removed.indexes.iter().map(|i| i.tenant.clone()).collect();
+    tenants.sort();
+    assert_eq!(tenants, ["a", "b"], "{removed:?}");
+    assert_eq!(removed.ranks_removed, 2, "{removed:?}");
+    assert!(removed.blocks_removed >= 2, "{removed:?}");
+    let left = admin
+        .raw()
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(left.workers.iter().all(|w| w.instance_id != 1), "{left:?}");
 
     let http = h.server.http_addr();
     assert_eq!(http_get(http, "/metrics", None).0, 401);
@@ -679,5 +866,88 @@ async fn tls_serves_both_listeners() {
         "{response}"
     );
     server.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Reflection answers in both of its versions (grpcurl 1.8 and grpcio's reflection client speak
+/// v1alpha; newer tools v1), without a token, listing every service served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_lists_the_services_in_both_versions() {
+    let dir = temp_dir("reflection");
+    let h = start(ServerConfig {
+        auth_tokens: Some(token_file(&dir)),
+        ..ServerConfig::default()
+    })
+    .await;
+    let channel = tonic::transport::Endpoint::from_shared(h.url.clone())
+        .expect("url")
+        .connect()
+        .await
+        .expect("connects");
+    let want = [
+        "grpc.health.v1.Health",
+        "indexer.v1.IndexerService",
+        "kvatlas.v1.Indexer",
+    ];
+    {
+        use tonic_reflection::pb::v1 as r;
+        let request = r::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(r::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        };
+        let answer = r::server_reflection_client::ServerReflectionClient::new(channel.clone())
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .expect("reflection v1 needs no token")
+            .into_inner()
+            .message()
+            .await
+            .expect("an answer")
+            .expect("one answer");
+        let Some(r::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+            answer.message_response
+        else {
+            panic!("not a service list: {answer:?}");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        for name in want {
+            assert!(
+                names.iter().any(|n| n == name),
+                "v1 lists {name}: {names:?}"
+            );
+        }
+    }
+    {
+        use tonic_reflection::pb::v1alpha as r;
+        let request = r::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(r::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        };
+        let answer = r::server_reflection_client::ServerReflectionClient::new(channel)
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .expect("reflection v1alpha needs no token")
+            .into_inner()
+            .message()
+            .await
+            .expect("an answer")
+            .expect("one answer");
+        let Some(r::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+            answer.message_response
+        else {
+            panic!("not a service list: {answer:?}");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        for name in want {
+            assert!(
+                names.iter().any(|n| n == name),
+                "v1alpha lists {name}: {names:?}"
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

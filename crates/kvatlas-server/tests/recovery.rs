@@ -1,7 +1,7 @@
 //! Recovery without engines: a restart from the data directory continues every rank's numbering
 //! and answers like the reference; periodic snapshots are written only when the state changed;
-//! the `Snapshot` RPC and `GET /snapshot` stream the state exactly; unreadable snapshot files
-//! are moved aside and the previous one is used; a replica bootstraps from a peer's snapshot,
+//! the `Snapshot` RPC and `GET /snapshot` stream the state exactly; unreadable snapshot files,
+//! and files that read but do not fit the server, are moved aside and the previous one is used; a replica bootstraps from a peer's snapshot,
 //! and a peer that breaks off mid-snapshot is skipped with nothing of it restored. (With real engines publishing and replaying — bootstrap under load, `kill -9` — see
 //! `interop.rs`.)
 
@@ -320,6 +320,75 @@ async fn unreadable_snapshots_are_moved_aside_and_the_previous_one_is_used() {
         std::fs::rename(&aside, &newer_written.path).expect("restore the file");
         std::fs::write(&newer_written.path, &pristine).expect("restore the bytes");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_that_does_not_fit_the_server_is_set_aside_whole_and_the_previous_one_used() {
+    let dir = temp_dir("unfit");
+    let workers = [Worker::new(7, 0)];
+    let batches = script(29, MODEL, &workers, 200, BLOCK);
+    let mut reference = ReferenceIndex::new();
+    apply(&mut reference, &batches);
+    // The older snapshot holds one index; the newer one a second index as well.
+    let mut h = start(persistent(&dir, None)).await;
+    publish(&mut h.client, &batches).await;
+    let older = h
+        .server
+        .shutdown()
+        .await
+        .snapshot
+        .expect("dir")
+        .expect("ok");
+    let mut h = start(persistent(&dir, None)).await;
+    publish(
+        &mut h.client,
+        &script(31, "another-model", &workers, 50, BLOCK),
+    )
+    .await;
+    let newer = h
+        .server
+        .shutdown()
+        .await
+        .snapshot
+        .expect("dir")
+        .expect("ok");
+
+    // A server allowed one index cannot restore the newer file: it is set aside whole (not
+    // its first index only) and the older one is restored.
+    let mut config = persistent(&dir, None);
+    config.limits.max_indexes = 1;
+    let mut h = start(config).await;
+    assert_eq!(
+        h.server.restored(),
+        &Restored::DataDir {
+            path: older.path.clone(),
+            memberships: older.memberships
+        }
+    );
+    assert_answers(&mut h, &reference, 12, "the older snapshot").await;
+    let indexes = h
+        .client
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect("listed")
+        .into_inner()
+        .indexes;
+    let models: Vec<_> = indexes
+        .iter()
+        .filter_map(|i| i.index.as_ref().map(|s| s.model.as_str()))
+        .collect();
+    assert_eq!(models, [MODEL], "nothing of the newer file was applied");
+    let (_, metrics) = http_get(h.server.http_addr(), "/metrics", None);
+    assert_eq!(
+        metric(&metrics, "kvatlas_snapshot_files_rejected_total"),
+        Some(1.0)
+    );
+    let mut aside = newer.path.clone().into_os_string();
+    aside.push(".rejected");
+    assert!(PathBuf::from(&aside).is_file() && !newer.path.exists());
+    drop(h.client);
+    h.server.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
 

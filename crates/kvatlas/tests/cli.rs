@@ -463,3 +463,39 @@ fn the_demo_runs_fleet_router_and_server_and_the_index_ends_equal_to_the_caches(
     }
     let _ = std::fs::remove_dir_all(&plots);
 }
+
+#[test]
+fn json_logs_are_one_object_per_line() {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "serve"])
+        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .env_remove("KVATLAS_CONFIG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvatlas serve starts");
+    let stderr = child.stderr.take().expect("stderr");
+    let mut logged = Vec::new();
+    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+        let object: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("not a JSON object ({e}): {line}"));
+        let serving = object["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("kvatlas serving: gRPC on 127.0.0.1:"));
+        logged.push(object);
+        if serving {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let last = logged.last().expect("something logged");
+    assert_eq!(last["level"], "INFO", "{logged:?}");
+    assert!(
+        last["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("HTTP on 127.0.0.1:")),
+        "the serving line, as JSON: {logged:?}"
+    );
+}

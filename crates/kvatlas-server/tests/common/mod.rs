@@ -363,6 +363,22 @@ pub fn http_get_bytes(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16
     parse_http_bytes(&response)
 }
 
+/// `POST path` with a JSON body over HTTP/1.1; returns (status, body).
+pub fn http_post_json(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect HTTP");
+    stream.set_read_timeout(Some(WAIT)).expect("read timeout");
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    parse_http(&response)
+}
+
 /// (status, body) of an HTTP/1.1 response (chunked bodies are reassembled).
 pub fn parse_http(response: &str) -> (u16, String) {
     let (status, body) = parse_http_bytes(response.as_bytes());
