@@ -62,6 +62,10 @@ pub struct Settings {
     pub serve_args: Vec<String>,
     /// Worker threads of the load generator's runtime (1 = a current-thread runtime).
     pub client_threads: usize,
+    /// Busy-poll on both sides: `kvatlas serve --busy-poll`, and a task in the load generator's
+    /// runtime that keeps it polling instead of sleeping (what a router that wants the lowest
+    /// latency would do with `kvatlas-proto`'s client).
+    pub busy_poll: bool,
 }
 
 /// Latency quantiles in microseconds and the achieved rate.
@@ -447,7 +451,11 @@ fn run_once(
     prompts: &Arc<Vec<Prompt>>,
 ) -> Result<RunReport> {
     let tcp_echo_floor = tcp_echo_floor()?;
-    let server = Server::start(&settings.kvatlas, &settings.serve_args)?;
+    let mut serve_args = settings.serve_args.clone();
+    if settings.busy_poll {
+        serve_args.push("--busy-poll".into());
+    }
+    let server = Server::start(&settings.kvatlas, &serve_args)?;
     let runtime = if settings.client_threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -458,6 +466,16 @@ fn run_once(
             .enable_all()
             .build()?
     };
+    if settings.busy_poll {
+        for _ in 0..settings.client_threads.max(1) {
+            // Ends with the runtime at the end of the run.
+            runtime.spawn(async {
+                loop {
+                    tokio::task::yield_now().await;
+                }
+            });
+        }
+    }
     let url = server.url.clone();
     let mut report = runtime.block_on(async {
         let mut client = connect(&url).await?;
@@ -634,14 +652,19 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
         load: format!(
             "Workload A state: {} requests of the Mooncake conversation trace through W={} mock \
              engines of C={} blocks, {} events ({} memberships at the end); prompts of {} blocks \
-             of {} tokens",
+             of {} tokens{}",
             trace.len(),
             settings.workers,
             settings.capacity,
             messages.len(),
             stream.stats.final_memberships,
             PROMPT_BLOCKS,
-            BLOCK_TOKENS
+            BLOCK_TOKENS,
+            if settings.busy_poll {
+                "; busy-polling server (--busy-poll) and load generator"
+            } else {
+                ""
+            }
         ),
         median: median_report(&runs),
         runs,

@@ -37,6 +37,10 @@ struct Args {
     /// Worker threads of the load generator (1 = a current-thread runtime).
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
+    /// Busy-poll on both sides: `kvatlas serve --busy-poll` and a load generator that keeps
+    /// polling instead of sleeping between answers.
+    #[arg(long)]
+    busy_poll: bool,
     /// Extra `kvatlas serve` arguments (repeatable), e.g. `--serve-arg=--writer-threads=1`.
     #[arg(long = "serve-arg", allow_hyphen_values = true)]
     serve_args: Vec<String>,
@@ -59,6 +63,7 @@ fn main() -> Result<()> {
         requests: args.quick.then_some(2_000),
         serve_args: args.serve_args,
         client_threads: args.client_threads,
+        busy_poll: args.busy_poll,
     };
     let summary = service::run(&settings, |step| eprintln!("service bench: {step}"))?;
     print!("{}", service::markdown(&summary));

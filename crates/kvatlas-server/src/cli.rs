@@ -223,6 +223,10 @@ pub struct ServeArgs {
     /// Async runtime threads serving requests [default: one per core but one (at least 1)].
     #[arg(long, env = "KVATLAS_RUNTIME_THREADS")]
     pub runtime_threads: Option<usize>,
+    /// Keep the runtime threads polling for requests instead of sleeping until woken: lower
+    /// latency at low load (no thread wakeup per request), a core busy per runtime thread.
+    #[arg(long, env = "KVATLAS_BUSY_POLL")]
+    pub busy_poll: bool,
     /// A model's Hugging Face tokenizer.json, `MODEL=PATH` (repeatable; comma-separated in the
     /// environment variable): llm-d's GetPodScores tokenizes prompts with it. Loaded at start.
     #[arg(long = "tokenizer", env = "KVATLAS_TOKENIZER", value_delimiter = ',')]
@@ -288,6 +292,7 @@ struct ServeFile {
     tls_key: Option<PathBuf>,
     shutdown_timeout_secs: Option<u64>,
     runtime_threads: Option<usize>,
+    busy_poll: Option<bool>,
     /// `MODEL=PATH` items, as `--tokenizer`.
     tokenizer: Option<Vec<String>>,
     publish_to: Option<String>,
@@ -424,6 +429,7 @@ impl ServeArgs {
             .collect::<Result<_, _>>()?,
             publish_to: None,
             consume_from: None,
+            busy_poll: self.busy_poll || file.busy_poll.unwrap_or(false),
         };
         let nats = |url: String| {
             let defaults = NatsLog::new(url);

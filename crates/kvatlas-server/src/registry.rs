@@ -536,7 +536,10 @@ impl IndexEntry {
                     source: RankSource::Zmq(registration),
                     status: state.map_or(ListenerStatus::Stopped, |s| s.status),
                     last_error: state.and_then(|s| s.last_error.clone()),
-                    last_seq: state.and_then(|s| s.last_seq),
+                    // The index's checkpoint, recorded as the batch's mutations were applied: a
+                    // query asked after reading it sees the batch (the listener's own count moves
+                    // when it hands the batch to the writers, a moment earlier).
+                    last_seq: self.index().mark(worker).map(|m| m.position),
                     micros_since_last_batch: state
                         .and_then(|s| s.since_last_batch)
                         .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),

@@ -951,3 +951,40 @@ async fn reflection_lists_the_services_in_both_versions() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--busy-poll`: with its one runtime worker spinning instead of sleeping, the server still
+/// runs every other task (the requests, the writers' acknowledgements), answers exactly, and
+/// shuts down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_busy_polling_server_answers_and_stops() {
+    let mut h = start(ServerConfig {
+        busy_poll: true,
+        ..ServerConfig::default()
+    })
+    .await;
+    let batches = script(5, MODEL, &[Worker::new(1, 0)], 40, BLOCK);
+    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
+    h.client
+        .publish_events(tokio_stream::iter(messages))
+        .await
+        .expect("published");
+    let mut reference = ReferenceIndex::new();
+    for b in &batches {
+        b.mutations.iter().for_each(|m| {
+            reference.apply(m);
+        });
+    }
+    let mut rng = Rng(11);
+    for _ in 0..20 {
+        let (_, locals) = random_prompt(&mut rng, BLOCK);
+        let answer = query_hashes(&mut h, MODEL, &locals).await;
+        assert_eq!(
+            answer_rows(&answer),
+            reference_rows(&reference_answer(&reference, &locals))
+        );
+    }
+    let report = tokio::time::timeout(std::time::Duration::from_secs(20), h.server.shutdown())
+        .await
+        .expect("the shutdown ends");
+    assert_eq!(report.indexes.len(), 1);
+}
