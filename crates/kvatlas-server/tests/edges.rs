@@ -569,14 +569,15 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
         .map(|i| i.index.clone().unwrap_or_default().tenant)
         .collect();
     assert_eq!(tenants, ["a"], "only its tenants are listed");
+    let everywhere = v1::UnregisterWorkerRequest {
+        index: selector(MODEL, ""),
+        instance_id: 1,
+        all_tenants: true,
+        ..v1::UnregisterWorkerRequest::default()
+    };
     let status = team
         .raw()
-        .unregister_worker(v1::UnregisterWorkerRequest {
-            index: selector(MODEL, ""),
-            instance_id: 1,
-            all_tenants: true,
-            ..v1::UnregisterWorkerRequest::default()
-        })
+        .unregister_worker(everywhere.clone())
         .await
         .expect_err("not across tenants");
     assert_eq!(status.code(), Code::PermissionDenied);
@@ -590,12 +591,7 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
     // A token allowed every tenant unregisters an instance from all of them at once.
     let removed = admin
         .raw()
-        .unregister_worker(v1::UnregisterWorkerRequest {
-            index: selector(MODEL, ""),
-            instance_id: 1,
-            all_tenants: true,
-            ..v1::UnregisterWorkerRequest::default()
-        })
+        .unregister_worker(everywhere)
         .await
         .expect("across tenants")
         .into_inner();
@@ -889,63 +885,44 @@ async fn reflection_lists_the_services_in_both_versions() {
         "indexer.v1.IndexerService",
         "kvatlas.v1.Indexer",
     ];
-    {
-        use tonic_reflection::pb::v1 as r;
-        let request = r::ServerReflectionRequest {
-            host: String::new(),
-            message_request: Some(r::server_reflection_request::MessageRequest::ListServices(
-                String::new(),
-            )),
-        };
-        let answer = r::server_reflection_client::ServerReflectionClient::new(channel.clone())
-            .server_reflection_info(tokio_stream::iter([request]))
-            .await
-            .expect("reflection v1 needs no token")
-            .into_inner()
-            .message()
-            .await
-            .expect("an answer")
-            .expect("one answer");
-        let Some(r::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
-            answer.message_response
-        else {
-            panic!("not a service list: {answer:?}");
-        };
-        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-        for name in want {
-            assert!(
-                names.iter().any(|n| n == name),
-                "v1 lists {name}: {names:?}"
-            );
-        }
+    // The two versions' types differ only in their module.
+    macro_rules! listed_services {
+        ($version:ident) => {{
+            use tonic_reflection::pb::$version as r;
+            let request = r::ServerReflectionRequest {
+                host: String::new(),
+                message_request: Some(r::server_reflection_request::MessageRequest::ListServices(
+                    String::new(),
+                )),
+            };
+            let answer = r::server_reflection_client::ServerReflectionClient::new(channel.clone())
+                .server_reflection_info(tokio_stream::iter([request]))
+                .await
+                .expect("reflection needs no token")
+                .into_inner()
+                .message()
+                .await
+                .expect("an answer")
+                .expect("one answer");
+            let Some(r::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+                answer.message_response
+            else {
+                panic!("not a service list: {answer:?}");
+            };
+            list.service
+                .into_iter()
+                .map(|s| s.name)
+                .collect::<Vec<String>>()
+        }};
     }
-    {
-        use tonic_reflection::pb::v1alpha as r;
-        let request = r::ServerReflectionRequest {
-            host: String::new(),
-            message_request: Some(r::server_reflection_request::MessageRequest::ListServices(
-                String::new(),
-            )),
-        };
-        let answer = r::server_reflection_client::ServerReflectionClient::new(channel)
-            .server_reflection_info(tokio_stream::iter([request]))
-            .await
-            .expect("reflection v1alpha needs no token")
-            .into_inner()
-            .message()
-            .await
-            .expect("an answer")
-            .expect("one answer");
-        let Some(r::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
-            answer.message_response
-        else {
-            panic!("not a service list: {answer:?}");
-        };
-        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    for (version, names) in [
+        ("v1", listed_services!(v1)),
+        ("v1alpha", listed_services!(v1alpha)),
+    ] {
         for name in want {
             assert!(
                 names.iter().any(|n| n == name),
-                "v1alpha lists {name}: {names:?}"
+                "{version} lists {name}: {names:?}"
             );
         }
     }

@@ -96,10 +96,7 @@ fn a_graceful_stop_and_restart_while_the_engines_publish_loses_nothing() {
     let mut fleet = Fleet::new();
     let args = serve_args(&fleet, &dir);
     let served = serve(&args);
-    fleet
-        .publishers
-        .wait_subscribed(1, Duration::from_secs(20))
-        .expect("the server subscribes");
+    fleet.wait_subscribed(1);
     fleet.serve(200);
     converges(&served, &fleet, "before the stop");
 
@@ -155,10 +152,7 @@ fn a_hole_the_replay_ring_no_longer_holds_is_resynced_counted_and_shown() {
     let dir = temp_dir("ring");
     let mut fleet = Fleet::with_ring(Some(RING));
     let served = serve(&serve_args(&fleet, &dir));
-    fleet
-        .publishers
-        .wait_subscribed(1, Duration::from_secs(20))
-        .expect("the server subscribes");
+    fleet.wait_subscribed(1);
     fleet.serve(100);
     converges(&served, &fleet, "before the stop");
     stop(served);

@@ -107,10 +107,7 @@ fn replicas_converge_through_a_replica_kill_a_nats_restart_and_a_late_start() {
     let mut nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
     let mut fleet = Fleet::new();
     let ingest = ingest(&nats, &fleet);
-    fleet
-        .publishers
-        .wait_subscribed(1, Duration::from_secs(20))
-        .expect("the ingest subscribes");
+    fleet.wait_subscribed(1);
     let first = replica(&nats);
 
     fleet.serve(300);
@@ -160,10 +157,7 @@ fn two_ingests_deduplicate_and_the_survivor_carries_on() {
     let mut fleet = Fleet::new();
     let one = ingest(&nats, &fleet);
     let two = ingest(&nats, &fleet);
-    fleet
-        .publishers
-        .wait_subscribed(2, Duration::from_secs(20))
-        .expect("both ingests subscribe");
+    fleet.wait_subscribed(2);
     let replica = replica(&nats);
     fleet.serve(300);
     converges(&replica, &fleet, "the replica fed by two ingests");
@@ -207,10 +201,7 @@ fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
     let mut fleet = Fleet::new();
     // A stream that keeps only 100 kB of records.
     let ingest = ingest_with(&nats, &fleet, &["--nats-max-bytes", "100000"]);
-    fleet
-        .publishers
-        .wait_subscribed(1, Duration::from_secs(20))
-        .expect("the ingest subscribes");
+    fleet.wait_subscribed(1);
     let keeper = replica(&nats);
     let sleeper = replica(&nats);
     for server in [&keeper, &sleeper] {
@@ -250,10 +241,7 @@ fn records_lost_to_retention_with_no_snapshot_are_counted_and_the_replica_serves
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
     let mut fleet = Fleet::new();
     let ingest = ingest_with(&nats, &fleet, &["--nats-max-bytes", "20000"]);
-    fleet
-        .publishers
-        .wait_subscribed(1, Duration::from_secs(20))
-        .expect("the ingest subscribes");
+    fleet.wait_subscribed(1);
     // Published before any replica (so before any snapshot), far more than the stream keeps.
     fleet.serve(600);
     converges(&ingest, &fleet, "the ingest");

@@ -55,6 +55,13 @@ impl Fleet {
         }
     }
 
+    /// Waits until every engine has `subscribers` subscribers (the servers listen to all).
+    pub fn wait_subscribed(&self, subscribers: usize) {
+        self.publishers
+            .wait_subscribed(subscribers, Duration::from_secs(20))
+            .expect("the servers subscribe to every engine");
+    }
+
     /// `--workers` for `kvatlas serve`.
     pub fn workers_arg(&self) -> String {
         self.publishers
