@@ -261,6 +261,11 @@ fn test(dir: &Path) -> Result<()> {
         "--check".to_owned(),
         "--loads=1000,4000".to_owned(),
     ])?;
+    // The service and recovery benchmarks as smoke runs on the same release build: each checks
+    // what it measures (the loaded state equals the mock engines', a restored or bootstrapped
+    // server holds every membership) and fails otherwise.
+    crate::bench(&["service".to_owned(), "--quick".to_owned()])?;
+    crate::bench(&["snapshot".to_owned(), "--quick".to_owned()])?;
     eprintln!("\ninterop: all engines passed ({})", versions.join(", "));
     Ok(())
 }

@@ -46,7 +46,8 @@ tasks:
                      bytes per event (installs nats-server if missing; ARGS: --runs, --quick,
                      --json, --check)
   interop            the listener and server against vLLM's and SGLang's real publishers, grpcio,
-                     grpcurl and Dynamo's indexer, then a short `bench e2e --check` (downloads once)
+                     grpcurl and Dynamo's indexer, then short `bench e2e --check`, `bench service`
+                     and `bench snapshot` runs (downloads once)
   interop setup      only build target/interop (venv, wheels, extracted publisher sources)
   fuzz-corpus [DIR]  write kvatlas-events' byte-exact decoding fixtures as the decode_batch fuzz
                      seed corpus (DIR defaults to fuzz/corpus/decode_batch)
