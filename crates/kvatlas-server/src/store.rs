@@ -1,6 +1,7 @@
 //! The data directory (`--data-dir`): snapshot files a restarted server comes back from.
 //!
-//! Files are `snapshot-<Unix µs, 20 digits>.kvs` in the native format (`snapshot`). A write goes
+//! Files are `snapshot-<Unix µs, 20 digits>.kvs` in the native format (`snapshot`), the number
+//! kept above every existing one's should the wall clock step back. A write goes
 //! to a hidden temporary file in the same directory, is fsynced, renamed into place and the
 //! directory fsynced: a crash at any point leaves the previous snapshots intact and at most a
 //! temporary file, which the next start removes. The newest [`KEEP`] snapshots are kept.
@@ -105,7 +106,13 @@ impl DataDir {
         images: impl IntoIterator<Item = IndexImage>,
         created: i64,
     ) -> Result<Written, SnapshotError> {
-        let name = format!("{PREFIX}{:020}{SUFFIX}", created.max(0));
+        // Names order the snapshots (newest first on load). A wall clock that stepped back must
+        // not make this one sort before an older one: its number is above every existing one.
+        let newest = self.snapshots()?.first().and_then(|p| number_of(p));
+        let number = created
+            .max(0)
+            .max(newest.map_or(0, |n| n.saturating_add(1)));
+        let name = format!("{PREFIX}{number:020}{SUFFIX}");
         let final_path = self.path.join(&name);
         let temp = self.path.join(format!("{TEMP_PREFIX}{name}"));
         let mut memberships = 0;
@@ -183,6 +190,16 @@ impl DataDir {
     }
 }
 
+/// The number in a snapshot file's name (`snapshot-<number>.kvs`).
+fn number_of(path: &Path) -> Option<i64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix(PREFIX)?
+        .strip_suffix(SUFFIX)?
+        .parse()
+        .ok()
+}
+
 /// Renames `path` to `path.rejected` (kept for the operator, never retried); returns the new
 /// name.
 fn set_aside(path: &Path) -> PathBuf {
@@ -229,6 +246,19 @@ mod tests {
                 }],
             },
         }
+    }
+
+    #[test]
+    fn a_clock_that_steps_back_does_not_reorder_the_snapshots() {
+        let dir = DataDir::open(temp("clock")).expect("dir");
+        dir.write([image(1)], 1_000).expect("write");
+        // The clock went back: the newer snapshot still sorts (and loads) first.
+        let written = dir.write([image(2)], 500).expect("write");
+        let files = dir.snapshots().expect("list");
+        assert_eq!(files[0], written.path);
+        let (_, created, images) = dir.load().expect("load").snapshot.expect("one");
+        assert_eq!((created, images[0].snapshot.blocks()), (500, 2));
+        let _ = fs::remove_dir_all(dir.path());
     }
 
     #[test]
