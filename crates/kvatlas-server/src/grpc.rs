@@ -69,6 +69,9 @@ pub(crate) fn inbound_status(status: Status) -> Status {
 
 /// A gRPC service whose trailers-only answers (a request tonic refused before the handler ran,
 /// such as a unary message over the size limit) carry [`inbound_status`]'s code.
+///
+/// Invariant: `11` and `8` are `tonic::Code::OutOfRange` and `ResourceExhausted` (gRPC's
+/// numbering, fixed by the protocol; a unit test holds them).
 #[derive(Debug, Clone)]
 pub(crate) struct OversizeStatus<S>(pub(crate) S);
 
@@ -82,33 +85,46 @@ where
             tonic::codegen::http::Request<B>,
             Response = tonic::codegen::http::Response<R>,
         >,
-    S::Future: Send + 'static,
+    S::Future: Unpin,
 {
     type Response = tonic::codegen::http::Response<R>;
     type Error = S::Error;
-    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+    type Future = OversizeAnswer<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.0.poll_ready(cx)
     }
 
     fn call(&mut self, request: tonic::codegen::http::Request<B>) -> Self::Future {
-        let answer = self.0.call(request);
-        Box::pin(async move {
-            let mut response = answer.await?;
-            let headers = response.headers_mut();
-            let out_of_range = tonic::Code::OutOfRange as i32;
-            if headers
-                .get("grpc-status")
-                .is_some_and(|v| v.as_bytes() == out_of_range.to_string().as_bytes())
-            {
-                headers.insert(
-                    "grpc-status",
-                    tonic::codegen::http::HeaderValue::from(tonic::Code::ResourceExhausted as i32),
-                );
-            }
-            Ok(response)
-        })
+        OversizeAnswer(self.0.call(request))
+    }
+}
+
+/// The answer of an [`OversizeStatus`] service: the inner answer, its `grpc-status` header
+/// OUT_OF_RANGE (`11`) rewritten to RESOURCE_EXHAUSTED (`8`). No allocation of its own: the
+/// generated services' futures are already boxed, hence `Unpin`.
+#[derive(Debug)]
+pub(crate) struct OversizeAnswer<F>(F);
+
+impl<F, R, E> std::future::Future for OversizeAnswer<F>
+where
+    F: std::future::Future<Output = Result<tonic::codegen::http::Response<R>, E>> + Unpin,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut response = std::task::ready!(Pin::new(&mut self.0).poll(cx))?;
+        let headers = response.headers_mut();
+        if headers
+            .get("grpc-status")
+            .is_some_and(|v| v.as_bytes() == b"11")
+        {
+            headers.insert(
+                "grpc-status",
+                tonic::codegen::http::HeaderValue::from_static("8"),
+            );
+        }
+        Poll::Ready(Ok(response))
     }
 }
 
@@ -830,5 +846,15 @@ impl Stream for QueryAnswers {
             }
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// `OversizeAnswer` rewrites the header's digits; they must be these codes.
+    #[test]
+    fn the_rewritten_header_digits_are_grpcs_codes() {
+        assert_eq!(tonic::Code::OutOfRange as i32, 11);
+        assert_eq!(tonic::Code::ResourceExhausted as i32, 8);
     }
 }

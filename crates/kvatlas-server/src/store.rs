@@ -184,9 +184,9 @@ impl DataDir {
 
     /// Moves a snapshot that was read but cannot be used here (it does not fit this server's
     /// settings) aside as a refused file is, so that the next [`DataDir::load`] tries the next
-    /// older one; returns the name it now has.
-    pub fn set_aside(&self, path: &Path) -> PathBuf {
-        set_aside(path)
+    /// older one.
+    pub fn set_aside(&self, path: &Path) {
+        set_aside(path);
     }
 }
 
@@ -200,14 +200,11 @@ fn number_of(path: &Path) -> Option<i64> {
         .ok()
 }
 
-/// Renames `path` to `path.rejected` (kept for the operator, never retried); returns the new
-/// name.
-fn set_aside(path: &Path) -> PathBuf {
+/// Renames `path` to `path.rejected` (kept for the operator, never retried).
+fn set_aside(path: &Path) {
     let mut aside = path.to_owned().into_os_string();
     aside.push(".rejected");
-    let aside = PathBuf::from(aside);
-    let _ = fs::rename(path, &aside);
-    aside
+    let _ = fs::rename(path, aside);
 }
 
 #[cfg(test)]

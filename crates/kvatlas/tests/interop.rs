@@ -119,20 +119,6 @@ fn has_snapshot(dir: &Path) -> bool {
     names(dir).iter().any(|n| n.ends_with(".kvs"))
 }
 
-/// The memberships the server logged it restored from the data directory at start.
-fn restored_memberships(served: &Served) -> u64 {
-    let line = served
-        .startup_log
-        .iter()
-        .find(|l| l.contains("restored the data directory's snapshot"))
-        .unwrap_or_else(|| panic!("no restore logged: {:?}", served.startup_log));
-    line.split("memberships=")
-        .nth(1)
-        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|digits| digits.parse().ok())
-        .unwrap_or_else(|| panic!("no memberships in {line}"))
-}
-
 #[test]
 #[ignore = "needs the engines' wheels: run `cargo xtask interop`"]
 fn kill_9_mid_stream_and_mid_snapshot_write_then_restart_equals_the_reference() {
@@ -161,7 +147,7 @@ fn kill_9_mid_stream_and_mid_snapshot_write_then_restart_equals_the_reference() 
     let mut caught_mid_write = false;
     for attempt in 1..=MID_WRITE_ATTEMPTS {
         let served = start(&args);
-        let restored = restored_memberships(&served);
+        let restored = served.restored_memberships();
         eprintln!("restart {attempt}: {restored} memberships restored");
         assert!(restored > 0);
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -182,7 +168,7 @@ fn kill_9_mid_stream_and_mid_snapshot_write_then_restart_equals_the_reference() 
     // 3. Restart once more: the temporary file is removed, the newest complete snapshot is
     //    restored, the listeners catch up through replay; the engines stop, the server settles.
     let served = start(&args);
-    let restored = restored_memberships(&served);
+    let restored = served.restored_memberships();
     eprintln!("final restart: {restored} memberships restored");
     assert!(restored > 0);
     std::thread::sleep(Duration::from_millis(500));

@@ -60,18 +60,6 @@ fn stop(mut served: Served) {
     assert!(status.success(), "a graceful stop exits 0: {status}");
 }
 
-/// The memberships the restarted server logged it restored.
-fn restored_memberships(served: &Served) -> u64 {
-    served
-        .startup_log
-        .iter()
-        .find(|l| l.contains("restored the data directory's snapshot"))
-        .and_then(|line| line.split("memberships=").nth(1))
-        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|digits| digits.parse().ok())
-        .unwrap_or_else(|| panic!("no restore logged: {:?}", served.startup_log))
-}
-
 /// Every rank's counters, from `ListWorkers`.
 fn counters(served: &Served) -> Vec<v1::WorkerCounters> {
     runtime().block_on(async {
@@ -117,7 +105,7 @@ fn a_graceful_stop_and_restart_while_the_engines_publish_loses_nothing() {
     std::thread::sleep(Duration::from_millis(300));
     // The same command line, as a supervisor restarts it.
     let served = serve(&args);
-    assert!(restored_memberships(&served) > 0);
+    assert!(served.restored_memberships() > 0);
     std::thread::sleep(Duration::from_millis(300));
     publishing.store(false, Ordering::Release);
     let mut fleet = feeder.join().expect("the feeder");
@@ -162,7 +150,7 @@ fn a_hole_the_replay_ring_no_longer_holds_is_resynced_counted_and_shown() {
     assert!(fleet.batches - before > 2 * RING as u64 * u64::from(common::fleet::WORKERS));
 
     let served = serve_again(&dir);
-    assert!(restored_memberships(&served) > 0);
+    assert!(served.restored_memberships() > 0);
     let started = Instant::now();
     while metric_sum(
         &served,
@@ -198,15 +186,9 @@ fn a_hole_the_replay_ring_no_longer_holds_is_resynced_counted_and_shown() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let workers = http_get(&served, "/workers").expect("GET /workers");
-    let body = workers.split("\r\n\r\n").nth(1).unwrap_or_default();
-    let listed: serde_json::Value = serde_json::from_str(body.trim())
-        .or_else(|_| {
-            // A chunked body: the JSON sits between the chunk sizes.
-            let start = body.find('[').unwrap_or(0);
-            let end = body.rfind(']').map_or(body.len(), |e| e + 1);
-            serde_json::from_str(&body[start..end])
-        })
-        .expect("/workers is JSON");
+    // The JSON list is the body (axum sends it in one piece).
+    let body = &workers[workers.find('[').unwrap_or(0)..workers.rfind(']').map_or(0, |e| e + 1)];
+    let listed: serde_json::Value = serde_json::from_str(body).expect("/workers is JSON");
     let shown: u64 = listed
         .as_array()
         .expect("a list")

@@ -90,6 +90,20 @@ impl Served {
         let _ = self.child.wait();
     }
 
+    /// The memberships the server logged it restored from its data directory at start.
+    pub fn restored_memberships(&self) -> u64 {
+        let line = self
+            .startup_log
+            .iter()
+            .find(|l| l.contains("restored the data directory's snapshot"))
+            .unwrap_or_else(|| panic!("no restore logged: {:?}", self.startup_log));
+        line.split("memberships=")
+            .nth(1)
+            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|digits| digits.parse().ok())
+            .unwrap_or_else(|| panic!("no memberships in {line}"))
+    }
+
     /// The log lines received so far.
     pub fn log_lines(&self) -> Vec<String> {
         self.stderr.try_iter().collect()
