@@ -100,17 +100,9 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
     };
     let mut h = start(config).await;
     let batches = script(1, MODEL, &[Worker::new(1, 0), Worker::new(2, 0)], 50, BLOCK);
-    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
-    h.client
-        .publish_events(tokio_stream::iter(messages))
-        .await
-        .expect("published");
+    publish_script(&mut h.client, &batches).await;
     let mut reference = ReferenceIndex::new();
-    for b in &batches {
-        b.mutations.iter().for_each(|m| {
-            reference.apply(m);
-        });
-    }
+    apply_script(&mut reference, &batches);
     let tokens = prompt_tokens(&[0, 1, 2], BLOCK);
     let mut hashes_with_salt = token_query(MODEL, "", Vec::new());
     hashes_with_salt.input = Some(query_request::Input::LocalHashes(v1::LocalHashes {
@@ -940,17 +932,9 @@ async fn a_busy_polling_server_answers_and_stops() {
     })
     .await;
     let batches = script(5, MODEL, &[Worker::new(1, 0)], 40, BLOCK);
-    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
-    h.client
-        .publish_events(tokio_stream::iter(messages))
-        .await
-        .expect("published");
+    publish_script(&mut h.client, &batches).await;
     let mut reference = ReferenceIndex::new();
-    for b in &batches {
-        b.mutations.iter().for_each(|m| {
-            reference.apply(m);
-        });
-    }
+    apply_script(&mut reference, &batches);
     let mut rng = Rng(11);
     for _ in 0..20 {
         let (_, locals) = random_prompt(&mut rng, BLOCK);

@@ -34,26 +34,6 @@ fn persistent(dir: &Path, interval: Option<Duration>) -> ServerConfig {
     }
 }
 
-async fn publish(
-    client: &mut v1::indexer_client::IndexerClient<tonic::transport::Channel>,
-    batches: &[ScriptedBatch],
-) -> v1::PublishEventsResponse {
-    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
-    client
-        .publish_events(tokio_stream::iter(messages))
-        .await
-        .expect("published")
-        .into_inner()
-}
-
-fn apply(reference: &mut ReferenceIndex, batches: &[ScriptedBatch]) {
-    for batch in batches {
-        for m in &batch.mutations {
-            reference.apply(m);
-        }
-    }
-}
-
 /// Random prompts answered by the server exactly as by the reference.
 async fn assert_answers(h: &mut Harness, reference: &ReferenceIndex, seed: u64, what: &str) {
     let mut rng = Rng(seed);
@@ -89,9 +69,9 @@ async fn a_restart_from_the_data_dir_continues_where_it_stopped() {
 
     let mut h = start(persistent(&dir, None)).await;
     assert_eq!(h.server.restored(), &Restored::Nothing);
-    let acked = publish(&mut h.client, first).await;
+    let acked = publish_script(&mut h.client, first).await;
     assert_eq!(acked.messages_applied as usize, first.len());
-    apply(&mut reference, first);
+    apply_script(&mut reference, first);
     let report = h.server.shutdown().await;
     let written = report
         .snapshot
@@ -130,16 +110,16 @@ async fn a_restart_from_the_data_dir_continues_where_it_stopped() {
         .collect();
     assert_eq!(grpc_ranks, expected_ranks, "each rank's numbering survives");
     // The publishers continue their numbering: nothing is a gap, a duplicate or a resync.
-    let acked = publish(&mut h.client, second).await;
+    let acked = publish_script(&mut h.client, second).await;
     assert_eq!(acked.messages_applied as usize, second.len());
     assert_eq!(
         (acked.duplicates, acked.gaps, acked.resyncs),
         (0, 0, 0),
         "{acked:?}"
     );
-    apply(&mut reference, second);
+    apply_script(&mut reference, second);
     // A message applied before the restart is a duplicate now.
-    let acked = publish(&mut h.client, &first[first.len() - 1..]).await;
+    let acked = publish_script(&mut h.client, &first[first.len() - 1..]).await;
     assert_eq!(
         (acked.duplicates, acked.messages_applied),
         (1, 0),
@@ -158,9 +138,9 @@ async fn periodic_snapshots_and_the_snapshot_streams_hold_the_state() {
     let mut h = start(persistent(&dir, Some(interval))).await;
     let workers = [Worker::new(4, 0), Worker::new(5, 0)];
     let batches = script(22, MODEL, &workers, 300, BLOCK);
-    publish(&mut h.client, &batches).await;
+    publish_script(&mut h.client, &batches).await;
     let mut reference = ReferenceIndex::new();
-    apply(&mut reference, &batches);
+    apply_script(&mut reference, &batches);
     let digest = reference.snapshot().digest();
     let digest_of = |images: &[kvatlas_server::snapshot::IndexImage]| {
         assert_eq!(images.len(), 1);
@@ -251,10 +231,10 @@ async fn unreadable_snapshots_are_moved_aside_and_the_previous_one_is_used() {
     let batches = script(23, MODEL, &workers, 400, BLOCK);
     let (first, second) = batches.split_at(200);
     let mut older = ReferenceIndex::new();
-    apply(&mut older, first);
+    apply_script(&mut older, first);
     // Two snapshots: after the first part, then after both.
     let mut h = start(persistent(&dir, None)).await;
-    publish(&mut h.client, first).await;
+    publish_script(&mut h.client, first).await;
     let older_written = h
         .server
         .shutdown()
@@ -263,7 +243,7 @@ async fn unreadable_snapshots_are_moved_aside_and_the_previous_one_is_used() {
         .expect("dir")
         .expect("ok");
     let mut h = start(persistent(&dir, None)).await;
-    publish(&mut h.client, second).await;
+    publish_script(&mut h.client, second).await;
     let newer_written = h
         .server
         .shutdown()
@@ -329,10 +309,10 @@ async fn a_snapshot_that_does_not_fit_the_server_is_set_aside_whole_and_the_prev
     let workers = [Worker::new(7, 0)];
     let batches = script(29, MODEL, &workers, 200, BLOCK);
     let mut reference = ReferenceIndex::new();
-    apply(&mut reference, &batches);
+    apply_script(&mut reference, &batches);
     // The older snapshot holds one index; the newer one a second index as well.
     let mut h = start(persistent(&dir, None)).await;
-    publish(&mut h.client, &batches).await;
+    publish_script(&mut h.client, &batches).await;
     let older = h
         .server
         .shutdown()
@@ -341,7 +321,7 @@ async fn a_snapshot_that_does_not_fit_the_server_is_set_aside_whole_and_the_prev
         .expect("dir")
         .expect("ok");
     let mut h = start(persistent(&dir, None)).await;
-    publish(
+    publish_script(
         &mut h.client,
         &script(31, "another-model", &workers, 50, BLOCK),
     )
@@ -430,9 +410,9 @@ async fn a_replica_bootstraps_from_a_peer_snapshot() {
     let workers = [Worker::new(1, 0), Worker::new(2, 0), Worker::new(2, 1)];
     let batches = script(24, MODEL, &workers, 600, BLOCK);
     let mut reference = ReferenceIndex::new();
-    apply(&mut reference, &batches);
+    apply_script(&mut reference, &batches);
     let mut a = start(ServerConfig::default()).await;
-    publish(&mut a.client, &batches).await;
+    publish_script(&mut a.client, &batches).await;
 
     let peer = format!("http://{}", a.server.http_addr());
     let mut b = start(ServerConfig {
@@ -467,9 +447,9 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
     let workers = [Worker::new(1, 0), Worker::new(2, 0)];
     let batches = script(25, MODEL, &workers, 300, BLOCK);
     let mut reference = ReferenceIndex::new();
-    apply(&mut reference, &batches);
+    apply_script(&mut reference, &batches);
     let mut a = start(ServerConfig::default()).await;
-    publish(&mut a.client, &batches).await;
+    publish_script(&mut a.client, &batches).await;
     let a_addr = a.server.http_addr();
     let (status, whole) =
         tokio::task::spawn_blocking(move || http_get_bytes(a_addr, "/snapshot", None))
@@ -551,10 +531,10 @@ async fn a_replica_bootstraps_from_a_tls_peer_with_a_token() {
     let workers = [Worker::new(1, 0), Worker::new(2, 0)];
     let batches = script(31, MODEL, &workers, 300, BLOCK);
     let mut reference = ReferenceIndex::new();
-    apply(&mut reference, &batches);
+    apply_script(&mut reference, &batches);
     // The peer's state, put in its data directory by a plain run.
     let mut loader = start(persistent(&dir.join("data"), None)).await;
-    publish(&mut loader.client, &batches).await;
+    publish_script(&mut loader.client, &batches).await;
     loader.server.shutdown().await;
 
     let certified =

@@ -285,6 +285,28 @@ pub fn script(
     out
 }
 
+/// Publishes `batches` over one `PublishEvents` stream; returns the acknowledgement.
+pub async fn publish_script(
+    client: &mut IndexerClient<Channel>,
+    batches: &[ScriptedBatch],
+) -> v1::PublishEventsResponse {
+    let messages: Vec<_> = batches.iter().map(|b| b.message.clone()).collect();
+    client
+        .publish_events(tokio_stream::iter(messages))
+        .await
+        .expect("published")
+        .into_inner()
+}
+
+/// Feeds `batches`' mutations to `reference`.
+pub fn apply_script(reference: &mut ReferenceIndex, batches: &[ScriptedBatch]) {
+    for batch in batches {
+        for m in &batch.mutations {
+            reference.apply(m);
+        }
+    }
+}
+
 /// A random prompt over the script's alphabet, as (symbols, tokens, local hashes).
 pub fn random_prompt(rng: &mut Rng, block_size: u32) -> (Vec<u32>, Vec<LocalBlockHash>) {
     let len = 1 + rng.below(9) as usize;
