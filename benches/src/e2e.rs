@@ -119,6 +119,9 @@ pub struct Settings {
     pub sweep: bool,
     /// Replicas behind the ingest for [`ServiceKind::KvatlasNats`].
     pub replicas: usize,
+    /// Extra arguments of every `kvatlas serve` started (alone, ingest and replicas), e.g.
+    /// `--busy-poll`; empty for the default settings the figures are reported with.
+    pub kvatlas_args: Vec<String>,
 }
 
 /// Freshness: publish-to-visible lag.
@@ -251,7 +254,9 @@ enum Service {
 impl Service {
     fn start(kind: ServiceKind, settings: &Settings) -> Result<Self> {
         Ok(match kind {
-            ServiceKind::Kvatlas => Service::Kvatlas(Server::start(&settings.kvatlas, &[])?),
+            ServiceKind::Kvatlas => {
+                Service::Kvatlas(Server::start(&settings.kvatlas, &settings.kvatlas_args)?)
+            }
             ServiceKind::Dynamo => Service::Dynamo(DynamoServer::start(
                 &settings.dynamo_python,
                 settings.dynamo_threads,
@@ -259,6 +264,7 @@ impl Service {
             ServiceKind::KvatlasNats => Service::Replicated(crate::scale_out::Replicated::start(
                 &settings.kvatlas,
                 settings.replicas,
+                &settings.kvatlas_args,
             )?),
         })
     }

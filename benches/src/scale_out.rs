@@ -27,6 +27,8 @@ use crate::service::Server;
 pub(crate) struct Replicated {
     nats: NatsServer,
     kvatlas: PathBuf,
+    /// Extra arguments of every kvatlas process (see `Settings::kvatlas_args`).
+    extra: Vec<String>,
     /// The ingest (workers are registered with it).
     pub(crate) ingest: Server,
     /// The replicas (queries go to the first).
@@ -56,26 +58,34 @@ pub struct LogFigures {
 /// snapshot covers most of the state a new replica bootstraps on).
 const SNAPSHOT_INTERVAL_SECS: &str = "5";
 
-fn replica_args(url: &str) -> Vec<String> {
-    [
-        "--consume-from",
-        url,
-        "--nats-snapshot-interval-secs",
-        SNAPSHOT_INTERVAL_SECS,
-    ]
-    .map(str::to_owned)
-    .to_vec()
+/// A replica's arguments: `extra` (the settings under test), then its role.
+fn replica_args(url: &str, extra: &[String]) -> Vec<String> {
+    let mut args = extra.to_vec();
+    args.extend(
+        [
+            "--consume-from",
+            url,
+            "--nats-snapshot-interval-secs",
+            SNAPSHOT_INTERVAL_SECS,
+        ]
+        .map(str::to_owned),
+    );
+    args
 }
 
 impl Replicated {
-    /// Starts nats-server, the ingest and `replicas` replicas (at least 1).
-    pub(crate) fn start(kvatlas: &Path, replicas: usize) -> Result<Self> {
+    /// Starts nats-server, the ingest and `replicas` replicas (at least 1), each kvatlas
+    /// process with `extra` arguments before its role's.
+    pub(crate) fn start(kvatlas: &Path, replicas: usize, extra: &[String]) -> Result<Self> {
         let nats = NatsServer::start()?;
         let url = nats.url();
-        let ingest = Server::start(kvatlas, &["--publish-to".to_owned(), url.clone()])
-            .context("starting the ingest")?;
+        let mut ingest_args = extra.to_vec();
+        ingest_args.extend(["--publish-to".to_owned(), url.clone()]);
+        let ingest = Server::start(kvatlas, &ingest_args).context("starting the ingest")?;
         let replicas = (0..replicas.max(1))
-            .map(|_| Server::start(kvatlas, &replica_args(&url)).context("starting a replica"))
+            .map(|_| {
+                Server::start(kvatlas, &replica_args(&url, extra)).context("starting a replica")
+            })
             .collect::<Result<Vec<_>>>()?;
         for replica in &replicas {
             wait_ready(&replica.http, Duration::from_secs(30))?;
@@ -83,6 +93,7 @@ impl Replicated {
         Ok(Self {
             nats,
             kvatlas: kvatlas.to_owned(),
+            extra: extra.to_vec(),
             ingest,
             replicas,
         })
@@ -102,7 +113,7 @@ impl Replicated {
         // The replicas snapshot every 5 s, in turn, once caught up: let one cover the state.
         std::thread::sleep(Duration::from_millis(5_500));
         let started = Instant::now();
-        let replica = Server::start(&self.kvatlas, &replica_args(&self.nats.url()))
+        let replica = Server::start(&self.kvatlas, &replica_args(&self.nats.url(), &self.extra))
             .context("starting the new replica")?;
         wait_ready(&replica.http, Duration::from_secs(60))?;
         let bootstrap_ms = started.elapsed().as_secs_f64() * 1e3;

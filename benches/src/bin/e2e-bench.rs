@@ -65,6 +65,10 @@ struct Args {
     /// (over HTTP and gRPC) and applied every engine's events (CI runs this).
     #[arg(long)]
     check: bool,
+    /// An extra argument of every `kvatlas serve` started (repeat it for more, e.g.
+    /// `--kvatlas-arg=--busy-poll`): for trying settings; the reported figures use none.
+    #[arg(long, allow_hyphen_values = true)]
+    kvatlas_arg: Vec<String>,
     /// The services to measure (both by default).
     #[arg(
         long,
@@ -98,6 +102,7 @@ fn main() -> Result<()> {
         services: args.services,
         sweep: true,
         replicas: 2,
+        kvatlas_args: args.kvatlas_arg,
     };
     let summary = e2e::run(&settings, |step| eprintln!("e2e bench: {step}"))?;
     print!("{}", e2e::markdown(&summary));

@@ -50,6 +50,10 @@ struct Args {
     /// engine's events.
     #[arg(long)]
     check: bool,
+    /// An extra argument of every `kvatlas serve` started (repeat it for more, e.g.
+    /// `--kvatlas-arg=--busy-poll`): for trying settings; the reported figures use none.
+    #[arg(long, allow_hyphen_values = true)]
+    kvatlas_arg: Vec<String>,
 }
 
 fn main() -> Result<()> {
@@ -71,6 +75,7 @@ fn main() -> Result<()> {
         services: vec![ServiceKind::Kvatlas, ServiceKind::KvatlasNats],
         sweep: false,
         replicas: args.replicas,
+        kvatlas_args: args.kvatlas_arg.clone(),
     };
     let paced = e2e::run(&settings(args.rate), |step| {
         eprintln!("scale-out bench (paced): {step}");
