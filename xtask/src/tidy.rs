@@ -14,6 +14,8 @@
 //!    router that imports it gets the generated code, its gRPC runtime and the hash crate only.
 //! 7. The `kvatlas` binary is thin: one file, `main.rs`, with `main` as its only function and no
 //!    `impl` blocks (its commands live in `kvatlas_server::cli`).
+//! 8. Each crate copied under `third_party/` is the package the build resolves under that name
+//!    (its `[patch.crates-io]` entry still applies).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -111,14 +113,19 @@ const BINARY_MAX_LINES: usize = 100;
 const LEAVES: &[&str] = &["kvatlas-bench", "xtask"];
 
 pub(crate) fn run(root: &Path) -> Result<()> {
-    let graph = load_graph(root)?;
+    let metadata = load_metadata(root)?;
+    let graph = graph_from_metadata(&metadata)?;
     let mut violations = check_layering(&graph);
+    violations.extend(check_patched_copies(
+        &patched_copies(&root.join("third_party"))?,
+        &package_manifests(&metadata),
+    ));
     violations.extend(check_module_docs(&root.join("crates"))?);
     violations.extend(check_proto_tree(&proto_tree(root)?));
     violations.extend(check_thin_binary(root)?);
     if violations.is_empty() {
         eprintln!(
-            "tidy: layering and module docs OK ({} workspace crates)",
+            "tidy: layering, module docs and patched copies OK ({} workspace crates)",
             graph.members.len()
         );
         return Ok(());
@@ -207,7 +214,7 @@ fn reachable(
     found
 }
 
-fn load_graph(root: &Path) -> Result<Graph> {
+fn load_metadata(root: &Path) -> Result<Value> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let output = Command::new(cargo)
         .args(["metadata", "--format-version", "1", "--locked"])
@@ -220,9 +227,71 @@ fn load_graph(root: &Path) -> Result<Graph> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let metadata: Value =
-        serde_json::from_slice(&output.stdout).context("parsing cargo metadata")?;
-    graph_from_metadata(&metadata)
+    serde_json::from_slice(&output.stdout).context("parsing cargo metadata")
+}
+
+/// The crates copied under `third_party/` (one folder each, named as the crate).
+fn patched_copies(third_party: &Path) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    if !third_party.is_dir() {
+        return Ok(names);
+    }
+    for entry in std::fs::read_dir(third_party)
+        .with_context(|| format!("reading {}", third_party.display()))?
+    {
+        let path = entry?.path();
+        if path.join("Cargo.toml").is_file()
+            && let Some(name) = path.file_name().and_then(|n| n.to_str())
+        {
+            names.push(name.to_string());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Every resolved package as (name, manifest path).
+fn package_manifests(metadata: &Value) -> Vec<(String, String)> {
+    metadata["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| {
+            Some((
+                p.get("name")?.as_str()?.to_string(),
+                p.get("manifest_path")?.as_str()?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// Each crate copied under `third_party/` must be the one the build resolves: a `cargo update`
+/// that moves the dependency past the copy's version makes `[patch.crates-io]` silently unused
+/// (cargo only warns), and the change would be lost without a failing check.
+pub(crate) fn check_patched_copies(
+    copies: &[String],
+    packages: &[(String, String)],
+) -> Vec<String> {
+    let mut violations = Vec::new();
+    for copy in copies {
+        let suffix = format!("third_party/{copy}/Cargo.toml");
+        let resolved: Vec<&str> = packages
+            .iter()
+            .filter(|(name, _)| name == copy)
+            .map(|(_, manifest)| manifest.as_str())
+            .collect();
+        if resolved.is_empty() || resolved.iter().any(|m| !m.ends_with(&suffix)) {
+            violations.push(format!(
+                "third_party/{copy} is not what the build uses (resolved: {}): the                  [patch.crates-io] entry no longer applies; re-apply the change to the new                  version as third_party/README.md says",
+                if resolved.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    resolved.join(", ")
+                }
+            ));
+        }
+    }
+    violations
 }
 
 fn graph_from_metadata(metadata: &Value) -> Result<Graph> {
@@ -429,6 +498,32 @@ mod tests {
         if let Err(violations) = run(&crate::workspace_root()) {
             panic!("{violations:#}");
         }
+    }
+
+    #[test]
+    fn a_patched_copy_that_the_build_does_not_use_is_caught() {
+        let copies = vec!["h2".to_string()];
+        let used = vec![
+            (
+                "h2".to_string(),
+                "/repo/third_party/h2/Cargo.toml".to_string(),
+            ),
+            (
+                "hyper".to_string(),
+                "/registry/hyper-1.12.0/Cargo.toml".to_string(),
+            ),
+        ];
+        assert!(check_patched_copies(&copies, &used).is_empty());
+        let upstream = vec![(
+            "h2".to_string(),
+            "/registry/h2-0.4.21/Cargo.toml".to_string(),
+        )];
+        let violations = check_patched_copies(&copies, &upstream);
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        assert!(violations[0].contains("h2-0.4.21"), "{violations:?}");
+        // Both the copy and an upstream version in the graph: the patch misses one user.
+        let both = [used.clone(), upstream].concat();
+        assert_eq!(check_patched_copies(&copies, &both).len(), 1);
     }
 
     fn edge(from: &str, to: &str, kind: &str, optional: bool) -> Edge {
