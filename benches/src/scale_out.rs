@@ -58,19 +58,24 @@ pub struct LogFigures {
 /// snapshot covers most of the state a new replica bootstraps on).
 const SNAPSHOT_INTERVAL_SECS: &str = "5";
 
-/// A replica's arguments: `extra` (the settings under test), then its role.
-fn replica_args(url: &str, extra: &[String]) -> Vec<String> {
+/// A kvatlas process's arguments: `extra` (the settings under test), then its role's.
+fn with_role(extra: &[String], role: &[&str]) -> Vec<String> {
     let mut args = extra.to_vec();
-    args.extend(
-        [
+    args.extend(role.iter().map(|&arg| arg.to_owned()));
+    args
+}
+
+/// A replica's arguments: `extra`, then its role.
+fn replica_args(url: &str, extra: &[String]) -> Vec<String> {
+    with_role(
+        extra,
+        &[
             "--consume-from",
             url,
             "--nats-snapshot-interval-secs",
             SNAPSHOT_INTERVAL_SECS,
-        ]
-        .map(str::to_owned),
-    );
-    args
+        ],
+    )
 }
 
 impl Replicated {
@@ -79,9 +84,8 @@ impl Replicated {
     pub(crate) fn start(kvatlas: &Path, replicas: usize, extra: &[String]) -> Result<Self> {
         let nats = NatsServer::start()?;
         let url = nats.url();
-        let mut ingest_args = extra.to_vec();
-        ingest_args.extend(["--publish-to".to_owned(), url.clone()]);
-        let ingest = Server::start(kvatlas, &ingest_args).context("starting the ingest")?;
+        let ingest = Server::start(kvatlas, &with_role(extra, &["--publish-to", &url]))
+            .context("starting the ingest")?;
         let replicas = (0..replicas.max(1))
             .map(|_| {
                 Server::start(kvatlas, &replica_args(&url, extra)).context("starting a replica")

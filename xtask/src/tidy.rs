@@ -282,7 +282,9 @@ pub(crate) fn check_patched_copies(
             .collect();
         if resolved.is_empty() || resolved.iter().any(|m| !m.ends_with(&suffix)) {
             violations.push(format!(
-                "third_party/{copy} is not what the build uses (resolved: {}): the                  [patch.crates-io] entry no longer applies; re-apply the change to the new                  version as third_party/README.md says",
+                "third_party/{copy} is not what the build uses (resolved: {}): the \
+                 [patch.crates-io] entry no longer applies; re-apply the change to the new \
+                 version as third_party/README.md says",
                 if resolved.is_empty() {
                     "nothing".to_string()
                 } else {
