@@ -47,7 +47,7 @@ pub use model::{
     ApplyReport, Checkpoint, ExternalBlockHash, IndexStats, MatchOptions, Matches, Mutation,
     StoredBlock, Tier, TierSet, Unit, Worker, WorkerBlocks, WorkerMatch,
 };
-pub use pool::{EnqueueError, ThreadPool};
+pub use pool::{DelayObserver, EnqueueError, ThreadPool};
 pub use reference::ReferenceIndex;
 pub use snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 

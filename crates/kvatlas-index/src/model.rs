@@ -206,7 +206,7 @@ pub struct Checkpoint {
 ///
 /// Invariant: every mutation belongs to a rank of worker `worker_id` (the pool's lane is chosen
 /// by it, so a unit and every other mutation of that worker are applied in order).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Unit {
     /// The worker all mutations belong to.
     pub worker_id: u64,
@@ -219,7 +219,25 @@ pub struct Unit {
     /// source's last one. A consumer of a replicated log applies such a unit even when its
     /// position is not new (`docs/server.md`, "Scale-out over NATS").
     pub resync: bool,
+    /// When the unit's source data reached the process (a listener took its batch off the
+    /// socket, a stream message arrived), if known. A [`crate::ThreadPool`] built with
+    /// [`crate::ThreadPool::with_delay_observer`] reports the time from here until the unit's
+    /// mutations are visible to queries. Not part of the unit's content: two units that differ
+    /// only here hold the same events.
+    pub received: Option<std::time::Instant>,
 }
+
+/// Units are equal when they hold the same events: [`Unit::received`] is not compared.
+impl PartialEq for Unit {
+    fn eq(&self, other: &Self) -> bool {
+        self.worker_id == other.worker_id
+            && self.mutations == other.mutations
+            && self.checkpoint == other.checkpoint
+            && self.resync == other.resync
+    }
+}
+
+impl Eq for Unit {}
 
 /// What applying mutations did, including every anomaly (nothing is dropped silently).
 ///

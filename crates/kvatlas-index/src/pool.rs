@@ -22,10 +22,25 @@
 //! through [`SharedKvIndex::apply_batch`]), so a left-right front publishes once per
 //! batch rather than once per mutation when the lane is busy: fewer copy swaps, and fewer reads
 //! that overlap one. An idle lane still applies a lone mutation at once.
+//!
+//! [`ThreadPool::submit_unit`] goes one step further for producers with threads of their own
+//! (the ZMQ listeners): when the unit's lane is idle — nothing queued, nothing being applied,
+//! nothing applied for the last 100 µs, nobody else applying inline — the caller applies the
+//! unit itself. An idle lane holds nothing of the unit's worker, so the unit overtakes nothing,
+//! and the hand-off to a sleeping writer thread (a wake-up, which on a machine with few cores is
+//! a large part of a batch's way from the socket to the answers) is skipped. A unit that follows
+//! another within 100 µs is queued, so a steady stream is still applied by the writer in batches
+//! (an inline path without that condition cost 11 % of unpaced events/s; `docs/benchmarks.md`).
+//!
+//! [`ThreadPool::with_delay_observer`] reports, for every [`Unit`] that carries a
+//! [`Unit::received`] instant, how long after it the unit became visible (the server's ingest
+//! delay metric).
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
 use kvatlas_hash::LocalBlockHash;
@@ -37,6 +52,16 @@ use crate::model::{ApplyReport, Checkpoint, MatchOptions, Matches, Mutation, Uni
 
 /// Most mutations a writer thread applies as one batch.
 const MAX_BATCH: usize = 64;
+
+/// How long a lane must have had nothing to apply before [`ThreadPool::submit_unit`] applies a
+/// unit on the caller's thread. A unit that follows another within this time is queued, so a
+/// steady stream is applied by the writer in batches (one publish per batch).
+const INLINE_AFTER_IDLE: Duration = Duration::from_micros(100);
+
+/// Told by a writer thread, for each [`Unit`] with a [`Unit::received`] instant, how long after
+/// it the unit's mutations became visible to queries (the write that applied them returned).
+/// It runs on the writer thread after every write: keep it short (an atomic histogram update).
+pub type DelayObserver = Arc<dyn Fn(Duration) + Send + Sync>;
 
 enum Task {
     Apply(Mutation),
@@ -77,12 +102,71 @@ pub enum EnqueueError<T = Mutation> {
 /// assert_eq!(matches.device_score(worker), 1);
 /// # Ok::<(), std::io::Error>(())
 /// ```
-#[derive(Debug)]
 pub struct ThreadPool<I: SharedKvIndex + 'static> {
     index: Arc<I>,
-    lanes: Vec<Sender<Task>>,
+    lanes: Vec<Lane>,
     threads: Vec<JoinHandle<()>>,
     reports: Arc<Mutex<ApplyReport>>,
+    observer: Option<DelayObserver>,
+}
+
+/// One writer thread's queue, and what [`ThreadPool::submit_unit`] needs to know it is idle.
+#[derive(Debug)]
+struct Lane {
+    sender: Sender<Task>,
+    /// Tasks sent to the lane and not yet applied: counted up before a send (down again if it
+    /// fails), down by the writer only after it applied them. Zero: the writer holds nothing,
+    /// queued or in hand.
+    unapplied: Arc<AtomicUsize>,
+    /// When the lane last finished applying (writer or inline), in nanoseconds since `epoch`.
+    idle_since: Arc<AtomicU64>,
+    epoch: Instant,
+    /// Held by a caller applying a unit inline (at most one per lane); a flush takes it to wait
+    /// for one in progress.
+    inline: Mutex<()>,
+}
+
+impl Lane {
+    /// Sends a task, waiting while the lane is full.
+    fn send(&self, task: Task) -> Result<(), Task> {
+        self.unapplied.fetch_add(1, Ordering::SeqCst);
+        self.sender.send(task).map_err(|e| {
+            self.unapplied.fetch_sub(1, Ordering::SeqCst);
+            e.0
+        })
+    }
+
+    /// Sends a task if the lane has room.
+    fn try_send(&self, task: Task) -> Result<(), TrySendError<Task>> {
+        self.unapplied.fetch_add(1, Ordering::SeqCst);
+        self.sender.try_send(task).inspect_err(|_| {
+            self.unapplied.fetch_sub(1, Ordering::SeqCst);
+        })
+    }
+
+    /// Whether the lane has held nothing for at least [`INLINE_AFTER_IDLE`].
+    fn idle(&self) -> bool {
+        self.unapplied.load(Ordering::SeqCst) == 0 && {
+            let since = Duration::from_nanos(self.idle_since.load(Ordering::Relaxed));
+            self.epoch.elapsed().saturating_sub(since) >= INLINE_AFTER_IDLE
+        }
+    }
+}
+
+/// Records in `idle_since` that a lane finished applying now.
+fn mark_idle(idle_since: &AtomicU64, epoch: Instant) {
+    let now = u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    idle_since.store(now, Ordering::Relaxed);
+}
+
+impl<I: SharedKvIndex + std::fmt::Debug + 'static> std::fmt::Debug for ThreadPool<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadPool")
+            .field("index", &self.index)
+            .field("lanes", &self.lanes)
+            .field("observer", &self.observer.as_ref().map(|_| "…"))
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Task {
@@ -102,20 +186,60 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     /// # Errors
     /// The OS error if a writer thread cannot be started (threads already started are stopped).
     pub fn new(index: I, threads: usize, queue_capacity: usize) -> std::io::Result<Self> {
+        Self::start(index, threads, queue_capacity, None)
+    }
+
+    /// As [`ThreadPool::new`], and `observer` is told, for every unit that carries a
+    /// [`Unit::received`] instant, how long after it the unit became visible to queries.
+    ///
+    /// # Errors
+    /// The OS error if a writer thread cannot be started (threads already started are stopped).
+    pub fn with_delay_observer(
+        index: I,
+        threads: usize,
+        queue_capacity: usize,
+        observer: DelayObserver,
+    ) -> std::io::Result<Self> {
+        Self::start(index, threads, queue_capacity, Some(observer))
+    }
+
+    fn start(
+        index: I,
+        threads: usize,
+        queue_capacity: usize,
+        observer: Option<DelayObserver>,
+    ) -> std::io::Result<Self> {
         let index = Arc::new(index);
         let reports = Arc::new(Mutex::new(ApplyReport::default()));
         let mut lanes = Vec::new();
         let mut handles = Vec::new();
+        let epoch = Instant::now();
         for lane in 0..threads.max(1) {
             let (sender, receiver) = bounded(queue_capacity.max(1));
-            let (index, reports) = (Arc::clone(&index), Arc::clone(&reports));
-            let max_batch = MAX_BATCH.min(queue_capacity.max(1));
+            let unapplied = Arc::new(AtomicUsize::new(0));
+            let idle_since = Arc::new(AtomicU64::new(0));
+            let writer = Writer {
+                receiver,
+                reports: Arc::clone(&reports),
+                unapplied: Arc::clone(&unapplied),
+                idle_since: Arc::clone(&idle_since),
+                epoch,
+                max_batch: MAX_BATCH.min(queue_capacity.max(1)),
+                observer: observer.clone(),
+            };
+            let index = Arc::clone(&index);
             let handle = std::thread::Builder::new()
                 .name(format!("kvatlas-writer-{lane}"))
-                .spawn(move || writer_loop(&*index, &receiver, &reports, max_batch));
+                .spawn(move || writer.run(&*index));
             match handle {
                 Ok(handle) => {
-                    lanes.push(sender);
+                    lanes.push(Lane {
+                        sender,
+                        unapplied,
+                        idle_since,
+                        epoch,
+                        inline: Mutex::new(()),
+                    });
                     handles.push(handle);
                 }
                 Err(error) => {
@@ -133,6 +257,7 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
             lanes,
             threads: handles,
             reports,
+            observer,
         })
     }
 
@@ -149,11 +274,11 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     /// Tasks waiting in the lanes, not yet taken by a writer (a gauge of how far the writers
     /// are behind).
     pub fn queued(&self) -> usize {
-        self.lanes.iter().map(Sender::len).sum()
+        self.lanes.iter().map(|lane| lane.sender.len()).sum()
     }
 
     /// The lane of every rank of `worker_id`.
-    fn lane(&self, worker_id: u64) -> &Sender<Task> {
+    fn lane(&self, worker_id: u64) -> &Lane {
         let hash = FxBuildHasher.hash_one(worker_id);
         &self.lanes[(hash % self.lanes.len() as u64) as usize]
     }
@@ -165,7 +290,7 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     pub fn enqueue(&self, mutation: Mutation) -> Result<(), EnqueueError> {
         self.lane(mutation.worker().worker_id)
             .send(Task::Apply(mutation))
-            .map_err(|e| match e.0 {
+            .map_err(|task| match task {
                 Task::Apply(m) => EnqueueError::Stopped(m),
                 _ => unreachable_task(),
             })
@@ -194,7 +319,7 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     pub fn enqueue_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
         self.lane(unit.worker_id)
             .send(Task::Unit(unit))
-            .map_err(|e| match e.0 {
+            .map_err(|task| match task {
                 Task::Unit(u) => EnqueueError::Stopped(u),
                 _ => unreachable_task(),
             })
@@ -215,8 +340,39 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
             })
     }
 
-    /// Waits until every mutation enqueued before this call has been applied; returns the
-    /// reports accumulated since the previous flush.
+    /// Applies a unit on the caller's thread if its lane is idle — it holds nothing, queued or
+    /// in hand, and has held nothing for 100 µs — else enqueues it if
+    /// the lane has room, as [`ThreadPool::try_enqueue_unit`] does.
+    ///
+    /// For producers on threads of their own (the ZMQ listeners): an idle lane's writer thread
+    /// is asleep, and waking it is most of a batch's way from the socket to the answers on a
+    /// machine with few cores; under load units queue and are applied in batches as before.
+    /// The call takes as long as the apply. Units of one worker submitted by one thread are
+    /// applied in submission order, each whole, as through the queue: inline only when the
+    /// lane holds nothing (so no earlier unit of the worker), at most one caller inline per
+    /// lane.
+    ///
+    /// # Errors
+    /// As [`ThreadPool::try_enqueue_unit`]'s, when the lane was busy.
+    pub fn submit_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
+        let lane = self.lane(unit.worker_id);
+        if lane.idle()
+            && let Some(_inline) = lane.inline.try_lock()
+            && lane.unapplied.load(Ordering::SeqCst) == 0
+        {
+            let mut pending = Pending::default();
+            pending.take(unit, self.observer.is_some());
+            let report = pending.apply(&*self.index, self.observer.as_deref());
+            mark_idle(&lane.idle_since, lane.epoch);
+            self.reports.lock().merge(&report);
+            return Ok(());
+        }
+        self.try_enqueue_unit(unit)
+    }
+
+    /// Waits until every mutation enqueued before this call has been applied (and every
+    /// [`ThreadPool::submit_unit`] applying inline when it was called has returned); returns
+    /// the reports accumulated since the previous flush.
     pub fn flush(&self) -> ApplyReport {
         let acks: Vec<_> = self
             .lanes
@@ -229,6 +385,9 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
         for done in acks {
             // A disconnected ack means that writer stopped; nothing more will come from it.
             let _ = done.recv();
+        }
+        for lane in &self.lanes {
+            drop(lane.inline.lock());
         }
         std::mem::take(&mut *self.reports.lock())
     }
@@ -250,50 +409,107 @@ fn unreachable_task() -> ! {
     unreachable!("a send hands back the task it was given")
 }
 
-fn writer_loop<I: SharedKvIndex>(
-    index: &I,
-    receiver: &Receiver<Task>,
-    reports: &Mutex<ApplyReport>,
-    max_batch: usize,
-) {
-    let mut pending = ApplyReport::default();
-    let mut batch = Vec::with_capacity(max_batch);
-    let mut checkpoints: Vec<Checkpoint> = Vec::new();
-    // Invariant: a unit's mutations and checkpoint land in the same `apply_checkpointed` call.
-    let apply = |batch: &mut Vec<Mutation>, checkpoints: &mut Vec<Checkpoint>| {
-        if batch.is_empty() && checkpoints.is_empty() {
+/// What a writer (or an inline caller) has taken and not yet applied.
+#[derive(Default)]
+struct Pending {
+    batch: Vec<Mutation>,
+    checkpoints: Vec<Checkpoint>,
+    /// The [`Unit::received`] instants of the units in `batch` (kept only with an observer).
+    received: Vec<Instant>,
+}
+
+impl Pending {
+    /// Takes a unit's mutations, checkpoint and (`timed`) receipt instant.
+    fn take(&mut self, unit: Unit, timed: bool) {
+        self.batch.extend(unit.mutations);
+        self.checkpoints.extend(unit.checkpoint);
+        if timed {
+            self.received.extend(unit.received);
+        }
+    }
+
+    /// Applies what is pending as one write and tells `observer` each unit's delay.
+    ///
+    /// Invariant: a unit's mutations and checkpoint land in the same `apply_checkpointed` call.
+    fn apply<I: SharedKvIndex + ?Sized>(
+        &mut self,
+        index: &I,
+        observer: Option<&(dyn Fn(Duration) + Send + Sync)>,
+    ) -> ApplyReport {
+        if self.batch.is_empty() && self.checkpoints.is_empty() {
             return ApplyReport::default();
         }
-        if checkpoints.is_empty() {
-            index.apply_batch(batch)
+        let report = if self.checkpoints.is_empty() {
+            index.apply_batch(&mut self.batch)
         } else {
-            index.apply_checkpointed(batch, checkpoints)
-        }
-    };
-    while let Ok(task) = receiver.recv() {
-        // The task just received, then whatever else is already waiting (up to a batch).
-        let mut next = Some(task);
-        while let Some(task) = next.take() {
-            match task {
-                Task::Apply(mutation) => batch.push(mutation),
-                Task::Unit(unit) => {
-                    batch.extend(unit.mutations);
-                    checkpoints.extend(unit.checkpoint);
-                }
-                Task::Flush(ack) => {
-                    pending.merge(&apply(&mut batch, &mut checkpoints));
-                    reports.lock().merge(&std::mem::take(&mut pending));
-                    let _ = ack.send(());
-                    continue;
-                }
-            }
-            if batch.len() < max_batch {
-                next = receiver.try_recv().ok();
+            index.apply_checkpointed(&mut self.batch, &mut self.checkpoints)
+        };
+        if let Some(observer) = observer
+            && !self.received.is_empty()
+        {
+            let visible = Instant::now();
+            for received in self.received.drain(..) {
+                observer(visible.saturating_duration_since(received));
             }
         }
-        pending.merge(&apply(&mut batch, &mut checkpoints));
+        report
     }
-    reports.lock().merge(&pending);
+}
+
+/// A writer thread's side of its lane.
+struct Writer {
+    receiver: Receiver<Task>,
+    reports: Arc<Mutex<ApplyReport>>,
+    /// The lane's count of tasks not yet applied ([`Lane::unapplied`]).
+    unapplied: Arc<AtomicUsize>,
+    /// [`Lane::idle_since`].
+    idle_since: Arc<AtomicU64>,
+    epoch: Instant,
+    max_batch: usize,
+    observer: Option<DelayObserver>,
+}
+
+impl Writer {
+    fn run<I: SharedKvIndex>(self, index: &I) {
+        let observer = self.observer.as_deref();
+        let mut report = ApplyReport::default();
+        let mut pending = Pending {
+            batch: Vec::with_capacity(self.max_batch),
+            ..Pending::default()
+        };
+        // Tasks taken from the lane and not yet applied (counted down once they are).
+        let mut taken = 0;
+        while let Ok(task) = self.receiver.recv() {
+            // The task just received, then whatever else is already waiting (up to a batch).
+            let mut next = Some(task);
+            while let Some(task) = next.take() {
+                taken += 1;
+                match task {
+                    Task::Apply(mutation) => pending.batch.push(mutation),
+                    Task::Unit(unit) => pending.take(unit, observer.is_some()),
+                    Task::Flush(ack) => {
+                        report.merge(&pending.apply(index, observer));
+                        self.reports.lock().merge(&std::mem::take(&mut report));
+                        self.done(std::mem::take(&mut taken));
+                        let _ = ack.send(());
+                        continue;
+                    }
+                }
+                if pending.batch.len() < self.max_batch {
+                    next = self.receiver.try_recv().ok();
+                }
+            }
+            report.merge(&pending.apply(index, observer));
+            self.done(std::mem::take(&mut taken));
+        }
+        self.reports.lock().merge(&report);
+    }
+
+    /// `taken` tasks are applied: the lane is idle from now if nothing else is queued.
+    fn done(&self, taken: usize) {
+        mark_idle(&self.idle_since, self.epoch);
+        self.unapplied.fetch_sub(taken, Ordering::SeqCst);
+    }
 }
 
 impl<I: SharedKvIndex + 'static> Drop for ThreadPool<I> {

@@ -703,6 +703,7 @@ impl IndexerService {
         publisher: &mut Publisher,
         message: &v1::PublishEventsRequest,
     ) -> Result<(), ServiceError> {
+        let received = std::time::Instant::now();
         self.state.registry.check_feeds_allowed()?;
         let tenant = message.index.as_ref().map_or("", |s| s.tenant.as_str());
         caller.check(if tenant.is_empty() {
@@ -734,6 +735,7 @@ impl IndexerService {
                 position: seq,
                 fingerprint: 0,
             }),
+            received: Some(received),
         };
         // An ingest logs what it applies (encoded first: the unit moves to the writers).
         let logged = prepared.entry.log.as_ref().map(|log| {

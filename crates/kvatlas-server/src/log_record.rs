@@ -207,8 +207,9 @@ pub(crate) fn group_id(records: &[Outgoing]) -> Option<String> {
 }
 
 impl Record {
-    /// The unit a replica applies (its checkpoint is the source's position).
-    pub(crate) fn into_unit(self) -> Option<Unit> {
+    /// The unit a replica applies (its checkpoint is the source's position); `received`: when
+    /// its message arrived.
+    pub(crate) fn into_unit(self, received: Option<std::time::Instant>) -> Option<Unit> {
         match self.body {
             Body::Batch {
                 seq,
@@ -224,6 +225,7 @@ impl Record {
                     fingerprint,
                 }),
                 resync,
+                received,
             }),
             Body::Unregister { .. } => None,
         }
@@ -419,6 +421,7 @@ mod tests {
                 fingerprint: 0xdead_beef,
             }),
             resync: true,
+            received: None,
         }
     }
 
@@ -433,7 +436,11 @@ mod tests {
             (key.clone(), size)
         );
         assert_eq!(decoded.source, Worker::new(42, 0));
-        assert_eq!(decoded.into_unit(), Some(sample()));
+        // The arrival instant is the replica's, not part of the record.
+        let arrived = std::time::Instant::now();
+        let unit = decoded.into_unit(Some(arrived));
+        assert_eq!(unit.as_ref().and_then(|u| u.received), Some(arrived));
+        assert_eq!(unit, Some(sample()));
         assert_eq!(
             subject("kv", &key, 42),
             "kv.meta%2Fllama%203%2E1.team%2Ea.42"
@@ -460,12 +467,13 @@ mod tests {
             }],
             checkpoint: None,
             resync: true,
+            received: None,
         };
         let outgoing = encode_unit(&key, size, &clears);
         assert_eq!(outgoing.message_id, None);
         let record = Record::decode(&outgoing.payload).expect("decodes");
         assert_eq!(record.source, Worker::new(8, 2));
-        assert_eq!(record.into_unit(), Some(clears));
+        assert_eq!(record.into_unit(None), Some(clears));
     }
 
     #[test]

@@ -224,6 +224,7 @@ impl Consumer {
                 return Err("the stream ended".into());
             };
             let message = message.map_err(|e| e.to_string())?;
+            let arrived = std::time::Instant::now();
             let info = message.info().map_err(|e| format!("message info: {e}"))?;
             let sequence = info.stream_sequence;
             let pending = info.pending;
@@ -234,7 +235,7 @@ impl Consumer {
             if sequence > self.applied + 1 && self.skipped(sequence).await? {
                 return Err("re-bootstrapped from a snapshot".into());
             }
-            self.apply_message(&message.payload).await;
+            self.apply_message(&message.payload, arrived).await;
             self.applied = sequence;
             self.stats
                 .stream_sequence
@@ -293,12 +294,13 @@ impl Consumer {
         }
     }
 
-    /// Applies the records of one message (a malformed message is counted and skipped).
-    async fn apply_message(&mut self, payload: &[u8]) {
+    /// Applies the records of one message, which arrived at `arrived` (a malformed message is
+    /// counted and skipped).
+    async fn apply_message(&mut self, payload: &[u8], arrived: std::time::Instant) {
         match crate::log_record::unframe(payload) {
             Ok(records) => {
                 for record in records {
-                    self.apply(record).await;
+                    self.apply(record, arrived).await;
                 }
             }
             Err(why) => {
@@ -308,8 +310,9 @@ impl Consumer {
         }
     }
 
-    /// Decodes, sequences and applies one record (an invalid one is counted and skipped).
-    async fn apply(&mut self, payload: &[u8]) {
+    /// Decodes, sequences and applies one record of a message that arrived at `arrived` (an
+    /// invalid one is counted and skipped).
+    async fn apply(&mut self, payload: &[u8], arrived: std::time::Instant) {
         LogStats::bump(&self.stats.consumed);
         let record = match Record::decode(payload) {
             Ok(record) => record,
@@ -388,7 +391,7 @@ impl Consumer {
                         return;
                     }
                 }
-                if let Some(unit) = record.into_unit()
+                if let Some(unit) = record.into_unit(Some(arrived))
                     && crate::grpc::enqueue(&entry.pool, unit).await.is_ok()
                 {
                     LogStats::bump(&self.stats.applied);

@@ -16,6 +16,7 @@
 //! | `kvatlas_ready` | gauge | (1 once the startup gate is open) |
 //! | `kvatlas_registered_ranks` | gauge | |
 //! | `kvatlas_index_memberships`, `_worker_ranks`, `_heap_bytes`, `_capacity`, `_queue_depth`, `_last_event_timestamp_seconds` | gauge | `model`, `tenant` |
+//! | `kvatlas_ingest_delay_seconds` | histogram | `model`, `tenant` (a batch's receipt — taken off its ZMQ socket, a `PublishEvents` message, an event-log message — to its events visible to queries; a batch held back for a gap counts from the message that released it) |
 //! | `kvatlas_events_applied_total` | counter | `model`, `tenant` (index mutations applied) |
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
@@ -459,6 +460,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
         totals: kvatlas_index::ApplyReport,
         counters: crate::registry::FeedCounters,
         listeners: std::collections::BTreeMap<&'static str, u64>,
+        ingest_delay: std::sync::Arc<Histogram>,
     }
     let rows: Vec<Row> = registry
         .all()
@@ -479,6 +481,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
                 totals: index.totals(),
                 counters: entry.total_counters(),
                 listeners: entry.listener_statuses(),
+                ingest_delay: std::sync::Arc::clone(&entry.ingest_delay),
             }
         })
         .collect();
@@ -522,6 +525,17 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
         for row in &rows {
             let _ = writeln!(out, "{name}{{{}}} {}", row.labels, value(row));
         }
+    }
+    header(
+        out,
+        "kvatlas_ingest_delay_seconds",
+        "histogram",
+        "From the receipt of a batch (taken off a ZMQ socket, a PublishEvents message, an \
+         event-log message) to its events being visible to queries.",
+    );
+    for row in &rows {
+        row.ingest_delay
+            .render_samples(out, "kvatlas_ingest_delay_seconds", &row.labels);
     }
     header(
         out,

@@ -39,6 +39,7 @@ use crate::config::{IndexSettings, Limits};
 use crate::error::ServiceError;
 use crate::log_ingest::{LogHandle, LoggedSink};
 use crate::log_record;
+use crate::metrics::Histogram;
 use crate::nats::LogStats;
 use crate::served_index::ServedIndex;
 use crate::snapshot::{IndexImage, RecordedFeed};
@@ -370,6 +371,9 @@ pub(crate) struct IndexEntry {
     /// Hashers seeded with a (LoRA, salt) pair, cached.
     seeded: Mutex<HashMap<(String, String), BlockHasher>>,
     pub(crate) pool: Arc<ThreadPool<ServedIndex>>,
+    /// Receipt of a batch (ZMQ listener, `PublishEvents` message, event-log message) to its
+    /// events being visible to queries (`kvatlas_ingest_delay_seconds`).
+    pub(crate) ingest_delay: Arc<Histogram>,
     /// The event log every applied unit is also published to (an ingest, `--publish-to`).
     pub(crate) log: Option<Arc<LogHandle>>,
     listeners: Listeners,
@@ -395,10 +399,16 @@ impl IndexEntry {
         zmq: &zmq::Context,
         log: Option<&Arc<LogHandle>>,
     ) -> Result<Self, ServiceError> {
-        let pool = ThreadPool::new(
+        let ingest_delay = Arc::new(Histogram::default());
+        let observer = {
+            let ingest_delay = Arc::clone(&ingest_delay);
+            Arc::new(move |delay| ingest_delay.observe(delay))
+        };
+        let pool = ThreadPool::with_delay_observer(
             ServedIndex::new(settings.capacity),
             settings.writer_threads,
             settings.writer_queue,
+            observer,
         )
         .map_err(|e| ServiceError::Internal(format!("cannot start the index writers: {e}")))?;
         let pool = Arc::new(pool);
@@ -417,6 +427,7 @@ impl IndexEntry {
             hasher: BlockHasher::with_block_size(block_size),
             seeded: Mutex::new(HashMap::new()),
             pool,
+            ingest_delay,
             log: log.cloned(),
             listeners: Listeners::with_context(zmq.clone(), sink),
             feeds: Mutex::new(BTreeMap::new()),

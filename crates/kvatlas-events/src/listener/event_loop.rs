@@ -106,6 +106,10 @@ pub(super) struct ListenerThread {
     /// Clears a resync decided, handed over with the batch that follows it (the same drive),
     /// so the unit carries the resync ([`Unit::resync`]) with the position it resumes from.
     pending_clears: Vec<Mutation>,
+    /// When this thread took the message being handled off its socket (live or replay): the
+    /// [`Unit::received`] of the units it leads to. `None` while held batches are released
+    /// (their wait is the startup gate's, not the pipeline's).
+    taken: Option<Instant>,
     sink: Arc<dyn MutationSink>,
     shared: Arc<Shared>,
 }
@@ -140,6 +144,7 @@ impl ListenerThread {
             ranks: BTreeSet::from([Worker::new(source.worker_id, source.dp_rank)]),
             mutations: Vec::new(),
             pending_clears: Vec::new(),
+            taken: None,
             sink,
             shared,
             config,
@@ -256,6 +261,7 @@ impl ListenerThread {
                 .store(resume.position, Ordering::Release);
         }
         let held = self.held.take().unwrap_or_default();
+        self.taken = None;
         self.shared.set_status(if held.is_empty() {
             ListenerStatus::Pending
         } else {
@@ -337,6 +343,7 @@ impl ListenerThread {
                 Err(zmq::Error::ETERM) => return Err(Exit::Stopped),
                 Err(error) => return Err(self.fail(format!("SUB receive: {error}"))),
             };
+            self.taken = Some(Instant::now());
             bump(&self.shared.counters.messages_received);
             let seq = if received.count == received.frames.len() {
                 decode_live_message(&received.slices()).map(|m| m.seq)
@@ -397,6 +404,7 @@ impl ListenerThread {
                     return self.drive();
                 }
             };
+            self.taken = Some(Instant::now());
             self.sequencer
                 .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
             let reply = if received.count == received.frames.len() {
@@ -473,6 +481,7 @@ impl ListenerThread {
                 mutations,
                 checkpoint: None,
                 resync: true,
+                received: self.taken,
             })?;
         }
         // A replay the sequencer abandoned (buffer overflow, restart) is not waited for.
@@ -583,6 +592,7 @@ impl ListenerThread {
                 position: seq,
                 fingerprint,
             }),
+            received: self.taken,
         };
         self.push(unit)?;
         bump(&self.shared.counters.batches_applied);
