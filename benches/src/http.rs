@@ -179,6 +179,88 @@ impl AsyncConnection {
     }
 }
 
+/// `(upper bound in seconds, cumulative count)` of histogram `name` in the server's `/metrics`
+/// at `addr`, summed over its label sets, by ascending bound.
+///
+/// # Errors
+/// If the server cannot be reached or does not answer 200.
+pub fn histogram_buckets(addr: &str, name: &str) -> Result<Vec<(f64, u64)>> {
+    let mut c = Connection::connect(addr)?;
+    let (status, body) = c.send(&get("/metrics"))?;
+    if status != 200 {
+        bail!("GET /metrics on {addr}: {status}");
+    }
+    Ok(parse_histogram(&String::from_utf8_lossy(&body), name))
+}
+
+/// `(upper bound, cumulative count)` of histogram `name` in a Prometheus text exposition,
+/// summed over its label sets, by ascending bound.
+fn parse_histogram(text: &str, name: &str) -> Vec<(f64, u64)> {
+    let mut buckets: Vec<(f64, u64)> = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line
+            .strip_prefix(name)
+            .and_then(|r| r.strip_prefix("_bucket{"))
+        else {
+            continue;
+        };
+        // `le` is the last label; label values before it may hold commas or braces.
+        let Some((labels, count)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let Some(le) = labels
+            .rsplit_once("le=\"")
+            .and_then(|(_, le)| le.strip_suffix('"'))
+        else {
+            continue;
+        };
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            match le.parse() {
+                Ok(le) => le,
+                Err(_) => continue,
+            }
+        };
+        let Ok(count) = count.trim().parse::<u64>() else {
+            continue;
+        };
+        match buckets.iter_mut().find(|b| b.0 == le) {
+            Some(bucket) => bucket.1 += count,
+            None => buckets.push((le, count)),
+        }
+    }
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    buckets
+}
+
+/// The upper bound of the bucket holding quantile `q` (NaN without observations).
+pub fn quantile_bound(buckets: &[(f64, u64)], q: f64) -> f64 {
+    let total = buckets.last().map_or(0, |b| b.1);
+    if total == 0 {
+        return f64::NAN;
+    }
+    let want = (total as f64 * q).ceil() as u64;
+    buckets
+        .iter()
+        .find(|b| b.1 >= want)
+        .map_or(f64::NAN, |b| b.0)
+}
+
+/// The fraction of observations at or below `bound` seconds (a bucket bound), NaN without any.
+pub fn fraction_within(buckets: &[(f64, u64)], bound: f64) -> f64 {
+    let total = buckets.last().map_or(0, |b| b.1);
+    if total == 0 {
+        return f64::NAN;
+    }
+    let within = buckets
+        .iter()
+        .take_while(|b| b.0 <= bound)
+        .last()
+        .map_or(0, |b| b.1);
+    within as f64 / total as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,5 +282,32 @@ mod tests {
             .flatten()
             .expect("a complete response");
         assert_eq!((empty.status, empty.end - empty.body_start), (204, 0));
+    }
+
+    #[test]
+    fn histograms_are_read_across_label_sets_and_summarised_by_bucket_bounds() {
+        let text = "\
+# TYPE kvatlas_ingest_delay_seconds histogram
+kvatlas_ingest_delay_seconds_bucket{model=\"a,b}\",tenant=\"t\",le=\"0.0005\"} 6
+kvatlas_ingest_delay_seconds_bucket{model=\"a,b}\",tenant=\"t\",le=\"0.001\"} 9
+kvatlas_ingest_delay_seconds_bucket{model=\"a,b}\",tenant=\"t\",le=\"+Inf\"} 10
+kvatlas_ingest_delay_seconds_bucket{model=\"c\",tenant=\"t\",le=\"0.0005\"} 0
+kvatlas_ingest_delay_seconds_bucket{model=\"c\",tenant=\"t\",le=\"0.001\"} 0
+kvatlas_ingest_delay_seconds_bucket{model=\"c\",tenant=\"t\",le=\"+Inf\"} 10
+kvatlas_ingest_delay_seconds_sum{model=\"c\",tenant=\"t\"} 3.5
+kvatlas_log_lag_seconds_bucket{le=\"0.001\"} 99
+";
+        let buckets = parse_histogram(text, "kvatlas_ingest_delay_seconds");
+        assert_eq!(buckets, vec![(0.0005, 6), (0.001, 9), (f64::INFINITY, 20)]);
+        assert_eq!(quantile_bound(&buckets, 0.3), 0.0005);
+        assert_eq!(quantile_bound(&buckets, 0.45), 0.001);
+        assert_eq!(quantile_bound(&buckets, 0.99), f64::INFINITY);
+        assert_eq!(fraction_within(&buckets, 1e-3), 9.0 / 20.0);
+        assert_eq!(fraction_within(&buckets, 1e-4), 0.0);
+        assert!(quantile_bound(&[], 0.5).is_nan());
+        assert_eq!(
+            parse_histogram(text, "kvatlas_log_lag_seconds"),
+            vec![(0.001, 99)]
+        );
     }
 }

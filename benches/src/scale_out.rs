@@ -131,15 +131,15 @@ impl Replicated {
             );
         }
         let bytes = metric(&self.ingest.http, "kvatlas_log_published_bytes_total")?;
-        let lag = buckets(&self.replicas[0].http, "kvatlas_log_lag_seconds")?;
-        let publish = buckets(&self.ingest.http, "kvatlas_log_publish_seconds")?;
+        let lag = http::histogram_buckets(&self.replicas[0].http, "kvatlas_log_lag_seconds")?;
+        let publish = http::histogram_buckets(&self.ingest.http, "kvatlas_log_publish_seconds")?;
         Ok(LogFigures {
             bootstrap_ms,
             wire_bytes_per_event: bytes as f64 / events.max(1) as f64,
             records,
-            replica_lag_p50_ms: quantile_bound(&lag, 0.5) * 1e3,
-            replica_lag_p99_ms: quantile_bound(&lag, 0.99) * 1e3,
-            publish_p99_ms: quantile_bound(&publish, 0.99) * 1e3,
+            replica_lag_p50_ms: http::quantile_bound(&lag, 0.5) * 1e3,
+            replica_lag_p99_ms: http::quantile_bound(&lag, 0.99) * 1e3,
+            publish_p99_ms: http::quantile_bound(&publish, 0.99) * 1e3,
         })
     }
 
@@ -187,36 +187,6 @@ fn metric(addr: &str, name: &str) -> Result<u64> {
         })
         .map(|v| v as u64)
         .with_context(|| format!("{name} is not in {addr}'s /metrics"))
-}
-
-/// `(upper bound s, cumulative count)` of a server's histogram `name` (unlabelled).
-fn buckets(addr: &str, name: &str) -> Result<Vec<(f64, u64)>> {
-    let mut c = Connection::connect(addr)?;
-    let (_, body) = c.send(&http::get("/metrics"))?;
-    let body = String::from_utf8_lossy(&body);
-    Ok(body
-        .lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix(name)?.strip_prefix("_bucket{le=\"")?;
-            let (le, count) = rest.split_once("\"} ")?;
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().ok()?
-            };
-            Some((le, count.trim().parse().ok()?))
-        })
-        .collect())
-}
-
-/// The upper bound of the bucket holding quantile `q`.
-fn quantile_bound(buckets: &[(f64, u64)], q: f64) -> f64 {
-    let total = buckets.last().map_or(0, |b| b.1);
-    let want = (total as f64 * q).ceil() as u64;
-    buckets
-        .iter()
-        .find(|b| b.1 >= want)
-        .map_or(f64::NAN, |b| b.0)
 }
 
 fn median(values: Vec<f64>) -> f64 {
