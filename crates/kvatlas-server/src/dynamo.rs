@@ -41,6 +41,8 @@ use serde::de::{self, Deserializer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use crate::fast_json::{FastJson, FastParse};
+
 use crate::auth::Caller;
 use crate::error::ServiceError;
 use crate::query::{QueryInput, QueryOptions};
@@ -551,9 +553,12 @@ fn worker_info(
 
 /// `POST /query` (1.6.1's fields, plus the Mooncake RFC's: `model`, `instance_id`,
 /// `block_size`; its deprecated `lora_id` is refused with the reason).
+pub(crate) type QueryRequest = QueryRequestOf<Vec<u32>>;
+
+/// `/query`'s fields, with the token ids as `T` (their raw JSON text on the fast path).
 #[derive(Debug, Deserialize)]
-pub(crate) struct QueryRequest {
-    token_ids: Vec<u32>,
+pub(crate) struct QueryRequestOf<T> {
+    token_ids: T,
     #[serde(alias = "model", alias = "modelname")]
     model_name: String,
     routing_group: Option<String>,
@@ -567,6 +572,36 @@ pub(crate) struct QueryRequest {
     /// The RFC's deprecated LoRA id (refused).
     lora_id: Option<Value>,
 }
+
+impl<T> QueryRequestOf<T> {
+    /// The same request with other token ids.
+    fn with_tokens<U>(self, token_ids: U) -> QueryRequestOf<U> {
+        QueryRequestOf {
+            token_ids,
+            model_name: self.model_name,
+            routing_group: self.routing_group,
+            tenant_id: self.tenant_id,
+            lora_name: self.lora_name,
+            cache_salt: self.cache_salt,
+            instance_id: self.instance_id,
+            block_size: self.block_size,
+            lora_id: self.lora_id,
+        }
+    }
+}
+
+/// The token ids are read from their raw text when they are plain integers (see
+/// [`crate::fast_json`]): most of a 1,024-token query's parse.
+impl FastParse for QueryRequest {
+    fn fast_parse(bytes: &[u8]) -> Option<Self> {
+        let raw: QueryRequestOf<Box<serde_json::value::RawValue>> =
+            serde_json::from_slice(bytes).ok()?;
+        let token_ids = crate::fast_json::parse_u32_array(raw.token_ids.get())?;
+        Some(raw.with_tokens(token_ids))
+    }
+}
+
+impl FastParse for QueryByHashRequest {}
 
 /// `POST /query_by_hash` (as `/query`, with the hashes instead of the tokens).
 #[derive(Debug, Deserialize)]
@@ -626,7 +661,6 @@ impl RfcQueryFields<'_> {
 /// Written straight into one buffer: an answer lists every worker holding the prompt's first
 /// block (often all of them), and building it as maps of strings cost more than the query.
 fn score_response(matches: &Matches, block_size: u32) -> Vec<u8> {
-    use std::io::Write as _;
     let tokens = |blocks: u32| u64::from(blocks) * u64::from(block_size);
     let mut sorted;
     let mut workers = matches.workers.as_slice();
@@ -638,49 +672,67 @@ fn score_response(matches: &Matches, block_size: u32) -> Vec<u8> {
     // Consecutive ranks of one instance (sorted by worker, so by instance first).
     let instances = || workers.chunk_by(|a, b| a.worker.worker_id == b.worker.worker_id);
     let mut out = Vec::with_capacity(64 + workers.len() * 96);
-    // Writing into a Vec cannot fail.
-    let _ = out.write_all(b"{\"scores\":{");
+    // Numbers go through `itoa` (no formatter machinery: this is the hot part of an answer
+    // listing 128 workers).
+    let mut digits = itoa::Buffer::new();
+    let mut number = |out: &mut Vec<u8>, n: u64| out.extend_from_slice(digits.format(n).as_bytes());
+    out.extend_from_slice(b"{\"scores\":{");
     let mut first_instance = true;
     for ranks in instances() {
         if ranks.iter().all(|m| m.device == 0) {
             continue;
         }
-        let comma = if first_instance { "" } else { "," };
+        if !first_instance {
+            out.push(b',');
+        }
         first_instance = false;
-        let _ = write!(out, "{comma}\"{}\":{{", ranks[0].worker.worker_id);
+        out.push(b'"');
+        number(&mut out, ranks[0].worker.worker_id);
+        out.extend_from_slice(b"\":{");
         let mut first_rank = true;
         for m in ranks.iter().filter(|m| m.device > 0) {
-            let comma = if first_rank { "" } else { "," };
+            if !first_rank {
+                out.push(b',');
+            }
             first_rank = false;
-            let _ = write!(out, "{comma}\"{}\":{}", m.worker.dp_rank, tokens(m.device));
+            out.push(b'"');
+            number(&mut out, u64::from(m.worker.dp_rank));
+            out.extend_from_slice(b"\":");
+            number(&mut out, tokens(m.device));
         }
         out.push(b'}');
     }
-    let _ = out.write_all(b"},\"frequencies\":[],\"instances\":{");
+    out.extend_from_slice(b"},\"frequencies\":[],\"instances\":{");
     for (i, ranks) in instances().enumerate() {
         let best = |f: fn(&kvatlas_index::WorkerMatch) -> u32| {
             ranks.iter().map(|m| tokens(f(m))).max().unwrap_or(0)
         };
-        let comma = if i == 0 { "" } else { "," };
-        let _ = write!(
-            out,
-            "{comma}\"{}\":{{\"longest_matched\":{},\"gpu\":{},\"dp\":{{",
-            ranks[0].worker.worker_id,
-            best(|m| m.disk),
-            best(|m| m.device)
-        );
-        for (j, m) in ranks.iter().enumerate() {
-            let comma = if j == 0 { "" } else { "," };
-            let _ = write!(out, "{comma}\"{}\":{}", m.worker.dp_rank, tokens(m.device));
+        if i > 0 {
+            out.push(b',');
         }
-        let _ = write!(
-            out,
-            "}},\"cpu\":{},\"disk\":{}}}",
-            best(|m| m.host),
-            best(|m| m.disk)
-        );
+        out.push(b'"');
+        number(&mut out, ranks[0].worker.worker_id);
+        out.extend_from_slice(b"\":{\"longest_matched\":");
+        number(&mut out, best(|m| m.disk));
+        out.extend_from_slice(b",\"gpu\":");
+        number(&mut out, best(|m| m.device));
+        out.extend_from_slice(b",\"dp\":{");
+        for (j, m) in ranks.iter().enumerate() {
+            if j > 0 {
+                out.push(b',');
+            }
+            out.push(b'"');
+            number(&mut out, u64::from(m.worker.dp_rank));
+            out.extend_from_slice(b"\":");
+            number(&mut out, tokens(m.device));
+        }
+        out.extend_from_slice(b"},\"cpu\":");
+        number(&mut out, best(|m| m.host));
+        out.extend_from_slice(b",\"disk\":");
+        number(&mut out, best(|m| m.disk));
+        out.push(b'}');
     }
-    let _ = out.write_all(b"}}");
+    out.extend_from_slice(b"}}");
     out
 }
 
@@ -753,7 +805,7 @@ fn answer(
 pub(crate) async fn query(
     AxumState(state): AxumState<Arc<State>>,
     headers: HeaderMap,
-    Json(request): Json<QueryRequest>,
+    FastJson(request): FastJson<QueryRequest>,
 ) -> Response {
     let key = IndexKey::new(
         request.model_name.clone(),
@@ -780,7 +832,7 @@ pub(crate) async fn query(
 pub(crate) async fn query_by_hash(
     AxumState(state): AxumState<Arc<State>>,
     headers: HeaderMap,
-    Json(request): Json<QueryByHashRequest>,
+    FastJson(request): FastJson<QueryByHashRequest>,
 ) -> Response {
     if request.cache_salt.is_some() {
         return error(

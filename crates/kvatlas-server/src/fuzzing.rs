@@ -116,6 +116,14 @@ fn dynamo_route(route: u8, body: &[u8]) -> Option<Result<(), ServiceError>> {
     fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<Json<T>> {
         serde_json::from_slice(body).ok().map(Json)
     }
+    /// As the query routes' `FastJson` extractor: the fast parse, else `serde_json`'s.
+    fn parse_fast<T: crate::fast_json::FastParse>(
+        body: &[u8],
+    ) -> Option<crate::fast_json::FastJson<T>> {
+        T::fast_parse(body)
+            .or_else(|| serde_json::from_slice(body).ok())
+            .map(crate::fast_json::FastJson)
+    }
     let headers = HeaderMap::new();
     let state = AxumState(state());
     runtime().block_on(async move {
@@ -128,10 +136,13 @@ fn dynamo_route(route: u8, body: &[u8]) -> Option<Result<(), ServiceError>> {
                 "/unregister",
                 dynamo::unregister(state, headers, parse(body)?).await,
             ),
-            2 => ("/query", dynamo::query(state, headers, parse(body)?).await),
+            2 => (
+                "/query",
+                dynamo::query(state, headers, parse_fast(body)?).await,
+            ),
             3 => (
                 "/query_by_hash",
-                dynamo::query_by_hash(state, headers, parse(body)?).await,
+                dynamo::query_by_hash(state, headers, parse_fast(body)?).await,
             ),
             4 => (
                 "/register_peer",

@@ -40,6 +40,7 @@ pub mod cli;
 mod config;
 mod dynamo;
 mod error;
+mod fast_json;
 #[cfg(any(test, fuzzing))]
 pub mod fuzzing;
 mod grpc;
