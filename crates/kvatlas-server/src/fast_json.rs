@@ -252,10 +252,10 @@ mod tests {
             for (k, b) in junk.iter().enumerate() {
                 bytes.insert((at + k).min(bytes.len()), *b);
             }
-            if let Ok(mangled) = std::str::from_utf8(&bytes) {
-                if let Some(fast) = parse_u32_array(mangled) {
-                    prop_assert_eq!(Some(fast), serde(mangled), "{:?}", mangled);
-                }
+            if let Ok(mangled) = std::str::from_utf8(&bytes)
+                && let Some(fast) = parse_u32_array(mangled)
+            {
+                prop_assert_eq!(Some(fast), serde(mangled), "{:?}", mangled);
             }
         });
     }
