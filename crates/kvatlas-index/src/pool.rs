@@ -23,22 +23,12 @@
 //! batch rather than once per mutation when the lane is busy: fewer copy swaps, and fewer reads
 //! that overlap one. An idle lane still applies a lone mutation at once.
 //!
-//! [`ThreadPool::submit_unit`] goes one step further for producers with threads of their own
-//! (the ZMQ listeners): when the unit's lane is idle — nothing queued, nothing being applied,
-//! nothing applied for the last 100 µs, nobody else applying inline — the caller applies the
-//! unit itself. An idle lane holds nothing of the unit's worker, so the unit overtakes nothing,
-//! and the hand-off to a sleeping writer thread (a wake-up, which on a machine with few cores is
-//! a large part of a batch's way from the socket to the answers) is skipped. A unit that follows
-//! another within 100 µs is queued, so a steady stream is still applied by the writer in batches
-//! (an inline path without that condition cost 11 % of unpaced events/s; `docs/benchmarks.md`).
-//!
 //! [`ThreadPool::with_delay_observer`] reports, for every [`Unit`] that carries a
 //! [`Unit::received`] instant, how long after it the unit became visible (the server's ingest
 //! delay metric).
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -52,11 +42,6 @@ use crate::model::{ApplyReport, Checkpoint, MatchOptions, Matches, Mutation, Uni
 
 /// Most mutations a writer thread applies as one batch.
 const MAX_BATCH: usize = 64;
-
-/// How long a lane must have had nothing to apply before [`ThreadPool::submit_unit`] applies a
-/// unit on the caller's thread. A unit that follows another within this time is queued, so a
-/// steady stream is applied by the writer in batches (one publish per batch).
-const INLINE_AFTER_IDLE: Duration = Duration::from_micros(100);
 
 /// Told by a writer thread, for each [`Unit`] with a [`Unit::received`] instant, how long after
 /// it the unit's mutations became visible to queries (the write that applied them returned).
@@ -102,71 +87,12 @@ pub enum EnqueueError<T = Mutation> {
 /// assert_eq!(matches.device_score(worker), 1);
 /// # Ok::<(), std::io::Error>(())
 /// ```
+#[derive(Debug)]
 pub struct ThreadPool<I: SharedKvIndex + 'static> {
     index: Arc<I>,
-    lanes: Vec<Lane>,
+    lanes: Vec<Sender<Task>>,
     threads: Vec<JoinHandle<()>>,
     reports: Arc<Mutex<ApplyReport>>,
-    observer: Option<DelayObserver>,
-}
-
-/// One writer thread's queue, and what [`ThreadPool::submit_unit`] needs to know it is idle.
-#[derive(Debug)]
-struct Lane {
-    sender: Sender<Task>,
-    /// Tasks sent to the lane and not yet applied: counted up before a send (down again if it
-    /// fails), down by the writer only after it applied them. Zero: the writer holds nothing,
-    /// queued or in hand.
-    unapplied: Arc<AtomicUsize>,
-    /// When the lane last finished applying (writer or inline), in nanoseconds since `epoch`.
-    idle_since: Arc<AtomicU64>,
-    epoch: Instant,
-    /// Held by a caller applying a unit inline (at most one per lane); a flush takes it to wait
-    /// for one in progress.
-    inline: Mutex<()>,
-}
-
-impl Lane {
-    /// Sends a task, waiting while the lane is full.
-    fn send(&self, task: Task) -> Result<(), Task> {
-        self.unapplied.fetch_add(1, Ordering::SeqCst);
-        self.sender.send(task).map_err(|e| {
-            self.unapplied.fetch_sub(1, Ordering::SeqCst);
-            e.0
-        })
-    }
-
-    /// Sends a task if the lane has room.
-    fn try_send(&self, task: Task) -> Result<(), TrySendError<Task>> {
-        self.unapplied.fetch_add(1, Ordering::SeqCst);
-        self.sender.try_send(task).inspect_err(|_| {
-            self.unapplied.fetch_sub(1, Ordering::SeqCst);
-        })
-    }
-
-    /// Whether the lane has held nothing for at least [`INLINE_AFTER_IDLE`].
-    fn idle(&self) -> bool {
-        self.unapplied.load(Ordering::SeqCst) == 0 && {
-            let since = Duration::from_nanos(self.idle_since.load(Ordering::Relaxed));
-            self.epoch.elapsed().saturating_sub(since) >= INLINE_AFTER_IDLE
-        }
-    }
-}
-
-/// Records in `idle_since` that a lane finished applying now.
-fn mark_idle(idle_since: &AtomicU64, epoch: Instant) {
-    let now = u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-    idle_since.store(now, Ordering::Relaxed);
-}
-
-impl<I: SharedKvIndex + std::fmt::Debug + 'static> std::fmt::Debug for ThreadPool<I> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ThreadPool")
-            .field("index", &self.index)
-            .field("lanes", &self.lanes)
-            .field("observer", &self.observer.as_ref().map(|_| "…"))
-            .finish_non_exhaustive()
-    }
 }
 
 impl std::fmt::Debug for Task {
@@ -213,33 +139,19 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
         let reports = Arc::new(Mutex::new(ApplyReport::default()));
         let mut lanes = Vec::new();
         let mut handles = Vec::new();
-        let epoch = Instant::now();
         for lane in 0..threads.max(1) {
             let (sender, receiver) = bounded(queue_capacity.max(1));
-            let unapplied = Arc::new(AtomicUsize::new(0));
-            let idle_since = Arc::new(AtomicU64::new(0));
-            let writer = Writer {
-                receiver,
-                reports: Arc::clone(&reports),
-                unapplied: Arc::clone(&unapplied),
-                idle_since: Arc::clone(&idle_since),
-                epoch,
-                max_batch: MAX_BATCH.min(queue_capacity.max(1)),
-                observer: observer.clone(),
-            };
-            let index = Arc::clone(&index);
+            let (index, reports) = (Arc::clone(&index), Arc::clone(&reports));
+            let observer = observer.clone();
+            let max_batch = MAX_BATCH.min(queue_capacity.max(1));
             let handle = std::thread::Builder::new()
                 .name(format!("kvatlas-writer-{lane}"))
-                .spawn(move || writer.run(&*index));
+                .spawn(move || {
+                    writer_loop(&*index, &receiver, &reports, max_batch, observer.as_deref());
+                });
             match handle {
                 Ok(handle) => {
-                    lanes.push(Lane {
-                        sender,
-                        unapplied,
-                        idle_since,
-                        epoch,
-                        inline: Mutex::new(()),
-                    });
+                    lanes.push(sender);
                     handles.push(handle);
                 }
                 Err(error) => {
@@ -257,7 +169,6 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
             lanes,
             threads: handles,
             reports,
-            observer,
         })
     }
 
@@ -274,11 +185,11 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     /// Tasks waiting in the lanes, not yet taken by a writer (a gauge of how far the writers
     /// are behind).
     pub fn queued(&self) -> usize {
-        self.lanes.iter().map(|lane| lane.sender.len()).sum()
+        self.lanes.iter().map(Sender::len).sum()
     }
 
     /// The lane of every rank of `worker_id`.
-    fn lane(&self, worker_id: u64) -> &Lane {
+    fn lane(&self, worker_id: u64) -> &Sender<Task> {
         let hash = FxBuildHasher.hash_one(worker_id);
         &self.lanes[(hash % self.lanes.len() as u64) as usize]
     }
@@ -290,7 +201,7 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     pub fn enqueue(&self, mutation: Mutation) -> Result<(), EnqueueError> {
         self.lane(mutation.worker().worker_id)
             .send(Task::Apply(mutation))
-            .map_err(|task| match task {
+            .map_err(|e| match e.0 {
                 Task::Apply(m) => EnqueueError::Stopped(m),
                 _ => unreachable_task(),
             })
@@ -319,7 +230,7 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
     pub fn enqueue_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
         self.lane(unit.worker_id)
             .send(Task::Unit(unit))
-            .map_err(|task| match task {
+            .map_err(|e| match e.0 {
                 Task::Unit(u) => EnqueueError::Stopped(u),
                 _ => unreachable_task(),
             })
@@ -340,39 +251,8 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
             })
     }
 
-    /// Applies a unit on the caller's thread if its lane is idle — it holds nothing, queued or
-    /// in hand, and has held nothing for 100 µs — else enqueues it if
-    /// the lane has room, as [`ThreadPool::try_enqueue_unit`] does.
-    ///
-    /// For producers on threads of their own (the ZMQ listeners): an idle lane's writer thread
-    /// is asleep, and waking it is most of a batch's way from the socket to the answers on a
-    /// machine with few cores; under load units queue and are applied in batches as before.
-    /// The call takes as long as the apply. Units of one worker submitted by one thread are
-    /// applied in submission order, each whole, as through the queue: inline only when the
-    /// lane holds nothing (so no earlier unit of the worker), at most one caller inline per
-    /// lane.
-    ///
-    /// # Errors
-    /// As [`ThreadPool::try_enqueue_unit`]'s, when the lane was busy.
-    pub fn submit_unit(&self, unit: Unit) -> Result<(), EnqueueError<Unit>> {
-        let lane = self.lane(unit.worker_id);
-        if lane.idle()
-            && let Some(_inline) = lane.inline.try_lock()
-            && lane.unapplied.load(Ordering::SeqCst) == 0
-        {
-            let mut pending = Pending::default();
-            pending.take(unit, self.observer.is_some());
-            let report = pending.apply(&*self.index, self.observer.as_deref());
-            mark_idle(&lane.idle_since, lane.epoch);
-            self.reports.lock().merge(&report);
-            return Ok(());
-        }
-        self.try_enqueue_unit(unit)
-    }
-
-    /// Waits until every mutation enqueued before this call has been applied (and every
-    /// [`ThreadPool::submit_unit`] applying inline when it was called has returned); returns
-    /// the reports accumulated since the previous flush.
+    /// Waits until every mutation enqueued before this call has been applied; returns the
+    /// reports accumulated since the previous flush.
     pub fn flush(&self) -> ApplyReport {
         let acks: Vec<_> = self
             .lanes
@@ -385,9 +265,6 @@ impl<I: SharedKvIndex + 'static> ThreadPool<I> {
         for done in acks {
             // A disconnected ack means that writer stopped; nothing more will come from it.
             let _ = done.recv();
-        }
-        for lane in &self.lanes {
-            drop(lane.inline.lock());
         }
         std::mem::take(&mut *self.reports.lock())
     }
@@ -409,8 +286,7 @@ fn unreachable_task() -> ! {
     unreachable!("a send hands back the task it was given")
 }
 
-/// What a writer (or an inline caller) has taken and not yet applied.
-#[derive(Default)]
+/// What a writer thread has taken from its lane and not yet applied.
 struct Pending {
     batch: Vec<Mutation>,
     checkpoints: Vec<Checkpoint>,
@@ -419,19 +295,10 @@ struct Pending {
 }
 
 impl Pending {
-    /// Takes a unit's mutations, checkpoint and (`timed`) receipt instant.
-    fn take(&mut self, unit: Unit, timed: bool) {
-        self.batch.extend(unit.mutations);
-        self.checkpoints.extend(unit.checkpoint);
-        if timed {
-            self.received.extend(unit.received);
-        }
-    }
-
     /// Applies what is pending as one write and tells `observer` each unit's delay.
     ///
     /// Invariant: a unit's mutations and checkpoint land in the same `apply_checkpointed` call.
-    fn apply<I: SharedKvIndex + ?Sized>(
+    fn apply<I: SharedKvIndex>(
         &mut self,
         index: &I,
         observer: Option<&(dyn Fn(Duration) + Send + Sync)>,
@@ -456,60 +323,46 @@ impl Pending {
     }
 }
 
-/// A writer thread's side of its lane.
-struct Writer {
-    receiver: Receiver<Task>,
-    reports: Arc<Mutex<ApplyReport>>,
-    /// The lane's count of tasks not yet applied ([`Lane::unapplied`]).
-    unapplied: Arc<AtomicUsize>,
-    /// [`Lane::idle_since`].
-    idle_since: Arc<AtomicU64>,
-    epoch: Instant,
+fn writer_loop<I: SharedKvIndex>(
+    index: &I,
+    receiver: &Receiver<Task>,
+    reports: &Mutex<ApplyReport>,
     max_batch: usize,
-    observer: Option<DelayObserver>,
-}
-
-impl Writer {
-    fn run<I: SharedKvIndex>(self, index: &I) {
-        let observer = self.observer.as_deref();
-        let mut report = ApplyReport::default();
-        let mut pending = Pending {
-            batch: Vec::with_capacity(self.max_batch),
-            ..Pending::default()
-        };
-        // Tasks taken from the lane and not yet applied (counted down once they are).
-        let mut taken = 0;
-        while let Ok(task) = self.receiver.recv() {
-            // The task just received, then whatever else is already waiting (up to a batch).
-            let mut next = Some(task);
-            while let Some(task) = next.take() {
-                taken += 1;
-                match task {
-                    Task::Apply(mutation) => pending.batch.push(mutation),
-                    Task::Unit(unit) => pending.take(unit, observer.is_some()),
-                    Task::Flush(ack) => {
-                        report.merge(&pending.apply(index, observer));
-                        self.reports.lock().merge(&std::mem::take(&mut report));
-                        self.done(std::mem::take(&mut taken));
-                        let _ = ack.send(());
-                        continue;
+    observer: Option<&(dyn Fn(Duration) + Send + Sync)>,
+) {
+    let mut report = ApplyReport::default();
+    let mut pending = Pending {
+        batch: Vec::with_capacity(max_batch),
+        checkpoints: Vec::new(),
+        received: Vec::new(),
+    };
+    while let Ok(task) = receiver.recv() {
+        // The task just received, then whatever else is already waiting (up to a batch).
+        let mut next = Some(task);
+        while let Some(task) = next.take() {
+            match task {
+                Task::Apply(mutation) => pending.batch.push(mutation),
+                Task::Unit(unit) => {
+                    pending.batch.extend(unit.mutations);
+                    pending.checkpoints.extend(unit.checkpoint);
+                    if observer.is_some() {
+                        pending.received.extend(unit.received);
                     }
                 }
-                if pending.batch.len() < self.max_batch {
-                    next = self.receiver.try_recv().ok();
+                Task::Flush(ack) => {
+                    report.merge(&pending.apply(index, observer));
+                    reports.lock().merge(&std::mem::take(&mut report));
+                    let _ = ack.send(());
+                    continue;
                 }
             }
-            report.merge(&pending.apply(index, observer));
-            self.done(std::mem::take(&mut taken));
+            if pending.batch.len() < max_batch {
+                next = receiver.try_recv().ok();
+            }
         }
-        self.reports.lock().merge(&report);
+        report.merge(&pending.apply(index, observer));
     }
-
-    /// `taken` tasks are applied: the lane is idle from now if nothing else is queued.
-    fn done(&self, taken: usize) {
-        mark_idle(&self.idle_since, self.epoch);
-        self.unapplied.fetch_sub(taken, Ordering::SeqCst);
-    }
+    reports.lock().merge(&report);
 }
 
 impl<I: SharedKvIndex + 'static> Drop for ThreadPool<I> {

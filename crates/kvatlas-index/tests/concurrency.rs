@@ -297,19 +297,14 @@ fn thread_pool_applies_each_rank_in_order_and_flushes() -> std::io::Result<()> {
 }
 
 /// A pool's index whose writes wait at a gate the test can hold, and which records the size of
-/// every batch it is given (and counts the batches that reached the gate).
-struct Gated(
-    Locked<RadixTree>,
-    parking_lot::Mutex<Vec<usize>>,
-    AtomicUsize,
-);
+/// every batch it is given.
+struct Gated(Locked<RadixTree>, parking_lot::Mutex<Vec<usize>>);
 
 impl Gated {
     fn new() -> Self {
         Self(
             Locked::new(RadixTree::new()),
             parking_lot::Mutex::new(Vec::new()),
-            AtomicUsize::new(0),
         )
     }
 }
@@ -319,7 +314,6 @@ impl SharedKvIndex for Gated {
         self.apply_batch(&mut vec![m.clone()])
     }
     fn apply_batch(&self, batch: &mut Vec<Mutation>) -> kvatlas_index::ApplyReport {
-        self.2.fetch_add(1, Ordering::SeqCst);
         let mut sizes = self.1.lock();
         sizes.push(batch.len());
         let mut report = kvatlas_index::ApplyReport::default();
@@ -566,104 +560,8 @@ fn thread_pool_tells_the_delay_observer_how_long_each_received_unit_took_to_beco
     }
     let report = pool.flush();
     assert_eq!(report.stored, 24 * 4 + 24);
-    assert_eq!(
-        delays.lock().len(),
-        timed,
-        "one report per unit with an instant"
-    );
-    // A unit applied inline on an idle lane is reported too, before the call returns.
-    std::thread::sleep(Duration::from_millis(2));
-    let worker = Worker::new(77, 0);
-    pool.submit_unit(Unit {
-        worker_id: worker.worker_id,
-        mutations: vec![store(worker, 0, 4)],
-        checkpoint: None,
-        resync: false,
-        received: Some(received),
-    })
-    .map_err(|_| std::io::Error::other("refused"))?;
     let delays = delays.lock();
-    assert_eq!(
-        delays.len(),
-        timed + 1,
-        "the inline apply reported its unit"
-    );
+    assert_eq!(delays.len(), timed, "one report per unit with an instant");
     assert!(delays.iter().all(|&d| d >= long_ago), "{delays:?}");
-    Ok(())
-}
-
-/// `submit_unit` applies a unit on the caller's thread while the lane is idle, and queues it
-/// behind a unit the writer holds, so a worker's units still apply in submission order.
-#[test]
-fn submit_unit_applies_inline_on_an_idle_lane_and_queues_behind_a_busy_one() -> std::io::Result<()>
-{
-    use std::time::Duration;
-    let pool = ThreadPool::new(Gated::new(), 1, 8)?;
-    let worker = Worker::new(5, 0);
-    let unit = |m: Mutation| Unit {
-        worker_id: worker.worker_id,
-        mutations: vec![m],
-        checkpoint: None,
-        resync: false,
-        received: None,
-    };
-    let (a, b, c) = (
-        store(worker, 0, 4),
-        store(worker, 4, 8),
-        remove(worker, 6..8),
-    );
-    let mut oracle = ReferenceIndex::new();
-    let query: Vec<LocalBlockHash> = (0..8).map(local).collect();
-
-    // Idle lane (nothing applied for longer than the pool's idle threshold, 100 µs): applied by
-    // the time the call returns, without a flush.
-    std::thread::sleep(Duration::from_millis(2));
-    pool.submit_unit(unit(a.clone()))
-        .map_err(|_| std::io::Error::other("refused"))?;
-    oracle.apply(&a);
-    let seen = pool.find_matches(&query, &MatchOptions::default());
-    assert_eq!(seen.device_score(worker), 4, "applied inline");
-    assert_eq!(
-        pool.index().1.lock().as_slice(),
-        &[1],
-        "one batch, on this thread"
-    );
-
-    // Busy lane: the writer holds `b` at the gate, so `c` must wait behind it in the queue.
-    let (held_tx, held_rx) = crossbeam_channel::bounded(0);
-    let (release_tx, release_rx) = crossbeam_channel::bounded::<()>(0);
-    let gate = std::thread::scope(|scope| {
-        let index = pool.index();
-        let holder = scope.spawn(move || {
-            let _gate = index.1.lock();
-            held_tx.send(()).ok();
-            // Released by the test; the timeout only keeps a wrong implementation (one that
-            // would apply `c` inline and wait at the gate) from hanging the test.
-            release_rx.recv_timeout(Duration::from_secs(30)).ok();
-        });
-        held_rx.recv().ok();
-        pool.enqueue_unit(unit(b.clone())).ok();
-        oracle.apply(&b);
-        while pool.index().2.load(Ordering::SeqCst) < 2 {
-            std::thread::yield_now(); // until the writer waits at the gate with `b`
-        }
-        // Long after the last apply finished: only the unit in the writer's hands keeps `c`
-        // from going inline.
-        std::thread::sleep(Duration::from_millis(2));
-        let submitted = pool.submit_unit(unit(c.clone()));
-        oracle.apply(&c);
-        let queued = pool.queued();
-        release_tx.send(()).ok();
-        holder.join().ok();
-        (submitted.is_ok(), queued)
-    });
-    assert_eq!(gate, (true, 1), "queued behind the unit the writer holds");
-    pool.flush();
-    assert_eq!(
-        SharedKvIndex::snapshot(pool.index()),
-        oracle.snapshot(),
-        "applied in submission order"
-    );
-    assert_eq!(pool.index().1.lock().as_slice(), &[1, 1, 1]);
     Ok(())
 }

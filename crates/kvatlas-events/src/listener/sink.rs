@@ -27,11 +27,9 @@ pub trait MutationSink: Send + Sync {
     fn try_push(&self, unit: Unit) -> Result<(), SinkError>;
 }
 
-/// Through [`ThreadPool::submit_unit`]: applied on the listener's thread while the writer's lane
-/// is idle (no writer thread to wake), queued when it is busy.
 impl<I: SharedKvIndex + 'static> MutationSink for ThreadPool<I> {
     fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
-        self.submit_unit(unit).map_err(|error| match error {
+        self.try_enqueue_unit(unit).map_err(|error| match error {
             EnqueueError::Full(u) => SinkError::Full(u),
             EnqueueError::Stopped(u) => SinkError::Closed(u),
         })
