@@ -594,7 +594,8 @@ impl<T> QueryRequestOf<T> {
 /// [`crate::fast_json`]): most of a 1,024-token query's parse.
 impl FastParse for QueryRequest {
     fn fast_parse(bytes: &[u8]) -> Option<Self> {
-        let raw: QueryRequestOf<Box<serde_json::value::RawValue>> =
+        // The array's text borrowed from the body, not copied.
+        let raw: QueryRequestOf<&serde_json::value::RawValue> =
             serde_json::from_slice(bytes).ok()?;
         let token_ids = crate::fast_json::parse_u32_array(raw.token_ids.get())?;
         Some(raw.with_tokens(token_ids))

@@ -16,7 +16,7 @@
 //! | `kvatlas_ready` | gauge | (1 once the startup gate is open) |
 //! | `kvatlas_registered_ranks` | gauge | |
 //! | `kvatlas_index_memberships`, `_worker_ranks`, `_heap_bytes`, `_capacity`, `_queue_depth`, `_last_event_timestamp_seconds` | gauge | `model`, `tenant` |
-//! | `kvatlas_ingest_delay_seconds` | histogram | `model`, `tenant` (a batch's receipt — taken off its ZMQ socket, a `PublishEvents` message, an event-log message — to its events visible to queries; a batch held back for a gap counts from the message that released it) |
+//! | `kvatlas_ingest_delay_seconds` | histogram | `model`, `tenant` (a batch's receipt — taken off its ZMQ socket, a `PublishEvents` message, an event-log message — to its events visible to queries; a batch held back for a gap counts from the message that released it; those a replay's timeout releases are not counted) |
 //! | `kvatlas_events_applied_total` | counter | `model`, `tenant` (index mutations applied) |
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |

@@ -108,7 +108,7 @@ pub(super) struct ListenerThread {
     pending_clears: Vec<Mutation>,
     /// When this thread took the message being handled off its socket (live or replay): the
     /// [`Unit::received`] of the units it leads to. `None` while held batches are released
-    /// (their wait is the startup gate's, not the pipeline's).
+    /// (their wait is the startup gate's, not the pipeline's) and after a replay timed out.
     taken: Option<Instant>,
     sink: Arc<dyn MutationSink>,
     shared: Arc<Shared>,
@@ -240,6 +240,9 @@ impl ListenerThread {
             if self.sequencer.handle_timeout(Instant::now()).is_some() {
                 let from = self.replay.as_ref().map_or(0, |replay| replay.from);
                 self.replay_abandoned(format!("replay from {from} timed out"));
+                // What this releases (buffered batches, the resync's clears) was not just taken
+                // off a socket: not timed.
+                self.taken = None;
                 if let Err(exit) = self.drive() {
                     return exit;
                 }
@@ -404,9 +407,10 @@ impl ListenerThread {
                     return self.drive();
                 }
             };
-            self.taken = Some(Instant::now());
+            let now = Instant::now();
+            self.taken = Some(now);
             self.sequencer
-                .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
+                .set_replay_deadline(id, now + self.config.options.replay_timeout);
             let reply = if received.count == received.frames.len() {
                 decode_replay_reply(&received.slices()).map(|reply| match reply {
                     ReplayReply::Batch { seq, .. } => Some(seq),
