@@ -32,15 +32,35 @@ impl Books {
         forest: &mut Forest,
         worker: Worker,
     ) -> (u32, &mut RunLedger<NodeRef>) {
+        let (rank_index, ledger, _) = self.rank_index_ledger_created(forest, worker);
+        (rank_index, ledger)
+    }
+
+    /// [`Self::rank_index_and_ledger`], and whether the ledger was created by this call.
+    fn rank_index_ledger_created(
+        &mut self,
+        forest: &mut Forest,
+        worker: Worker,
+    ) -> (u32, &mut RunLedger<NodeRef>, bool) {
         let free_rank_indices = &mut self.free_rank_indices;
+        let mut created = false;
         let (rank_index, ledger) = self.ledgers.entry(worker).or_insert_with(|| {
+            created = true;
             let rank_index = free_rank_indices.pop().unwrap_or(forest.ranks.len() as u32);
             forest.assign_rank_index(rank_index, worker);
             (rank_index, RunLedger::default())
         });
-        (*rank_index, ledger)
+        (*rank_index, ledger, created)
     }
 
+    /// Drops `worker`'s ledger and gives its rank index back if it holds no block.
+    ///
+    /// Called after a clear, a worker's removal, an eviction by the capacity bound, and a
+    /// mutation that created a ledger and left it empty. Not after a rank's own `Removed` took
+    /// its last block: an engine whose cache drained stores again, and its ledger keeps its room
+    /// (table, arena, run records) as a hash map keeps its capacity, instead of growing every
+    /// array again from nothing. That room is bounded by the rank's own peak and goes with its
+    /// clear or removal.
     pub(super) fn release_if_empty(&mut self, worker: Worker) {
         if let Some((rank_index, ledger)) = self.ledgers.get(&worker)
             && ledger.len() == 0
@@ -70,6 +90,10 @@ impl Books {
             None => 0,
         };
         let clock = self.bound.as_ref().map(|b| b.clock);
+        // Whether this mutation created the rank's ledger and left it empty (garbage: a removal
+        // naming blocks of a rank that holds none, a store that added nothing): it is dropped
+        // again. A ledger emptied by the rank's own removals stays (see `release_if_empty`).
+        let mut created_empty = false;
         match mutation {
             Mutation::Stored {
                 tier,
@@ -77,7 +101,7 @@ impl Books {
                 blocks,
                 ..
             } => {
-                let (rank_index, ledger) = self.rank_index_and_ledger(forest, worker);
+                let (rank_index, ledger, created) = self.rank_index_ledger_created(forest, worker);
                 if let Some(clock) = clock {
                     ledger.track_recency(clock);
                     ledger.set_clock(clock);
@@ -89,22 +113,26 @@ impl Books {
                     blocks,
                     &mut report,
                 );
+                created_empty = created && ledger.len() == 0;
             }
             Mutation::Removed { tier, blocks, .. } => {
-                let (rank_index, ledger) = self.rank_index_and_ledger(forest, worker);
+                let (rank_index, ledger, created) = self.rank_index_ledger_created(forest, worker);
                 ledger.remove(
                     &mut Sink::new(forest, rank_index),
                     *tier,
                     blocks,
                     &mut report,
                 );
+                created_empty = created && ledger.len() == 0;
             }
             Mutation::Cleared { .. } => report.cleared += self.clear_worker(forest, worker),
         }
         if self.bound.is_some() {
             self.enforce_bound(forest, worker, held_before, &mut report);
         }
-        self.release_if_empty(worker);
+        if created_empty {
+            self.release_if_empty(worker);
+        }
         report
     }
 
@@ -177,6 +205,7 @@ impl Books {
         let mut workers: Vec<WorkerBlocks> = self
             .ledgers
             .iter()
+            .filter(|(_, (_, ledger))| ledger.len() > 0)
             .map(|(worker, (_, ledger))| WorkerBlocks {
                 worker: *worker,
                 per_tier: ledger.per_tier(),

@@ -222,8 +222,23 @@ fn runs_stay_whole_and_the_arena_is_reused() {
     assert_eq!((report.removed, report.unknown_removes), (900, 6));
     let report = atlas.apply(&remove(Tier::Host, hashes(100, 1)));
     assert_eq!(report.removed, 1);
-    assert!(!atlas.books.ledgers.contains_key(&worker));
+    // Emptied by its own removals, the rank keeps its ledger's room (not listed, no blocks),
+    // and a later store starts the arena again from its first slot.
+    assert_eq!(ledger(&atlas), (0, 0, 0));
+    assert!(atlas.books.ledgers[&worker].1.heap_bytes() > 0);
     assert_eq!(atlas.stats().memberships, 0);
+    assert!(atlas.stats().workers.is_empty());
+    atlas.apply(&store(Tier::Device, None, 7000, 10));
+    assert_eq!(ledger(&atlas), (1, 10, 10));
+    let mut reference = ReferenceIndex::new();
+    reference.apply(&store(Tier::Device, None, 7000, 10));
+    assert_eq!(atlas.stats().workers, reference.stats().workers);
+    // Its clear (or the worker's removal) gives the room back.
+    atlas.apply(&Mutation::Cleared { worker });
+    assert!(!atlas.books.ledgers.contains_key(&worker));
+    // A removal naming only blocks a rank does not hold leaves no ledger behind.
+    atlas.apply(&remove(Tier::Device, hashes(1, 3)));
+    assert!(!atlas.books.ledgers.contains_key(&worker));
 }
 
 /// A rank's two sequences share a prefix; the first is removed whole and stored again (the
