@@ -52,12 +52,6 @@ pub(crate) trait RunNode: NodeBits + PartialEq {
     fn advance(self, blocks: u32) -> Self;
 }
 
-/// How many blocks ahead a run's deletion starts loading the table buckets it will clear. (A
-/// deletion's removals wait on their buckets; prefetching halved the synthetic remove's p50 in
-/// noisy hours and steadied it. Stores prefetching the same way got slower, 9.2 → 10.9 µs:
-/// their probes already overlap.)
-const PREFETCH_AHEAD: usize = 12;
-
 /// A stretch of placed blocks looks up the parents runs wait for (instead of checking each
 /// placed block) when it is more than this many times longer than their number.
 const ADOPT_LOOKUP_RATIO: usize = 4;
@@ -1347,13 +1341,11 @@ impl<N: RunNode> RunLedger<N> {
         } else if run.flags & HAS_PARENT != 0 {
             self.dangling.forget(d);
         }
-        let (start, end) = (run.start as usize, (run.start + run.len) as usize);
-        for pos in start..end {
-            if let Some(&ahead) = self.hashes[..end].get(pos + PREFETCH_AHEAD) {
-                self.table.prefetch(hash_of(ahead));
-            }
-            self.table.remove(hash_of(self.hashes[pos]), pos as u32);
-        }
+        let hashes = &self.hashes;
+        self.table
+            .remove_each(run.start..run.start + run.len, |pos| {
+                hash_of(hashes[pos as usize])
+            });
         self.starts.remove(&run.start);
         // The start bit stays: the slots become a hole (or leave the arena).
         self.locals.remove(&d);

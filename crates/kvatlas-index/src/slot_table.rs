@@ -50,14 +50,6 @@ impl SlotTable {
         }
     }
 
-    /// Starts loading where `hash` would be probed (the narrow form only).
-    #[inline]
-    pub(crate) fn prefetch(&self, hash: u64) {
-        if let Self::Narrow(t) = self {
-            t.prefetch(hash);
-        }
-    }
-
     /// The slot index whose entry satisfies `eq`.
     #[inline]
     pub(crate) fn find(&self, hash: u64, eq: impl Fn(u32) -> bool) -> Option<u32> {
@@ -115,6 +107,25 @@ impl SlotTable {
                     None
                 }
             },
+        }
+    }
+
+    /// Removes the entries of the slots `slots`, slot `s` hashed `hash_at(s)` (a deleted run's:
+    /// the narrow form loads each bucket ahead of its removal).
+    pub(crate) fn remove_each(
+        &mut self,
+        slots: std::ops::Range<u32>,
+        hash_at: impl Fn(u32) -> u64,
+    ) {
+        match self {
+            Self::Narrow(t) => t.remove_each(slots, hash_at),
+            Self::Wide(t) => {
+                for slot in slots {
+                    if let Ok(entry) = t.find_entry(hash_at(slot), |&i| i == slot) {
+                        entry.remove();
+                    }
+                }
+            }
         }
     }
 

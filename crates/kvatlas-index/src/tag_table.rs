@@ -36,6 +36,13 @@
 
 /// Entry lanes per bucket (the 16th holds the overflow count).
 const LANES: usize = 15;
+
+use std::ops::Range;
+
+/// How many slots ahead [`TagTable::remove_each`] starts loading the bucket it will clear.
+/// (Stores do not prefetch: it made them slower, 9.2 → 10.9 µs for 1,024 blocks, as their
+/// probes already overlap.)
+const REMOVE_PREFETCH_AHEAD: usize = 12;
 /// The bits of a match mask that are entry lanes.
 const LANE_MASK: u32 = (1 << LANES) - 1;
 
@@ -365,7 +372,33 @@ impl TagTable {
         self.len += 1;
     }
 
+    /// Removes the entries of the slots `slots` (nothing for one that is not there), slot `s`
+    /// hashed `hash_at(s)`: the removals of a deleted run, in one loop. Each removal waits on its
+    /// bucket, so the home bucket of the slot [`REMOVE_PREFETCH_AHEAD`] further on is loaded
+    /// first (synthetic remove p50 15–34 µs without, bimodal, against 12.0–12.7 µs with), and
+    /// each slot's hash is computed once, for its prefetch, and kept until its removal.
+    pub(crate) fn remove_each(&mut self, slots: Range<u32>, hash_at: impl Fn(u32) -> u64) {
+        const RING: usize = 16;
+        const { assert!(REMOVE_PREFETCH_AHEAD < RING) };
+        let (start, end) = (slots.start, slots.end);
+        let mut ring = [0u64; RING];
+        for s in start..end.min(start.saturating_add(REMOVE_PREFETCH_AHEAD as u32)) {
+            ring[s as usize % RING] = hash_at(s);
+        }
+        for s in start..end {
+            if let Some(next) = s.checked_add(REMOVE_PREFETCH_AHEAD as u32)
+                && next < end
+            {
+                let hash = hash_at(next);
+                self.prefetch(hash);
+                ring[next as usize % RING] = hash;
+            }
+            self.remove(ring[s as usize % RING], s);
+        }
+    }
+
     /// Removes the entry of `slot`, hashed `hash` (nothing if it is not there).
+    #[inline]
     pub(crate) fn remove(&mut self, hash: u64, slot: u32) {
         if self.len == 0 {
             return;
@@ -547,6 +580,40 @@ mod tests {
             spread in 1u64..40,
         ) {
             run_ops(&ops, spread);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+        /// Removing a range of slots in one call leaves the table that removing them one by one
+        /// does, for ranges shorter and longer than the prefetch distance, with slots that are
+        /// not there, and under colliding hashes.
+        #[test]
+        fn removing_a_range_equals_removing_each(
+            held in prop::collection::vec(proptest::bool::weighted(0.8), 0..300),
+            from in 0u32..320,
+            len in 0u32..80,
+            spread in prop::sample::select(vec![u64::MAX, 7]),
+        ) {
+            let hash = |p: u32| hash_of(ExternalBlockHash::new(u64::from(p) % spread));
+            let mut one_by_one = TagTable::default();
+            for (p, _) in held.iter().enumerate().filter(|(_, h)| **h) {
+                one_by_one.insert(hash(p as u32), p as u16, hash);
+            }
+            let mut ranged = one_by_one.clone();
+            for p in from..from + len {
+                one_by_one.remove(hash(p), p);
+            }
+            ranged.remove_each(from..from + len, hash);
+            check(&ranged, &hash);
+            let listed = |t: &TagTable| {
+                let mut v: Vec<u32> = t.iter().collect();
+                v.sort_unstable();
+                v
+            };
+            prop_assert_eq!(listed(&ranged), listed(&one_by_one));
+            prop_assert_eq!(ranged.len(), one_by_one.len());
         }
     }
 
