@@ -296,8 +296,11 @@ fn thread_pool_applies_each_rank_in_order_and_flushes() -> std::io::Result<()> {
     Ok(())
 }
 
+/// A worker id whose mutations make [`Gated`]'s writer panic.
+const POISON: u64 = 666;
+
 /// A pool's index whose writes wait at a gate the test can hold, and which records the size of
-/// every batch it is given.
+/// every batch it is given (and panics on a mutation of worker [`POISON`]).
 struct Gated(Locked<RadixTree>, parking_lot::Mutex<Vec<usize>>);
 
 impl Gated {
@@ -315,6 +318,10 @@ impl SharedKvIndex for Gated {
     }
     fn apply_batch(&self, batch: &mut Vec<Mutation>) -> kvatlas_index::ApplyReport {
         let mut sizes = self.1.lock();
+        assert!(
+            batch.iter().all(|m| m.worker().worker_id != POISON),
+            "a poisoned mutation stops the writer"
+        );
         sizes.push(batch.len());
         let mut report = kvatlas_index::ApplyReport::default();
         for m in batch.drain(..) {
@@ -415,6 +422,106 @@ fn thread_pool_queues_are_bounded() -> std::io::Result<()> {
     let report = pool.flush();
     assert_eq!(report.stored as usize, 10 - full);
     assert_eq!(pool.queued(), 0, "a flush leaves nothing queued");
+    Ok(())
+}
+
+#[test]
+fn thread_pool_enqueue_waits_for_room_and_keeps_order() -> std::io::Result<()> {
+    // A lane of two; the writer waits at the held gate with one mutation, two more fill the lane.
+    let pool = Arc::new(ThreadPool::new(Gated::new(), 1, 2)?);
+    let worker = Worker::new(5, 0);
+    let gate = pool.index().1.lock();
+    let mut oracle = ReferenceIndex::new();
+    let first = store(worker, 0, 1);
+    pool.enqueue(first.clone()).expect("the pool is running");
+    oracle.apply(&first);
+    // Wait until the writer has taken it off the lane (it then waits at the gate).
+    while pool.queued() > 0 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut next = 1;
+    while next < 10 {
+        let m = store(worker, next, next + 1);
+        match pool.try_enqueue(m.clone()) {
+            Ok(()) => {
+                oracle.apply(&m);
+            }
+            Err(EnqueueError::Full(_)) => break,
+            Err(EnqueueError::Stopped(_)) => panic!("writers stopped"),
+        }
+        next += 1;
+    }
+    assert!(
+        pool.queued() <= 2,
+        "{} queued in a lane of 2",
+        pool.queued()
+    );
+    // A blocking enqueue waits for room while the lane is full...
+    let done = Arc::new(AtomicUsize::new(0));
+    let waiting = {
+        let (pool, done) = (Arc::clone(&pool), Arc::clone(&done));
+        let m = store(worker, next, next + 1);
+        std::thread::spawn(move || {
+            let result = pool.enqueue(m);
+            done.store(1, Ordering::SeqCst);
+            result.is_ok()
+        })
+    };
+    oracle.apply(&store(worker, next, next + 1));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(
+        done.load(Ordering::SeqCst),
+        0,
+        "the enqueue waited for room"
+    );
+    // ...and goes through once the writer drains the lane, after what was queued before it.
+    drop(gate);
+    assert!(waiting.join().expect("producer thread"), "enqueued");
+    pool.flush();
+    assert_eq!(pool.queued(), 0);
+    assert_eq!(
+        SharedKvIndex::snapshot(pool.index()),
+        oracle.snapshot(),
+        "every mutation applied once, in order"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_producer_waiting_for_room_learns_that_the_writer_stopped() -> std::io::Result<()> {
+    let pool = Arc::new(ThreadPool::new(Gated::new(), 1, 1)?);
+    let gate = pool.index().1.lock();
+    // The writer takes the poisoned mutation and waits at the gate; one more fills the lane.
+    pool.enqueue(store(Worker::new(POISON, 0), 0, 1))
+        .expect("the pool is running");
+    let mut filled = false;
+    for _ in 0..100 {
+        match pool.try_enqueue(store(Worker::new(POISON, 0), 1, 2)) {
+            Ok(()) => {
+                filled = true;
+                break;
+            }
+            // The writer has not taken the first one off the lane yet.
+            Err(EnqueueError::Full(_)) => std::thread::sleep(std::time::Duration::from_millis(5)),
+            Err(EnqueueError::Stopped(_)) => panic!("writers stopped early"),
+        }
+    }
+    assert!(filled, "the writer took the first mutation");
+    let waiting = {
+        let pool = Arc::clone(&pool);
+        std::thread::spawn(move || pool.enqueue(store(Worker::new(POISON, 0), 2, 3)))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    // The writer panics on the poisoned batch: the waiting producer is told, not left waiting.
+    drop(gate);
+    match waiting.join().expect("producer thread") {
+        Err(EnqueueError::Stopped(m)) => assert_eq!(m.worker().worker_id, POISON),
+        other => panic!("expected Stopped, got {other:?}"),
+    }
+    assert!(matches!(
+        pool.try_enqueue(store(Worker::new(1, 0), 0, 1)),
+        Err(EnqueueError::Stopped(_))
+    ));
     Ok(())
 }
 
