@@ -47,6 +47,9 @@ pub use model::{
     ApplyReport, Checkpoint, ExternalBlockHash, IndexStats, MatchOptions, Matches, Mutation,
     StoredBlock, Tier, TierSet, Unit, Worker, WorkerBlocks, WorkerMatch,
 };
+#[cfg(loom)]
+#[doc(hidden)]
+pub use pool::LoomRoom;
 pub use pool::{DelayObserver, EnqueueError, ThreadPool};
 pub use reference::ReferenceIndex;
 pub use snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};

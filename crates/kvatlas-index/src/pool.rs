@@ -29,13 +29,15 @@
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
 use kvatlas_hash::LocalBlockHash;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
+
+use crate::sync::{AtomicBool, AtomicUsize, Condvar, wait_for};
 use rustc_hash::FxBuildHasher;
 
 use crate::backend::SharedKvIndex;
@@ -123,7 +125,7 @@ struct Room {
     waiting: AtomicUsize,
     /// Set when the writer thread has ended (its receiver is gone): nothing waits for room then.
     closed: AtomicBool,
-    lock: Mutex<()>,
+    lock: crate::sync::Mutex<()>,
     freed: Condvar,
 }
 
@@ -134,7 +136,7 @@ impl Room {
             queued: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
-            lock: Mutex::new(()),
+            lock: crate::sync::Mutex::new(()),
             freed: Condvar::new(),
         }
     }
@@ -161,8 +163,9 @@ impl Room {
     /// Takes a place, waiting for one; `false` once the writer has ended.
     ///
     /// No wakeup is lost: a producer counts itself in `waiting` and then checks `queued`, both
-    /// under the lock; the writer lowers `queued` and then reads `waiting` (all `SeqCst`), and
-    /// notifies under the lock. (The timed wait is a second guard, not the mechanism.)
+    /// under the lock; the writer lowers `queued` and then reads `waiting` by a read-modify-write
+    /// ([`Room::release`]), and notifies under the lock. Model-checked with loom
+    /// (`tests/loom.rs`); the timed wait is a second guard, not the mechanism.
     fn reserve(&self) -> bool {
         loop {
             if self.closed.load(Ordering::SeqCst) {
@@ -176,8 +179,9 @@ impl Room {
             while self.queued.load(Ordering::SeqCst) >= self.capacity
                 && !self.closed.load(Ordering::SeqCst)
             {
-                self.freed.wait_for(&mut guard, Duration::from_millis(50));
+                guard = wait_for(&self.freed, guard, Duration::from_millis(50));
             }
+            drop(guard);
             self.waiting.fetch_sub(1, Ordering::SeqCst);
         }
     }
@@ -185,7 +189,11 @@ impl Room {
     /// Gives back `taken` places (the writer took that many tasks).
     fn release(&self, taken: usize) {
         self.queued.fetch_sub(taken, Ordering::SeqCst);
-        if self.waiting.load(Ordering::SeqCst) > 0 {
+        // Read `waiting` with a read-modify-write, not a load: if a producer's increment comes
+        // later in `waiting`'s order, it reads this write and so synchronizes with it, and its
+        // check of `queued` then sees the places given back. This holds under acquire/release
+        // alone, without relying on a store-load order (which loom does not model).
+        if self.waiting.fetch_add(0, Ordering::SeqCst) > 0 {
             let _guard = self.lock.lock();
             self.freed.notify_all();
         }
@@ -196,6 +204,36 @@ impl Room {
         self.closed.store(true, Ordering::SeqCst);
         let _guard = self.lock.lock();
         self.freed.notify_all();
+    }
+}
+
+/// A lane's bound, exposed for the loom model of its wakeups (`tests/loom.rs`) only.
+#[cfg(loom)]
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct LoomRoom(Room);
+
+#[cfg(loom)]
+impl LoomRoom {
+    /// A room of `capacity` places.
+    pub fn new(capacity: usize) -> Self {
+        Self(Room::new(capacity))
+    }
+    /// [`Room::try_reserve`].
+    pub fn try_reserve(&self) -> bool {
+        self.0.try_reserve()
+    }
+    /// [`Room::reserve`].
+    pub fn reserve(&self) -> bool {
+        self.0.reserve()
+    }
+    /// [`Room::release`].
+    pub fn release(&self, taken: usize) {
+        self.0.release(taken);
+    }
+    /// [`Room::close`].
+    pub fn close(&self) {
+        self.0.close();
     }
 }
 

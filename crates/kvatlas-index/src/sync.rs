@@ -5,15 +5,58 @@
 //! locks (a poisoned loom lock means a panicking model thread, which fails the model anyway).
 
 #[cfg(not(loom))]
-pub(crate) use parking_lot::{Mutex, RwLock};
+pub(crate) use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::AtomicUsize;
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize};
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::AtomicUsize;
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
+
+/// Waits on `condvar` with `guard` held, for at most `timeout` (under loom without a timeout: a
+/// lost wakeup then shows as a deadlock of the model).
+#[cfg(not(loom))]
+pub(crate) fn wait_for<'a, T>(
+    condvar: &Condvar,
+    mut guard: MutexGuard<'a, T>,
+    timeout: std::time::Duration,
+) -> MutexGuard<'a, T> {
+    condvar.wait_for(&mut guard, timeout);
+    guard
+}
+
+/// Waits on `condvar` with `guard` held (loom: no timeout, see the other form).
+#[cfg(loom)]
+pub(crate) fn wait_for<'a, T>(
+    condvar: &Condvar,
+    guard: MutexGuard<'a, T>,
+    _timeout: std::time::Duration,
+) -> MutexGuard<'a, T> {
+    condvar
+        .0
+        .wait(guard)
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 #[cfg(loom)]
 mod loom_locks {
+    /// loom's mutex guard.
+    pub(crate) type MutexGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
+
+    /// `parking_lot`-style wrapper over loom's condition variable (waits go through
+    /// [`super::wait_for`]).
+    #[derive(Debug)]
+    pub(crate) struct Condvar(pub(crate) loom::sync::Condvar);
+
+    impl Condvar {
+        pub(crate) fn new() -> Self {
+            Self(loom::sync::Condvar::new())
+        }
+
+        pub(crate) fn notify_all(&self) {
+            self.0.notify_all();
+        }
+    }
+
     /// `parking_lot`-style wrapper over loom's mutex.
     #[derive(Debug)]
     pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
@@ -70,4 +113,4 @@ mod loom_locks {
 }
 
 #[cfg(loom)]
-pub(crate) use loom_locks::{Mutex, RwLock};
+pub(crate) use loom_locks::{Condvar, Mutex, MutexGuard, RwLock};

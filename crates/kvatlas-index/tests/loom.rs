@@ -4,14 +4,18 @@
 //! - a read sees the index after a whole number of mutations (never half of one);
 //! - reads never go back in time (a later read never sees fewer mutations than an earlier one);
 //! - after the writer is done, both copies hold the final state.
+//!
+//! And the bound of a `ThreadPool` lane: a producer waiting for room is always woken, by the
+//! writer taking a task or by the writer ending (no lost wakeup: loom's condition variable has no
+//! timeout here, so a lost one would deadlock the model).
 #![cfg(loom)]
 
 use std::sync::Arc;
 
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{
-    ConcurrentAtlas, ExternalBlockHash, MatchOptions, Mutation, SharedKvIndex, StoredBlock, Tier,
-    Worker,
+    ConcurrentAtlas, ExternalBlockHash, LoomRoom, MatchOptions, Mutation, SharedKvIndex,
+    StoredBlock, Tier, Worker,
     baseline::{LeftRight, RadixTree},
 };
 
@@ -88,4 +92,37 @@ fn left_right_reads_whole_mutations_in_order() {
 #[test]
 fn concurrent_atlas_reads_whole_mutations_in_order() {
     reads_whole_mutations_in_order(ConcurrentAtlas::new);
+}
+
+#[test]
+fn a_producer_waiting_for_room_is_woken_when_the_writer_takes_a_task() {
+    loom::model(|| {
+        let room = Arc::new(LoomRoom::new(1));
+        assert!(room.try_reserve(), "the lane's one place");
+        let producer = {
+            let room = Arc::clone(&room);
+            loom::thread::spawn(move || room.reserve())
+        };
+        // The writer takes the queued task.
+        room.release(1);
+        assert!(
+            producer.join().expect("producer"),
+            "the producer got the place"
+        );
+        assert!(!room.try_reserve(), "and holds it");
+    });
+}
+
+#[test]
+fn a_producer_waiting_for_room_is_woken_when_the_writer_ends() {
+    loom::model(|| {
+        let room = Arc::new(LoomRoom::new(1));
+        assert!(room.try_reserve());
+        let producer = {
+            let room = Arc::clone(&room);
+            loom::thread::spawn(move || room.reserve())
+        };
+        room.close();
+        assert!(!producer.join().expect("producer"), "told the writer ended");
+    });
 }
