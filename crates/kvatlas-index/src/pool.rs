@@ -36,12 +36,11 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, bounded, unbounded};
 use kvatlas_hash::LocalBlockHash;
 use parking_lot::Mutex;
-
-use crate::sync::{AtomicBool, AtomicUsize, Condvar, wait_for};
 use rustc_hash::FxBuildHasher;
 
 use crate::backend::SharedKvIndex;
 use crate::model::{ApplyReport, Checkpoint, MatchOptions, Matches, Mutation, Unit};
+use crate::sync::{AtomicBool, AtomicUsize, Condvar, wait_for};
 
 /// Most mutations a writer thread applies as one batch.
 const MAX_BATCH: usize = 64;
@@ -116,7 +115,8 @@ struct Lane {
 ///
 /// Invariant: `queued` counts the tasks sent and not yet taken by the writer, and never exceeds
 /// `capacity`: a producer reserves a place before it sends ([`Room::try_reserve`]) and the writer
-/// gives places back as it takes tasks ([`Room::release`]).
+/// gives places back for the tasks it took, once per drained batch and before a flush is
+/// acknowledged ([`Room::release`]).
 #[derive(Debug)]
 struct Room {
     capacity: usize,
@@ -188,6 +188,9 @@ impl Room {
 
     /// Gives back `taken` places (the writer took that many tasks).
     fn release(&self, taken: usize) {
+        if taken == 0 {
+            return;
+        }
         self.queued.fetch_sub(taken, Ordering::SeqCst);
         // Read `waiting` with a read-modify-write, not a load: if a producer's increment comes
         // later in `waiting`'s order, it reads this write and so synchronizes with it, and its
@@ -532,11 +535,13 @@ fn writer_loop<I: SharedKvIndex>(
         received: Vec::new(),
     };
     while let Ok(task) = receiver.recv() {
-        // The task just received, then whatever else is already waiting (up to a batch); each
-        // task's place in the lane is free again once it is taken, as in a bounded channel.
+        // The task just received, then whatever else is already waiting (up to a batch). The
+        // places of the tasks taken are given back once the lane is drained (one release per
+        // batch, not per task), and before a flush is acknowledged.
+        let mut taken = 0;
         let mut next = Some(task);
         while let Some(task) = next.take() {
-            room.release(1);
+            taken += 1;
             match task {
                 Task::Apply(mutation) => pending.batch.push(mutation),
                 Task::Unit(unit) => {
@@ -547,6 +552,7 @@ fn writer_loop<I: SharedKvIndex>(
                     }
                 }
                 Task::Flush(ack) => {
+                    room.release(std::mem::take(&mut taken));
                     report.merge(&pending.apply(index, observer));
                     reports.lock().merge(&std::mem::take(&mut report));
                     let _ = ack.send(());
@@ -557,6 +563,7 @@ fn writer_loop<I: SharedKvIndex>(
                 next = receiver.try_recv().ok();
             }
         }
+        room.release(taken);
         report.merge(&pending.apply(index, observer));
     }
     reports.lock().merge(&report);

@@ -26,18 +26,9 @@ pub(super) struct Books {
 }
 
 impl Books {
-    /// The rank's slot and ledger, given a slot in `forest` if new.
+    /// The rank's slot and ledger, given a slot in `forest` if new, and whether the ledger was
+    /// created by this call.
     pub(super) fn rank_index_and_ledger(
-        &mut self,
-        forest: &mut Forest,
-        worker: Worker,
-    ) -> (u32, &mut RunLedger<NodeRef>) {
-        let (rank_index, ledger, _) = self.rank_index_ledger_created(forest, worker);
-        (rank_index, ledger)
-    }
-
-    /// [`Self::rank_index_and_ledger`], and whether the ledger was created by this call.
-    fn rank_index_ledger_created(
         &mut self,
         forest: &mut Forest,
         worker: Worker,
@@ -101,7 +92,7 @@ impl Books {
                 blocks,
                 ..
             } => {
-                let (rank_index, ledger, created) = self.rank_index_ledger_created(forest, worker);
+                let (rank_index, ledger, created) = self.rank_index_and_ledger(forest, worker);
                 if let Some(clock) = clock {
                     ledger.track_recency(clock);
                     ledger.set_clock(clock);
@@ -116,7 +107,7 @@ impl Books {
                 created_empty = created && ledger.len() == 0;
             }
             Mutation::Removed { tier, blocks, .. } => {
-                let (rank_index, ledger, created) = self.rank_index_ledger_created(forest, worker);
+                let (rank_index, ledger, created) = self.rank_index_and_ledger(forest, worker);
                 ledger.remove(
                     &mut Sink::new(forest, rank_index),
                     *tier,
@@ -183,7 +174,7 @@ impl Books {
         self.clear(forest);
         let bounded = self.bound.is_some();
         for w in &snapshot.workers {
-            let (rank_index, ledger) = self.rank_index_and_ledger(forest, w.worker);
+            let (rank_index, ledger, _) = self.rank_index_and_ledger(forest, w.worker);
             if bounded {
                 // Restored blocks count as stored now, in snapshot order.
                 ledger.track_recency(0);
