@@ -142,8 +142,13 @@ pub(crate) struct RunLedger<N> {
     bounds: Vec<u64>,
     /// First slot → run.
     starts: FxHashMap<u32, u32>,
-    /// Holes (free arena ranges, coalesced, never touching the arena's end): start → length.
-    holes: FxHashMap<u32, u32>,
+    /// Bit `p` is set iff a hole (a free arena range, coalesced, never touching the arena's
+    /// end) starts at slot `p`; the hole's length is kept in `hashes[p]` (a free slot's hash is
+    /// not read otherwise). A bit and two array reads instead of a hash map: holes are made and
+    /// taken about once per deleted run and per store.
+    hole_bits: Vec<u64>,
+    /// Holes in the arena (set bits of `hole_bits`).
+    hole_count: usize,
     /// Hole starts by size class (`floor(log2(length))`), for allocation; entries go stale when
     /// a hole is taken or merged and are dropped when met (or all rebuilt when they pile up).
     classes: Vec<Vec<u32>>,
@@ -168,7 +173,8 @@ impl<N> Default for RunLedger<N> {
             free_runs: Vec::new(),
             bounds: Vec::new(),
             starts: FxHashMap::default(),
-            holes: FxHashMap::default(),
+            hole_bits: Vec::new(),
+            hole_count: 0,
             classes: Vec::new(),
             class_entries: 0,
             free_blocks: 0,
@@ -195,6 +201,14 @@ fn reserve_gently<T>(vec: &mut Vec<T>, len: usize) {
         };
         vec.reserve_exact(target.max(8) - vec.len());
     }
+}
+
+/// The length of the hole starting at `start` ([`RunLedger`]'s `hole_bits`), if one does.
+#[inline]
+fn hole_len_in(hole_bits: &[u64], hashes: &[ExternalBlockHash], start: u32) -> Option<u32> {
+    let word = *hole_bits.get(start as usize / 64)?;
+    // A hole's length fits its `u32` slot range.
+    (word & (1 << (start % 64)) != 0).then(|| hashes[start as usize].get() as u32)
 }
 
 /// The size class of a hole of `len` blocks.
@@ -379,7 +393,7 @@ impl<N: RunNode> RunLedger<N> {
             + self.free_runs.capacity() * 4
             + self.bounds.capacity() * 8
             + table_bytes(self.starts.capacity(), 8)
-            + table_bytes(self.holes.capacity(), 8)
+            + self.hole_bits.capacity() * 8
             + self.classes.iter().map(|c| c.capacity() * 4).sum::<usize>()
             + locals
             + self.dangling.heap_bytes()
@@ -612,7 +626,7 @@ impl<N: RunNode> RunLedger<N> {
     /// end. Returns `(start, len)`, `1 <= len <= want`.
     fn alloc(&mut self, want: u32) -> (u32, u32) {
         let want = want.max(1);
-        if !self.holes.is_empty() {
+        if self.hole_count > 0 {
             let many = self.free_blocks * 2 > self.hashes.len() as u64;
             if let Some((start, len)) = self.fitting_hole(want, many) {
                 self.take_free(start, len);
@@ -650,8 +664,8 @@ impl<N: RunNode> RunLedger<N> {
             while i > 0 && looked < 2 {
                 i -= 1;
                 let start = entries[i];
-                match self.holes.get(&start) {
-                    Some(&len) if class_of(len) == own => {
+                match hole_len_in(&self.hole_bits, &self.hashes, start) {
+                    Some(len) if class_of(len) == own => {
                         looked += 1;
                         if len >= want {
                             return Some((start, len));
@@ -682,8 +696,8 @@ impl<N: RunNode> RunLedger<N> {
     /// The newest hole of a size class, dropping stale entries on the way.
     fn last_hole(&mut self, class: usize) -> Option<(u32, u32)> {
         while let Some(&start) = self.classes[class].last() {
-            match self.holes.get(&start) {
-                Some(&len) if class_of(len) == class => return Some((start, len)),
+            match self.hole_len(start) {
+                Some(len) if class_of(len) == class => return Some((start, len)),
                 _ => {
                     self.classes[class].pop();
                     self.class_entries -= 1;
@@ -693,13 +707,30 @@ impl<N: RunNode> RunLedger<N> {
         None
     }
 
+    /// The length of the hole starting at `start`, if one does.
+    #[inline]
+    fn hole_len(&self, start: u32) -> Option<u32> {
+        hole_len_in(&self.hole_bits, &self.hashes, start)
+    }
+
     fn take_free(&mut self, start: u32, len: u32) {
-        self.holes.remove(&start);
+        debug_assert_eq!(self.hole_len(start), Some(len));
+        if let Some(word) = self.hole_bits.get_mut(start as usize / 64) {
+            *word &= !(1 << (start % 64));
+        }
+        self.hole_count -= 1;
         self.free_blocks -= u64::from(len);
     }
 
     fn put_free(&mut self, start: u32, len: u32) {
-        self.holes.insert(start, len);
+        debug_assert!(len > 0 && ((start + len) as usize) < self.hashes.len());
+        let word = start as usize / 64;
+        if word >= self.hole_bits.len() {
+            self.hole_bits.resize(word + 1, 0);
+        }
+        self.hole_bits[word] |= 1 << (start % 64);
+        self.hashes[start as usize] = ExternalBlockHash::new(u64::from(len));
+        self.hole_count += 1;
         self.free_blocks += u64::from(len);
         let class = class_of(len);
         if self.classes.len() <= class {
@@ -707,15 +738,21 @@ impl<N: RunNode> RunLedger<N> {
         }
         self.classes[class].push(start);
         self.class_entries += 1;
-        if self.class_entries > 2 * self.holes.len() + 64 {
-            // Stale entries dominate: rebuild from the holes.
-            for class in &mut self.classes {
-                class.clear();
+        if self.class_entries > 2 * self.hole_count + 64 {
+            // Stale entries dominate: keep each hole's entry once. (Every hole has an entry in
+            // its class: one is pushed whenever a hole is made, and only stale ones are dropped.)
+            let (bits, hashes) = (&self.hole_bits, &self.hashes);
+            let mut entries = 0;
+            for (class, starts) in self.classes.iter_mut().enumerate() {
+                starts.retain(|&s| {
+                    hole_len_in(bits, hashes, s).is_some_and(|len| class_of(len) == class)
+                });
+                starts.sort_unstable();
+                starts.dedup();
+                entries += starts.len();
             }
-            for (&start, &len) in &self.holes {
-                self.classes[class_of(len)].push(start);
-            }
-            self.class_entries = self.holes.len();
+            debug_assert_eq!(entries, self.hole_count);
+            self.class_entries = entries;
         }
     }
 
@@ -727,7 +764,7 @@ impl<N: RunNode> RunLedger<N> {
         }
         if start > 0
             && let Some(left) = self.bound_at_or_before(start - 1)
-            && let Some(&left_len) = self.holes.get(&left)
+            && let Some(left_len) = self.hole_len(left)
             && left + left_len == start
         {
             self.take_free(left, left_len);
@@ -735,7 +772,7 @@ impl<N: RunNode> RunLedger<N> {
             start = left;
             len += left_len;
         }
-        if let Some(&right_len) = self.holes.get(&(start + len)) {
+        if let Some(right_len) = self.hole_len(start + len) {
             self.take_free(start + len, right_len);
             self.clear_bound(start + len);
             len += right_len;
@@ -744,6 +781,8 @@ impl<N: RunNode> RunLedger<N> {
             self.clear_bound(start);
             self.hashes.truncate(start as usize);
             self.bounds.truncate((start as usize).div_ceil(64));
+            // (No hole starts at or after `start`: holes never touch the arena's end.)
+            self.hole_bits.truncate((start as usize).div_ceil(64));
             if let Some(recency) = &mut self.recency {
                 recency.stamps.truncate(start as usize);
             }
@@ -1348,7 +1387,11 @@ impl<N: RunNode> RunLedger<N> {
             });
         self.starts.remove(&run.start);
         // The start bit stays: the slots become a hole (or leave the arena).
-        self.locals.remove(&d);
+        // (A run held on no tier was not given local hashes when it left the forest, so
+        // there is usually nothing to remove: skip the lookup when no run has any.)
+        if !self.locals.is_empty() {
+            self.locals.remove(&d);
+        }
         self.runs[d as usize] = Self::bare(0, 0, run.node, TierSet::default(), UNROOTED, FREE);
         self.free_runs.push(d);
         self.free_range(run.start, run.len);
@@ -1431,7 +1474,7 @@ impl<N: RunNode> RunLedger<N> {
                 covered += u64::from(run.len);
                 at += run.len;
             } else {
-                let len = self.holes.get(&at).copied();
+                let len = self.hole_len(at);
                 assert!(len.is_some_and(|l| l > 0), "hole at {at}");
                 at += len.unwrap_or(1);
             }
@@ -1444,15 +1487,25 @@ impl<N: RunNode> RunLedger<N> {
         let bits: u32 = self.bounds.iter().map(|w| w.count_ones()).sum();
         assert_eq!(
             bits as usize,
-            self.starts.len() + self.holes.len(),
+            self.starts.len() + self.hole_count,
             "start bits"
         );
         assert_eq!(covered as usize, self.table.len(), "table size");
-        assert_eq!(
-            self.free_blocks,
-            self.holes.values().map(|&l| u64::from(l)).sum::<u64>(),
-            "free count"
-        );
+        let mut holes = (0u64, 0usize);
+        for (w, &bits) in self.hole_bits.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                let at = (w * 64) as u32 + bits.trailing_zeros();
+                bits &= bits - 1;
+                assert!(
+                    self.bound_at_or_before(at) == Some(at) && !self.starts.contains_key(&at),
+                    "the hole at {at} is a segment"
+                );
+                holes.0 += u64::from(self.hole_len(at).unwrap_or(0));
+                holes.1 += 1;
+            }
+        }
+        assert_eq!(holes, (self.free_blocks, self.hole_count), "free count");
         for &r in self.starts.values() {
             let run = &self.runs[r as usize];
             assert_eq!(run.level, self.wanted_level(r), "level of run {r}");
