@@ -1344,8 +1344,15 @@ impl<N: RunNode> RunLedger<N> {
         touched: &mut Vec<u32>,
     ) {
         let blocks = u64::from(stretch.hi - stretch.lo);
-        // Earlier stretches may have split the run: look it up again.
-        let r = self.run_of(stretch.lo);
+        // Earlier stretches may have split the run (a split keeps the head's record and gives
+        // the tail a new one; nothing is freed before the deletions that follow): the run found
+        // still holds the stretch if it still spans its first slot, else look it up again.
+        let found = &self.runs[stretch.run as usize];
+        let r = if (found.start..found.start + found.len).contains(&stretch.lo) {
+            stretch.run
+        } else {
+            self.run_of(stretch.lo)
+        };
         if !self.runs[r as usize].tiers.contains(tier) {
             report.unknown_removes += blocks;
             return;
