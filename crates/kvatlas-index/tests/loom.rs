@@ -6,8 +6,10 @@
 //! - after the writer is done, both copies hold the final state.
 //!
 //! And the bound of a `ThreadPool` lane: a producer waiting for room is always woken, by the
-//! writer taking a task or by the writer ending (no lost wakeup: loom's condition variable has no
-//! timeout here, so a lost one would deadlock the model).
+//! writer taking a task or by the writer ending, and two producers waiting together each get a
+//! place as the writer frees them one at a time (no lost wakeup: loom's condition variable has
+//! no timeout here, so a lost one would deadlock the model; the two-producer model fails when
+//! the writer does not notify, or reads the waiters' count with a plain load).
 #![cfg(loom)]
 
 use std::sync::Arc;
@@ -110,6 +112,50 @@ fn a_producer_waiting_for_room_is_woken_when_the_writer_takes_a_task() {
             "the producer got the place"
         );
         assert!(!room.try_reserve(), "and holds it");
+    });
+}
+
+/// Two producers wait for a full lane's one place; the writer gives places back one task at a
+/// time, as it takes them: each producer gets a place once, none is lost and none waits forever
+/// (a lost wakeup would leave a producer parked; loom reports the deadlock).
+#[test]
+fn producers_waiting_for_room_each_get_a_place_as_the_writer_frees_them() {
+    // Three threads: every interleaving is too many to explore here; up to two preemptions
+    // each covers the orders in which a wakeup can be lost (the writer's release between a
+    // producer's check and its wait, for either producer).
+    let mut model = loom::model::Builder::new();
+    model.preemption_bound = Some(2);
+    model.check(|| {
+        let room = Arc::new(LoomRoom::new(1));
+        assert!(room.try_reserve(), "the lane's one place");
+        // A producer that got a place sends its task down the lane.
+        let (lane, tasks) = loom::sync::mpsc::channel::<()>();
+        let producers: Vec<_> = (0..2)
+            .map(|_| {
+                let room = Arc::clone(&room);
+                let lane = lane.clone();
+                loom::thread::spawn(move || {
+                    let placed = room.reserve();
+                    if placed {
+                        lane.send(()).expect("the writer is there");
+                    }
+                    placed
+                })
+            })
+            .collect();
+        // The writer takes the first task, then each producer's as it comes.
+        room.release(1);
+        for _ in 0..2 {
+            tasks.recv().expect("a producer's task");
+            room.release(1);
+        }
+        for producer in producers {
+            assert!(
+                producer.join().expect("producer"),
+                "each producer got a place"
+            );
+        }
+        assert!(room.try_reserve(), "every place was given back");
     });
 }
 
