@@ -239,6 +239,12 @@ impl<N: RunNode> RunLedger<N> {
         self.hashes.len()
     }
 
+    /// Holes in the arena and entries in their size-class lists, stale ones included (for tests).
+    #[cfg(test)]
+    pub(crate) fn hole_entries(&self) -> (usize, usize) {
+        (self.hole_count, self.class_entries)
+    }
+
     // ---- recency (capacity bound) -------------------------------------------------------------
 
     /// Starts recording recency (for a capacity bound); `clock` continues the backend's clock.

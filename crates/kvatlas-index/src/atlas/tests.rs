@@ -241,6 +241,88 @@ fn runs_stay_whole_and_the_arena_is_reused() {
     assert!(!atlas.books.ledgers.contains_key(&worker));
 }
 
+/// Holes made one block at a time and then merged pile up stale entries in the size-class
+/// lists until they are pruned; the arena is reused and shrinks back, and the answers equal the
+/// reference model's. (Debug builds check the ledger's invariants, holes included, after every
+/// mutation.)
+#[test]
+fn holes_merge_and_their_class_lists_are_pruned() {
+    let worker = Worker::new(5, 0);
+    let chain = |parent: Option<u64>, from: u64, len: u64| Mutation::Stored {
+        worker,
+        tier: Tier::Device,
+        parent: parent.map(ExternalBlockHash::new),
+        blocks: (from..from + len)
+            .map(|i| StoredBlock {
+                external: ExternalBlockHash::new(i),
+                local: LocalBlockHash::new(i * 7 + 3),
+            })
+            .collect(),
+    };
+    let remove = |block: u64| Mutation::Removed {
+        worker,
+        tier: Tier::Device,
+        blocks: vec![ExternalBlockHash::new(block)],
+    };
+    let holes = |atlas: &Atlas| atlas.books.ledgers[&worker].1.hole_entries();
+    let arena = |atlas: &Atlas| atlas.books.ledgers[&worker].1.arena_len();
+    let mut atlas = Atlas::new();
+    let mut reference = ReferenceIndex::new();
+    let mut apply = |atlas: &mut Atlas, mutation: Mutation| {
+        atlas.apply(&mutation);
+        reference.apply(&mutation);
+    };
+    apply(&mut atlas, chain(None, 0, 600));
+    // Every odd block but the last: 299 holes of one slot, none touching another.
+    for block in (1..599).step_by(2) {
+        apply(&mut atlas, remove(block));
+    }
+    assert_eq!(holes(&atlas), (299, 299));
+    // The even blocks from the second on: each merges the holes on both sides into one, and
+    // the merged holes' old entries go stale; the lists are pruned when stale entries pass
+    // twice the holes (plus 64).
+    let mut most = 0;
+    for block in (2..598).step_by(2) {
+        apply(&mut atlas, remove(block));
+        let (count, entries) = holes(&atlas);
+        assert!(entries >= count && entries <= 2 * count + 64 + 1);
+        most = most.max(entries);
+    }
+    assert_eq!(holes(&atlas).0, 1, "one hole from slot 1 to 597");
+    assert!(most > 64, "stale entries piled up before they were pruned");
+    assert_eq!(arena(&atlas), 600);
+    // A store fills the hole instead of growing the arena.
+    apply(&mut atlas, chain(Some(0), 1000, 500));
+    assert_eq!(arena(&atlas), 600);
+    let query: Vec<LocalBlockHash> = [0u64]
+        .into_iter()
+        .chain(1000..1500)
+        .map(|i| LocalBlockHash::new(i * 7 + 3))
+        .collect();
+    let options = MatchOptions::default();
+    assert_eq!(
+        atlas.find_matches(&query, &options),
+        reference.find_matches(&query, &options)
+    );
+    assert_eq!(
+        atlas.find_matches(&query, &options).device_score(worker),
+        501
+    );
+    // Everything removed: the arena leaves no hole behind.
+    let mut all: Vec<ExternalBlockHash> = [0u64, 598, 599]
+        .into_iter()
+        .chain(1000..1500)
+        .map(ExternalBlockHash::new)
+        .collect();
+    all.reverse();
+    atlas.apply(&Mutation::Removed {
+        worker,
+        tier: Tier::Device,
+        blocks: all,
+    });
+    assert_eq!((arena(&atlas), holes(&atlas).0), (0, 0));
+}
+
 /// A rank's two sequences share a prefix; the first is removed whole and stored again (the
 /// peer harness's Workload B cycle). The second's suffix leaves the forest and comes back as
 /// one run on one edge, in a handful of forest changes rather than one per block, and the
