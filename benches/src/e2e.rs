@@ -201,6 +201,8 @@ pub struct Ingest {
     pub cpu_seconds: f64,
     /// Per million events published.
     pub cpu_seconds_per_million_events: f64,
+    /// `cpu_seconds` by process (through NATS: the ingest, nats-server, each replica).
+    pub cpu_seconds_by_process: Vec<(String, f64)>,
     /// Publish-to-visible lag.
     pub freshness: Freshness,
     /// Prompts compared with the reference.
@@ -311,12 +313,12 @@ impl Service {
         }
     }
 
-    /// Every process of the service (their CPU time is summed): through NATS, the ingest, the
-    /// nats-server and every replica.
-    fn pids(&self) -> Vec<u32> {
+    /// Every process of the service, named (their CPU time is summed): through NATS, the
+    /// ingest, the nats-server and every replica.
+    fn processes(&self) -> Vec<(String, u32)> {
         match self {
-            Service::Replicated(r) => r.pids(),
-            other => vec![other.pid()],
+            Service::Replicated(r) => r.processes(),
+            other => vec![("server".to_owned(), other.pid())],
         }
     }
 
@@ -584,13 +586,14 @@ fn ingest_phase(
         let (addr, busy) = (service.http().to_owned(), Arc::clone(&busy));
         std::thread::spawn(move || run_probes(&addr, receiver, &busy))
     };
-    let cpu_of = |pids: &[u32]| -> Result<f64> {
-        pids.iter()
-            .map(|&pid| cpu_seconds(pid))
-            .sum::<Result<f64>>()
+    let cpu_of = |processes: &[(String, u32)]| -> Result<Vec<f64>> {
+        processes
+            .iter()
+            .map(|&(_, pid)| cpu_seconds(pid))
+            .collect::<Result<Vec<f64>>>()
     };
-    let pids = service.pids();
-    let cpu_before = cpu_of(&pids)?;
+    let processes = service.processes();
+    let cpu_before = cpu_of(&processes)?;
     let mut last_probe: Option<Instant> = None;
     let mut tokens = Vec::new();
     let report = fleet::publish_schedule(&prepared.stream, &fleet, |item: &Scheduled, at| {
@@ -640,7 +643,12 @@ fn ingest_phase(
         .join()
         .map_err(|_| anyhow::anyhow!("the probe panicked"))??;
     let lags = &probes.upper;
-    let cpu = cpu_of(&pids)? - cpu_before;
+    let cpu_by_process: Vec<(String, f64)> = processes
+        .iter()
+        .zip(cpu_of(&processes)?.iter().zip(&cpu_before))
+        .map(|((name, _), (after, before))| (name.clone(), after - before))
+        .collect();
+    let cpu: f64 = cpu_by_process.iter().map(|(_, seconds)| seconds).sum();
     let replays = fleet.replays_served();
     let server_delay = match service {
         Service::Kvatlas(_) | Service::Replicated(_) => Some(ServerDelay::scrape(service.http())?),
@@ -698,6 +706,7 @@ fn ingest_phase(
         quiesced,
         cpu_seconds: cpu,
         cpu_seconds_per_million_events: cpu / events.max(1) as f64 * 1e6,
+        cpu_seconds_by_process: cpu_by_process,
         freshness: Freshness {
             samples: lags.len(),
             unseen: probes.unseen,

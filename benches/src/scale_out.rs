@@ -103,12 +103,16 @@ impl Replicated {
         })
     }
 
-    /// Every process: the ingest, nats-server, the replicas.
-    pub(crate) fn pids(&self) -> Vec<u32> {
-        let mut pids = vec![self.ingest.pid()];
-        pids.extend(self.nats.pid());
-        pids.extend(self.replicas.iter().map(Server::pid));
-        pids
+    /// Every process, named: the ingest, nats-server, the replicas.
+    pub(crate) fn processes(&self) -> Vec<(String, u32)> {
+        let mut processes = vec![("ingest".to_owned(), self.ingest.pid())];
+        processes.extend(self.nats.pid().map(|pid| ("nats-server".to_owned(), pid)));
+        processes.extend(
+            (1..)
+                .zip(&self.replicas)
+                .map(|(i, replica)| (format!("replica {i}"), replica.pid())),
+        );
+        processes
     }
 
     /// Bootstraps a new replica on the state built so far (after the running replicas wrote
@@ -330,5 +334,35 @@ pub fn markdown(paced: &Summary, unpaced: &Summary) -> String {
         cpu(paced, ServiceKind::Kvatlas),
         cpu(paced, ServiceKind::KvatlasNats)
     );
+    // Through NATS, by process: the median over runs of each process's share.
+    let by_process: Vec<Vec<(String, f64)>> = runs(paced, ServiceKind::KvatlasNats)
+        .iter()
+        .filter_map(leaf)
+        .map(|i| {
+            let events = i.events.max(1) as f64;
+            i.cpu_seconds_by_process
+                .iter()
+                .map(|(name, seconds)| (name.clone(), seconds / events * 1e6))
+                .collect()
+        })
+        .collect();
+    if let Some(first) = by_process.first() {
+        let shares: Vec<String> = first
+            .iter()
+            .enumerate()
+            .map(|(k, (name, _))| {
+                let values = by_process
+                    .iter()
+                    .filter_map(|run| run.get(k).map(|(_, v)| *v))
+                    .collect();
+                format!("{name} {:.1}", median(values))
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "| of which, by process (CPU s per million events, paced) | — | {} | — |",
+            shares.join(", ")
+        );
+    }
     out
 }
