@@ -122,6 +122,9 @@ pub struct Settings {
     /// Extra arguments of every `kvatlas serve` started (alone, ingest and replicas), e.g.
     /// `--busy-poll`; empty for the default settings the figures are reported with.
     pub kvatlas_args: Vec<String>,
+    /// Extra arguments of the ingest only (through NATS), after `kvatlas_args`, e.g.
+    /// `--publish-only`.
+    pub ingest_args: Vec<String>,
 }
 
 /// Freshness: publish-to-visible lag.
@@ -300,6 +303,7 @@ impl Service {
                 &settings.kvatlas,
                 settings.replicas,
                 &settings.kvatlas_args,
+                &settings.ingest_args,
             )?),
         })
     }

@@ -80,12 +80,19 @@ fn replica_args(url: &str, extra: &[String]) -> Vec<String> {
 
 impl Replicated {
     /// Starts nats-server, the ingest and `replicas` replicas (at least 1), each kvatlas
-    /// process with `extra` arguments before its role's.
-    pub(crate) fn start(kvatlas: &Path, replicas: usize, extra: &[String]) -> Result<Self> {
+    /// process with `extra` arguments before its role's (and the ingest `ingest_extra` after
+    /// them).
+    pub(crate) fn start(
+        kvatlas: &Path,
+        replicas: usize,
+        extra: &[String],
+        ingest_extra: &[String],
+    ) -> Result<Self> {
         let nats = NatsServer::start()?;
         let url = nats.url();
-        let ingest = Server::start(kvatlas, &with_role(extra, &["--publish-to", &url]))
-            .context("starting the ingest")?;
+        let mut ingest_args = with_role(extra, &["--publish-to", &url]);
+        ingest_args.extend_from_slice(ingest_extra);
+        let ingest = Server::start(kvatlas, &ingest_args).context("starting the ingest")?;
         let replicas = (0..replicas.max(1))
             .map(|_| {
                 Server::start(kvatlas, &replica_args(&url, extra)).context("starting a replica")

@@ -103,6 +103,7 @@ fn main() -> Result<()> {
         sweep: true,
         replicas: 2,
         kvatlas_args: args.kvatlas_arg,
+        ingest_args: Vec::new(),
     };
     let summary = e2e::run(&settings, |step| eprintln!("e2e bench: {step}"))?;
     print!("{}", e2e::markdown(&summary));

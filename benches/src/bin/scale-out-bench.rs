@@ -54,6 +54,10 @@ struct Args {
     /// `--kvatlas-arg=--busy-poll`): for trying settings; the reported figures use none.
     #[arg(long, allow_hyphen_values = true)]
     kvatlas_arg: Vec<String>,
+    /// An extra argument of the ingest only (repeat it for more), e.g.
+    /// `--ingest-arg=--publish-only`: an ingest that keeps no index of its own.
+    #[arg(long, allow_hyphen_values = true)]
+    ingest_arg: Vec<String>,
 }
 
 fn main() -> Result<()> {
@@ -76,6 +80,7 @@ fn main() -> Result<()> {
         sweep: false,
         replicas: args.replicas,
         kvatlas_args: args.kvatlas_arg.clone(),
+        ingest_args: args.ingest_arg.clone(),
     };
     let paced = e2e::run(&settings(args.rate), |step| {
         eprintln!("scale-out bench (paced): {step}");

@@ -235,6 +235,10 @@ pub struct ServeArgs {
     /// NATS JetStream event log, `nats://HOST:PORT` (docs/server.md, "Scale-out").
     #[arg(long, env = "KVATLAS_PUBLISH_TO", conflicts_with = "consume_from")]
     pub publish_to: Option<String>,
+    /// With --publish-to: only publish. The ingest keeps no index of its own (no apply, less
+    /// CPU and memory) and refuses queries (FAILED_PRECONDITION): query the replicas.
+    #[arg(long, env = "KVATLAS_PUBLISH_ONLY")]
+    pub publish_only: bool,
     /// Be a query replica of this NATS JetStream event log, `nats://HOST:PORT`: restore the
     /// newest snapshot of the bucket, apply the stream, write snapshots in turn.
     #[arg(long, env = "KVATLAS_CONSUME_FROM")]
@@ -296,6 +300,7 @@ struct ServeFile {
     /// `MODEL=PATH` items, as `--tokenizer`.
     tokenizer: Option<Vec<String>>,
     publish_to: Option<String>,
+    publish_only: Option<bool>,
     consume_from: Option<String>,
     nats_stream: Option<String>,
     nats_subject_prefix: Option<String>,
@@ -429,6 +434,7 @@ impl ServeArgs {
             .collect::<Result<_, _>>()?,
             publish_to: None,
             consume_from: None,
+            publish_only: self.publish_only || file.publish_only.unwrap_or(false),
             busy_poll: self.busy_poll || file.busy_poll.unwrap_or(false),
         };
         let nats = |url: String| {

@@ -192,6 +192,10 @@ pub struct ServerConfig {
     pub publish_to: Option<crate::nats::NatsLog>,
     /// A replica: the indexes are fed by this NATS JetStream event log only (`--consume-from`).
     pub consume_from: Option<crate::nats::NatsLog>,
+    /// An ingest that only publishes (`--publish-only`, with `publish_to`): it keeps no index
+    /// of its own (the events are decoded, hashed, sequenced and published, not applied here),
+    /// and refuses queries with FAILED_PRECONDITION: the replicas answer them.
+    pub publish_only: bool,
     /// Keep every async worker polling for I/O instead of sleeping until woken (`--busy-poll`):
     /// a request is picked up within microseconds instead of after a thread wakeup, at the cost
     /// of a core per worker, busy or idle.
@@ -218,6 +222,7 @@ impl Default for ServerConfig {
             tokenizers: Vec::new(),
             publish_to: None,
             consume_from: None,
+            publish_only: false,
             busy_poll: false,
         }
     }
@@ -296,6 +301,24 @@ impl ServerConfig {
         }
         for log in [&self.publish_to, &self.consume_from].into_iter().flatten() {
             log.validate().map_err(ConfigError::Invalid)?;
+        }
+        if self.publish_only {
+            let conflict = if self.publish_to.is_none() {
+                Some(
+                    "no --publish-to (it makes a server an ingest; --publish-only keeps that ingest from holding an index)",
+                )
+            } else if self.persistence.is_some() {
+                Some("--data-dir (a publish-only ingest holds no index to snapshot)")
+            } else if !self.peers.is_empty() {
+                Some("--peers (a publish-only ingest holds no index to bootstrap)")
+            } else {
+                None
+            };
+            if let Some(conflict) = conflict {
+                return Err(ConfigError::Invalid(format!(
+                    "--publish-only cannot be used with {conflict}"
+                )));
+            }
         }
         if self.consume_from.is_some() {
             let conflict = if self.publish_to.is_some() {
@@ -452,6 +475,26 @@ mod tests {
             block_size: BlockSize::new(16).expect("16"),
             engine: EngineKind::Vllm,
         }
+    }
+
+    #[test]
+    fn publish_only_needs_publish_to_and_no_index_state() {
+        let mut config = ServerConfig {
+            publish_only: true,
+            ..ServerConfig::default()
+        };
+        let error = config.validate().expect_err("no --publish-to").to_string();
+        assert!(
+            error.contains("--publish-only") && error.contains("--publish-to"),
+            "{error}"
+        );
+        config.publish_to = Some(crate::nats::NatsLog::new(String::from(
+            "nats://127.0.0.1:4222",
+        )));
+        config.validate().expect("an ingest that only publishes");
+        config.peers = vec!["http://127.0.0.1:8090".into()];
+        let error = config.validate().expect_err("peers").to_string();
+        assert!(error.contains("--peers"), "{error}");
     }
 
     #[test]

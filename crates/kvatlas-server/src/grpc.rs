@@ -746,7 +746,10 @@ impl IndexerService {
             );
             (log, record)
         });
-        enqueue(&prepared.entry.pool, unit).await?;
+        // (A publish-only ingest applies nothing itself.)
+        if !logged.as_ref().is_some_and(|(log, _)| log.publish_only) {
+            enqueue(&prepared.entry.pool, unit).await?;
+        }
         if let Some((log, record)) = logged {
             log.send(record).await;
         }

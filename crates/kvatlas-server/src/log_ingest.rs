@@ -38,13 +38,26 @@ const IN_FLIGHT: usize = 512;
 pub(crate) struct LogHandle {
     tx: mpsc::Sender<Outgoing>,
     stats: Arc<LogStats>,
+    /// The ingest only publishes (`--publish-only`): units are not applied to its indexes,
+    /// and its indexes refuse queries.
+    pub(crate) publish_only: bool,
 }
 
 impl LogHandle {
     /// A handle and the receiving end [`run_publisher`] drains.
-    pub(crate) fn new(stats: Arc<LogStats>) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
+    pub(crate) fn new(
+        stats: Arc<LogStats>,
+        publish_only: bool,
+    ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
         let (tx, rx) = mpsc::channel(QUEUE);
-        (Arc::new(Self { tx, stats }), rx)
+        (
+            Arc::new(Self {
+                tx,
+                stats,
+                publish_only,
+            }),
+            rx,
+        )
     }
 
     /// Waits for room, then queues `record` (from async code: `PublishEvents`).
@@ -77,7 +90,8 @@ impl LogHandle {
     }
 }
 
-/// A [`MutationSink`] that hands each unit to an index's writers and queues its record.
+/// A [`MutationSink`] that hands each unit to an index's writers and queues its record (only
+/// queues it on a publish-only ingest).
 pub(crate) struct LoggedSink {
     pub(crate) pool: Arc<ThreadPool<ServedIndex>>,
     pub(crate) log: Arc<LogHandle>,
@@ -93,7 +107,9 @@ impl MutationSink for LoggedSink {
             Err(mpsc::error::TrySendError::Closed(())) => return Err(SinkError::Closed(unit)),
         };
         let record = log_record::encode_unit(&self.key, self.block_size, &unit);
-        self.pool.try_push(unit)?;
+        if !self.log.publish_only {
+            self.pool.try_push(unit)?;
+        }
         LogStats::bump(&self.log.stats.queued);
         permit.send(record);
         Ok(())

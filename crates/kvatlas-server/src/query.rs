@@ -47,7 +47,8 @@ impl IndexEntry {
     ///
     /// # Errors
     /// INVALID_ARGUMENT for a prompt over `max_query_tokens` or a LoRA name or salt given with
-    /// local hashes (they are already mixed into the hashes).
+    /// local hashes (they are already mixed into the hashes); FAILED_PRECONDITION on a
+    /// publish-only ingest (it holds no index).
     pub(crate) fn query(
         &self,
         input: QueryInput<'_>,
@@ -56,6 +57,14 @@ impl IndexEntry {
         options: &QueryOptions,
         max_query_tokens: usize,
     ) -> Result<Answer, ServiceError> {
+        if self.log.as_ref().is_some_and(|log| log.publish_only) {
+            return Err(ServiceError::FailedPrecondition(
+                "this server is a publish-only ingest (--publish-only): it publishes the \
+                 engines' events to the NATS event log and keeps no index; query a replica \
+                 (kvatlas serve --consume-from)"
+                    .into(),
+            ));
+        }
         let block = self.block_size.as_usize();
         let hashes: Vec<LocalBlockHash> = match input {
             QueryInput::Tokens(tokens) => {

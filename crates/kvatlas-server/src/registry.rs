@@ -853,6 +853,12 @@ impl Registry {
         &self.log_stats
     }
 
+    /// Whether this server is an ingest that only publishes (`--publish-only`): it holds no
+    /// index state, so it answers no queries and gives no snapshots.
+    pub(crate) fn publish_only(&self) -> bool {
+        matches!(&self.log_role, Some(LogRole::Ingest(handle)) if handle.publish_only)
+    }
+
     /// FAILED_PRECONDITION on a replica: its indexes are fed by the event log only.
     pub(crate) fn check_feeds_allowed(&self) -> Result<(), ServiceError> {
         match &self.log_role {

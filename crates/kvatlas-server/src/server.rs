@@ -213,7 +213,8 @@ impl RunningServer {
                 .await
                 .map_err(StartError::Nats)?;
             let stats = Arc::new(crate::nats::LogStats::default());
-            let (handle, queue) = crate::log_ingest::LogHandle::new(Arc::clone(&stats));
+            let (handle, queue) =
+                crate::log_ingest::LogHandle::new(Arc::clone(&stats), config.publish_only);
             registry =
                 registry.with_log(crate::registry::LogRole::Ingest(handle), Arc::clone(&stats));
             let stop = CancellationToken::new();

@@ -66,7 +66,8 @@ impl State {
     }
 
     /// UNAVAILABLE while a snapshot would be incomplete or cut short: during a bootstrap from a
-    /// peer and once a shutdown started (the startup gate does not matter: the state is whole).
+    /// peer and once a shutdown started (the startup gate does not matter: the state is whole);
+    /// FAILED_PRECONDITION on a publish-only ingest, which holds no index.
     pub(crate) fn check_snapshot_ready(&self) -> Result<(), ServiceError> {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(ServiceError::Unavailable(
@@ -76,6 +77,13 @@ impl State {
         if self.bootstrapping.load(Ordering::Acquire) {
             return Err(ServiceError::Unavailable(
                 "not ready: restoring the index from a peer's snapshot".into(),
+            ));
+        }
+        if self.registry.publish_only() {
+            return Err(ServiceError::FailedPrecondition(
+                "this server is a publish-only ingest (--publish-only): it keeps no index to \
+                 snapshot; a replica's snapshots are in the NATS object store"
+                    .into(),
             ));
         }
         Ok(())

@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Served;
-use common::fleet::{CONVERGE, Fleet, converges, metric, ready, runtime, signal};
+use common::fleet::{CONVERGE, Fleet, converges, metric, metric_sum, ready, runtime, signal};
 use kvatlas_fleet::nats::NatsServer;
 use kvatlas_fleet::vllm::BLOCK_TOKENS;
 use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
@@ -148,6 +148,47 @@ fn replicas_converge_through_a_replica_kill_a_nats_restart_and_a_late_start() {
     assert_eq!(metric(&ingest, "kvatlas_log_queued_total"), fleet.batches);
     first.kill_9();
     second.kill_9();
+    ingest.kill_9();
+}
+
+#[test]
+fn a_publish_only_ingest_applies_nothing_and_refuses_queries() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let mut fleet = Fleet::new();
+    let ingest = ingest_with(&nats, &fleet, &["--publish-only"]);
+    fleet.wait_subscribed(1);
+    let replica = replica(&nats);
+    fleet.serve(300);
+    converges(&replica, &fleet, "the replica of a publish-only ingest");
+    assert_eq!(metric(&ingest, "kvatlas_log_queued_total"), fleet.batches);
+    let memberships = |server| metric_sum(server, "kvatlas_index_memberships", "model=\"m\"");
+    assert!(memberships(&replica) > 0);
+    assert_eq!(memberships(&ingest), 0, "the ingest applied nothing");
+    // The ingest holds nothing and says so, to queries and to snapshot requests alike.
+    let refused = runtime().block_on(async {
+        let mut client = IndexerClient::connect(ingest.grpc.clone())
+            .await
+            .expect("connects");
+        client
+            .query(v1::QueryRequest {
+                index: Some(v1::IndexSelector {
+                    model: MODEL.into(),
+                    tenant: String::new(),
+                }),
+                input: Some(v1::query_request::Input::LocalHashes(v1::LocalHashes {
+                    hashes: vec![1, 2, 3],
+                })),
+                ..v1::QueryRequest::default()
+            })
+            .await
+            .expect_err("refused")
+    });
+    // gRPC status 9: FAILED_PRECONDITION.
+    assert_eq!(i32::from(refused.code()), 9, "{refused:?}");
+    assert!(refused.message().contains("publish-only"), "{refused:?}");
+    let snapshot = common::fleet::state_memberships(&ingest.grpc).expect_err("no snapshot");
+    assert!(snapshot.contains("publish-only"), "{snapshot}");
+    replica.kill_9();
     ingest.kill_9();
 }
 
