@@ -203,6 +203,22 @@ fn reserve_gently<T>(vec: &mut Vec<T>, len: usize) {
     }
 }
 
+/// Sets bit `pos` of a bitmap, growing it as needed.
+fn set_bit(words: &mut Vec<u64>, pos: u32) {
+    let word = pos as usize / 64;
+    if word >= words.len() {
+        words.resize(word + 1, 0);
+    }
+    words[word] |= 1 << (pos % 64);
+}
+
+/// Clears bit `pos` of a bitmap (nothing if it lies beyond it).
+fn clear_bit(words: &mut [u64], pos: u32) {
+    if let Some(word) = words.get_mut(pos as usize / 64) {
+        *word &= !(1 << (pos % 64));
+    }
+}
+
 /// The length of the hole starting at `start` ([`RunLedger`]'s `hole_bits`), if one does.
 #[inline]
 fn hole_len_in(hole_bits: &[u64], hashes: &[ExternalBlockHash], start: u32) -> Option<u32> {
@@ -447,17 +463,11 @@ impl<N: RunNode> RunLedger<N> {
     }
 
     fn set_bound(&mut self, pos: u32) {
-        let word = pos as usize / 64;
-        if word >= self.bounds.len() {
-            self.bounds.resize(word + 1, 0);
-        }
-        self.bounds[word] |= 1 << (pos % 64);
+        set_bit(&mut self.bounds, pos);
     }
 
     fn clear_bound(&mut self, pos: u32) {
-        if let Some(word) = self.bounds.get_mut(pos as usize / 64) {
-            *word &= !(1 << (pos % 64));
-        }
+        clear_bit(&mut self.bounds, pos);
     }
 
     #[inline]
@@ -721,20 +731,14 @@ impl<N: RunNode> RunLedger<N> {
 
     fn take_free(&mut self, start: u32, len: u32) {
         debug_assert_eq!(self.hole_len(start), Some(len));
-        if let Some(word) = self.hole_bits.get_mut(start as usize / 64) {
-            *word &= !(1 << (start % 64));
-        }
+        clear_bit(&mut self.hole_bits, start);
         self.hole_count -= 1;
         self.free_blocks -= u64::from(len);
     }
 
     fn put_free(&mut self, start: u32, len: u32) {
         debug_assert!(len > 0 && ((start + len) as usize) < self.hashes.len());
-        let word = start as usize / 64;
-        if word >= self.hole_bits.len() {
-            self.hole_bits.resize(word + 1, 0);
-        }
-        self.hole_bits[word] |= 1 << (start % 64);
+        set_bit(&mut self.hole_bits, start);
         self.hashes[start as usize] = ExternalBlockHash::new(u64::from(len));
         self.hole_count += 1;
         self.free_blocks += u64::from(len);

@@ -303,22 +303,21 @@ impl ServerConfig {
             log.validate().map_err(ConfigError::Invalid)?;
         }
         if self.publish_only {
-            let conflict = if self.publish_to.is_none() {
-                Some(
-                    "no --publish-to (it makes a server an ingest; --publish-only keeps that ingest from holding an index)",
-                )
-            } else if self.persistence.is_some() {
+            if self.publish_to.is_none() {
+                return Err(ConfigError::Invalid(
+                    "--publish-only needs --publish-to (it makes a server an ingest; \
+                     --publish-only keeps that ingest from holding an index)"
+                        .into(),
+                ));
+            }
+            let conflict = if self.persistence.is_some() {
                 Some("--data-dir (a publish-only ingest holds no index to snapshot)")
             } else if !self.peers.is_empty() {
                 Some("--peers (a publish-only ingest holds no index to bootstrap)")
             } else {
                 None
             };
-            if let Some(conflict) = conflict {
-                return Err(ConfigError::Invalid(format!(
-                    "--publish-only cannot be used with {conflict}"
-                )));
-            }
+            refuse_combination("--publish-only", conflict)?;
         }
         if self.consume_from.is_some() {
             let conflict = if self.publish_to.is_some() {
@@ -334,11 +333,7 @@ impl ServerConfig {
             } else {
                 None
             };
-            if let Some(conflict) = conflict {
-                return Err(ConfigError::Invalid(format!(
-                    "--consume-from cannot be combined with {conflict}"
-                )));
-            }
+            refuse_combination("--consume-from", conflict)?;
         }
         if self.auth_tokens.is_none() && !self.allow_unauthenticated {
             for addr in [self.grpc_addr, self.http_addr] {
@@ -348,6 +343,16 @@ impl ServerConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// The error for `flag` given with `conflict` (a flag and why they exclude each other), if any.
+fn refuse_combination(flag: &str, conflict: Option<&str>) -> Result<(), ConfigError> {
+    match conflict {
+        Some(conflict) => Err(ConfigError::Invalid(format!(
+            "{flag} cannot be combined with {conflict}"
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -747,7 +747,7 @@ impl IndexerService {
             (log, record)
         });
         // (A publish-only ingest applies nothing itself.)
-        if !logged.as_ref().is_some_and(|(log, _)| log.publish_only) {
+        if !prepared.entry.publish_only() {
             enqueue(&prepared.entry.pool, unit).await?;
         }
         if let Some((log, record)) = logged {

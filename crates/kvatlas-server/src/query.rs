@@ -57,7 +57,7 @@ impl IndexEntry {
         options: &QueryOptions,
         max_query_tokens: usize,
     ) -> Result<Answer, ServiceError> {
-        if self.log.as_ref().is_some_and(|log| log.publish_only) {
+        if self.publish_only() {
             return Err(ServiceError::FailedPrecondition(
                 "this server is a publish-only ingest (--publish-only): it publishes the \
                  engines' events to the NATS event log and keeps no index; query a replica \

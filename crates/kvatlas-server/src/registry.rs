@@ -440,6 +440,12 @@ impl IndexEntry {
         self.pool.index()
     }
 
+    /// Whether this index belongs to a publish-only ingest: units are published, not applied
+    /// here, and the index answers no queries.
+    pub(crate) fn publish_only(&self) -> bool {
+        self.log.as_ref().is_some_and(|log| log.publish_only)
+    }
+
     /// The hasher for prompts with this LoRA name and cache salt (empty = none).
     pub(crate) fn hasher_for(&self, lora_name: &str, cache_salt: &str) -> BlockHasher {
         if lora_name.is_empty() && cache_salt.is_empty() {
