@@ -110,6 +110,8 @@ pub struct SequenceCounters {
     pub replays_requested: u64,
     /// Of those, catch-ups after a resume ([`Sequencer::catch_up`]).
     pub catch_ups: u64,
+    /// Of those, probes of a quiet stream ([`Sequencer::probe`]).
+    pub probes: u64,
     /// Of those, requested because the first live batch was not 0.
     pub late_joins: u64,
     /// Batches dropped as duplicates of an applied or buffered batch.
@@ -242,10 +244,32 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         if self.replay.is_some() {
             return;
         }
+        self.counters.catch_ups += 1;
+        self.request_open_ended();
+    }
+
+    /// Asks the engine for every batch after the last one applied because the live stream has
+    /// been quiet: a batch the live stream lost (published before the subscription took effect,
+    /// during a reconnection, or dropped at a high-water mark) is otherwise only noticed when a
+    /// later batch arrives, which a quiet engine may not send for a long time. Handled as a
+    /// catch-up ([`Sequencer::catch_up`]): what comes back is applied, a first batch later than
+    /// asked resyncs, a failure only ends the request. Returns whether the request was made:
+    /// not while a replay is outstanding, and not before the sequencer has a position (nothing
+    /// applied and nothing resumed: the first live batch shows what is missing).
+    pub fn probe(&mut self) -> bool {
+        if self.replay.is_some() || self.last_live.is_none() {
+            return false;
+        }
+        self.counters.probes += 1;
+        self.request_open_ended();
+        true
+    }
+
+    /// Emits an open-ended replay from the next sequence number.
+    fn request_open_ended(&mut self) {
         let id = ReplayId(self.next_replay_id);
         self.next_replay_id += 1;
         self.counters.replays_requested += 1;
-        self.counters.catch_ups += 1;
         self.replay = Some(Outstanding {
             id,
             from: self.next,

@@ -546,6 +546,46 @@ fn a_forced_gap_is_healed_by_replay() {
     }
 }
 
+/// The last batches an engine publishes are lost on the live stream (as when they go out before
+/// the subscription takes effect, or during a reconnection) and the engine then goes quiet: no
+/// later batch shows the gap. The listener probes the quiet stream's replay endpoint and applies
+/// them; without the probe they would be missing for as long as the engine stays quiet.
+#[test]
+fn the_last_batches_of_a_quiet_engine_lost_live_are_found_by_a_probe() {
+    let mut h = Harness::new();
+    let mut publisher = Publisher::loopback(&h.ctx);
+    let config = ListenerConfig::new(source(), publisher.endpoint.clone())
+        .with_replay_endpoint(publisher.replay_endpoint.clone())
+        .with_options(ListenerOptions {
+            quiet_probe: Some(Duration::from_millis(100)),
+            ..fast_options()
+        });
+    let id = h.listeners.start(config).expect("listener starts");
+    let warm = publisher.warm_up(&h.listeners, id);
+    let before = state(&h.listeners, id).counters;
+    let events = event_stream(1, 24);
+    // The last two (stores) are kept in the ring but never sent live.
+    publish_all(&mut publisher, &events, |i| i < 22);
+    let last = publisher.next_seq - 1;
+    wait_for("the lost batches, by a probe", || {
+        state(&h.listeners, id).last_seq == Some(last)
+    });
+    let s = state(&h.listeners, id);
+    assert!(s.counters.probes > 0, "{s:?}");
+    assert_eq!(
+        (s.counters.gaps, s.counters.resyncs),
+        (before.gaps, before.resyncs),
+        "no gap seen, nothing cleared: {s:?}"
+    );
+    assert!(
+        s.counters.batches_replayed >= before.batches_replayed + 2,
+        "{s:?}"
+    );
+    h.reference_apply(&warm);
+    h.reference_apply(&events);
+    h.assert_index_matches_reference();
+}
+
 /// A listener started held (as a server starts its listeners while it restores a snapshot)
 /// buffers live batches and applies none; its buffer is bounded, so the oldest are dropped
 /// (counted). Released at the snapshot's position, it first asks the engine for everything after

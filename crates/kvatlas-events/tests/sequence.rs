@@ -473,6 +473,44 @@ fn a_catch_up_that_starts_late_resyncs() {
     );
 }
 
+/// A probe of a quiet stream: none before the sequencer has a position or while a replay is
+/// outstanding; it fetches the batch the live stream lost after the last one applied (the engine
+/// published nothing after it, so no gap ever shows); a ring that lost it resyncs; counted apart
+/// from catch-ups and gaps.
+#[test]
+fn a_probe_finds_the_last_batch_the_live_stream_lost() {
+    let mut h = Harness::new();
+    assert!(!h.seq.probe(), "nothing applied, nothing resumed: no probe");
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(h.live([0, 1]), vec![Apply(0), Apply(1)]);
+    // Batch 2 was published but lost on the live stream; the engine then went quiet.
+    assert!(h.seq.probe());
+    assert_eq!(h.drain(), vec![Replay(2, u64::MAX)]);
+    assert!(!h.seq.probe(), "one replay at a time");
+    assert_eq!(h.replay([2], true), vec![Apply(2)]);
+    // Quiet with nothing lost: only the end marker comes back.
+    assert!(h.seq.probe());
+    h.drain();
+    assert_eq!(h.replay([], true), vec![]);
+    // Lost again, and the ring no longer holds 3..5 when the probe asks.
+    assert!(h.seq.probe());
+    h.drain();
+    assert_eq!(
+        h.replay(5..7, true),
+        vec![Resync(ResyncReason::ReplayIncomplete), Apply(5), Apply(6)]
+    );
+    let c = *h.seq.counters();
+    assert_eq!(
+        (c.probes, c.catch_ups, c.replays_requested, c.replay_resyncs),
+        (3, 0, 3, 1),
+        "{c:?}"
+    );
+    // A resumed sequencer has a position: it can probe at once.
+    let mut h = resumed(9);
+    assert!(h.seq.probe());
+    assert_eq!(h.drain(), vec![Replay(10, u64::MAX)]);
+}
+
 /// Replay timeouts with made-up instants, no sleeping: nothing happens before the deadline or
 /// without one; an answer that moves the deadline postpones the failure; at the deadline the
 /// replay fails like a reported failure (resync, then the buffered batches), counted as a

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use kvatlas_events::ListenerOptions;
 use kvatlas_hash::BlockSize;
 use kvatlas_proto::client::{Client, ClientError, ConnectOptions};
 use kvatlas_proto::v1;
@@ -25,6 +26,9 @@ use crate::config::{
 use crate::nats::NatsLog;
 use crate::registry::{DEFAULT_TENANT, IndexKey};
 use crate::server::{RunningServer, ShutdownReport, StartError};
+
+/// The longest `--quiet-probe-ms` (10 minutes).
+const MAX_QUIET_PROBE_MS: u64 = 600_000;
 
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
@@ -178,6 +182,13 @@ pub struct ServeArgs {
     /// shutdown [default: 30].
     #[arg(long, env = "KVATLAS_SNAPSHOT_INTERVAL_SECS")]
     pub snapshot_interval_secs: Option<u64>,
+    /// Milliseconds of silence on an engine's live stream after which its replay endpoint is
+    /// asked for anything newer than the last batch applied (a probe): a batch the live stream
+    /// lost is then found even if the engine publishes nothing after it. The wait doubles
+    /// while the stream stays quiet (up to 16 ×); 0 = never probe [default: 2000, at most
+    /// 600000].
+    #[arg(long, env = "KVATLAS_QUIET_PROBE_MS")]
+    pub quiet_probe_ms: Option<u64>,
     /// Peers to bootstrap from when there is no local snapshot: comma-separated base URLs of
     /// kvatlas (native snapshot, exact) or Dynamo indexers (`/dump`), tried in order.
     #[arg(long, env = "KVATLAS_PEERS")]
@@ -282,6 +293,7 @@ struct ServeFile {
     min_initial_workers: Option<usize>,
     data_dir: Option<PathBuf>,
     snapshot_interval_secs: Option<u64>,
+    quiet_probe_ms: Option<u64>,
     peers: Option<String>,
     peer_token_file: Option<PathBuf>,
     peer_ca_cert: Option<PathBuf>,
@@ -370,7 +382,20 @@ impl ServeArgs {
                     .or(file.writer_queue)
                     .unwrap_or(index.writer_queue),
                 capacity: self.capacity.or(file.capacity),
-                listener: index.listener,
+                listener: ListenerOptions {
+                    quiet_probe: match self.quiet_probe_ms.or(file.quiet_probe_ms) {
+                        Some(0) => None,
+                        Some(ms) if ms > MAX_QUIET_PROBE_MS => {
+                            return Err(CliError::Config(format!(
+                                "--quiet-probe-ms {ms} is longer than {MAX_QUIET_PROBE_MS} \
+                                 (10 minutes); 0 turns probing off"
+                            )));
+                        }
+                        Some(ms) => Some(Duration::from_millis(ms)),
+                        None => index.listener.quiet_probe,
+                    },
+                    ..index.listener
+                },
             },
             min_initial_workers,
             limits: Limits {
@@ -906,6 +931,7 @@ pub fn workers(args: &ListArgs) -> Result<String, CliError> {
                         "duplicates": counters.duplicates, "gaps": counters.gaps,
                         "resyncs": counters.resyncs, "restarts": counters.restarts,
                         "catch_ups": counters.catch_ups,
+                        "probes": counters.probes,
                         "replay_resyncs": counters.replay_resyncs,
                         "held_dropped": counters.held_dropped,
                         "decode_errors": counters.decode_errors,
@@ -1281,6 +1307,33 @@ mod tests {
         let error = args.resolve().expect_err("typo").to_string();
         assert!(error.contains("grpc_adr"), "{error}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `--quiet-probe-ms`: the listeners' probe interval; 0 turns probing off; too long is
+    /// refused with the flag's name; unset keeps the library's default.
+    #[test]
+    fn the_quiet_probe_interval_is_set_turned_off_or_refused() {
+        let probe = |ms: Option<u64>| {
+            ServeArgs {
+                quiet_probe_ms: ms,
+                ..ServeArgs::default()
+            }
+            .resolve()
+            .map(|(config, _)| config.index.listener.quiet_probe)
+        };
+        assert_eq!(
+            probe(None).expect("default"),
+            ListenerOptions::default().quiet_probe
+        );
+        assert_eq!(
+            probe(Some(250)).expect("set"),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(probe(Some(0)).expect("off"), None);
+        let error = probe(Some(MAX_QUIET_PROBE_MS + 1))
+            .expect_err("too long")
+            .to_string();
+        assert!(error.contains("--quiet-probe-ms"), "{error}");
     }
 
     /// Dynamo's standalone indexer's command line (`python -m dynamo.indexer --port --threads

@@ -315,6 +315,7 @@ fn counters_of(c: &FeedCounters) -> v1::WorkerCounters {
         connect_retries: c.connect_retries,
         disconnects: c.disconnects,
         catch_ups: c.catch_ups,
+        probes: c.probes,
         replay_resyncs: c.replay_resyncs,
         held_dropped: c.held_dropped,
         dropped: c

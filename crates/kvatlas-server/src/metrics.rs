@@ -628,6 +628,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
             ("connect_retry", c.connect_retries),
             ("disconnect", c.disconnects),
             ("catch_up", c.catch_ups),
+            ("probe", c.probes),
             ("replay_resync", c.replay_resyncs),
             ("held_dropped", c.held_dropped),
         ] {

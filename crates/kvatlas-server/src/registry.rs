@@ -232,6 +232,8 @@ pub struct FeedCounters {
     pub disconnects: u64,
     /// Catch-up replays after resuming from a snapshot.
     pub catch_ups: u64,
+    /// Replays asked because the live stream stayed quiet (a lost last batch is found).
+    pub probes: u64,
     /// Resyncs because a replay could not fill a hole.
     pub replay_resyncs: u64,
     /// Live batches a held listener (waiting for a snapshot) dropped from its full buffer; the
@@ -261,6 +263,7 @@ impl FeedCounters {
         self.connect_retries += other.connect_retries;
         self.disconnects += other.disconnects;
         self.catch_ups += other.catch_ups;
+        self.probes += other.probes;
         self.replay_resyncs += other.replay_resyncs;
         self.held_dropped += other.held_dropped;
         for (reason, n) in other.drops.iter() {
@@ -289,6 +292,7 @@ impl From<&ListenerCounters> for FeedCounters {
             connect_retries: c.connect_retries,
             disconnects: c.disconnects,
             catch_ups: c.catch_ups,
+            probes: c.probes,
             replay_resyncs: c.replay_resyncs,
             held_dropped: c.held_dropped,
             drops: c.drops,

@@ -17,6 +17,10 @@ pub enum SocketMode {
     Bind,
 }
 
+/// While the live stream stays quiet, the wait between probes doubles up to this many times
+/// [`ListenerOptions::quiet_probe`].
+pub(super) const MAX_PROBE_BACKOFF: u32 = 16;
+
 /// Tuning of a listener's sockets and timeouts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenerOptions {
@@ -39,6 +43,14 @@ pub struct ListenerOptions {
     pub max_batches_per_wakeup: usize,
     /// The sequencer's buffer and duplicate window.
     pub sequencer: SequencerConfig,
+    /// With a replay endpoint: when the live stream has been quiet this long, ask the engine
+    /// for anything after the last batch applied (a probe, [`Sequencer::probe`]), so a batch the
+    /// live stream lost is found even if the engine publishes nothing after it. While the
+    /// stream stays quiet the wait doubles, up to 16 × this. `None` turns probing off.
+    /// Default 2 s.
+    ///
+    /// [`Sequencer::probe`]: crate::sequence::Sequencer::probe
+    pub quiet_probe: Option<Duration>,
 }
 
 impl Default for ListenerOptions {
@@ -52,6 +64,7 @@ impl Default for ListenerOptions {
             max_frame_bytes: 64 << 20,
             max_batches_per_wakeup: 256,
             sequencer: SequencerConfig::default(),
+            quiet_probe: Some(Duration::from_secs(2)),
         }
     }
 }
@@ -164,6 +177,22 @@ impl ListenerOptions {
         millis_i32(self.replay_timeout, "replay_timeout")?;
         let reconnect = millis_i32(self.reconnect_interval, "reconnect_interval")?;
         let reconnect_max = millis_i32(self.reconnect_interval_max, "reconnect_interval_max")?;
+        if let Some(probe) = self.quiet_probe {
+            let longest =
+                probe
+                    .checked_mul(MAX_PROBE_BACKOFF)
+                    .ok_or(ListenerError::InvalidOption {
+                        name: "quiet_probe",
+                        reason: "too long",
+                    })?;
+            millis_i32(longest, "quiet_probe")?;
+            if probe.is_zero() {
+                return Err(ListenerError::InvalidOption {
+                    name: "quiet_probe",
+                    reason: "must be positive (None turns probing off)",
+                });
+            }
+        }
         if recv_timeout == 0 {
             return Err(ListenerError::InvalidOption {
                 name: "recv_timeout",

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvatlas_index::{Checkpoint, Mutation, Unit, Worker};
 
-use super::config::millis_i32;
+use super::config::{MAX_PROBE_BACKOFF, millis_i32};
 use super::status::{Shared, bump};
 use super::{ListenerConfig, ListenerStatus, MutationSink, Resume, SinkError};
 use crate::convert::Converter;
@@ -25,6 +25,43 @@ const MAX_KEPT_FRAMES: usize = 4;
 /// At most this many distinct ranks are remembered per source for resync clears (a source is
 /// one engine rank; batches normally all carry the same rank).
 const MAX_TRACKED_RANKS: usize = 64;
+
+/// When a quiet stream is probed next ([`Sequencer::probe`]).
+#[derive(Debug, Clone, Copy)]
+struct ProbeSchedule {
+    /// The configured interval: the first wait after a live batch.
+    interval: Duration,
+    /// The current wait (doubles while the stream stays quiet, up to
+    /// [`MAX_PROBE_BACKOFF`] × `interval`).
+    wait: Duration,
+    /// When the next probe is due.
+    at: Instant,
+}
+
+impl ProbeSchedule {
+    fn new(interval: Duration, now: Instant) -> Self {
+        Self {
+            interval,
+            wait: interval,
+            at: now + interval,
+        }
+    }
+
+    /// A live batch arrived: the stream is not quiet; the next probe is one interval away.
+    fn live(&mut self, now: Instant) {
+        self.wait = self.interval;
+        self.at = now + self.interval;
+    }
+
+    /// A probe went out (`sent`) or could not (a replay is outstanding, or there is no
+    /// position yet): schedules the next, backing off only after a probe.
+    fn after_probe(&mut self, now: Instant, sent: bool) {
+        if sent {
+            self.wait = (self.wait * 2).min(self.interval * MAX_PROBE_BACKOFF);
+        }
+        self.at = now + self.wait;
+    }
+}
 
 /// A fatal condition that ends the listener thread.
 #[derive(Debug)]
@@ -97,6 +134,8 @@ pub(super) struct ListenerThread {
     /// the oldest are dropped beyond it, and replayed after the release).
     held: Option<VecDeque<(u64, Vec<u8>)>>,
     replay: Option<ReplayState>,
+    /// Probes of a quiet stream; `None` without a replay endpoint or with probing off.
+    probe: Option<ProbeSchedule>,
     sequencer: Sequencer<Vec<u8>>,
     converter: Converter,
     /// Ranks this source has fed (cleared on resync), capped at [`MAX_TRACKED_RANKS`].
@@ -139,6 +178,11 @@ impl ListenerThread {
             connection_error: None,
             held: config.hold.then(VecDeque::new),
             replay: None,
+            probe: config
+                .options
+                .quiet_probe
+                .filter(|_| config.replay_endpoint.is_some())
+                .map(|interval| ProbeSchedule::new(interval, Instant::now())),
             sequencer,
             converter: Converter::new(source),
             ranks: BTreeSet::from([Worker::new(source.worker_id, source.dp_rank)]),
@@ -199,12 +243,12 @@ impl ListenerThread {
                     return exit;
                 }
             }
-            let timeout = match self.sequencer.poll_timeout() {
-                Some(deadline) => deadline
-                    .saturating_duration_since(Instant::now())
-                    .min(recv_timeout),
-                None => recv_timeout,
-            };
+            let now = Instant::now();
+            let timeout = [self.sequencer.poll_timeout(), self.probe.map(|p| p.at)]
+                .into_iter()
+                .flatten()
+                .map(|deadline| deadline.saturating_duration_since(now))
+                .fold(recv_timeout, Duration::min);
             let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
             let (live_ready, monitor_ready, replay_ready) = {
                 let mut items = Vec::with_capacity(3);
@@ -247,7 +291,26 @@ impl ListenerThread {
                     return exit;
                 }
             }
+            if let Err(exit) = self.probe_if_quiet() {
+                return exit;
+            }
         }
+    }
+
+    /// Probes the engine if the live stream has been quiet until the probe is due (see
+    /// [`Sequencer::probe`]); never while held.
+    fn probe_if_quiet(&mut self) -> Result<(), Exit> {
+        let now = Instant::now();
+        let Some(schedule) = self.probe.as_mut().filter(|p| now >= p.at) else {
+            return Ok(());
+        };
+        let sent = self.held.is_none() && self.sequencer.probe();
+        schedule.after_probe(now, sent);
+        if sent {
+            self.taken = None;
+            self.drive()?;
+        }
+        Ok(())
     }
 
     /// Leaves the held state: continue from `resume`, then apply what was buffered.
@@ -373,6 +436,9 @@ impl ListenerThread {
                         }
                         held.push_back((seq, payload));
                         continue;
+                    }
+                    if let Some(probe) = &mut self.probe {
+                        probe.live(Instant::now());
                     }
                     if self.shared.status() == ListenerStatus::Pending {
                         self.shared.set_status(ListenerStatus::Active);
@@ -506,9 +572,10 @@ impl ListenerThread {
         let c = &self.shared.counters;
         let set = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
         set(&c.duplicates, s.duplicates);
-        set(&c.gaps, s.replays_requested - s.catch_ups);
+        set(&c.gaps, s.replays_requested - s.catch_ups - s.probes);
         set(&c.late_joins, s.late_joins);
         set(&c.catch_ups, s.catch_ups);
+        set(&c.probes, s.probes);
         set(&c.resyncs, s.resyncs);
         set(&c.restarts, s.restarts);
         set(&c.replay_resyncs, s.replay_resyncs);

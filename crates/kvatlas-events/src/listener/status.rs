@@ -108,6 +108,9 @@ pub struct ListenerCounters {
     /// Catch-up replays after resuming a stream (not gaps: asked without waiting for a live
     /// batch, in case the engine published while this consumer was away).
     pub catch_ups: u64,
+    /// Probes: replays asked because the live stream stayed quiet (see
+    /// [`ListenerOptions::quiet_probe`](super::ListenerOptions::quiet_probe)); not gaps.
+    pub probes: u64,
     /// Replays that ended with the end marker.
     pub replays_completed: u64,
     /// Replays that failed: no replay endpoint, timeout, socket error.
@@ -179,6 +182,7 @@ pub(super) struct SharedCounters {
     pub(super) gaps: AtomicU64,
     pub(super) late_joins: AtomicU64,
     pub(super) catch_ups: AtomicU64,
+    pub(super) probes: AtomicU64,
     pub(super) replays_completed: AtomicU64,
     pub(super) replays_failed: AtomicU64,
     pub(super) resyncs: AtomicU64,
@@ -221,6 +225,7 @@ impl SharedCounters {
             gaps: get(&self.gaps),
             late_joins: get(&self.late_joins),
             catch_ups: get(&self.catch_ups),
+            probes: get(&self.probes),
             replays_completed: get(&self.replays_completed),
             replays_failed: get(&self.replays_failed),
             resyncs: get(&self.resyncs),
