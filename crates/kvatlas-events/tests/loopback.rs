@@ -153,6 +153,9 @@ enum Command {
     },
     /// Publish raw frames (malformed messages).
     Raw(Vec<Vec<u8>>),
+    /// Unbind the PUB and bind it again on the same endpoint: every subscriber's connection
+    /// drops and is made again (a network blip; the engine itself goes on).
+    Rebind,
 }
 
 #[derive(Clone)]
@@ -353,6 +356,11 @@ fn publisher_loop(
                 }
             }
             Ok(Command::Raw(frames)) => publisher.send_multipart(frames, 0).expect("PUB send"),
+            Ok(Command::Rebind) => {
+                let endpoint = last_endpoint(publisher);
+                publisher.unbind(&endpoint).expect("unbind PUB");
+                bind_retry(publisher, &endpoint);
+            }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
@@ -579,6 +587,42 @@ fn the_last_batches_of_a_quiet_engine_lost_live_are_found_by_a_probe() {
     );
     assert!(
         s.counters.batches_replayed >= before.batches_replayed + 2,
+        "{s:?}"
+    );
+    h.reference_apply(&warm);
+    h.reference_apply(&events);
+    h.assert_index_matches_reference();
+}
+
+/// A batch published while the SUB's connection was down is lost on the live stream; the engine
+/// then stays quiet. The listener probes as soon as the connection is made again (quiet probes
+/// are set far beyond the test's wait, so only the reconnection can trigger it).
+#[test]
+fn a_batch_lost_while_the_connection_was_down_is_found_on_reconnection() {
+    let mut h = Harness::new();
+    let mut publisher = Publisher::loopback(&h.ctx);
+    let config = ListenerConfig::new(source(), publisher.endpoint.clone())
+        .with_replay_endpoint(publisher.replay_endpoint.clone())
+        .with_options(ListenerOptions {
+            quiet_probe: Some(Duration::from_secs(60)),
+            ..fast_options()
+        });
+    let id = h.listeners.start(config).expect("listener starts");
+    let warm = publisher.warm_up(&h.listeners, id);
+    let before = state(&h.listeners, id).counters;
+    let events = event_stream(1, 4);
+    publish_all(&mut publisher, &events, |i| i < 3);
+    let last = publisher.next_seq - 1;
+    publisher.send(Command::Rebind);
+    wait_for("the lost batch, by the reconnection's probe", || {
+        state(&h.listeners, id).last_seq == Some(last)
+    });
+    let s = state(&h.listeners, id);
+    assert!(s.counters.connects > before.connects, "{s:?}");
+    assert!(s.counters.probes > before.probes, "{s:?}");
+    assert_eq!(
+        (s.counters.gaps, s.counters.resyncs),
+        (before.gaps, before.resyncs),
         "{s:?}"
     );
     h.reference_apply(&warm);

@@ -185,8 +185,8 @@ pub struct ServeArgs {
     /// Milliseconds of silence on an engine's live stream after which its replay endpoint is
     /// asked for anything newer than the last batch applied (a probe): a batch the live stream
     /// lost is then found even if the engine publishes nothing after it. The wait doubles
-    /// while the stream stays quiet (up to 16 ×); 0 = never probe [default: 2000, at most
-    /// 600000].
+    /// while the stream stays quiet (up to 16 ×); a probe also follows every (re)connection
+    /// to the engine; 0 = never probe [default: 2000, at most 600000].
     #[arg(long, env = "KVATLAS_QUIET_PROBE_MS")]
     pub quiet_probe_ms: Option<u64>,
     /// Peers to bootstrap from when there is no local snapshot: comma-separated base URLs of

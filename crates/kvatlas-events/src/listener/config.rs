@@ -46,7 +46,9 @@ pub struct ListenerOptions {
     /// With a replay endpoint: when the live stream has been quiet this long, ask the engine
     /// for anything after the last batch applied (a probe, [`Sequencer::probe`]), so a batch the
     /// live stream lost is found even if the engine publishes nothing after it. While the
-    /// stream stays quiet the wait doubles, up to 16 × this. `None` turns probing off.
+    /// stream stays quiet the wait doubles, up to 16 × this. A probe is also made as soon as
+    /// the SUB's connection is (re)established (what the engine published meanwhile was lost
+    /// on the live stream), once no other replay is outstanding. `None` turns probing off.
     /// Default 2 s.
     ///
     /// [`Sequencer::probe`]: crate::sequence::Sequencer::probe

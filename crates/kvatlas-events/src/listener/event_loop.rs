@@ -31,6 +31,8 @@ const MAX_TRACKED_RANKS: usize = 64;
 struct ProbeSchedule {
     /// The configured interval: the first wait after a live batch.
     interval: Duration,
+    /// How soon a probe that is due but could not go out is tried again.
+    retry: Duration,
     /// The current wait (doubles while the stream stays quiet, up to
     /// [`MAX_PROBE_BACKOFF`] × `interval`).
     wait: Duration,
@@ -39,9 +41,10 @@ struct ProbeSchedule {
 }
 
 impl ProbeSchedule {
-    fn new(interval: Duration, now: Instant) -> Self {
+    fn new(interval: Duration, retry: Duration, now: Instant) -> Self {
         Self {
             interval,
+            retry,
             wait: interval,
             at: now + interval,
         }
@@ -53,13 +56,21 @@ impl ProbeSchedule {
         self.at = now + self.interval;
     }
 
-    /// A probe went out (`sent`) or could not (a replay is outstanding, or there is no
-    /// position yet): schedules the next, backing off only after a probe.
+    /// The SUB's connection (re)opened: whatever the engine published while it was down was
+    /// lost on the live stream, so a probe is due now.
+    fn connected(&mut self, now: Instant) {
+        self.at = now;
+    }
+
+    /// A due probe went out (`sent`: the next one backs off) or could not (a replay is
+    /// outstanding, or there is no position yet: tried again shortly).
     fn after_probe(&mut self, now: Instant, sent: bool) {
         if sent {
+            self.at = now + self.wait;
             self.wait = (self.wait * 2).min(self.interval * MAX_PROBE_BACKOFF);
+        } else {
+            self.at = now + self.retry;
         }
-        self.at = now + self.wait;
     }
 }
 
@@ -182,7 +193,10 @@ impl ListenerThread {
                 .options
                 .quiet_probe
                 .filter(|_| config.replay_endpoint.is_some())
-                .map(|interval| ProbeSchedule::new(interval, Instant::now())),
+                .map(|interval| {
+                    let retry = config.options.recv_timeout.min(interval);
+                    ProbeSchedule::new(interval, retry, Instant::now())
+                }),
             sequencer,
             converter: Converter::new(source),
             ranks: BTreeSet::from([Worker::new(source.worker_id, source.dp_rank)]),
@@ -363,6 +377,12 @@ impl ListenerThread {
             let address = String::from_utf8_lossy(address);
             let counters = &self.shared.counters;
             let error = match zmq::SocketEvent::from_raw(event) {
+                zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
+                    if let Some(probe) = &mut self.probe {
+                        probe.connected(Instant::now());
+                    }
+                    None
+                }
                 zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
                     bump(&counters.connects);
                     if let Some(ours) = self.connection_error.take() {

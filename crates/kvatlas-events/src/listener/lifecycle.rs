@@ -240,6 +240,7 @@ fn monitor_socket(context: &zmq::Context, sub: &zmq::Socket) -> Result<zmq::Sock
     let events = [
         zmq::SocketEvent::CONNECTED,
         zmq::SocketEvent::ACCEPTED,
+        zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
         zmq::SocketEvent::CONNECT_RETRIED,
         zmq::SocketEvent::DISCONNECTED,
         zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL,
