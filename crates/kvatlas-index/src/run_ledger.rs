@@ -1328,11 +1328,11 @@ impl<N: RunNode> RunLedger<N> {
                 }
             }
             if let Some(m) = merged.replace(s) {
-                self.drop_tier(tier, m, report, &mut touched);
+                self.drop_tier(sink, tier, m, report, &mut touched);
             }
         }
         if let Some(m) = merged {
-            self.drop_tier(tier, m, report, &mut touched);
+            self.drop_tier(sink, tier, m, report, &mut touched);
         }
         STRETCHES.set(stretches);
         for &r in &touched {
@@ -1346,8 +1346,9 @@ impl<N: RunNode> RunLedger<N> {
 
     /// Drops `tier` from the named blocks `stretch` (making them a run of their own), or counts
     /// them unknown if their run is not on that tier.
-    fn drop_tier(
+    fn drop_tier<M: Membership<Node = N>>(
         &mut self,
+        sink: &mut M,
         tier: Tier,
         stretch: Segment,
         report: &mut ApplyReport,
@@ -1369,9 +1370,50 @@ impl<N: RunNode> RunLedger<N> {
         }
         report.removed += blocks;
         self.per_tier[tier.index()] -= blocks;
+        let run = self.runs[r as usize];
+        if stretch.lo > run.start
+            && stretch.hi == run.start + run.len
+            && run.tiers.without(tier).is_empty()
+            && run.level != UNROOTED
+            && !self.has_child_from(r, stretch.lo)
+        {
+            self.cut_tail(sink, r, stretch.lo);
+            return;
+        }
         let m = self.isolate(r, stretch.lo, stretch.hi);
         self.runs[m as usize].tiers = self.runs[m as usize].tiers.without(tier);
         touched.push(m);
+    }
+
+    /// Whether a child run of `r` hangs on a slot at or after `from`.
+    fn has_child_from(&self, r: u32, from: u32) -> bool {
+        let mut child = self.runs[r as usize].first_child;
+        while child != NIL {
+            let c = &self.runs[child as usize];
+            if c.parent >= from {
+                return true;
+            }
+            child = c.next_sibling;
+        }
+        false
+    }
+
+    /// Removes the rooted, single-tier run `r`'s blocks from slot `at` on (not its first; no
+    /// child run hangs on them) in place: what splitting them off as a run of their own, then
+    /// unrooting and deleting that run does (the same calls to the backend, the same slots
+    /// freed), without making and dropping the run's record, its start entry and its link.
+    /// Leaf-first eviction removes chains this way.
+    fn cut_tail<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, at: u32) {
+        let run = self.runs[r as usize];
+        let head = at - run.start;
+        let len = run.len - head;
+        sink.remove_along(run.node.advance(head), len, run.level);
+        self.runs[r as usize].len = head;
+        let hashes = &self.hashes;
+        self.table
+            .remove_each(at..at + len, |pos| hash_of(hashes[pos as usize]));
+        self.became_leaf(at - 1);
+        self.free_range(at, len);
     }
 
     /// Deletes a run held on no tier (already unrooted by `propagate`): its child runs wait for
