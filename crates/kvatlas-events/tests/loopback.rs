@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use common::W;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, unbounded};
 use kvatlas_events::{
-    Converter, DropCounters, EngineKind, ListenerConfig, ListenerError, ListenerId,
-    ListenerOptions, ListenerState, ListenerStatus, Listeners, MutationSink, Reason, SinkError,
-    SocketMode, Source,
+    Converter, DropCounters, EngineKind, ListenerConfig, ListenerCounters, ListenerError,
+    ListenerId, ListenerOptions, ListenerState, ListenerStatus, Listeners, MutationSink, Reason,
+    SinkError, SocketMode, Source,
 };
 use kvatlas_hash::BlockSize;
 use kvatlas_index::{
@@ -554,6 +554,50 @@ fn a_forced_gap_is_healed_by_replay() {
     }
 }
 
+/// Starts a listener on `publisher` that probes its quiet stream after `quiet_probe`, and warms
+/// it up; returns it, the warm-up batches and the counters after them.
+fn listen_probing(
+    h: &Harness,
+    publisher: &mut Publisher,
+    quiet_probe: Duration,
+) -> (ListenerId, Vec<Vec<u8>>, ListenerCounters) {
+    let config = ListenerConfig::new(source(), publisher.endpoint.clone())
+        .with_replay_endpoint(publisher.replay_endpoint.clone())
+        .with_options(ListenerOptions {
+            quiet_probe: Some(quiet_probe),
+            ..fast_options()
+        });
+    let id = h.listeners.start(config).expect("listener starts");
+    let warm = publisher.warm_up(&h.listeners, id);
+    let before = state(&h.listeners, id).counters;
+    (id, warm, before)
+}
+
+/// Waits until the listener applied the publisher's last batch, found by a probe (no gap seen,
+/// nothing cleared), then compares the index with the reference model of every batch.
+fn assert_probe_found_the_rest(
+    h: &mut Harness,
+    publisher: &Publisher,
+    (id, warm, before): (ListenerId, Vec<Vec<u8>>, ListenerCounters),
+    events: &[Vec<u8>],
+) -> ListenerCounters {
+    let last = publisher.next_seq - 1;
+    wait_for("the lost batches, by a probe", || {
+        state(&h.listeners, id).last_seq == Some(last)
+    });
+    let c = state(&h.listeners, id).counters;
+    assert!(c.probes > before.probes, "{c:?}");
+    assert_eq!(
+        (c.gaps, c.resyncs),
+        (before.gaps, before.resyncs),
+        "no gap seen, nothing cleared: {c:?}"
+    );
+    h.reference_apply(&warm);
+    h.reference_apply(events);
+    h.assert_index_matches_reference();
+    c
+}
+
 /// The last batches an engine publishes are lost on the live stream (as when they go out before
 /// the subscription takes effect, or during a reconnection) and the engine then goes quiet: no
 /// later batch shows the gap. The listener probes the quiet stream's replay endpoint and applies
@@ -562,36 +606,13 @@ fn a_forced_gap_is_healed_by_replay() {
 fn the_last_batches_of_a_quiet_engine_lost_live_are_found_by_a_probe() {
     let mut h = Harness::new();
     let mut publisher = Publisher::loopback(&h.ctx);
-    let config = ListenerConfig::new(source(), publisher.endpoint.clone())
-        .with_replay_endpoint(publisher.replay_endpoint.clone())
-        .with_options(ListenerOptions {
-            quiet_probe: Some(Duration::from_millis(100)),
-            ..fast_options()
-        });
-    let id = h.listeners.start(config).expect("listener starts");
-    let warm = publisher.warm_up(&h.listeners, id);
-    let before = state(&h.listeners, id).counters;
+    let listener = listen_probing(&h, &mut publisher, Duration::from_millis(100));
+    let replayed = listener.2.batches_replayed;
     let events = event_stream(1, 24);
     // The last two (stores) are kept in the ring but never sent live.
     publish_all(&mut publisher, &events, |i| i < 22);
-    let last = publisher.next_seq - 1;
-    wait_for("the lost batches, by a probe", || {
-        state(&h.listeners, id).last_seq == Some(last)
-    });
-    let s = state(&h.listeners, id);
-    assert!(s.counters.probes > 0, "{s:?}");
-    assert_eq!(
-        (s.counters.gaps, s.counters.resyncs),
-        (before.gaps, before.resyncs),
-        "no gap seen, nothing cleared: {s:?}"
-    );
-    assert!(
-        s.counters.batches_replayed >= before.batches_replayed + 2,
-        "{s:?}"
-    );
-    h.reference_apply(&warm);
-    h.reference_apply(&events);
-    h.assert_index_matches_reference();
+    let c = assert_probe_found_the_rest(&mut h, &publisher, listener, &events);
+    assert!(c.batches_replayed >= replayed + 2, "{c:?}");
 }
 
 /// A batch published while the SUB's connection was down is lost on the live stream; the engine
@@ -601,33 +622,13 @@ fn the_last_batches_of_a_quiet_engine_lost_live_are_found_by_a_probe() {
 fn a_batch_lost_while_the_connection_was_down_is_found_on_reconnection() {
     let mut h = Harness::new();
     let mut publisher = Publisher::loopback(&h.ctx);
-    let config = ListenerConfig::new(source(), publisher.endpoint.clone())
-        .with_replay_endpoint(publisher.replay_endpoint.clone())
-        .with_options(ListenerOptions {
-            quiet_probe: Some(Duration::from_secs(60)),
-            ..fast_options()
-        });
-    let id = h.listeners.start(config).expect("listener starts");
-    let warm = publisher.warm_up(&h.listeners, id);
-    let before = state(&h.listeners, id).counters;
+    let listener = listen_probing(&h, &mut publisher, Duration::from_secs(60));
+    let connects = listener.2.connects;
     let events = event_stream(1, 4);
     publish_all(&mut publisher, &events, |i| i < 3);
-    let last = publisher.next_seq - 1;
     publisher.send(Command::Rebind);
-    wait_for("the lost batch, by the reconnection's probe", || {
-        state(&h.listeners, id).last_seq == Some(last)
-    });
-    let s = state(&h.listeners, id);
-    assert!(s.counters.connects > before.connects, "{s:?}");
-    assert!(s.counters.probes > before.probes, "{s:?}");
-    assert_eq!(
-        (s.counters.gaps, s.counters.resyncs),
-        (before.gaps, before.resyncs),
-        "{s:?}"
-    );
-    h.reference_apply(&warm);
-    h.reference_apply(&events);
-    h.assert_index_matches_reference();
+    let c = assert_probe_found_the_rest(&mut h, &publisher, listener, &events);
+    assert!(c.connects > connects, "{c:?}");
 }
 
 /// A listener started held (as a server starts its listeners while it restores a snapshot)
