@@ -295,7 +295,8 @@ impl ListenerThread {
             if live_ready && let Err(exit) = self.read_live() {
                 return exit;
             }
-            if self.sequencer.handle_timeout(Instant::now()).is_some() {
+            let now = Instant::now();
+            if self.sequencer.handle_timeout(now).is_some() {
                 let from = self.replay.as_ref().map_or(0, |replay| replay.from);
                 self.replay_abandoned(format!("replay from {from} timed out"));
                 // What this releases (buffered batches, the resync's clears) was not just taken
@@ -305,7 +306,7 @@ impl ListenerThread {
                     return exit;
                 }
             }
-            if let Err(exit) = self.probe_if_quiet() {
+            if let Err(exit) = self.probe_if_quiet(now) {
                 return exit;
             }
         }
@@ -313,8 +314,7 @@ impl ListenerThread {
 
     /// Probes the engine if the live stream has been quiet until the probe is due (see
     /// [`Sequencer::probe`]); never while held.
-    fn probe_if_quiet(&mut self) -> Result<(), Exit> {
-        let now = Instant::now();
+    fn probe_if_quiet(&mut self, now: Instant) -> Result<(), Exit> {
         let Some(schedule) = self.probe.as_mut().filter(|p| now >= p.at) else {
             return Ok(());
         };
@@ -429,7 +429,8 @@ impl ListenerThread {
                 Err(zmq::Error::ETERM) => return Err(Exit::Stopped),
                 Err(error) => return Err(self.fail(format!("SUB receive: {error}"))),
             };
-            self.taken = Some(Instant::now());
+            let now = Instant::now();
+            self.taken = Some(now);
             bump(&self.shared.counters.messages_received);
             let seq = if received.count == received.frames.len() {
                 decode_live_message(&received.slices()).map(|m| m.seq)
@@ -458,7 +459,7 @@ impl ListenerThread {
                         continue;
                     }
                     if let Some(probe) = &mut self.probe {
-                        probe.live(Instant::now());
+                        probe.live(now);
                     }
                     if self.shared.status() == ListenerStatus::Pending {
                         self.shared.set_status(ListenerStatus::Active);
