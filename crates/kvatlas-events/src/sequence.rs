@@ -257,7 +257,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// not while a replay is outstanding, and not before the sequencer has a position (nothing
     /// applied and nothing resumed: the first live batch shows what is missing).
     pub fn probe(&mut self) -> bool {
-        if self.replay.is_some() || self.last_live.is_none() {
+        if self.replay.is_some() || !self.has_position() {
             return false;
         }
         self.counters.probes += 1;
@@ -283,6 +283,12 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             from: self.next,
             to: u64::MAX,
         });
+    }
+
+    /// Whether the sequencer knows where its stream stands: it has applied a batch or resumed
+    /// from a position (a [`Sequencer::probe`] can then ask for what follows).
+    pub fn has_position(&self) -> bool {
+        self.last_live.is_some()
     }
 
     /// `(seq, fingerprint)` of the last batches applied, oldest first.

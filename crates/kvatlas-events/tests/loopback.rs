@@ -153,8 +153,8 @@ enum Command {
     },
     /// Publish raw frames (malformed messages).
     Raw(Vec<Vec<u8>>),
-    /// Unbind the PUB and bind it again on the same endpoint: every subscriber's connection
-    /// drops and is made again (a network blip; the engine itself goes on).
+    /// Close the PUB and bind a new one on the same endpoint: every subscriber's connection
+    /// drops and is made again (a network blip; the engine, its ring and its sequence go on).
     Rebind,
 }
 
@@ -251,7 +251,9 @@ impl Publisher {
         bind_retry(&router, replay_at);
         let replay_endpoint = last_endpoint(&router);
         let (tx, rx) = unbounded();
-        let thread = std::thread::spawn(move || publisher_loop(&publisher, &router, &rx, &options));
+        let ctx = ctx.clone();
+        let thread =
+            std::thread::spawn(move || publisher_loop(&ctx, publisher, &router, &rx, &options));
         Self {
             commands: Some(tx),
             thread: Some(thread),
@@ -335,7 +337,8 @@ impl Drop for Publisher {
 }
 
 fn publisher_loop(
-    publisher: &zmq::Socket,
+    ctx: &zmq::Context,
+    mut publisher: zmq::Socket,
     router: &zmq::Socket,
     commands: &Receiver<Command>,
     options: &PublisherOptions,
@@ -357,9 +360,12 @@ fn publisher_loop(
             }
             Ok(Command::Raw(frames)) => publisher.send_multipart(frames, 0).expect("PUB send"),
             Ok(Command::Rebind) => {
-                let endpoint = last_endpoint(publisher);
-                publisher.unbind(&endpoint).expect("unbind PUB");
-                bind_retry(publisher, &endpoint);
+                let endpoint = last_endpoint(&publisher);
+                drop(publisher);
+                publisher = ctx.socket(zmq::PUB).expect("PUB");
+                publisher.set_linger(0).expect("linger");
+                publisher.set_sndhwm(options.send_hwm).expect("sndhwm");
+                bind_retry(&publisher, &endpoint);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
@@ -582,9 +588,15 @@ fn assert_probe_found_the_rest(
     events: &[Vec<u8>],
 ) -> ListenerCounters {
     let last = publisher.next_seq - 1;
-    wait_for("the lost batches, by a probe", || {
-        state(&h.listeners, id).last_seq == Some(last)
-    });
+    let start = Instant::now();
+    while state(&h.listeners, id).last_seq != Some(last) {
+        assert!(
+            start.elapsed() < WAIT,
+            "timed out waiting for the lost batches, by a probe: {:?}",
+            state(&h.listeners, id)
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let c = state(&h.listeners, id).counters;
     assert!(c.probes > before.probes, "{c:?}");
     assert_eq!(

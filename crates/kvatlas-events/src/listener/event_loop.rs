@@ -38,6 +38,10 @@ struct ProbeSchedule {
     wait: Duration,
     /// When the next probe is due.
     at: Instant,
+    /// The SUB's connection was (re)established since the last probe went out: a probe is due
+    /// whatever the live stream does (a live batch read after the new connection may still
+    /// have come over the old one, so it cannot stand for the probe).
+    reconnected: bool,
 }
 
 impl ProbeSchedule {
@@ -47,18 +51,23 @@ impl ProbeSchedule {
             retry,
             wait: interval,
             at: now + interval,
+            reconnected: false,
         }
     }
 
-    /// A live batch arrived: the stream is not quiet; the next probe is one interval away.
+    /// A live batch arrived: the stream is not quiet; the next probe is one interval away,
+    /// unless one is due for a reconnection.
     fn live(&mut self, now: Instant) {
         self.wait = self.interval;
-        self.at = now + self.interval;
+        if !self.reconnected {
+            self.at = now + self.interval;
+        }
     }
 
     /// The SUB's connection (re)opened: whatever the engine published while it was down was
-    /// lost on the live stream, so a probe is due now.
+    /// lost on the live stream, so a probe is due now (and stays due until one goes out).
     fn connected(&mut self, now: Instant) {
+        self.reconnected = true;
         self.at = now;
     }
 
@@ -66,6 +75,7 @@ impl ProbeSchedule {
     /// outstanding, or there is no position yet: tried again shortly).
     fn after_probe(&mut self, now: Instant, sent: bool) {
         if sent {
+            self.reconnected = false;
             self.at = now + self.wait;
             self.wait = (self.wait * 2).min(self.interval * MAX_PROBE_BACKOFF);
         } else {
@@ -378,7 +388,11 @@ impl ListenerThread {
             let counters = &self.shared.counters;
             let error = match zmq::SocketEvent::from_raw(event) {
                 zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
-                    if let Some(probe) = &mut self.probe {
+                    // Without a position (a fresh listener) the first live batch shows what
+                    // is missing; there is nothing to probe after.
+                    if self.sequencer.has_position()
+                        && let Some(probe) = &mut self.probe
+                    {
                         probe.connected(Instant::now());
                     }
                     None
