@@ -34,7 +34,9 @@ impl ReplayId {
 /// Why the worker's state had to be rebuilt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ResyncReason {
-    /// The live sequence went backwards with new content: the engine restarted.
+    /// The engine restarted: the live sequence went backwards with new content, or a replay
+    /// anchored at the last batch applied found other content or nothing there
+    /// ([`Sequencer::probe`]).
     Restart,
     /// A replay started later than requested or skipped batches (the engine's ring no longer
     /// held them).
@@ -65,7 +67,10 @@ pub enum Action<P> {
     Replay {
         /// The request's id, to pass back with its answers.
         id: ReplayId,
-        /// First missing sequence number (inclusive).
+        /// The start sequence to send: the last batch applied when its fingerprint is known
+        /// (the *anchor*: its copy in the engine's ring shows the engine is the incarnation
+        /// that published it, see [`Sequencer::probe`]; it is checked, not applied), else the
+        /// first missing sequence number.
         from: u64,
         /// First sequence number already buffered (exclusive end of the hole); `u64::MAX` for
         /// a catch-up ([`Sequencer::catch_up`]: whatever the engine has from `from` on).
@@ -146,6 +151,11 @@ struct Outstanding {
     answered: bool,
     /// A catch-up ([`Sequencer::catch_up`]): no known end, and no resync if it fails.
     open_ended: bool,
+    /// An open-ended request that starts at the last batch applied, `(seq, fingerprint)`: the
+    /// engine's copy of it is checked, not applied (see [`Sequencer::probe`]).
+    anchor: Option<(u64, u64)>,
+    /// The anchor came back (first in the answer).
+    anchor_seen: bool,
     /// When the request fails if nothing more arrives (set by the caller).
     deadline: Option<Instant>,
 }
@@ -170,7 +180,10 @@ struct Outstanding {
 ///   and start over from it;
 /// - a replay that starts late, skips batches or fails → resync, then continue with what is
 ///   there (the worker is rebuilt from the events that follow);
-/// - more than [`SequencerConfig::max_buffered`] buffered live batches → resync, flush them.
+/// - more than [`SequencerConfig::max_buffered`] buffered live batches → resync, flush them;
+/// - a replay asks from the last batch applied (the anchor): its copy in the engine's ring
+///   with other content, or no answer but the end marker from an engine seen to keep a ring →
+///   restart: resync and replay the new incarnation from 0.
 ///
 /// `P` is the payload type (`Vec<u8>`, `bytes::Bytes`, ...); it is fingerprinted (XXH3) to tell
 /// duplicates from restarts and is never decoded here.
@@ -187,6 +200,10 @@ pub struct Sequencer<P> {
     next_replay_id: u64,
     /// `(seq, fingerprint)` of the last applied batches.
     recent: VecDeque<(u64, u64)>,
+    /// A replay answer has carried a batch: the engine's replay endpoint keeps a ring of its
+    /// batches (an engine configured without one answers every request with the end marker
+    /// alone, which must not be read as a restart).
+    ring_seen: bool,
     actions: VecDeque<Action<P>>,
     counters: SequenceCounters,
 }
@@ -208,6 +225,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             replay: None,
             next_replay_id: 0,
             recent: VecDeque::new(),
+            ring_seen: false,
             actions: VecDeque::new(),
             counters: SequenceCounters::default(),
         }
@@ -220,8 +238,10 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// From there: `position + 1` is applied next; a later batch is a gap (replayed); a batch at
     /// or below `position` is a duplicate if `recent` holds it with the same fingerprint, and
     /// otherwise a new engine incarnation (restart: resync). A restart whose new sequence has
-    /// already passed `position` when the consumer comes back cannot be told from a gap: the
-    /// engines' batches carry no incarnation id.
+    /// already passed `position` when the consumer comes back looks like a gap on the live
+    /// stream (the engines' batches carry no incarnation id); the catch-up, anchored at
+    /// `position` ([`Sequencer::probe`]), finds it while the new incarnation's ring still holds
+    /// its own batch `position`.
     pub fn resume(config: SequencerConfig, position: u64, recent: &[(u64, u64)]) -> Self {
         let mut sequencer = Self::new(config);
         sequencer.next = position.saturating_add(1);
@@ -256,6 +276,19 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// asked resyncs, a failure only ends the request. Returns whether the request was made:
     /// not while a replay is outstanding, and not before the sequencer has a position (nothing
     /// applied and nothing resumed: the first live batch shows what is missing).
+    ///
+    /// **Anchored.** A catch-up or probe (any replay, in fact) starts at the last batch
+    /// applied, not after it, when its fingerprint is known: a running engine's ring always holds its newest batch, so the
+    /// answer's first batch is that batch again (checked, not applied), or the one after it
+    /// (the ring just dropped it). An engine that restarted and went quiet is found this way —
+    /// its live stream shows nothing — and resynced ([`ResyncReason::Restart`]; its new
+    /// incarnation's batches are then replayed from 0):
+    /// - the batch at the anchor's sequence number has other content: a new incarnation that
+    ///   has published past it;
+    /// - only the end marker comes back: the engine holds nothing from the anchor on, which a
+    ///   running engine's ring cannot be. Trusted only once a replay answer has carried a batch
+    ///   (the endpoint keeps a ring): an engine configured without one answers every request
+    ///   with the end marker alone.
     pub fn probe(&mut self) -> bool {
         if self.replay.is_some() || !self.has_position() {
             return false;
@@ -265,30 +298,58 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         true
     }
 
-    /// Emits an open-ended replay from the next sequence number.
+    /// Emits an open-ended replay from the next sequence number (see [`Sequencer::probe`]).
     fn request_open_ended(&mut self) {
+        self.request(u64::MAX, true);
+    }
+
+    /// Emits a replay of `next..to`, anchored at the last batch applied if its fingerprint is
+    /// known: the request asks from that batch, whose copy in the engine's ring is checked and
+    /// not applied (see [`Sequencer::probe`]).
+    fn request(&mut self, to: u64, open_ended: bool) {
+        let anchor = self
+            .next
+            .checked_sub(1)
+            .and_then(|last| self.recent.back().filter(|&&(seq, _)| seq == last))
+            .copied();
         let id = ReplayId(self.next_replay_id);
         self.next_replay_id += 1;
         self.counters.replays_requested += 1;
         self.replay = Some(Outstanding {
             id,
             from: self.next,
-            to: u64::MAX,
+            to,
             answered: false,
-            open_ended: true,
+            open_ended,
+            anchor,
+            anchor_seen: false,
             deadline: None,
         });
         self.actions.push_back(Action::Replay {
             id,
-            from: self.next,
-            to: u64::MAX,
+            from: anchor.map_or(self.next, |(seq, _)| seq),
+            to,
         });
+    }
+
+    /// A replay answer showed that the engine restarted (see [`Sequencer::probe`]): resync,
+    /// forget the old incarnation, and ask for the new one's batches from 0.
+    fn restarted_quietly(&mut self) {
+        self.counters.restarts += 1;
+        self.resync(ResyncReason::Restart);
+        self.pending.clear();
+        self.replay = None;
+        self.recent.clear();
+        self.next = 0;
+        self.last_live = None;
+        self.counters.late_joins += 1;
+        self.request_open_ended();
     }
 
     /// Whether the sequencer knows where its stream stands: it has applied a batch or resumed
     /// from a position (a [`Sequencer::probe`] can then ask for what follows).
     pub fn has_position(&self) -> bool {
-        self.last_live.is_some()
+        self.last_live.is_some() || self.next > 0
     }
 
     /// `(seq, fingerprint)` of the last batches applied, oldest first.
@@ -353,13 +414,26 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             self.counters.stale_replay_frames += 1;
             return;
         };
+        self.ring_seen = true;
+        let fingerprint = xxh3_64(payload.as_ref());
+        if let Some((anchor_seq, anchor_fingerprint)) = replay.anchor
+            && !replay.answered
+            && !replay.anchor_seen
+            && seq == anchor_seq
+        {
+            replay.anchor_seen = true;
+            if fingerprint != anchor_fingerprint {
+                // Another batch under the number of the last one applied: a new incarnation.
+                self.restarted_quietly();
+            }
+            return;
+        }
         let first = !replay.answered;
         replay.answered = true;
         if (first && seq > replay.from) || (seq > self.next && seq < replay.to) {
             // The engine's ring no longer holds `next..seq`.
             self.skip_to(seq, ResyncReason::ReplayIncomplete);
         }
-        let fingerprint = xxh3_64(payload.as_ref());
         self.accept(seq, payload, fingerprint, true);
     }
 
@@ -370,6 +444,11 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return;
         };
         self.replay = None;
+        if replay.anchor.is_some() && !replay.anchor_seen && !replay.answered && self.ring_seen {
+            // Nothing from the last batch applied on: the engine that published it is gone.
+            self.restarted_quietly();
+            return;
+        }
         if !replay.open_ended && self.next < replay.to {
             self.skip_to(replay.to, ResyncReason::ReplayIncomplete);
         }
@@ -522,21 +601,6 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         let Some(&to) = self.pending.keys().next() else {
             return;
         };
-        let id = ReplayId(self.next_replay_id);
-        self.next_replay_id += 1;
-        self.counters.replays_requested += 1;
-        self.replay = Some(Outstanding {
-            id,
-            from: self.next,
-            to,
-            answered: false,
-            open_ended: false,
-            deadline: None,
-        });
-        self.actions.push_back(Action::Replay {
-            id,
-            from: self.next,
-            to,
-        });
+        self.request(to, false);
     }
 }

@@ -643,6 +643,64 @@ fn a_batch_lost_while_the_connection_was_down_is_found_on_reconnection() {
     assert!(c.connects > connects, "{c:?}");
 }
 
+/// An engine restarts (same ports, sequence from 0, other content) while its new batches go out
+/// unheard, then stays quiet: the live stream shows nothing. The probe that follows — on the
+/// reconnection, or when the stream has been quiet — asks the engine for the last batch applied;
+/// the new incarnation holds nothing from there on, so the worker is resynced and the new
+/// incarnation's batches replayed from 0. Without it the index would keep crediting the old
+/// incarnation's blocks for as long as the engine stays quiet.
+#[test]
+fn an_engine_that_restarted_and_stayed_quiet_is_found_by_a_probe() {
+    let mut h = Harness::new();
+    let mut a = Publisher::loopback(&h.ctx);
+    let (pub_at, replay_at) = (a.endpoint.clone(), a.replay_endpoint.clone());
+    let (id, warm_a, _) = listen_probing(&h, &mut a, Duration::from_millis(100));
+    let events_a = event_stream(1, 30);
+    publish_all(&mut a, &events_a, |_| true);
+    let tail_a = a.pump(&h.listeners, id);
+    // Two probes have gone out, so the first was answered: the engine's ring has been seen.
+    let probes = state(&h.listeners, id).counters.probes;
+    wait_for("two probes of the quiet stream", || {
+        state(&h.listeners, id).counters.probes >= probes + 2
+    });
+    let last_a = a.next_seq - 1;
+    a.stop();
+
+    let mut b = Publisher::start(
+        &h.ctx,
+        &pub_at,
+        false,
+        &replay_at,
+        2,
+        PublisherOptions::default(),
+    );
+    let events_b = event_stream(2, 6);
+    publish_all(&mut b, &events_b, |_| false);
+    assert!(
+        b.next_seq - 1 < last_a,
+        "the new incarnation stays below the old seq"
+    );
+    wait_for("the restart found and the new incarnation replayed", || {
+        state(&h.listeners, id).last_seq == Some(b.next_seq - 1)
+    });
+    let s = state(&h.listeners, id);
+    assert_eq!(
+        (
+            s.counters.restarts,
+            s.counters.resyncs,
+            s.counters.resync_clears
+        ),
+        (1, 1, 1),
+        "{s:?}"
+    );
+    h.reference_apply(&warm_a);
+    h.reference_apply(&events_a);
+    h.reference_apply(&tail_a);
+    h.reference_clear();
+    h.reference_apply(&events_b);
+    h.assert_index_matches_reference();
+}
+
 /// A listener started held (as a server starts its listeners while it restores a snapshot)
 /// buffers live batches and applies none; its buffer is bounded, so the oldest are dropped
 /// (counted). Released at the snapshot's position, it first asks the engine for everything after

@@ -98,7 +98,7 @@ fn contiguous_stream_is_applied_in_order() {
 fn a_gap_is_replayed_and_buffered_live_batches_follow_in_order() {
     let mut h = Harness::new();
     assert_eq!(h.live(0..2), vec![Apply(0), Apply(1)]);
-    assert_eq!(h.live([4]), vec![Replay(2, 4)]);
+    assert_eq!(h.live([4]), vec![Replay(1, 4)]);
     assert_eq!(h.live([5, 6]), vec![], "buffered while the replay runs");
     assert_eq!(h.seq.buffered(), 3);
     // The ring answers from 2 and also repeats what we buffered.
@@ -116,7 +116,7 @@ fn a_gap_is_replayed_and_buffered_live_batches_follow_in_order() {
 fn a_replay_that_runs_ahead_of_live_makes_later_live_copies_duplicates() {
     let mut h = Harness::new();
     h.live([0]);
-    assert_eq!(h.live([2]), vec![Replay(1, 2)]);
+    assert_eq!(h.live([2]), vec![Replay(0, 2)]);
     assert_eq!(
         h.replay(1..5, true),
         vec![Apply(1), Apply(2), Apply(3), Apply(4)]
@@ -133,7 +133,7 @@ fn duplicates_are_dropped_and_counted() {
     assert_eq!(h.seq.counters().duplicates, 2);
     assert_eq!(h.seq.counters().restarts, 0);
     // Duplicate of a buffered batch during a replay.
-    assert_eq!(h.live([5]), vec![Replay(3, 5)]);
+    assert_eq!(h.live([5]), vec![Replay(2, 5)]);
     assert_eq!(h.live([5]), vec![]);
     assert_eq!(h.seq.counters().duplicates, 3);
 }
@@ -161,7 +161,7 @@ fn a_backwards_sequence_with_new_content_is_a_restart() {
 fn a_restart_during_a_replay_abandons_it() {
     let mut h = Harness::new();
     h.live([0]);
-    assert_eq!(h.live([3]), vec![Replay(1, 3)]);
+    assert_eq!(h.live([3]), vec![Replay(0, 3)]);
     let stale = h.replay_id();
     h.incarnation = 1;
     assert_eq!(h.live([0]), vec![Resync(ResyncReason::Restart), Apply(0)]);
@@ -205,7 +205,7 @@ fn a_replay_that_starts_late_resyncs_then_continues() {
 fn a_replay_with_a_hole_or_nothing_resyncs() {
     let mut h = Harness::new();
     h.live([0]);
-    assert_eq!(h.live([6]), vec![Replay(1, 6)]);
+    assert_eq!(h.live([6]), vec![Replay(0, 6)]);
     assert_eq!(
         h.replay([1, 2, 4, 5], true),
         vec![
@@ -217,11 +217,20 @@ fn a_replay_with_a_hole_or_nothing_resyncs() {
             Apply(6)
         ]
     );
-    // An empty answer: resync and go on with what is buffered.
-    assert_eq!(h.live([9, 10]), vec![Replay(7, 9)]);
+    // An empty answer (not even the last batch applied, 6) from an endpoint seen to keep a
+    // ring: the engine that published 9 and 10 is gone: a restart, replayed from 0.
+    assert_eq!(h.live([9, 10]), vec![Replay(6, 9)]);
     assert_eq!(
         h.replay([], true),
-        vec![Resync(ResyncReason::ReplayIncomplete), Apply(9), Apply(10)]
+        vec![Resync(ResyncReason::Restart), Replay(0, u64::MAX)]
+    );
+    // From an endpoint never seen to keep one: resync and go on with what is buffered.
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([6, 7]), vec![Replay(0, 6)]);
+    assert_eq!(
+        h.replay([], true),
+        vec![Resync(ResyncReason::ReplayIncomplete), Apply(6), Apply(7)]
     );
 }
 
@@ -229,7 +238,7 @@ fn a_replay_with_a_hole_or_nothing_resyncs() {
 fn a_failed_replay_resyncs() {
     let mut h = Harness::new();
     h.live([0]);
-    assert_eq!(h.live([2, 3]), vec![Replay(1, 2)]);
+    assert_eq!(h.live([2, 3]), vec![Replay(0, 2)]);
     let id = h.replay_id();
     h.seq.handle_replay_failed(id);
     assert_eq!(
@@ -245,10 +254,10 @@ fn a_failed_replay_resyncs() {
 fn a_new_gap_during_a_replay_is_requested_after_it() {
     let mut h = Harness::new();
     h.live([0]);
-    assert_eq!(h.live([2, 3, 6]), vec![Replay(1, 2)]);
+    assert_eq!(h.live([2, 3, 6]), vec![Replay(0, 2)]);
     assert_eq!(
         h.replay([1], true),
-        vec![Apply(1), Apply(2), Apply(3), Replay(4, 6)]
+        vec![Apply(1), Apply(2), Apply(3), Replay(3, 6)]
     );
     assert_eq!(h.replay([4, 5], true), vec![Apply(4), Apply(5), Apply(6)]);
     assert_eq!(h.seq.counters().replays_requested, 2);
@@ -261,7 +270,7 @@ fn buffer_overflow_resyncs_and_flushes() {
         recent_window: 16,
     });
     h.live([0]);
-    assert_eq!(h.live(2..6), vec![Replay(1, 2)]);
+    assert_eq!(h.live(2..6), vec![Replay(0, 2)]);
     assert_eq!(h.seq.buffered(), 4);
     assert_eq!(
         h.live([6, 7]),
@@ -302,6 +311,8 @@ enum Op {
     ReplayEnd,
     ReplayFailed,
     StaleEnd(u64),
+    /// A probe of a quiet stream (anchored at the last batch applied) or a catch-up.
+    Probe(bool),
 }
 
 fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -312,6 +323,7 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         1 => Just(Op::ReplayEnd),
         1 => Just(Op::ReplayFailed),
         1 => (0u64..5).prop_map(Op::StaleEnd),
+        1 => any::<bool>().prop_map(Op::Probe),
     ]
 }
 
@@ -350,6 +362,10 @@ proptest::proptest! {
                         seq.handle_replay_end(id);
                     }
                 }
+                Op::Probe(true) => {
+                    seq.probe();
+                }
+                Op::Probe(false) => seq.catch_up(),
             }
             if let Some((id, _, _)) = seq.outstanding_replay()
                 && seen.last() != Some(&id)
@@ -395,7 +411,7 @@ fn a_resumed_sequencer_continues_after_its_position() {
     assert_eq!(h.live([8, 9, 10]), vec![Apply(10)]);
     assert_eq!(h.seq.counters().duplicates, 2);
     // A batch beyond the next one is a gap, replayed as usual.
-    assert_eq!(h.live([13]), vec![Replay(11, 13)]);
+    assert_eq!(h.live([13]), vec![Replay(10, 13)]);
     assert_eq!(
         h.replay(11..13, true),
         vec![Apply(11), Apply(12), Apply(13)]
@@ -407,7 +423,7 @@ fn a_resumed_sequencer_continues_after_its_position() {
 fn a_resumed_sequencer_skips_ahead_by_replay() {
     let mut h = resumed(4);
     // The engine went on while the consumer was down: the first live batch is 20.
-    assert_eq!(h.live([20]), vec![Replay(5, 20)]);
+    assert_eq!(h.live([20]), vec![Replay(4, 20)]);
     assert_eq!(h.seq.counters().late_joins, 0, "not a late join: resumed");
     let applied = h.replay(5..21, true);
     assert_eq!(applied.len(), 16);
@@ -430,11 +446,12 @@ fn a_resumed_sequencer_detects_an_engine_that_restarted_meanwhile() {
 fn a_catch_up_replays_what_a_quiet_engine_published_meanwhile() {
     let mut h = resumed(9);
     h.seq.catch_up();
-    assert_eq!(h.drain(), vec![Replay(10, u64::MAX)]);
+    // Anchored at the position: the engine's copy of batch 9 is checked, not applied.
+    assert_eq!(h.drain(), vec![Replay(9, u64::MAX)]);
     // A live batch arriving during the catch-up waits for it.
     assert_eq!(h.live([14]), vec![]);
     assert_eq!(
-        h.replay(10..15, true),
+        h.replay(9..15, true),
         vec![Apply(10), Apply(11), Apply(12), Apply(13), Apply(14)]
     );
     // The live stream goes on; replayed batches arriving live again are duplicates.
@@ -448,8 +465,13 @@ fn a_catch_up_with_nothing_new_or_no_answer_changes_nothing() {
     let mut h = resumed(9);
     h.seq.catch_up();
     h.drain();
-    // Nothing after 9: just the end marker.
+    // An endpoint never seen to keep a ring answers with the end marker alone: not read as a
+    // restart (an engine may run without a ring).
     assert_eq!(h.replay([], true), vec![]);
+    // Nothing after 9: the anchor, then the end marker.
+    h.seq.catch_up();
+    h.drain();
+    assert_eq!(h.replay([9], true), vec![]);
     assert_eq!(h.live([10]), vec![Apply(10)]);
     // No answer at all (the engine is down): not a loss.
     h.seq.catch_up();
@@ -483,32 +505,99 @@ fn a_probe_finds_the_last_batch_the_live_stream_lost() {
     assert!(!h.seq.probe(), "nothing applied, nothing resumed: no probe");
     assert_eq!(h.drain(), vec![]);
     assert_eq!(h.live([0, 1]), vec![Apply(0), Apply(1)]);
-    // Batch 2 was published but lost on the live stream; the engine then went quiet.
+    // Batch 2 was published but lost on the live stream; the engine then went quiet. The probe
+    // asks from the last batch applied (1), whose copy is checked and not applied.
+    assert!(h.seq.probe());
+    assert_eq!(h.drain(), vec![Replay(1, u64::MAX)]);
+    assert!(!h.seq.probe(), "one replay at a time");
+    assert_eq!(h.replay([1, 2], true), vec![Apply(2)]);
+    // Quiet with nothing lost: the last batch and the end marker come back.
     assert!(h.seq.probe());
     assert_eq!(h.drain(), vec![Replay(2, u64::MAX)]);
-    assert!(!h.seq.probe(), "one replay at a time");
-    assert_eq!(h.replay([2], true), vec![Apply(2)]);
-    // Quiet with nothing lost: only the end marker comes back.
+    assert_eq!(h.replay([2], true), vec![]);
+    // The ring has just dropped the last batch applied, and holds the lost one after it.
+    h.live([3]);
     assert!(h.seq.probe());
     h.drain();
-    assert_eq!(h.replay([], true), vec![]);
-    // Lost again, and the ring no longer holds 3..5 when the probe asks.
+    assert_eq!(h.replay([4], true), vec![Apply(4)]);
+    // Lost again, and the ring no longer holds 5..7 when the probe asks.
     assert!(h.seq.probe());
     h.drain();
     assert_eq!(
-        h.replay(5..7, true),
-        vec![Resync(ResyncReason::ReplayIncomplete), Apply(5), Apply(6)]
+        h.replay(7..9, true),
+        vec![Resync(ResyncReason::ReplayIncomplete), Apply(7), Apply(8)]
     );
     let c = *h.seq.counters();
     assert_eq!(
         (c.probes, c.catch_ups, c.replays_requested, c.replay_resyncs),
-        (3, 0, 3, 1),
+        (4, 0, 4, 1),
         "{c:?}"
+    );
+    assert_eq!(
+        (c.duplicates, c.restarts),
+        (0, 0),
+        "an anchor is not a duplicate: {c:?}"
     );
     // A resumed sequencer has a position: it can probe at once.
     let mut h = resumed(9);
     assert!(h.seq.probe());
-    assert_eq!(h.drain(), vec![Replay(10, u64::MAX)]);
+    assert_eq!(h.drain(), vec![Replay(9, u64::MAX)]);
+}
+
+/// An engine that restarts and stays quiet shows nothing on the live stream; a probe anchored at
+/// the last batch applied finds it, whether the new incarnation has published fewer batches
+/// (nothing from the anchor on: only the end marker) or more (another batch under the anchor's
+/// number). Either way the worker is resynced and the new incarnation replayed from 0.
+#[test]
+fn a_probe_finds_an_engine_that_restarted_and_went_quiet() {
+    let mut h = Harness::new();
+    assert_eq!(h.live(0..5).len(), 5);
+    assert!(h.seq.probe());
+    assert_eq!(h.drain(), vec![Replay(4, u64::MAX)]);
+    assert_eq!(
+        h.replay([4], true),
+        vec![],
+        "the engine still holds batch 4"
+    );
+
+    // Restarted; batches 0..3 of the new incarnation went out while no one listened.
+    h.incarnation = 1;
+    assert!(h.seq.probe());
+    h.drain();
+    assert_eq!(
+        h.replay([], true),
+        vec![Resync(ResyncReason::Restart), Replay(0, u64::MAX)]
+    );
+    assert!(
+        !h.seq.probe(),
+        "the new incarnation's replay is outstanding"
+    );
+    assert_eq!(h.replay(0..3, true), vec![Apply(0), Apply(1), Apply(2)]);
+
+    // Restarted again, and this incarnation has published past the last batch applied (2).
+    h.incarnation = 2;
+    assert!(h.seq.probe());
+    h.drain();
+    let old = h.replay_id();
+    assert_eq!(
+        h.replay([2], false),
+        vec![Resync(ResyncReason::Restart), Replay(0, u64::MAX)]
+    );
+    // The rest of the abandoned answer is stale.
+    h.seq.handle_replay_batch(old, 3, payload(2, 3));
+    h.seq.handle_replay_end(old);
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(
+        h.replay(0..5, true),
+        vec![Apply(0), Apply(1), Apply(2), Apply(3), Apply(4)]
+    );
+    assert_eq!(h.live([5]), vec![Apply(5)]);
+    let c = *h.seq.counters();
+    assert_eq!(
+        (c.restarts, c.resyncs, c.probes, c.stale_replay_frames),
+        (2, 2, 3, 2),
+        "{c:?}"
+    );
 }
 
 /// Replay timeouts with made-up instants, no sleeping: nothing happens before the deadline or
@@ -521,7 +610,7 @@ fn a_replay_times_out_at_its_deadline_and_answers_push_the_deadline_back() {
     let at = |ms: u64| start + Duration::from_millis(ms);
     let mut h = Harness::new();
     h.live([0]);
-    assert_eq!(h.live([4, 5]), vec![Replay(1, 4)]);
+    assert_eq!(h.live([4, 5]), vec![Replay(0, 4)]);
     let id = h.replay_id();
     // No deadline given yet: no timeout, whatever the time.
     assert_eq!(h.seq.poll_timeout(), None);
@@ -570,4 +659,31 @@ fn a_catch_up_that_times_out_changes_nothing() {
     assert_eq!(h.live([10]), vec![Apply(10)]);
     let c = *h.seq.counters();
     assert_eq!((c.replay_timeouts, c.resyncs), (1, 0), "{c:?}");
+}
+
+/// A restarted engine whose first batch seen live is above the last one applied looks like a
+/// gap on the live stream. The gap's replay is anchored at the last batch applied: the new
+/// incarnation's batch under that number has other content, so the worker is resynced and the
+/// new incarnation replayed from 0, instead of its batches being applied over the old ones.
+#[test]
+fn a_restart_that_looks_like_a_gap_is_found_by_the_anchor() {
+    let mut h = Harness::new();
+    assert_eq!(h.live(0..5).len(), 5);
+    h.incarnation = 1;
+    assert_eq!(h.live([9]), vec![Replay(4, 9)]);
+    assert_eq!(
+        h.replay(4..10, true),
+        vec![Resync(ResyncReason::Restart), Replay(0, u64::MAX)]
+    );
+    assert_eq!(
+        h.replay(0..10, true),
+        (0..10).map(Apply).collect::<Vec<_>>()
+    );
+    assert_eq!(h.live([10]), vec![Apply(10)]);
+    let c = *h.seq.counters();
+    assert_eq!(
+        (c.restarts, c.resyncs, c.replay_resyncs),
+        (1, 1, 0),
+        "{c:?}"
+    );
 }
