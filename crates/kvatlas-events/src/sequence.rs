@@ -352,6 +352,13 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         self.last_live.is_some() || self.next > 0
     }
 
+    /// Whether a replay answer has carried a batch, showing that the engine's replay endpoint
+    /// keeps a ring of its batches (until then an answer with nothing but the end marker is
+    /// not taken for a restart: see [`Sequencer::probe`]).
+    pub fn ring_seen(&self) -> bool {
+        self.ring_seen
+    }
+
     /// `(seq, fingerprint)` of the last batches applied, oldest first.
     pub fn recent(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.recent.iter().copied()

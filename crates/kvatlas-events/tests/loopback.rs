@@ -653,7 +653,6 @@ fn a_batch_lost_while_the_connection_was_down_is_found_on_reconnection() {
 fn an_engine_that_restarted_and_stayed_quiet_is_found_by_a_probe() {
     let mut h = Harness::new();
     let mut a = Publisher::loopback(&h.ctx);
-    let (pub_at, replay_at) = (a.endpoint.clone(), a.replay_endpoint.clone());
     let (id, warm_a, _) = listen_probing(&h, &mut a, Duration::from_millis(100));
     let events_a = event_stream(1, 30);
     publish_all(&mut a, &events_a, |_| true);
@@ -663,9 +662,39 @@ fn an_engine_that_restarted_and_stayed_quiet_is_found_by_a_probe() {
     wait_for("two probes of the quiet stream", || {
         state(&h.listeners, id).counters.probes >= probes + 2
     });
+    restart_quietly_and_check(&mut h, a, id, [warm_a, events_a, tail_a]);
+}
+
+/// The same restart of an engine that was never quiet before it: quiet probes are set far beyond
+/// the test's wait, so no replay need ever have shown that the engine keeps a ring — which is
+/// what makes an answer with nothing but the end marker a restart. A listener therefore probes
+/// once as soon as it has a position, busy stream or not.
+#[test]
+fn a_busy_engine_that_restarted_and_stayed_quiet_is_found_on_reconnection() {
+    let mut h = Harness::new();
+    let mut a = Publisher::loopback(&h.ctx);
+    let (id, warm_a, _) = listen_probing(&h, &mut a, Duration::from_secs(600));
+    wait_for("the first probe, which sees the engine's ring", || {
+        state(&h.listeners, id).counters.probes >= 1
+    });
+    let events_a = event_stream(1, 30);
+    publish_all(&mut a, &events_a, |_| true);
+    let tail_a = a.pump(&h.listeners, id);
+    restart_quietly_and_check(&mut h, a, id, [warm_a, events_a, tail_a]);
+}
+
+/// Stops engine `a`, starts its next incarnation on the same ports with a few batches in its ring
+/// that never go out live, and waits until the listener found the restart and replayed them;
+/// then compares the index with the reference model: `before` applied, cleared, the new batches.
+fn restart_quietly_and_check(
+    h: &mut Harness,
+    a: Publisher,
+    id: ListenerId,
+    before: [Vec<Vec<u8>>; 3],
+) {
+    let (pub_at, replay_at) = (a.endpoint.clone(), a.replay_endpoint.clone());
     let last_a = a.next_seq - 1;
     a.stop();
-
     let mut b = Publisher::start(
         &h.ctx,
         &pub_at,
@@ -693,9 +722,9 @@ fn an_engine_that_restarted_and_stayed_quiet_is_found_by_a_probe() {
         (1, 1, 1),
         "{s:?}"
     );
-    h.reference_apply(&warm_a);
-    h.reference_apply(&events_a);
-    h.reference_apply(&tail_a);
+    for batches in &before {
+        h.reference_apply(batches);
+    }
     h.reference_clear();
     h.reference_apply(&events_b);
     h.assert_index_matches_reference();
