@@ -335,6 +335,14 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// A replay answer showed that the engine restarted (see [`Sequencer::probe`]): resync,
     /// forget the old incarnation, and ask for the new one's batches from 0.
     fn restarted_quietly(&mut self) {
+        self.restarted();
+        self.counters.late_joins += 1;
+        self.request_open_ended();
+    }
+
+    /// The engine restarted: resync, and forget the old incarnation (its buffer, its replay and
+    /// its batches' fingerprints); the next batch applied is 0.
+    fn restarted(&mut self) {
         self.counters.restarts += 1;
         self.resync(ResyncReason::Restart);
         self.pending.clear();
@@ -342,8 +350,6 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         self.recent.clear();
         self.next = 0;
         self.last_live = None;
-        self.counters.late_joins += 1;
-        self.request_open_ended();
     }
 
     /// Whether the sequencer knows where its stream stands: it has applied a batch or resumed
@@ -398,13 +404,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
                 return;
             }
             // The live stream only moves forward within one publisher process.
-            self.counters.restarts += 1;
-            self.resync(ResyncReason::Restart);
-            self.pending.clear();
-            self.replay = None;
-            self.recent.clear();
-            self.next = 0;
-            self.last_live = None;
+            self.restarted();
         }
         let first = self.last_live.is_none();
         self.last_live = Some(seq);
@@ -437,7 +437,10 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         }
         let first = !replay.answered;
         replay.answered = true;
-        if (first && seq > replay.from) || (seq > self.next && seq < replay.to) {
+        // Compared with what is applied now, not when the request went out: live batches may
+        // have been applied meanwhile (an open-ended request does not hold them back), and a
+        // ring that has moved past the request's start then lost nothing the stream still needs.
+        if seq > self.next && (first || seq < replay.to) {
             // The engine's ring no longer holds `next..seq`.
             self.skip_to(seq, ResyncReason::ReplayIncomplete);
         }

@@ -319,6 +319,21 @@ impl Publisher {
         }
     }
 
+    /// Stops this engine and starts its next incarnation (incarnation 2) on the same ports,
+    /// with default options: its sequence starts at 0 again, with other content.
+    fn restart(self, ctx: &zmq::Context) -> Self {
+        let (pub_at, replay_at) = (self.endpoint.clone(), self.replay_endpoint.clone());
+        self.stop();
+        Self::start(
+            ctx,
+            &pub_at,
+            false,
+            &replay_at,
+            2,
+            PublisherOptions::default(),
+        )
+    }
+
     fn stop(mut self) {
         self.commands = None;
         if let Some(thread) = self.thread.take() {
@@ -692,17 +707,8 @@ fn restart_quietly_and_check(
     id: ListenerId,
     before: [Vec<Vec<u8>>; 3],
 ) {
-    let (pub_at, replay_at) = (a.endpoint.clone(), a.replay_endpoint.clone());
     let last_a = a.next_seq - 1;
-    a.stop();
-    let mut b = Publisher::start(
-        &h.ctx,
-        &pub_at,
-        false,
-        &replay_at,
-        2,
-        PublisherOptions::default(),
-    );
+    let mut b = a.restart(&h.ctx);
     let events_b = event_stream(2, 6);
     publish_all(&mut b, &events_b, |_| false);
     assert!(
@@ -830,26 +836,17 @@ fn a_held_listener_released_at_a_snapshot_position_applies_every_batch_once() {
 fn a_publisher_restart_resyncs_the_worker() {
     let mut h = Harness::new();
     let mut a = Publisher::loopback(&h.ctx);
-    let (pub_at, replay_at) = (a.endpoint.clone(), a.replay_endpoint.clone());
     let id = h.listen(&a, b"kv-events");
     let warm_a = a.warm_up(&h.listeners, id);
     let events_a = event_stream(1, 30);
     publish_all(&mut a, &events_a, |_| true);
     let tail_a = a.pump(&h.listeners, id);
     let last_a = a.next_seq - 1;
-    a.stop();
 
     // The engine restarts on the same ports: its sequence starts at 0 again, with other content
-    // and fewer batches than before (a restart whose first seq is above the old one would look
-    // like a gap, docs/events.md §3).
-    let mut b = Publisher::start(
-        &h.ctx,
-        &pub_at,
-        false,
-        &replay_at,
-        2,
-        PublisherOptions::default(),
-    );
+    // and fewer batches than before (a restart whose first seq is above the old one looks like
+    // a gap, found by the gap's anchored replay: docs/events.md §3).
+    let mut b = a.restart(&h.ctx);
     let events_b = event_stream(2, 12);
     publish_all(&mut b, &events_b, |_| true);
     let tail_b = b.pump(&h.listeners, id);

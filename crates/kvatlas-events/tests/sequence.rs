@@ -687,3 +687,28 @@ fn a_restart_that_looks_like_a_gap_is_found_by_the_anchor() {
         "{c:?}"
     );
 }
+
+/// An open-ended request does not hold the live stream back: batches keep being applied while
+/// it is out. A small ring that has moved past the request's start by the time it answers has
+/// then lost nothing the stream still needs — the answer is compared with what is applied at
+/// that moment, not when the request went out — while one that starts past what is applied has.
+#[test]
+fn a_ring_that_moved_on_during_a_probe_of_a_busy_stream_lost_nothing() {
+    let mut h = Harness::new();
+    assert_eq!(h.live(0..3).len(), 3);
+    assert!(h.seq.probe());
+    assert_eq!(h.drain(), vec![Replay(2, u64::MAX)]);
+    assert_eq!(h.live(3..8).len(), 5);
+    // The ring now holds 5..8 only.
+    assert_eq!(h.replay(5..8, true), vec![]);
+    assert_eq!(h.live([8]), vec![Apply(8)]);
+    // Again, and this time the ring starts past what is applied: 9 and 10 are lost.
+    assert!(h.seq.probe());
+    h.drain();
+    assert_eq!(
+        h.replay(11..13, true),
+        vec![Resync(ResyncReason::ReplayIncomplete), Apply(11), Apply(12)]
+    );
+    let c = *h.seq.counters();
+    assert_eq!((c.resyncs, c.duplicates), (1, 3), "{c:?}");
+}
