@@ -115,7 +115,8 @@ pub struct SequenceCounters {
     pub replays_requested: u64,
     /// Of those, catch-ups after a resume ([`Sequencer::catch_up`]).
     pub catch_ups: u64,
-    /// Of those, probes of a quiet stream ([`Sequencer::probe`]).
+    /// Of those, probes of a quiet stream ([`Sequencer::probe`]), and requests for an engine's
+    /// whole ring that follow an end marker no ring seen yet can explain.
     pub probes: u64,
     /// Of those, requested because the first live batch was not 0.
     pub late_joins: u64,
@@ -156,6 +157,10 @@ struct Outstanding {
     anchor: Option<(u64, u64)>,
     /// The anchor came back (first in the answer).
     anchor_seen: bool,
+    /// A request from 0 asked because an anchored open-ended request was answered with the
+    /// end marker alone before any ring was seen: a batch in its answer shows the engine keeps
+    /// a ring, so the end marker meant a restart (see [`Sequencer::probe`]).
+    confirming: bool,
     /// When the request fails if nothing more arrives (set by the caller).
     deadline: Option<Instant>,
 }
@@ -278,17 +283,20 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// applied and nothing resumed: the first live batch shows what is missing).
     ///
     /// **Anchored.** A catch-up or probe (any replay, in fact) starts at the last batch
-    /// applied, not after it, when its fingerprint is known: a running engine's ring always holds its newest batch, so the
-    /// answer's first batch is that batch again (checked, not applied), or the one after it
-    /// (the ring just dropped it). An engine that restarted and went quiet is found this way —
+    /// applied, not after it, when its fingerprint is known: a running engine's ring always
+    /// holds its newest batch, so the answer's first batch is that batch again (checked, not
+    /// applied), or the one after it (the ring just dropped it). An engine that restarted and went quiet is found this way —
     /// its live stream shows nothing — and resynced ([`ResyncReason::Restart`]; its new
     /// incarnation's batches are then replayed from 0):
     /// - the batch at the anchor's sequence number has other content: a new incarnation that
     ///   has published past it;
     /// - only the end marker comes back: the engine holds nothing from the anchor on, which a
-    ///   running engine's ring cannot be. Trusted only once a replay answer has carried a batch
+    ///   running engine's ring cannot be. Trusted once a replay answer has carried a batch
     ///   (the endpoint keeps a ring): an engine configured without one answers every request
-    ///   with the end marker alone.
+    ///   with the end marker alone. Before that, an open-ended request so answered is followed
+    ///   by a request for the whole ring (from 0, counted as a probe): any batch in its answer
+    ///   settles it (a restart, and the answer is the new incarnation's); the end marker alone
+    ///   again leaves it open (no ring, or a new incarnation that has published nothing).
     pub fn probe(&mut self) -> bool {
         if self.replay.is_some() || !self.has_position() {
             return false;
@@ -323,12 +331,38 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             open_ended,
             anchor,
             anchor_seen: false,
+            confirming: false,
             deadline: None,
         });
         self.actions.push_back(Action::Replay {
             id,
             from: anchor.map_or(self.next, |(seq, _)| seq),
             to,
+        });
+    }
+
+    /// Asks the engine for its whole ring (from 0, open-ended): does it keep one? (See
+    /// [`Sequencer::probe`].) Counted as a probe.
+    fn request_confirmation(&mut self) {
+        let id = ReplayId(self.next_replay_id);
+        self.next_replay_id += 1;
+        self.counters.replays_requested += 1;
+        self.counters.probes += 1;
+        self.replay = Some(Outstanding {
+            id,
+            from: 0,
+            to: u64::MAX,
+            answered: false,
+            open_ended: true,
+            anchor: None,
+            anchor_seen: false,
+            confirming: true,
+            deadline: None,
+        });
+        self.actions.push_back(Action::Replay {
+            id,
+            from: 0,
+            to: u64::MAX,
         });
     }
 
@@ -422,6 +456,18 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return;
         };
         self.ring_seen = true;
+        if replay.confirming {
+            // The engine keeps a ring, yet held nothing from the last batch applied on: it
+            // restarted. What this answer brings from 0 is the new incarnation's.
+            let mut confirmed = *replay;
+            confirmed.confirming = false;
+            self.restarted();
+            self.counters.late_joins += 1;
+            self.replay = Some(confirmed);
+        }
+        let Some(replay) = self.replay.as_mut() else {
+            return;
+        };
         let fingerprint = xxh3_64(payload.as_ref());
         if let Some((anchor_seq, anchor_fingerprint)) = replay.anchor
             && !replay.answered
@@ -454,10 +500,18 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return;
         };
         self.replay = None;
-        if replay.anchor.is_some() && !replay.anchor_seen && !replay.answered && self.ring_seen {
-            // Nothing from the last batch applied on: the engine that published it is gone.
-            self.restarted_quietly();
-            return;
+        if replay.anchor.is_some() && !replay.anchor_seen && !replay.answered {
+            if self.ring_seen {
+                // Nothing from the last batch applied on: the engine that published it is gone.
+                self.restarted_quietly();
+                return;
+            }
+            if replay.open_ended {
+                // No ring seen yet: an engine without one answers so too. Ask for its whole
+                // ring; an answer with any batch in it settles it.
+                self.request_confirmation();
+                return;
+            }
         }
         if !replay.open_ended && self.next < replay.to {
             self.skip_to(replay.to, ResyncReason::ReplayIncomplete);

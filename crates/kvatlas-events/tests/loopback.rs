@@ -477,6 +477,33 @@ impl Harness {
         }
     }
 
+    /// Puts the state of `batches` (a stream's batches `0..`) into the index, as restoring a
+    /// snapshot does, and returns the position to resume from with the batches' fingerprints,
+    /// as the index's checkpoint records them.
+    fn restore(&self, batches: &[Vec<u8>]) -> kvatlas_events::Resume {
+        let converter = Converter::new(source());
+        let mut mutations = Vec::new();
+        let mut drops = DropCounters::new();
+        for payload in batches {
+            mutations.clear();
+            let _ = converter.ingest(payload, &mut mutations, &mut drops);
+            for m in mutations.drain(..) {
+                self.pool
+                    .enqueue(m)
+                    .expect("the pool takes the snapshot's mutations");
+            }
+        }
+        self.pool.flush();
+        kvatlas_events::Resume {
+            position: batches.len() as u64 - 1,
+            recent: batches
+                .iter()
+                .enumerate()
+                .map(|(seq, payload)| (seq as u64, xxhash_rust::xxh3::xxh3_64(payload)))
+                .collect(),
+        }
+    }
+
     fn reference_clear(&mut self) {
         self.reference.apply(&Mutation::Cleared {
             worker: Worker::new(WORKER, 0),
@@ -736,6 +763,40 @@ fn restart_quietly_and_check(
     h.assert_index_matches_reference();
 }
 
+/// A listener resumed from a snapshot (as after its server restarted) whose engine restarted
+/// while it was away, published a few batches no one heard and went quiet. The catch-up,
+/// anchored at the snapshot's position, gets nothing but the end marker, and no replay has yet
+/// shown that the engine keeps a ring, so that alone proves nothing; the listener then asks for
+/// the whole ring, whose batches show it exists: the worker is resynced and they are applied.
+#[test]
+fn a_resumed_listener_finds_an_engine_that_restarted_while_it_was_away() {
+    let mut h = Harness::new();
+    let mut a = Publisher::loopback(&h.ctx);
+    let events_a = event_stream(1, 20);
+    publish_all(&mut a, &events_a, |_| false);
+    let resume = h.restore(&events_a);
+    let mut b = a.restart(&h.ctx);
+    let events_b = event_stream(2, 6);
+    publish_all(&mut b, &events_b, |_| false);
+    let config = ListenerConfig::new(source(), b.endpoint.clone())
+        .with_replay_endpoint(b.replay_endpoint.clone())
+        .with_options(ListenerOptions {
+            quiet_probe: Some(Duration::from_secs(600)),
+            ..fast_options()
+        })
+        .with_resume(Some(resume));
+    let id = h.listeners.start(config).expect("listener starts");
+    wait_for("the restart found and the new incarnation applied", || {
+        state(&h.listeners, id).last_seq == Some(b.next_seq - 1)
+    });
+    let c = state(&h.listeners, id).counters;
+    assert_eq!((c.restarts, c.resyncs, c.catch_ups), (1, 1, 1), "{c:?}");
+    h.reference_apply(&events_a);
+    h.reference_clear();
+    h.reference_apply(&events_b);
+    h.assert_index_matches_reference();
+}
+
 /// A listener started held (as a server starts its listeners while it restores a snapshot)
 /// buffers live batches and applies none; its buffer is bounded, so the oldest are dropped
 /// (counted). Released at the snapshot's position, it first asks the engine for everything after
@@ -786,33 +847,8 @@ fn a_held_listener_released_at_a_snapshot_position_applies_every_batch_once() {
     // The snapshot restored meanwhile holds batches 0..=position, as the index's checkpoint
     // records them: (seq, fingerprint) of each.
     let position = sent.len() - 25;
-    let restore = Converter::new(source());
-    let mut mutations = Vec::new();
-    let mut drops = DropCounters::new();
-    for payload in &sent[..=position] {
-        mutations.clear();
-        let _ = restore.ingest(payload, &mut mutations, &mut drops);
-        for m in mutations.drain(..) {
-            h.pool
-                .enqueue(m)
-                .expect("the pool takes the snapshot's mutations");
-        }
-    }
-    h.pool.flush();
-    let recent: Vec<(u64, u64)> = sent[..=position]
-        .iter()
-        .enumerate()
-        .map(|(seq, payload)| (seq as u64, xxhash_rust::xxh3::xxh3_64(payload)))
-        .collect();
-    h.listeners
-        .release(
-            id,
-            Some(kvatlas_events::Resume {
-                position: position as u64,
-                recent,
-            }),
-        )
-        .expect("released");
+    let resume = h.restore(&sent[..=position]);
+    h.listeners.release(id, Some(resume)).expect("released");
     let tail = publisher.pump(&h.listeners, id);
     sent.extend(tail);
 

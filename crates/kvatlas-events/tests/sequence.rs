@@ -466,7 +466,9 @@ fn a_catch_up_with_nothing_new_or_no_answer_changes_nothing() {
     h.seq.catch_up();
     h.drain();
     // An endpoint never seen to keep a ring answers with the end marker alone: not read as a
-    // restart (an engine may run without a ring).
+    // restart (an engine may run without a ring). Its whole ring is asked for; the end marker
+    // alone again leaves it at that.
+    assert_eq!(h.replay([], true), vec![Replay(0, u64::MAX)]);
     assert_eq!(h.replay([], true), vec![]);
     // Nothing after 9: the anchor, then the end marker.
     h.seq.catch_up();
@@ -711,4 +713,34 @@ fn a_ring_that_moved_on_during_a_probe_of_a_busy_stream_lost_nothing() {
     );
     let c = *h.seq.counters();
     assert_eq!((c.resyncs, c.duplicates), (1, 3), "{c:?}");
+}
+
+/// After a restore, the engine restarted meanwhile, published a few batches (fewer than the
+/// position) and went quiet. The catch-up, anchored at the position, gets the end marker alone,
+/// and no ring has been seen yet, so that proves nothing; the whole ring is asked for, and a
+/// batch in it shows the ring exists: a restart, and the answer is the new incarnation's.
+#[test]
+fn a_catch_up_finds_a_restart_by_asking_for_the_whole_ring() {
+    let mut h = resumed(9);
+    h.seq.catch_up();
+    assert_eq!(h.drain(), vec![Replay(9, u64::MAX)]);
+    h.incarnation = 1;
+    assert_eq!(h.replay([], true), vec![Replay(0, u64::MAX)]);
+    assert_eq!(
+        h.replay(0..3, true),
+        vec![Resync(ResyncReason::Restart), Apply(0), Apply(1), Apply(2)]
+    );
+    assert_eq!(h.live([3]), vec![Apply(3)]);
+    let c = *h.seq.counters();
+    assert_eq!(
+        (
+            c.restarts,
+            c.resyncs,
+            c.catch_ups,
+            c.probes,
+            c.replays_requested
+        ),
+        (1, 1, 1, 1, 2),
+        "{c:?}"
+    );
 }
