@@ -183,10 +183,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVATLAS_SNAPSHOT_INTERVAL_SECS")]
     pub snapshot_interval_secs: Option<u64>,
     /// Milliseconds of silence on an engine's live stream after which its replay endpoint is
-    /// asked for anything newer than the last batch applied (a probe): a batch the live stream
-    /// lost is then found even if the engine publishes nothing after it. The wait doubles
-    /// while the stream stays quiet (up to 16 ×); a probe also follows every (re)connection
-    /// to the engine; 0 = never probe [default: 2000, at most 600000].
+    /// asked for everything from the last batch applied on (a probe): a batch the live stream
+    /// lost is then found even if the engine publishes nothing after it, and so is an engine
+    /// that restarted and went quiet. The wait doubles while the stream stays quiet (up to
+    /// 16 ×); a probe also follows every (re)connection to the engine, and the first batch;
+    /// 0 = never probe [default: 2000, at most 600000].
     #[arg(long, env = "KVATLAS_QUIET_PROBE_MS")]
     pub quiet_probe_ms: Option<u64>,
     /// Peers to bootstrap from when there is no local snapshot: comma-separated base URLs of

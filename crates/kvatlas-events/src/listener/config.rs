@@ -44,12 +44,14 @@ pub struct ListenerOptions {
     /// The sequencer's buffer and duplicate window.
     pub sequencer: SequencerConfig,
     /// With a replay endpoint: when the live stream has been quiet this long, ask the engine
-    /// for anything after the last batch applied (a probe, [`Sequencer::probe`]), so a batch the
-    /// live stream lost is found even if the engine publishes nothing after it. While the
+    /// for everything from the last batch applied on (a probe, [`Sequencer::probe`]), so a
+    /// batch the live stream lost is found even if the engine publishes nothing after it, and
+    /// so is an engine that restarted and went quiet (it no longer holds that batch). While the
     /// stream stays quiet the wait doubles, up to 16 × this. A probe is also made as soon as
     /// the SUB's connection is (re)established (what the engine published meanwhile was lost
-    /// on the live stream), once no other replay is outstanding. `None` turns probing off.
-    /// Default 2 s.
+    /// on the live stream), and once as soon as the listener has a position (to see that the
+    /// engine keeps a ring), each once no other replay is outstanding. `None` turns probing
+    /// off. Default 2 s.
     ///
     /// [`Sequencer::probe`]: crate::sequence::Sequencer::probe
     pub quiet_probe: Option<Duration>,
