@@ -161,6 +161,9 @@ struct Outstanding {
     /// end marker alone before any ring was seen: a batch in its answer shows the engine keeps
     /// a ring, so the end marker meant a restart (see [`Sequencer::probe`]).
     confirming: bool,
+    /// The answer is being ignored (an open-ended answer that started past what is applied,
+    /// seen for the first time at this position).
+    discarding: bool,
     /// When the request fails if nothing more arrives (set by the caller).
     deadline: Option<Instant>,
 }
@@ -209,6 +212,10 @@ pub struct Sequencer<P> {
     /// batches (an engine configured without one answers every request with the end marker
     /// alone, which must not be read as a restart).
     ring_seen: bool,
+    /// `next` when an open-ended answer last started past it (ignored then: the batches in
+    /// between may still be on their way on the live stream). The same again at the same
+    /// `next` is a loss.
+    suspect: Option<u64>,
     actions: VecDeque<Action<P>>,
     counters: SequenceCounters,
 }
@@ -231,6 +238,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             next_replay_id: 0,
             recent: VecDeque::new(),
             ring_seen: false,
+            suspect: None,
             actions: VecDeque::new(),
             counters: SequenceCounters::default(),
         }
@@ -332,6 +340,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             anchor,
             anchor_seen: false,
             confirming: false,
+            discarding: false,
             deadline: None,
         });
         self.actions.push_back(Action::Replay {
@@ -357,6 +366,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             anchor: None,
             anchor_seen: false,
             confirming: true,
+            discarding: false,
             deadline: None,
         });
         self.actions.push_back(Action::Replay {
@@ -468,6 +478,9 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         let Some(replay) = self.replay.as_mut() else {
             return;
         };
+        if replay.discarding {
+            return;
+        }
         let fingerprint = xxh3_64(payload.as_ref());
         if let Some((anchor_seq, anchor_fingerprint)) = replay.anchor
             && !replay.answered
@@ -486,6 +499,15 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         // Compared with what is applied now, not when the request went out: live batches may
         // have been applied meanwhile (an open-ended request does not hold them back), and a
         // ring that has moved past the request's start then lost nothing the stream still needs.
+        // Nor is an open-ended answer that starts past what is applied proof of a loss the
+        // first time: the batches in between may still be on their way on the live stream (a
+        // busy engine, a small ring). It is ignored; the same at the same position the next
+        // time (the live stream brought nothing meanwhile) is a loss.
+        if first && replay.open_ended && seq > self.next && self.suspect != Some(self.next) {
+            self.suspect = Some(self.next);
+            replay.discarding = true;
+            return;
+        }
         if seq > self.next && (first || seq < replay.to) {
             // The engine's ring no longer holds `next..seq`.
             self.skip_to(seq, ResyncReason::ReplayIncomplete);
