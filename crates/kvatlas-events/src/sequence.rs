@@ -152,7 +152,7 @@ struct Outstanding {
     answered: bool,
     /// A catch-up ([`Sequencer::catch_up`]): no known end, and no resync if it fails.
     open_ended: bool,
-    /// An open-ended request that starts at the last batch applied, `(seq, fingerprint)`: the
+    /// The last batch applied, `(seq, fingerprint)`, when the request starts at it: the
     /// engine's copy of it is checked, not applied (see [`Sequencer::probe`]).
     anchor: Option<(u64, u64)>,
     /// The anchor came back (first in the answer).
@@ -166,6 +166,25 @@ struct Outstanding {
     discarding: bool,
     /// When the request fails if nothing more arrives (set by the caller).
     deadline: Option<Instant>,
+}
+
+impl Outstanding {
+    /// A request not yet answered, with no anchor and no special role (its id, start and end
+    /// are set by the caller).
+    const fn new() -> Self {
+        Self {
+            id: ReplayId(0),
+            from: 0,
+            to: 0,
+            answered: false,
+            open_ended: false,
+            anchor: None,
+            anchor_seen: false,
+            confirming: false,
+            discarding: false,
+            deadline: None,
+        }
+    }
 }
 
 /// The sequencing state of one source (one engine publisher).
@@ -293,9 +312,9 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// **Anchored.** A catch-up or probe (any replay, in fact) starts at the last batch
     /// applied, not after it, when its fingerprint is known: a running engine's ring always
     /// holds its newest batch, so the answer's first batch is that batch again (checked, not
-    /// applied), or the one after it (the ring just dropped it). An engine that restarted and went quiet is found this way —
-    /// its live stream shows nothing — and resynced ([`ResyncReason::Restart`]; its new
-    /// incarnation's batches are then replayed from 0):
+    /// applied), or the one after it (the ring just dropped it). An engine that restarted and
+    /// went quiet is found this way — its live stream shows nothing — and resynced
+    /// ([`ResyncReason::Restart`]; its new incarnation's batches are then replayed from 0):
     /// - the batch at the anchor's sequence number has other content: a new incarnation that
     ///   has published past it;
     /// - only the end marker comes back: the engine holds nothing from the anchor on, which a
@@ -328,60 +347,57 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             .checked_sub(1)
             .and_then(|last| self.recent.back().filter(|&&(seq, _)| seq == last))
             .copied();
-        let id = ReplayId(self.next_replay_id);
-        self.next_replay_id += 1;
-        self.counters.replays_requested += 1;
-        self.replay = Some(Outstanding {
-            id,
+        self.issue(Outstanding {
             from: self.next,
             to,
-            answered: false,
             open_ended,
             anchor,
-            anchor_seen: false,
-            confirming: false,
-            discarding: false,
-            deadline: None,
-        });
-        self.actions.push_back(Action::Replay {
-            id,
-            from: anchor.map_or(self.next, |(seq, _)| seq),
-            to,
+            ..Outstanding::new()
         });
     }
 
     /// Asks the engine for its whole ring (from 0, open-ended): does it keep one? (See
     /// [`Sequencer::probe`].) Counted as a probe.
     fn request_confirmation(&mut self) {
+        self.counters.probes += 1;
+        self.issue(Outstanding {
+            from: 0,
+            to: u64::MAX,
+            open_ended: true,
+            confirming: true,
+            ..Outstanding::new()
+        });
+    }
+
+    /// Makes `request` (given an id here) the outstanding replay and emits its action, asking
+    /// from its anchor if it has one.
+    fn issue(&mut self, request: Outstanding) {
         let id = ReplayId(self.next_replay_id);
         self.next_replay_id += 1;
         self.counters.replays_requested += 1;
-        self.counters.probes += 1;
-        self.replay = Some(Outstanding {
-            id,
-            from: 0,
-            to: u64::MAX,
-            answered: false,
-            open_ended: true,
-            anchor: None,
-            anchor_seen: false,
-            confirming: true,
-            discarding: false,
-            deadline: None,
-        });
+        let Outstanding {
+            from, to, anchor, ..
+        } = request;
+        self.replay = Some(Outstanding { id, ..request });
         self.actions.push_back(Action::Replay {
             id,
-            from: 0,
-            to: u64::MAX,
+            from: anchor.map_or(from, |(seq, _)| seq),
+            to,
         });
     }
 
     /// A replay answer showed that the engine restarted (see [`Sequencer::probe`]): resync,
     /// forget the old incarnation, and ask for the new one's batches from 0.
     fn restarted_quietly(&mut self) {
+        self.restart_found_by_replay();
+        self.request_open_ended();
+    }
+
+    /// A replay answer showed a restart: as [`Sequencer::restarted`], and the new
+    /// incarnation's batches are to be replayed from 0 (counted as a late join).
+    fn restart_found_by_replay(&mut self) {
         self.restarted();
         self.counters.late_joins += 1;
-        self.request_open_ended();
     }
 
     /// The engine restarted: resync, and forget the old incarnation (its buffer, its replay and
@@ -471,8 +487,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             // restarted. What this answer brings from 0 is the new incarnation's.
             let mut confirmed = *replay;
             confirmed.confirming = false;
-            self.restarted();
-            self.counters.late_joins += 1;
+            self.restart_found_by_replay();
             self.replay = Some(confirmed);
         }
         let Some(replay) = self.replay.as_mut() else {

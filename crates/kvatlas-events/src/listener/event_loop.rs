@@ -42,11 +42,6 @@ struct ProbeSchedule {
     /// whatever the live stream does (a live batch read after the new connection may still
     /// have come over the old one, so it cannot stand for the probe).
     reconnected: bool,
-    /// No probe has gone out yet: one is due as soon as the stream has a position and no
-    /// replay has shown the engine keeps a ring, busy stream or not. Until a ring is seen, an
-    /// engine that restarts and stays quiet cannot be told from one without a ring
-    /// ([`Sequencer::probe`]); a busy engine may otherwise never be probed before it restarts.
-    first: bool,
 }
 
 impl ProbeSchedule {
@@ -57,7 +52,6 @@ impl ProbeSchedule {
             wait: interval,
             at: now + interval,
             reconnected: false,
-            first: true,
         }
     }
 
@@ -82,7 +76,6 @@ impl ProbeSchedule {
     fn after_probe(&mut self, now: Instant, sent: bool) {
         if sent {
             self.reconnected = false;
-            self.first = false;
             self.at = now + self.wait;
             self.wait = (self.wait * 2).min(self.interval * MAX_PROBE_BACKOFF);
         } else {
@@ -332,12 +325,14 @@ impl ListenerThread {
     /// Probes the engine if the live stream has been quiet until the probe is due, or to see
     /// its ring once (see [`Sequencer::probe`]); never while held.
     fn probe_if_quiet(&mut self, now: Instant) -> Result<(), Exit> {
-        let see_ring = !self.sequencer.ring_seen() && self.sequencer.has_position();
-        let Some(schedule) = self
-            .probe
-            .as_mut()
-            .filter(|p| now >= p.at || (p.first && see_ring))
-        else {
+        // No probe has gone out yet: one is due as soon as the stream has a position and no
+        // replay has shown the engine keeps a ring, busy stream or not. Until a ring is seen, an
+        // engine that restarts and stays quiet cannot be told from one without a ring
+        // ([`Sequencer::probe`]); a busy engine may otherwise never be probed before it restarts.
+        let see_ring = self.sequencer.counters().probes == 0
+            && !self.sequencer.ring_seen()
+            && self.sequencer.has_position();
+        let Some(schedule) = self.probe.as_mut().filter(|p| now >= p.at || see_ring) else {
             return Ok(());
         };
         let sent = self.held.is_none() && self.sequencer.probe();
