@@ -160,9 +160,12 @@ async fn periodic_snapshots_and_the_snapshot_streams_hold_the_state() {
         }
     })
     .await;
-    let (_, metrics) = http_get(http, "/metrics", None);
-    let written = metric(&metrics, "kvatlas_snapshots_total{outcome=\"written\"}").expect("metric");
-    assert!(written >= 1.0, "{written}");
+    // The counter moves once the write has finished, just after the file is in place.
+    wait_until("the written snapshot counted", || async move {
+        let (_, metrics) = http_get(http, "/metrics", None);
+        metric(&metrics, "kvatlas_snapshots_total{outcome=\"written\"}").expect("metric") >= 1.0
+    })
+    .await;
     // Nothing changes: no more snapshots are written.
     let files = snapshot_files(&dir);
     tokio::time::sleep(interval * 5).await;
