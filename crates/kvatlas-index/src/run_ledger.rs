@@ -249,6 +249,12 @@ impl<N: RunNode> RunLedger<N> {
         self.starts.len()
     }
 
+    /// Run records made so far, free ones included (for tests).
+    #[cfg(test)]
+    pub(crate) fn run_records(&self) -> usize {
+        self.runs.len()
+    }
+
     /// Arena slots in use or in holes (for tests).
     #[cfg(test)]
     pub(crate) fn arena_len(&self) -> usize {
@@ -1380,6 +1386,14 @@ impl<N: RunNode> RunLedger<N> {
             self.cut_tail(sink, r, stretch.lo);
             return;
         }
+        if stretch.lo == run.start
+            && stretch.hi < run.start + run.len
+            && run.tiers.without(tier).is_empty()
+            && !self.has_child_before(r, stretch.hi)
+        {
+            self.cut_head(sink, r, stretch.hi);
+            return;
+        }
         let m = self.isolate(r, stretch.lo, stretch.hi);
         self.runs[m as usize].tiers = self.runs[m as usize].tiers.without(tier);
         touched.push(m);
@@ -1396,6 +1410,76 @@ impl<N: RunNode> RunLedger<N> {
             child = c.next_sibling;
         }
         false
+    }
+
+    /// Whether a child run of `r` hangs on a slot before `before`.
+    fn has_child_before(&self, r: u32, before: u32) -> bool {
+        let mut child = self.runs[r as usize].first_child;
+        while child != NIL {
+            let c = &self.runs[child as usize];
+            if c.parent < before {
+                return true;
+            }
+            child = c.next_sibling;
+        }
+        false
+    }
+
+    /// Removes the single-tier run `r`'s blocks before slot `at` (not all of them; no child
+    /// run hangs on them) in place: the rest keeps `r`'s record and now waits for the last
+    /// removed block as its parent, so it is unrooted (with the child runs hanging on it) if it
+    /// was rooted. What splitting the rest off as a child run, then unrooting and deleting the
+    /// head does (the same calls to the backend, in the same order: the rest and its children
+    /// first, then the head; the same slots freed), without making the rest's record and link,
+    /// splitting its local hashes into a new list, and dropping the head's record. Head-first
+    /// eviction removes chains this way.
+    fn cut_head<M: Membership<Node = N>>(&mut self, sink: &mut M, r: u32, at: u32) {
+        let run = self.runs[r as usize];
+        let head = at - run.start;
+        let parent_hash = self.hashes[at as usize - 1];
+        // Away from its old parent, waiting for the block it now hangs on.
+        if run.parent_run != NIL {
+            self.unlink_child(r);
+        } else if run.flags & HAS_PARENT != 0 {
+            self.dangling.forget(r);
+        }
+        {
+            let rest = &mut self.runs[r as usize];
+            rest.start = at;
+            rest.len -= head;
+            rest.parent = NIL;
+            rest.parent_run = NIL;
+            rest.flags |= HAS_PARENT;
+            if run.level != UNROOTED {
+                rest.node = run.node.advance(head);
+            }
+        }
+        self.dangling.wait(r, parent_hash);
+        self.starts.remove(&run.start);
+        self.starts.insert(at, r);
+        self.set_bound(at);
+        if run.level == UNROOTED {
+            if let Some(locals) = self.locals.get_mut(&r) {
+                locals.drain(..head as usize);
+                if locals.capacity() > 2 * locals.len() {
+                    locals.shrink_to_fit();
+                }
+            }
+        } else {
+            // The rest and the runs hanging on it leave the forest, children first; then the
+            // head, whose path the rest continued.
+            propagate(self, sink, r);
+            sink.remove_along(run.node, head, run.level);
+        }
+        let hashes = &self.hashes;
+        self.table
+            .remove_each(run.start..at, |pos| hash_of(hashes[pos as usize]));
+        self.free_range(run.start, head);
+        if run.parent_run != NIL {
+            // The block it hung on may be a leaf now (in the rest itself if `r` hung on its own
+            // tail: no child hangs on the head).
+            self.became_leaf(run.parent);
+        }
     }
 
     /// Removes the rooted, single-tier run `r`'s blocks from slot `at` on (not its first; no

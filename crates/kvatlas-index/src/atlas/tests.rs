@@ -409,6 +409,55 @@ fn a_sibling_under_a_restored_prefix_is_rerooted_per_run() {
     assert!(changes <= 16, "{changes} forest changes for two runs");
 }
 
+/// Head-first eviction cuts a chain's first blocks off in place: the rest keeps its run
+/// record (no record is made for it, none dropped), leaves the forest with the branch hanging
+/// on it, and comes back whole when the head is stored again; answers equal the reference
+/// model's throughout.
+#[test]
+fn a_chain_evicted_head_first_keeps_its_run() {
+    let worker = Worker::new(9, 0);
+    let block = |h: u64| StoredBlock {
+        external: ExternalBlockHash::new(h),
+        local: LocalBlockHash::new(h * 13 + 5),
+    };
+    let store = |parent: Option<u64>, hashes: std::ops::Range<u64>| Mutation::Stored {
+        worker,
+        tier: Tier::Device,
+        parent: parent.map(ExternalBlockHash::new),
+        blocks: hashes.map(block).collect(),
+    };
+    let remove = |hashes: Vec<u64>| Mutation::Removed {
+        worker,
+        tier: Tier::Device,
+        blocks: hashes.into_iter().map(ExternalBlockHash::new).collect(),
+    };
+    let trunk: Vec<LocalBlockHash> = (0..100).map(|h| block(h).local).collect();
+    let branch: Vec<LocalBlockHash> = (0..61).chain(1000..1010).map(|h| block(h).local).collect();
+    let options = MatchOptions::default().with_tiered(true);
+    let mut atlas = Atlas::new();
+    let mut reference = ReferenceIndex::new();
+    let mut apply = |m: Mutation| {
+        assert_eq!(atlas.apply(&m), reference.apply(&m));
+        for q in [&trunk, &branch] {
+            assert_eq!(
+                atlas.find_matches(q, &options),
+                reference.find_matches(q, &options)
+            );
+        }
+        assert_eq!(atlas.snapshot(), reference.snapshot());
+        let (_, ledger) = &atlas.books.ledgers[&worker];
+        (ledger.run_count(), ledger.run_records(), ledger.len())
+    };
+    apply(store(None, 0..100));
+    assert_eq!(apply(store(Some(60), 1000..1010)), (2, 2, 110));
+    // The rooted chain's head: the rest and the branch are unrooted, two records still.
+    assert_eq!(apply(remove((0..20).collect())), (2, 2, 90));
+    // The unrooted rest's head, named deepest first.
+    assert_eq!(apply(remove((20..35).rev().collect())), (2, 2, 75));
+    // The head stored again adopts the rest, and the branch is rooted with it.
+    assert_eq!(apply(store(None, 0..35)).0, 3);
+}
+
 /// After every rank leaves, nothing of the forest is left in use, whatever the history.
 #[test]
 fn the_forest_empties_when_every_rank_leaves() {
