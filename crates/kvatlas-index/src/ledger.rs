@@ -721,10 +721,14 @@ impl<N: NodeBits> LevelForest<N> for Ledger<N> {
 /// parent's engine hash, which is also kept per item (no record of the parent is left to name
 /// it). A block naming itself as parent stays recorded but leaves the list when it is stored
 /// (it can never be reached).
+/// The items waiting for one parent.
+pub(crate) type Waiters = smallvec::SmallVec<[u32; 4]>;
+
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Dangling {
-    /// Parent hash → the items waiting for it.
-    waiting: FxHashMap<ExternalBlockHash, Vec<u32>>,
+    /// Parent hash → the items waiting for it (nearly always one: kept inline, with no
+    /// allocation, up to four; the same 24 bytes as a `Vec`).
+    waiting: FxHashMap<ExternalBlockHash, Waiters>,
     /// Item → its parent's hash.
     parents: FxHashMap<u32, ExternalBlockHash>,
 }
@@ -734,6 +738,20 @@ impl Dangling {
     pub(crate) fn wait(&mut self, item: u32, parent: ExternalBlockHash) {
         self.waiting.entry(parent).or_default().push(item);
         self.parents.insert(item, parent);
+    }
+
+    /// Records that `item` waits for the block hashed `parent` instead of the one it waited
+    /// for, if any: [`Dangling::forget`] then [`Dangling::wait`], with one lookup of the item.
+    pub(crate) fn rewait(&mut self, item: u32, parent: ExternalBlockHash) {
+        if let Some(old) = self.parents.insert(item, parent)
+            && let Some(waiting) = self.waiting.get_mut(&old)
+        {
+            waiting.retain(|w| *w != item);
+            if waiting.is_empty() {
+                self.waiting.remove(&old);
+            }
+        }
+        self.waiting.entry(parent).or_default().push(item);
     }
 
     /// Whether no item waits.
@@ -759,7 +777,7 @@ impl Dangling {
     /// Takes the list of the items waiting for `parent` (just stored); each one the caller
     /// links under it must be passed to [`Dangling::adopted`].
     #[inline]
-    pub(crate) fn take_waiting(&mut self, parent: ExternalBlockHash) -> Option<Vec<u32>> {
+    pub(crate) fn take_waiting(&mut self, parent: ExternalBlockHash) -> Option<Waiters> {
         if self.waiting.is_empty() {
             return None;
         }
@@ -776,7 +794,7 @@ impl Dangling {
         if let Some(parent) = self.parents.remove(&item)
             && let Some(waiting) = self.waiting.get_mut(&parent)
         {
-            waiting.retain(|&w| w != item);
+            waiting.retain(|w| *w != item);
             if waiting.is_empty() {
                 self.waiting.remove(&parent);
             }
@@ -806,7 +824,7 @@ impl Dangling {
     pub(crate) fn heap_bytes(&self) -> usize {
         self.waiting
             .values()
-            .map(|v| v.capacity() * 4)
+            .map(|v| if v.spilled() { v.capacity() * 4 } else { 0 })
             .sum::<usize>()
             + table_bytes(self.waiting.capacity(), 8 + 24)
             + table_bytes(self.parents.capacity(), 16)

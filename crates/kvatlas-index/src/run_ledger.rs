@@ -1440,8 +1440,6 @@ impl<N: RunNode> RunLedger<N> {
         // Away from its old parent, waiting for the block it now hangs on.
         if run.parent_run != NIL {
             self.unlink_child(r);
-        } else if run.flags & HAS_PARENT != 0 {
-            self.dangling.forget(r);
         }
         {
             let rest = &mut self.runs[r as usize];
@@ -1454,7 +1452,7 @@ impl<N: RunNode> RunLedger<N> {
                 rest.node = run.node.advance(head);
             }
         }
-        self.dangling.wait(r, parent_hash);
+        self.dangling.rewait(r, parent_hash);
         self.starts.remove(&run.start);
         self.starts.insert(at, r);
         self.set_bound(at);
