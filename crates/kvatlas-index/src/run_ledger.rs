@@ -1381,7 +1381,7 @@ impl<N: RunNode> RunLedger<N> {
             && stretch.hi == run.start + run.len
             && run.tiers.without(tier).is_empty()
             && run.level != UNROOTED
-            && !self.has_child_from(r, stretch.lo)
+            && !self.has_child_on(r, stretch.lo..)
         {
             self.cut_tail(sink, r, stretch.lo);
             return;
@@ -1389,7 +1389,7 @@ impl<N: RunNode> RunLedger<N> {
         if stretch.lo == run.start
             && stretch.hi < run.start + run.len
             && run.tiers.without(tier).is_empty()
-            && !self.has_child_before(r, stretch.hi)
+            && !self.has_child_on(r, ..stretch.hi)
         {
             self.cut_head(sink, r, stretch.hi);
             return;
@@ -1399,25 +1399,12 @@ impl<N: RunNode> RunLedger<N> {
         touched.push(m);
     }
 
-    /// Whether a child run of `r` hangs on a slot at or after `from`.
-    fn has_child_from(&self, r: u32, from: u32) -> bool {
+    /// Whether a child run of `r` hangs on a slot in `slots`.
+    fn has_child_on(&self, r: u32, slots: impl std::ops::RangeBounds<u32>) -> bool {
         let mut child = self.runs[r as usize].first_child;
         while child != NIL {
             let c = &self.runs[child as usize];
-            if c.parent >= from {
-                return true;
-            }
-            child = c.next_sibling;
-        }
-        false
-    }
-
-    /// Whether a child run of `r` hangs on a slot before `before`.
-    fn has_child_before(&self, r: u32, before: u32) -> bool {
-        let mut child = self.runs[r as usize].first_child;
-        while child != NIL {
-            let c = &self.runs[child as usize];
-            if c.parent < before {
+            if slots.contains(&c.parent) {
                 return true;
             }
             child = c.next_sibling;
