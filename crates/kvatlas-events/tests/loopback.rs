@@ -851,6 +851,11 @@ fn a_held_listener_released_at_a_snapshot_position_applies_every_batch_once() {
     h.listeners.release(id, Some(resume)).expect("released");
     let tail = publisher.pump(&h.listeners, id);
     sent.extend(tail);
+    // The last batch may be applied (live) before the rest of the catch-up's answer is read:
+    // its duplicates are counted when the answer has been read to its end marker.
+    wait_for("the catch-up's answer read to its end", || {
+        state(&h.listeners, id).counters.replays_completed >= 1
+    });
 
     let s = state(&h.listeners, id);
     assert_eq!(s.counters.catch_ups, 1, "{s:?}");
