@@ -717,13 +717,13 @@ impl<N: NodeBits> LevelForest<N> for Ledger<N> {
     }
 }
 
+/// The items waiting for one parent.
+pub(crate) type Waiters = smallvec::SmallVec<[u32; 4]>;
+
 /// Items (blocks, or runs of blocks) whose parent is not held, waiting for it: listed under the
 /// parent's engine hash, which is also kept per item (no record of the parent is left to name
 /// it). A block naming itself as parent stays recorded but leaves the list when it is stored
 /// (it can never be reached).
-/// The items waiting for one parent.
-pub(crate) type Waiters = smallvec::SmallVec<[u32; 4]>;
-
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Dangling {
     /// Parent hash → the items waiting for it (nearly always one: kept inline, with no
@@ -743,13 +743,8 @@ impl Dangling {
     /// Records that `item` waits for the block hashed `parent` instead of the one it waited
     /// for, if any: [`Dangling::forget`] then [`Dangling::wait`], with one lookup of the item.
     pub(crate) fn rewait(&mut self, item: u32, parent: ExternalBlockHash) {
-        if let Some(old) = self.parents.insert(item, parent)
-            && let Some(waiting) = self.waiting.get_mut(&old)
-        {
-            waiting.retain(|w| *w != item);
-            if waiting.is_empty() {
-                self.waiting.remove(&old);
-            }
+        if let Some(old) = self.parents.insert(item, parent) {
+            self.unlist(item, old);
         }
         self.waiting.entry(parent).or_default().push(item);
     }
@@ -791,9 +786,14 @@ impl Dangling {
 
     /// `item` is deleted while waiting.
     pub(crate) fn forget(&mut self, item: u32) {
-        if let Some(parent) = self.parents.remove(&item)
-            && let Some(waiting) = self.waiting.get_mut(&parent)
-        {
+        if let Some(parent) = self.parents.remove(&item) {
+            self.unlist(item, parent);
+        }
+    }
+
+    /// Takes `item` off the list of the items waiting for `parent` (the list goes when empty).
+    fn unlist(&mut self, item: u32, parent: ExternalBlockHash) {
+        if let Some(waiting) = self.waiting.get_mut(&parent) {
             waiting.retain(|w| *w != item);
             if waiting.is_empty() {
                 self.waiting.remove(&parent);

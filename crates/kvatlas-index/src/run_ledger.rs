@@ -1456,10 +1456,7 @@ impl<N: RunNode> RunLedger<N> {
             propagate(self, sink, r);
             sink.remove_along(run.node, head, run.level);
         }
-        let hashes = &self.hashes;
-        self.table
-            .remove_each(run.start..at, |pos| hash_of(hashes[pos as usize]));
-        self.free_range(run.start, head);
+        self.release_slots(run.start, head);
         if run.parent_run != NIL {
             // The block it hung on may be a leaf now (in the rest itself if `r` hung on its own
             // tail: no child hangs on the head).
@@ -1478,11 +1475,8 @@ impl<N: RunNode> RunLedger<N> {
         let len = run.len - head;
         sink.remove_along(run.node.advance(head), len, run.level);
         self.runs[r as usize].len = head;
-        let hashes = &self.hashes;
-        self.table
-            .remove_each(at..at + len, |pos| hash_of(hashes[pos as usize]));
+        self.release_slots(at, len);
         self.became_leaf(at - 1);
-        self.free_range(at, len);
     }
 
     /// Deletes a run held on no tier (already unrooted by `propagate`): its child runs wait for
@@ -1508,11 +1502,6 @@ impl<N: RunNode> RunLedger<N> {
         } else if run.flags & HAS_PARENT != 0 {
             self.dangling.forget(d);
         }
-        let hashes = &self.hashes;
-        self.table
-            .remove_each(run.start..run.start + run.len, |pos| {
-                hash_of(hashes[pos as usize])
-            });
         self.starts.remove(&run.start);
         // The start bit stays: the slots become a hole (or leave the arena).
         // (A run held on no tier was not given local hashes when it left the forest, so
@@ -1522,7 +1511,16 @@ impl<N: RunNode> RunLedger<N> {
         }
         self.runs[d as usize] = Self::bare(0, 0, run.node, TierSet::default(), UNROOTED, FREE);
         self.free_runs.push(d);
-        self.free_range(run.start, run.len);
+        self.release_slots(run.start, run.len);
+    }
+
+    /// Gives back `len` slots from `start` that no run holds any more (the run's record no
+    /// longer covers them): their table entries go, then the slots become a hole.
+    fn release_slots(&mut self, start: u32, len: u32) {
+        let hashes = &self.hashes;
+        self.table
+            .remove_each(start..start + len, |pos| hash_of(hashes[pos as usize]));
+        self.free_range(start, len);
     }
 
     /// Drops every block; returns the number of (block, tier) memberships that ended.
