@@ -411,8 +411,8 @@ fn a_sibling_under_a_restored_prefix_is_rerooted_per_run() {
 
 /// Head-first eviction cuts a chain's first blocks off in place: the rest keeps its run
 /// record (no record is made for it, none dropped), leaves the forest with the branch hanging
-/// on it, and comes back whole when the head is stored again; answers equal the reference
-/// model's throughout.
+/// on it, and is rooted again (a run of its own under the re-stored head) when the head is
+/// stored again; answers equal the reference model's throughout.
 #[test]
 fn a_chain_evicted_head_first_keeps_its_run() {
     let worker = Worker::new(9, 0);
