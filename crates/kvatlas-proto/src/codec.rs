@@ -1,4 +1,4 @@
-//! The protobuf codec of the generated stubs: prost's messages, with two changes that matter at
+//! The protobuf codec of the generated stubs: prost's messages, with changes that matter at
 //! hundreds of thousands of messages per second, and one that matters to people.
 //!
 //! - **Decoding from the contiguous slice.** tonic hands the decoder a view of its receive
@@ -11,12 +11,16 @@
 //! - **The answers by hand.** `QueryResponse` (and a `QueryStreamResponse` holding one) are
 //!   encoded and decoded by hand-written code (`codec/answers.rs`), byte for byte prost's, because an
 //!   answer lists a whole fleet of worker ranks (see there).
+//! - **The queries by hand.** `QueryRequest` is decoded and encoded by hand-written code
+//!   (`codec/requests.rs`), to prost's message and prost's bytes, because a prompt of token ids
+//!   is a thousand packed varints (see there).
 //! - **A message that does not decode is INVALID_ARGUMENT** ("malformed QueryRequest message:
 //!   …") rather than tonic's INTERNAL: a client sent bad bytes; nothing failed inside the server.
 
 use std::marker::PhantomData;
 
 mod answers;
+mod requests;
 
 use prost::Message;
 use prost::bytes::{Buf, BufMut};
@@ -68,21 +72,39 @@ impl<T: Message + 'static> Encoder for MessageEncoder<T> {
 
     fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
         self.scratch.clear();
-        if !answers::encode(&item, &mut self.scratch) {
+        let hand_written = answers::encode(&item, &mut self.scratch)
+            .or_else(|| requests::encode(&item, &mut self.scratch).then_some(0));
+        let start = hand_written.unwrap_or_else(|| {
             let len = item.encoded_len();
             self.scratch.resize(len, 0);
             let mut slice: &mut [u8] = &mut self.scratch;
             item.encode_raw(&mut slice);
             // `encoded_len` is exact, so the slice is full.
             debug_assert!(slice.is_empty());
-        }
-        buf.put_slice(&self.scratch);
+            0
+        });
+        buf.put_slice(&self.scratch[start..]);
         Ok(())
     }
 
     fn buffer_settings(&self) -> BufferSettings {
         BufferSettings::default()
     }
+}
+
+/// Decodes `bytes` as the server's and the client's codec does: the answers and `QueryRequest`
+/// by this crate's hand-written code where their layout is canonical, everything else by prost.
+/// The result is always prost's (the same message, or an error where prost errs); this entry
+/// exists so that fuzzing and tests can hold the codec to that.
+///
+/// # Errors
+/// prost's error for bytes that are not a valid `U`.
+pub fn decode_message<U: Message + Default + 'static>(
+    bytes: &[u8],
+) -> Result<U, prost::DecodeError> {
+    answers::decode::<U>(bytes)
+        .or_else(|| requests::decode::<U>(bytes))
+        .map_or_else(|| U::decode(bytes), Ok)
 }
 
 /// Decodes from the message's contiguous bytes, reporting failures as INVALID_ARGUMENT naming
@@ -98,7 +120,7 @@ impl<U: Message + Default + 'static> Decoder for MessageDecoder<U> {
         let len = buf.remaining();
         let decoded = if buf.chunk().len() >= len {
             let bytes = &buf.chunk()[..len];
-            let decoded = answers::decode::<U>(bytes).map_or_else(|| U::decode(bytes), Ok);
+            let decoded = decode_message::<U>(bytes);
             buf.advance(len);
             decoded
         } else {

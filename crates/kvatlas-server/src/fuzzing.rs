@@ -8,7 +8,9 @@
 //! small word-level tokenizer for model `m`). Not an API.
 //!
 //! The property: no input panics, and none is answered with INTERNAL — a bad request is the
-//! client's error, and says so.
+//! client's error, and says so. A `QueryRequest` is decoded both by the gRPC codec (whose
+//! hand-written fast path must give prost's result for any bytes) and by prost, and the two
+//! must agree.
 
 use std::sync::{Arc, OnceLock};
 
@@ -200,7 +202,14 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             .and_then(|dump| crate::dynamo::apply_dump(&state.registry, dump))
             .map(drop),
         0 => {
-            let query = v1::QueryRequest::decode(body).ok()?;
+            // The codec's hand-written decoding must give prost's answer for any bytes.
+            let query = kvatlas_proto::codec::decode_message::<v1::QueryRequest>(body);
+            assert_eq!(
+                query,
+                v1::QueryRequest::decode(body),
+                "the codec decoded a QueryRequest differently from prost"
+            );
+            let query = query.ok()?;
             service.answer(&caller, &query).map(drop)
         }
         1 => {

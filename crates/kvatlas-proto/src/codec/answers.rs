@@ -39,7 +39,7 @@ const EVENTS_APPLIED: u8 = 5 << 3;
 const REQUEST_ID: u8 = 1 << 3;
 const RESPONSE: u8 = 2 << 3 | 2;
 
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+pub(super) fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         out.push((value as u8) | 0x80);
         value >>= 7;
@@ -48,36 +48,11 @@ fn put_varint(out: &mut Vec<u8>, mut value: u64) {
 }
 
 /// A proto3 scalar field: omitted when zero.
-fn put_field(out: &mut Vec<u8>, tag: u8, value: u64) {
+pub(super) fn put_field(out: &mut Vec<u8>, tag: u8, value: u64) {
     if value != 0 {
         out.push(tag);
         put_varint(out, value);
     }
-}
-
-fn varint_len(value: u64) -> usize {
-    // 1 byte per 7 bits, at least one.
-    (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
-}
-
-fn match_len(m: &WorkerMatch) -> usize {
-    let field = |value: u64| if value == 0 { 0 } else { 1 + varint_len(value) };
-    field(m.instance_id)
-        + field(u64::from(m.dp_rank))
-        + field(u64::from(m.device_blocks))
-        + field(u64::from(m.host_blocks))
-        + field(u64::from(m.longest_blocks))
-        + field(m.matched_tokens)
-        + field(m.longest_matched_tokens)
-}
-
-fn response_len(r: &QueryResponse) -> usize {
-    let field = |value: u64| if value == 0 { 0 } else { 1 + varint_len(value) };
-    r.matches.iter().map(|m| 2 + match_len(m)).sum::<usize>()
-        + field(u64::from(r.block_size))
-        + field(u64::from(r.query_blocks))
-        + field(r.last_event_unix_micros as u64)
-        + field(r.events_applied)
 }
 
 fn encode_response(r: &QueryResponse, out: &mut Vec<u8>) {
@@ -103,37 +78,67 @@ fn encode_response(r: &QueryResponse, out: &mut Vec<u8>) {
     put_field(out, EVENTS_APPLIED, r.events_applied);
 }
 
-/// Appends `message`'s protobuf encoding to `out` if it is an answer this module writes (a
-/// `QueryResponse`, or a `QueryStreamResponse` holding one or nothing); `false` otherwise (the
-/// caller encodes it with prost).
-pub(crate) fn encode<T: Any>(message: &T, out: &mut Vec<u8>) -> bool {
+/// Room left at the front of a stream answer for its header: the request id (a tag and up to
+/// ten bytes), the answer's tag and its length (up to five bytes: an answer under 32 GiB).
+const STREAM_HEADROOM: usize = 1 + 10 + 1 + 5;
+
+/// Writes `value` as a varint into `buf` at `*at`.
+fn put_varint_at(buf: &mut [u8], at: &mut usize, mut value: u64) {
+    while value >= 0x80 {
+        buf[*at] = (value as u8) | 0x80;
+        *at += 1;
+        value >>= 7;
+    }
+    buf[*at] = value as u8;
+    *at += 1;
+}
+
+/// Appends `message`'s protobuf encoding to the empty `out` if it is an answer this module
+/// writes (a `QueryResponse`, or a `QueryStreamResponse` holding one or nothing) and returns
+/// where in `out` the encoding starts; `None` otherwise (the caller encodes it with prost).
+///
+/// A stream answer's header holds the nested answer's length, known only once it is written:
+/// the answer is written after [`STREAM_HEADROOM`] bytes and the header just before it, so
+/// nothing is measured twice or moved.
+pub(crate) fn encode<T: Any>(message: &T, out: &mut Vec<u8>) -> Option<usize> {
+    debug_assert!(out.is_empty());
     let message = message as &dyn Any;
     if let Some(response) = message.downcast_ref::<QueryResponse>() {
         encode_response(response, out);
-        return true;
+        return Some(0);
     }
-    let Some(stream) = message.downcast_ref::<QueryStreamResponse>() else {
-        return false;
-    };
+    let stream = message.downcast_ref::<QueryStreamResponse>()?;
     match &stream.outcome {
         Some(query_stream_response::Outcome::Response(response)) => {
-            put_field(out, REQUEST_ID, stream.request_id);
-            out.push(RESPONSE);
-            put_varint(out, response_len(response) as u64);
+            out.resize(STREAM_HEADROOM, 0);
             encode_response(response, out);
-            true
+            let len = (out.len() - STREAM_HEADROOM) as u64;
+            debug_assert!(len < 1 << 35, "an answer's length fits five bytes");
+            let mut header = [0u8; STREAM_HEADROOM];
+            let mut at = 0;
+            if stream.request_id != 0 {
+                header[0] = REQUEST_ID;
+                at = 1;
+                put_varint_at(&mut header, &mut at, stream.request_id);
+            }
+            header[at] = RESPONSE;
+            at += 1;
+            put_varint_at(&mut header, &mut at, len);
+            let start = STREAM_HEADROOM - at;
+            out[start..STREAM_HEADROOM].copy_from_slice(&header[..at]);
+            Some(start)
         }
         None => {
             put_field(out, REQUEST_ID, stream.request_id);
-            true
+            Some(0)
         }
-        Some(query_stream_response::Outcome::Error(_)) => false,
+        Some(query_stream_response::Outcome::Error(_)) => None,
     }
 }
 
 /// A varint as prost reads it, or `None` where prost would refuse it (more than ten bytes, or
 /// a tenth byte above 1) or the input ends.
-fn varint(bytes: &[u8], at: &mut usize) -> Option<u64> {
+pub(super) fn varint(bytes: &[u8], at: &mut usize) -> Option<u64> {
     let mut value = 0u64;
     for i in 0..10 {
         let byte = *bytes.get(*at)?;
@@ -150,7 +155,7 @@ fn varint(bytes: &[u8], at: &mut usize) -> Option<u64> {
 }
 
 /// A length-delimited field's bytes.
-fn delimited<'a>(bytes: &'a [u8], at: &mut usize) -> Option<&'a [u8]> {
+pub(super) fn delimited<'a>(bytes: &'a [u8], at: &mut usize) -> Option<&'a [u8]> {
     let len = usize::try_from(varint(bytes, at)?).ok()?;
     let end = at.checked_add(len)?;
     let field = bytes.get(*at..end)?;
@@ -308,9 +313,8 @@ mod tests {
         #[test]
         fn responses_encode_as_prost_does(response in any_response()) {
             let mut ours = Vec::new();
-            prop_assert!(encode(&response, &mut ours));
+            prop_assert_eq!(encode(&response, &mut ours), Some(0));
             prop_assert_eq!(&ours, &response.encode_to_vec());
-            prop_assert_eq!(response_len(&response), ours.len());
             prop_assert_eq!(decode::<QueryResponse>(&ours), Some(response));
         }
 
@@ -318,9 +322,10 @@ mod tests {
         fn stream_answers_encode_as_prost_does(stream in any_stream()) {
             let mut ours = Vec::new();
             let is_error = matches!(stream.outcome, Some(query_stream_response::Outcome::Error(_)));
-            prop_assert_eq!(encode(&stream, &mut ours), !is_error);
-            if !is_error {
-                prop_assert_eq!(&ours, &stream.encode_to_vec());
+            let start = encode(&stream, &mut ours);
+            prop_assert_eq!(start.is_none(), is_error);
+            if let Some(start) = start {
+                prop_assert_eq!(&ours[start..], &stream.encode_to_vec()[..]);
             }
             prop_assert_eq!(decoded::<QueryStreamResponse>(&stream.encode_to_vec()), Ok(stream));
         }
@@ -357,7 +362,7 @@ mod tests {
     #[test]
     fn other_messages_are_left_to_prost() {
         let mut out = Vec::new();
-        assert!(!encode(&QueryError::default(), &mut out));
+        assert_eq!(encode(&QueryError::default(), &mut out), None);
         assert!(out.is_empty());
         assert_eq!(decode::<QueryError>(&[]), None);
         // A second answer on one stream message is merged by prost: deferred.

@@ -1,0 +1,387 @@
+//! Hand-written decoding and encoding of `QueryRequest`, the message both query RPCs carry:
+//! prost's message for every input it accepts, and prost's bytes for every message.
+//!
+//! A prompt sent as token ids is a packed field of about a thousand varints. prost reads each
+//! through its generic merge (a bounds-checked varint decode, a push, a length re-check), and
+//! perf of `kvatlas serve` answering `QueryStream` with 1,024 token ids put that at over a quarter
+//! of the server's CPU. Here the ids are counted first (one byte without its high bit ends each
+//! varint), the vector is sized once, and each varint is read by a plain loop over the slice;
+//! the small nested messages (`IndexSelector`, `QueryOptions`) are still prost's. A client
+//! sending token ids (the service benchmark's load generator, a router that leaves hashing to
+//! the server) writes them the same way: lengths summed in one pass, varints into a flat buffer.
+//!
+//! Only the canonical layout is read: each known field at most once with its wire type, the ids
+//! packed in one run, the hashes packed in whole 8-byte words, the strings valid UTF-8, no
+//! varint longer than five bytes inside the ids. Anything else — a repeated or unknown field,
+//! unpacked ids, a long varint, a cut message — returns `None` and the caller decodes with
+//! prost, which then decides (merges, or refuses with its error).
+//!
+//! Invariant (checked by the property tests below): for every input, [`decode`] returns prost's
+//! message or defers to it; for every message, [`encode`] writes prost's bytes.
+
+use std::any::Any;
+
+use prost::Message;
+
+use super::answers::{delimited, put_field, put_varint, varint};
+use crate::v1::{IndexSelector, LocalHashes, QueryOptions, QueryRequest, TokenIds, query_request};
+
+// Tags: field number << 3 | wire type (0 varint, 2 length-delimited).
+const INDEX: u8 = 1 << 3 | 2;
+const LORA_NAME: u8 = 2 << 3 | 2;
+const CACHE_SALT: u8 = 3 << 3 | 2;
+const TOKENS: u8 = 4 << 3 | 2;
+const LOCAL_HASHES: u8 = 5 << 3 | 2;
+const OPTIONS: u8 = 6 << 3 | 2;
+const REQUEST_ID: u8 = 7 << 3;
+/// The packed field inside `TokenIds` and `LocalHashes` (field 1, length-delimited).
+const PACKED: u8 = 1 << 3 | 2;
+
+/// The ids of a packed `repeated uint32`, as prost reads them (each varint truncated to 32
+/// bits), or `None` for a varint over five bytes or one cut short.
+fn packed_u32(bytes: &[u8]) -> Option<Vec<u32>> {
+    // Every varint ends with the one byte of it below 0x80, so this counts them (exactly, for
+    // input that decodes; a cut last varint is refused below).
+    let count = bytes.iter().filter(|&&b| b < 0x80).count();
+    let mut ids = Vec::with_capacity(count);
+    let mut at = 0;
+    // Eight bytes at a time while eight remain: the first byte below 0x80 ends the varint, and
+    // its 7-bit groups are gathered without a branch per byte.
+    while let Some(word) = bytes.get(at..at + 8) {
+        let word = u64::from_le_bytes(word.try_into().ok()?);
+        let ends = !word & 0x8080_8080_8080_8080;
+        let len = ends.trailing_zeros() / 8 + 1;
+        if len > 5 {
+            // Longer than five bytes (or none ends here): prost's general varint rules apply.
+            return None;
+        }
+        let kept = word & (u64::MAX >> (64 - 8 * len));
+        let value = (kept & 0x7f)
+            | ((kept >> 1) & (0x7f << 7))
+            | ((kept >> 2) & (0x7f << 14))
+            | ((kept >> 3) & (0x7f << 21))
+            | ((kept >> 4) & (0x7f << 28));
+        // A fifth byte carries bits 28..35, of which prost keeps 28..32 (`as u32`).
+        ids.push(value as u32);
+        at += len as usize;
+    }
+    while at < bytes.len() {
+        let mut value = 0u32;
+        let mut shift = 0;
+        loop {
+            let byte = *bytes.get(at)?;
+            at += 1;
+            value |= u32::from(byte & 0x7f).wrapping_shl(shift);
+            if byte < 0x80 {
+                break;
+            }
+            shift += 7;
+            if shift > 28 {
+                return None;
+            }
+        }
+        ids.push(value);
+    }
+    Some(ids)
+}
+
+/// A packed `repeated fixed64`: whole little-endian words, or `None`.
+fn packed_u64(bytes: &[u8]) -> Option<Vec<u64>> {
+    let words = bytes.chunks_exact(8);
+    if !words.remainder().is_empty() {
+        return None;
+    }
+    Some(
+        words
+            .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+            .collect(),
+    )
+}
+
+/// The one packed field of a `TokenIds` or `LocalHashes` (empty when absent), or `None` if the
+/// message holds anything else.
+fn only_packed(bytes: &[u8]) -> Option<&[u8]> {
+    if bytes.is_empty() {
+        return Some(bytes);
+    }
+    let mut at = 1;
+    if bytes[0] != PACKED {
+        return None;
+    }
+    let field = delimited(bytes, &mut at)?;
+    (at == bytes.len()).then_some(field)
+}
+
+fn string(bytes: &[u8]) -> Option<String> {
+    std::str::from_utf8(bytes).ok().map(str::to_owned)
+}
+
+fn decode_request(bytes: &[u8]) -> Option<QueryRequest> {
+    let mut r = QueryRequest::default();
+    // Fields seen (bit = field number): a second occurrence is prost's to merge.
+    let mut seen = 0u8;
+    let mut at = 0;
+    while at < bytes.len() {
+        let tag = bytes[at];
+        at += 1;
+        // Field numbers 1..=7 (a tag byte of 0x80 or more starts a longer field number).
+        let field = tag >> 3;
+        if !(1..=7).contains(&field) || seen & (1 << field) != 0 {
+            return None;
+        }
+        seen |= 1 << field;
+        match tag {
+            INDEX => r.index = Some(IndexSelector::decode(delimited(bytes, &mut at)?).ok()?),
+            LORA_NAME => r.lora_name = string(delimited(bytes, &mut at)?)?,
+            CACHE_SALT => r.cache_salt = string(delimited(bytes, &mut at)?)?,
+            // The two inputs are a oneof: with both present the last wins, left to prost.
+            TOKENS if r.input.is_none() => {
+                let ids = packed_u32(only_packed(delimited(bytes, &mut at)?)?)?;
+                r.input = Some(query_request::Input::Tokens(TokenIds { ids }));
+            }
+            LOCAL_HASHES if r.input.is_none() => {
+                let hashes = packed_u64(only_packed(delimited(bytes, &mut at)?)?)?;
+                r.input = Some(query_request::Input::LocalHashes(LocalHashes { hashes }));
+            }
+            OPTIONS => r.options = Some(QueryOptions::decode(delimited(bytes, &mut at)?).ok()?),
+            REQUEST_ID => r.request_id = varint(bytes, &mut at)?,
+            _ => return None,
+        }
+    }
+    Some(r)
+}
+
+/// `bytes` decoded as `U` if `U` is `QueryRequest` and `bytes` have the canonical layout;
+/// `None` otherwise (the caller decodes with prost, which then decides).
+pub(crate) fn decode<U: Any>(bytes: &[u8]) -> Option<U> {
+    let mut slot: Option<U> = None;
+    if let Some(slot) = (&mut slot as &mut dyn Any).downcast_mut::<Option<QueryRequest>>() {
+        *slot = decode_request(bytes);
+    }
+    slot
+}
+
+fn varint_len(value: u64) -> usize {
+    // 1 byte per 7 bits, at least one.
+    (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
+}
+
+/// A length-delimited field holding a prost message (written even when empty: a set message
+/// field is present).
+fn put_message(out: &mut Vec<u8>, tag: u8, message: &impl Message) {
+    out.push(tag);
+    put_varint(out, message.encoded_len() as u64);
+    message.encode_raw(out);
+}
+
+/// A proto3 string field: omitted when empty.
+fn put_string(out: &mut Vec<u8>, tag: u8, text: &str) {
+    if !text.is_empty() {
+        out.push(tag);
+        put_varint(out, text.len() as u64);
+        out.extend_from_slice(text.as_bytes());
+    }
+}
+
+fn encode_request(r: &QueryRequest, out: &mut Vec<u8>) {
+    if let Some(index) = &r.index {
+        put_message(out, INDEX, index);
+    }
+    put_string(out, LORA_NAME, &r.lora_name);
+    put_string(out, CACHE_SALT, &r.cache_salt);
+    match &r.input {
+        Some(query_request::Input::Tokens(TokenIds { ids })) => {
+            let packed: usize = ids.iter().map(|&id| varint_len(u64::from(id))).sum();
+            out.push(TOKENS);
+            if packed == 0 {
+                out.push(0);
+            } else {
+                put_varint(out, (1 + varint_len(packed as u64) + packed) as u64);
+                out.push(PACKED);
+                put_varint(out, packed as u64);
+                out.reserve(packed);
+                for &id in ids {
+                    put_varint(out, u64::from(id));
+                }
+            }
+        }
+        Some(query_request::Input::LocalHashes(LocalHashes { hashes })) => {
+            let packed = hashes.len() * 8;
+            out.push(LOCAL_HASHES);
+            if packed == 0 {
+                out.push(0);
+            } else {
+                put_varint(out, (1 + varint_len(packed as u64) + packed) as u64);
+                out.push(PACKED);
+                put_varint(out, packed as u64);
+                out.reserve(packed);
+                for &hash in hashes {
+                    out.extend_from_slice(&hash.to_le_bytes());
+                }
+            }
+        }
+        None => {}
+    }
+    if let Some(options) = &r.options {
+        put_message(out, OPTIONS, options);
+    }
+    put_field(out, REQUEST_ID, r.request_id);
+}
+
+/// Appends `message`'s protobuf encoding to `out` if it is a `QueryRequest` and returns `true`;
+/// `false` otherwise (the caller encodes it with prost).
+pub(crate) fn encode<T: Any>(message: &T, out: &mut Vec<u8>) -> bool {
+    match (message as &dyn Any).downcast_ref::<QueryRequest>() {
+        Some(request) => {
+            encode_request(request, out);
+            true
+        }
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn any_text() -> impl Strategy<Value = String> {
+        prop_oneof![Just(String::new()), "[a-z0-9/_-]{1,12}", "\\PC{0,4}"]
+    }
+
+    fn any_request() -> impl Strategy<Value = QueryRequest> {
+        // Token ids of every varint length, the extremes included.
+        let id = prop_oneof![0u32..128, 128u32..16_384, any::<u32>(), Just(u32::MAX)];
+        let input = prop_oneof![
+            Just(None),
+            proptest::collection::vec(id, 0..300)
+                .prop_map(|ids| Some(query_request::Input::Tokens(TokenIds { ids }))),
+            proptest::collection::vec(any::<u64>(), 0..80)
+                .prop_map(|hashes| Some(query_request::Input::LocalHashes(LocalHashes { hashes }))),
+        ];
+        let index = proptest::option::of((any_text(), any_text()))
+            .prop_map(|s| s.map(|(model, tenant)| IndexSelector { model, tenant }));
+        let options = proptest::option::of((
+            any::<bool>(),
+            any::<u32>(),
+            any::<u32>(),
+            proptest::collection::vec(any::<u64>(), 0..4),
+            any::<bool>(),
+        ))
+        .prop_map(|o| {
+            o.map(
+                |(early_exit, top_k, min_blocks, instance_ids, device_only)| QueryOptions {
+                    early_exit,
+                    top_k,
+                    min_blocks,
+                    instance_ids,
+                    device_only,
+                },
+            )
+        });
+        (
+            index,
+            any_text(),
+            any_text(),
+            input,
+            options,
+            prop_oneof![Just(0u64), any::<u64>()],
+        )
+            .prop_map(
+                |(index, lora_name, cache_salt, input, options, request_id)| QueryRequest {
+                    index,
+                    lora_name,
+                    cache_salt,
+                    input,
+                    options,
+                    request_id,
+                },
+            )
+    }
+
+    /// What the codec does: this module's message, else prost's.
+    fn decoded(bytes: &[u8]) -> Result<QueryRequest, prost::DecodeError> {
+        decode::<QueryRequest>(bytes).map_or_else(|| QueryRequest::decode(bytes), Ok)
+    }
+
+    proptest! {
+        /// Any request is written as prost writes it, and prost's encoding is read here, not
+        /// deferred, as prost reads it.
+        #[test]
+        fn requests_encode_and_decode_as_prost_does(request in any_request()) {
+            let bytes = request.encode_to_vec();
+            let mut ours = Vec::new();
+            prop_assert!(encode(&request, &mut ours));
+            prop_assert_eq!(&ours, &bytes);
+            prop_assert_eq!(decode::<QueryRequest>(&bytes), Some(request));
+        }
+
+        /// Any bytes — valid requests altered, cut or extended, and noise — decode as prost
+        /// decodes them (the same message, or an error where prost errs).
+        #[test]
+        fn any_bytes_decode_as_prost_decodes_them(
+            request in any_request(),
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..3),
+            cut in any::<prop::sample::Index>(),
+            tail in proptest::collection::vec(any::<u8>(), 0..6),
+        ) {
+            let mut bytes = request.encode_to_vec();
+            if !bytes.is_empty() {
+                for (at, value) in flips {
+                    let i = at.index(bytes.len());
+                    bytes[i] ^= value;
+                }
+                bytes.truncate(cut.index(bytes.len() + 1));
+            }
+            bytes.extend(tail);
+            prop_assert_eq!(decoded(&bytes).ok(), QueryRequest::decode(&bytes[..]).ok());
+        }
+    }
+
+    #[test]
+    fn layouts_prost_merges_or_refuses_are_left_to_it() {
+        let tokens = |ids: Vec<u32>| QueryRequest {
+            input: Some(query_request::Input::Tokens(TokenIds { ids })),
+            ..QueryRequest::default()
+        };
+        // Two prompts in one message: prost merges them (the packed ids concatenate).
+        let one = tokens(vec![1, 2, 3]).encode_to_vec();
+        let twice = [&one[..], &one[..]].concat();
+        assert_eq!(decode::<QueryRequest>(&twice), None);
+        assert_eq!(decoded(&twice), Ok(tokens(vec![1, 2, 3, 1, 2, 3])));
+        // Unpacked ids (each its own field, wire type 0) are valid protobuf: prost reads them.
+        let unpacked = [TOKENS, 4, 1 << 3, 7, 1 << 3, 9];
+        assert_eq!(decode::<QueryRequest>(&unpacked), None);
+        assert_eq!(decoded(&unpacked), Ok(tokens(vec![7, 9])));
+        // A six-byte varint id: prost truncates it to 32 bits.
+        let long = [TOKENS, 8, PACKED, 6, 0x81, 0x80, 0x80, 0x80, 0x80, 0x00];
+        assert_eq!(decode::<QueryRequest>(&long), None);
+        assert_eq!(decoded(&long), Ok(tokens(vec![1])));
+        // A cut id and hashes that are not whole words: prost refuses them, and so does the codec.
+        for bad in [
+            &[TOKENS, 3, PACKED, 1, 0x80][..],
+            &[LOCAL_HASHES, 5, PACKED, 3, 1, 2, 3],
+        ] {
+            assert_eq!(decode::<QueryRequest>(bad), None);
+            assert!(QueryRequest::decode(bad).is_err());
+        }
+        // Other messages are prost's.
+        assert_eq!(decode::<TokenIds>(&one), None);
+        assert!(!encode(&TokenIds::default(), &mut Vec::new()));
+    }
+
+    #[test]
+    fn a_fifth_byte_keeps_the_bits_prost_keeps() {
+        // u32::MAX and a five-byte varint with bits above 32 set (prost truncates with `as u32`).
+        for bytes in [
+            [0xff, 0xff, 0xff, 0xff, 0x0f],
+            [0xff, 0xff, 0xff, 0xff, 0x7f],
+        ] {
+            let message = [&[TOKENS, 7, PACKED, 5][..], &bytes].concat();
+            assert_eq!(
+                decode::<QueryRequest>(&message),
+                QueryRequest::decode(&message[..]).ok()
+            );
+        }
+    }
+}
