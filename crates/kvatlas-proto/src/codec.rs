@@ -137,3 +137,23 @@ impl<U: Message + Default + 'static> Decoder for MessageDecoder<U> {
         BufferSettings::default()
     }
 }
+
+/// `bytes` with a few bytes flipped (`(where, xor)`), cut at `cut` and extended by `tail`: the
+/// inputs the hand-written codecs' property tests hold to prost's decoding.
+#[cfg(test)]
+fn altered(
+    mut bytes: Vec<u8>,
+    flips: &[(proptest::sample::Index, u8)],
+    cut: proptest::sample::Index,
+    tail: &[u8],
+) -> Vec<u8> {
+    if !bytes.is_empty() {
+        for (at, value) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] ^= value;
+        }
+        bytes.truncate(cut.index(bytes.len() + 1));
+    }
+    bytes.extend_from_slice(tail);
+    bytes
+}

@@ -339,15 +339,7 @@ mod tests {
             cut in any::<prop::sample::Index>(),
             tail in proptest::collection::vec(any::<u8>(), 0..6),
         ) {
-            let mut bytes = stream.encode_to_vec();
-            if !bytes.is_empty() {
-                for (at, value) in flips {
-                    let i = at.index(bytes.len());
-                    bytes[i] ^= value;
-                }
-                bytes.truncate(cut.index(bytes.len() + 1));
-            }
-            bytes.extend(tail);
+            let bytes = crate::codec::altered(stream.encode_to_vec(), &flips, cut, &tail);
             prop_assert_eq!(
                 decoded::<QueryStreamResponse>(&bytes).ok(),
                 QueryStreamResponse::decode(&bytes[..]).ok()

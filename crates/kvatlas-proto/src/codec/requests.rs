@@ -183,6 +183,21 @@ fn put_string(out: &mut Vec<u8>, tag: u8, text: &str) {
     }
 }
 
+/// A `TokenIds` or `LocalHashes` input under `tag`: its one packed field of `packed` bytes, which
+/// `write` appends (prost writes no packed field for an empty list, and the input stays present).
+fn put_packed(out: &mut Vec<u8>, tag: u8, packed: usize, write: impl FnOnce(&mut Vec<u8>)) {
+    out.push(tag);
+    if packed == 0 {
+        out.push(0);
+        return;
+    }
+    put_varint(out, (1 + varint_len(packed as u64) + packed) as u64);
+    out.push(PACKED);
+    put_varint(out, packed as u64);
+    out.reserve(packed);
+    write(out);
+}
+
 fn encode_request(r: &QueryRequest, out: &mut Vec<u8>) {
     if let Some(index) = &r.index {
         put_message(out, INDEX, index);
@@ -191,34 +206,19 @@ fn encode_request(r: &QueryRequest, out: &mut Vec<u8>) {
     put_string(out, CACHE_SALT, &r.cache_salt);
     match &r.input {
         Some(query_request::Input::Tokens(TokenIds { ids })) => {
-            let packed: usize = ids.iter().map(|&id| varint_len(u64::from(id))).sum();
-            out.push(TOKENS);
-            if packed == 0 {
-                out.push(0);
-            } else {
-                put_varint(out, (1 + varint_len(packed as u64) + packed) as u64);
-                out.push(PACKED);
-                put_varint(out, packed as u64);
-                out.reserve(packed);
+            let packed = ids.iter().map(|&id| varint_len(u64::from(id))).sum();
+            put_packed(out, TOKENS, packed, |out| {
                 for &id in ids {
                     put_varint(out, u64::from(id));
                 }
-            }
+            });
         }
         Some(query_request::Input::LocalHashes(LocalHashes { hashes })) => {
-            let packed = hashes.len() * 8;
-            out.push(LOCAL_HASHES);
-            if packed == 0 {
-                out.push(0);
-            } else {
-                put_varint(out, (1 + varint_len(packed as u64) + packed) as u64);
-                out.push(PACKED);
-                put_varint(out, packed as u64);
-                out.reserve(packed);
+            put_packed(out, LOCAL_HASHES, hashes.len() * 8, |out| {
                 for &hash in hashes {
                     out.extend_from_slice(&hash.to_le_bytes());
                 }
-            }
+            });
         }
         None => {}
     }
@@ -325,15 +325,7 @@ mod tests {
             cut in any::<prop::sample::Index>(),
             tail in proptest::collection::vec(any::<u8>(), 0..6),
         ) {
-            let mut bytes = request.encode_to_vec();
-            if !bytes.is_empty() {
-                for (at, value) in flips {
-                    let i = at.index(bytes.len());
-                    bytes[i] ^= value;
-                }
-                bytes.truncate(cut.index(bytes.len() + 1));
-            }
-            bytes.extend(tail);
+            let bytes = crate::codec::altered(request.encode_to_vec(), &flips, cut, &tail);
             prop_assert_eq!(decoded(&bytes).ok(), QueryRequest::decode(&bytes[..]).ok());
         }
     }
