@@ -73,7 +73,7 @@ impl<T: Message + 'static> Encoder for MessageEncoder<T> {
     fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
         self.scratch.clear();
         let hand_written = answers::encode(&item, &mut self.scratch)
-            .or_else(|| requests::encode(&item, &mut self.scratch).then_some(0));
+            .or_else(|| requests::encode(&item, &mut self.scratch));
         let start = hand_written.unwrap_or_else(|| {
             let len = item.encoded_len();
             self.scratch.resize(len, 0);
