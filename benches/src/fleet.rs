@@ -230,8 +230,8 @@ pub struct PublishReport {
 }
 
 /// Publishes `stream`'s whole schedule through `publishers` at its pace from now on, on the
-/// calling thread; `sent` is called after each send with the batch and the instant just before
-/// it was sent.
+/// calling thread, each batch stamped with the wall clock as it leaves (an engine's `ts`);
+/// `sent` is called after each send with the batch and the instant just before it was sent.
 ///
 /// # Errors
 /// If a send fails.
@@ -251,7 +251,10 @@ pub fn publish_schedule(
         let at = Instant::now();
         max_late = max_late.max(at.saturating_duration_since(due));
         let payload = &stream.batches[item.worker as usize][item.seq as usize];
-        let seq = publishers.publish(item.worker, Arc::clone(payload))?;
+        // Stamped as an engine stamps a batch: its wall clock as it publishes it.
+        let payload = vllm::with_timestamp(payload, wall_clock_seconds())
+            .map_or_else(|| Arc::clone(payload), Arc::from);
+        let seq = publishers.publish(item.worker, payload)?;
         debug_assert_eq!(seq, item.seq, "one publisher per stream");
         sent(item, at);
     }
@@ -259,6 +262,13 @@ pub fn publish_schedule(
         elapsed: start.elapsed(),
         max_late,
     })
+}
+
+/// Seconds since the Unix epoch on the wall clock (0 if it reads earlier).
+fn wall_clock_seconds() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]

@@ -33,8 +33,8 @@ mod types;
 mod visitors;
 
 pub use types::{
-    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MsgpackError, SaltSource,
-    SkippedEvent,
+    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_EVENT_AGE, MsgpackError,
+    SaltSource, SkippedEvent,
 };
 pub use visitors::decode_batch;
 #[cfg(any(test, fuzzing))]

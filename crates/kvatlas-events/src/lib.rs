@@ -56,8 +56,8 @@ pub mod sequence;
 pub use convert::{Converter, EngineKind, Source, tier_for_medium};
 pub use counters::{DropCounters, Reason};
 pub use decode::{
-    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MsgpackError, SaltSource,
-    SkippedEvent, decode_batch,
+    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_EVENT_AGE, MsgpackError,
+    SaltSource, SkippedEvent, decode_batch,
 };
 pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, decode_replay_reply};
 #[cfg(feature = "listener")]

@@ -21,6 +21,18 @@ pub struct EncodedBatch {
     pub removed_events: u64,
 }
 
+/// `batch` (written by [`encode_batch`]) with its timestamp replaced by `ts`, as an engine
+/// stamps a batch when it publishes it (vLLM and SGLang take `time.time()`); `None` if `batch`
+/// does not start as [`encode_batch`] writes it (an array of three, then a float64).
+pub fn with_timestamp(batch: &[u8], ts: f64) -> Option<Vec<u8>> {
+    let (&[0x93, 0xcb], _) = batch.split_first_chunk::<2>()? else {
+        return None;
+    };
+    let mut stamped = batch.to_vec();
+    stamped.get_mut(2..10)?.copy_from_slice(&ts.to_be_bytes());
+    Some(stamped)
+}
+
 /// Encodes events as one vLLM 0.33 batch at block size [`BLOCK_TOKENS`] (rank 0): its
 /// stores if `stores` (each block's 16 token ids appended by `fill_tokens`), its evictions if
 /// `removes` (one `BlockRemoved` per block, as vLLM emits them). `tokens` is scratch space.
@@ -152,5 +164,60 @@ impl Writer {
             self.0.extend_from_slice(&x.to_be_bytes());
         }
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvatlas_hash::LocalBlockHash;
+    use kvatlas_index::{ExternalBlockHash, Tier, Worker};
+
+    use super::*;
+
+    fn encoded(ts: f64) -> Vec<u8> {
+        let worker = Worker::new(1, 0);
+        let events = [
+            Mutation::Stored {
+                worker,
+                tier: Tier::Device,
+                parent: None,
+                blocks: vec![StoredBlock {
+                    external: ExternalBlockHash::new(7),
+                    local: LocalBlockHash::new(9),
+                }],
+            },
+            Mutation::Removed {
+                worker,
+                tier: Tier::Device,
+                blocks: vec![ExternalBlockHash::new(7)],
+            },
+        ];
+        let mut tokens = Vec::new();
+        encode_batch(ts, &events, true, true, &mut tokens, |_, out| {
+            out.extend(0..BLOCK_TOKENS);
+        })
+        .payload
+    }
+
+    #[test]
+    fn a_restamped_batch_is_the_batch_encoded_with_that_timestamp() {
+        let now = 1_795_781_819.123_456;
+        assert_eq!(with_timestamp(&encoded(0.0), now), Some(encoded(now)));
+        assert_ne!(encoded(0.0), encoded(now));
+    }
+
+    #[test]
+    fn only_batches_as_encode_batch_writes_them_are_restamped() {
+        let batch = encoded(1.0);
+        assert_eq!(
+            with_timestamp(&batch[..9], 2.0),
+            None,
+            "cut inside the timestamp"
+        );
+        assert_eq!(
+            with_timestamp(&[0x93, 0xcf, 0, 0, 0, 0, 0, 0, 0, 1], 2.0),
+            None
+        );
+        assert_eq!(with_timestamp(&[], 2.0), None);
     }
 }

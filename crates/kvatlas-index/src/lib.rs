@@ -50,7 +50,7 @@ pub use model::{
 #[cfg(loom)]
 #[doc(hidden)]
 pub use pool::LoomRoom;
-pub use pool::{DelayObserver, EnqueueError, ThreadPool};
+pub use pool::{DelayObserver, EnqueueError, ThreadPool, UnitDelay};
 pub use reference::ReferenceIndex;
 pub use snapshot::{Snapshot, SnapshotBlock, WorkerSnapshot};
 

@@ -225,9 +225,15 @@ pub struct Unit {
     /// mutations are visible to queries. Not part of the unit's content: two units that differ
     /// only here hold the same events.
     pub received: Option<std::time::Instant>,
+    /// When the engine published the unit's source data (its batch's own timestamp, carried
+    /// onto this process's monotonic clock), if the batch had a usable one. The delay observer
+    /// reports the time from here until visible as well (the event's age when it became
+    /// visible). Not part of the unit's content, as `received`.
+    pub published: Option<std::time::Instant>,
 }
 
-/// Units are equal when they hold the same events: [`Unit::received`] is not compared.
+/// Units are equal when they hold the same events: [`Unit::received`] and [`Unit::published`]
+/// are not compared.
 impl PartialEq for Unit {
     fn eq(&self, other: &Self) -> bool {
         self.worker_id == other.worker_id

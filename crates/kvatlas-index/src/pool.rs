@@ -24,8 +24,8 @@
 //! that overlap one. An idle lane still applies a lone mutation at once.
 //!
 //! [`ThreadPool::with_delay_observer`] reports, for every [`Unit`] that carries a
-//! [`Unit::received`] instant, how long after it the unit became visible (the server's ingest
-//! delay metric).
+//! [`Unit::received`] instant, how long after it (and after [`Unit::published`], when known) the
+//! unit became visible (the server's ingest delay and event age metrics).
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -48,7 +48,16 @@ const MAX_BATCH: usize = 64;
 /// Told by a writer thread, for each [`Unit`] with a [`Unit::received`] instant, how long after
 /// it the unit's mutations became visible to queries (the write that applied them returned).
 /// It runs on the writer thread after every write: keep it short (an atomic histogram update).
-pub type DelayObserver = Arc<dyn Fn(Duration) + Send + Sync>;
+pub type DelayObserver = Arc<dyn Fn(UnitDelay) + Send + Sync>;
+
+/// How long a unit took to become visible to queries (the write that applied it returned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnitDelay {
+    /// Since [`Unit::received`].
+    pub since_received: Duration,
+    /// Since [`Unit::published`], if the unit carried it.
+    pub since_published: Option<Duration>,
+}
 
 enum Task {
     Apply(Mutation),
@@ -487,8 +496,9 @@ fn unreachable_task() -> ! {
 struct Pending {
     batch: Vec<Mutation>,
     checkpoints: Vec<Checkpoint>,
-    /// The [`Unit::received`] instants of the units in `batch` (kept only with an observer).
-    received: Vec<Instant>,
+    /// The [`Unit::received`] and [`Unit::published`] instants of the units in `batch` (kept
+    /// only with an observer).
+    received: Vec<(Instant, Option<Instant>)>,
 }
 
 impl Pending {
@@ -498,7 +508,7 @@ impl Pending {
     fn apply<I: SharedKvIndex>(
         &mut self,
         index: &I,
-        observer: Option<&(dyn Fn(Duration) + Send + Sync)>,
+        observer: Option<&(dyn Fn(UnitDelay) + Send + Sync)>,
     ) -> ApplyReport {
         if self.batch.is_empty() && self.checkpoints.is_empty() {
             return ApplyReport::default();
@@ -512,8 +522,11 @@ impl Pending {
             && !self.received.is_empty()
         {
             let visible = Instant::now();
-            for received in self.received.drain(..) {
-                observer(visible.saturating_duration_since(received));
+            for (received, published) in self.received.drain(..) {
+                observer(UnitDelay {
+                    since_received: visible.saturating_duration_since(received),
+                    since_published: published.map(|p| visible.saturating_duration_since(p)),
+                });
             }
         }
         report
@@ -526,7 +539,7 @@ fn writer_loop<I: SharedKvIndex>(
     room: &Room,
     reports: &Mutex<ApplyReport>,
     max_batch: usize,
-    observer: Option<&(dyn Fn(Duration) + Send + Sync)>,
+    observer: Option<&(dyn Fn(UnitDelay) + Send + Sync)>,
 ) {
     let mut report = ApplyReport::default();
     let mut pending = Pending {
@@ -548,7 +561,9 @@ fn writer_loop<I: SharedKvIndex>(
                     pending.batch.extend(unit.mutations);
                     pending.checkpoints.extend(unit.checkpoint);
                     if observer.is_some() {
-                        pending.received.extend(unit.received);
+                        pending
+                            .received
+                            .extend(unit.received.map(|r| (r, unit.published)));
                     }
                 }
                 Task::Flush(ack) => {

@@ -595,6 +595,7 @@ fn thread_pool_never_splits_a_unit_from_its_checkpoint_and_keeps_a_workers_ranks
             }),
             resync: false,
             received: None,
+            published: None,
         })
         .map_err(|_| std::io::Error::other("writers stopped"))?;
     }
@@ -636,30 +637,39 @@ fn first_external(m: &Mutation) -> u64 {
 #[test]
 fn thread_pool_tells_the_delay_observer_how_long_each_received_unit_took_to_become_visible()
 -> std::io::Result<()> {
+    use kvatlas_index::UnitDelay;
     use std::time::{Duration, Instant};
-    let delays = Arc::new(parking_lot::Mutex::new(Vec::<Duration>::new()));
+    let delays = Arc::new(parking_lot::Mutex::new(Vec::<UnitDelay>::new()));
     let observer = {
         let delays = Arc::clone(&delays);
-        Arc::new(move |delay: Duration| delays.lock().push(delay))
+        Arc::new(move |delay: UnitDelay| delays.lock().push(delay))
     };
     let pool = ThreadPool::with_delay_observer(ConcurrentAtlas::new(), 2, 4, observer)?;
-    // Units received "a while ago" (an instant 50 ms back), units without an instant, and
-    // plain mutations: only the first kind is reported, each at least its 50 ms.
+    // Units received "a while ago" (an instant 50 ms back), some of them published 30 ms before
+    // that; units without an instant, and plain mutations: only the first kind is reported,
+    // each at least its 50 ms, and at least 80 ms since publication where it was known.
     let long_ago = Duration::from_millis(50);
-    let Some(received) = Instant::now().checked_sub(long_ago) else {
-        return Ok(()); // the clock started less than 50 ms ago: nothing to measure against
+    let before = Duration::from_millis(30);
+    let Some((received, published)) = Instant::now()
+        .checked_sub(long_ago)
+        .and_then(|received| Some((received, received.checked_sub(before)?)))
+    else {
+        return Ok(()); // the clock started less than 80 ms ago: nothing to measure against
     };
-    let mut timed = 0;
+    let (mut timed, mut aged) = (0, 0);
     for unit in 0..24u64 {
         let worker = Worker::new(unit % 5, 0);
         let stamped = unit % 3 != 0;
+        let dated = stamped && unit % 2 == 0;
         timed += usize::from(stamped);
+        aged += usize::from(dated);
         pool.enqueue_unit(Unit {
             worker_id: worker.worker_id,
             mutations: vec![store(worker, unit * 10, unit * 10 + 4)],
             checkpoint: None,
             resync: false,
             received: stamped.then_some(received),
+            published: dated.then_some(published),
         })
         .map_err(|_| std::io::Error::other("writers stopped"))?;
         pool.enqueue(store(worker, 5_000 + unit, 5_001 + unit))
@@ -669,6 +679,22 @@ fn thread_pool_tells_the_delay_observer_how_long_each_received_unit_took_to_beco
     assert_eq!(report.stored, 24 * 4 + 24);
     let delays = delays.lock();
     assert_eq!(delays.len(), timed, "one report per unit with an instant");
-    assert!(delays.iter().all(|&d| d >= long_ago), "{delays:?}");
+    assert!(
+        delays.iter().all(|d| d.since_received >= long_ago),
+        "{delays:?}"
+    );
+    let ages: Vec<Duration> = delays.iter().filter_map(|d| d.since_published).collect();
+    assert_eq!(
+        ages.len(),
+        aged,
+        "an age for each unit that was published at a known time"
+    );
+    assert!(
+        delays
+            .iter()
+            .filter_map(|d| Some((d.since_received, d.since_published?)))
+            .all(|(received, age)| age >= received + before),
+        "{delays:?}"
+    );
     Ok(())
 }

@@ -737,6 +737,7 @@ impl IndexerService {
                 fingerprint: 0,
             }),
             received: Some(received),
+            published: None,
         };
         // An ingest logs what it applies (encoded first: the unit moves to the writers).
         let logged = prepared.entry.log.as_ref().map(|log| {

@@ -226,6 +226,7 @@ impl Record {
                 }),
                 resync,
                 received,
+                published: None,
             }),
             Body::Unregister { .. } => None,
         }
@@ -422,6 +423,7 @@ mod tests {
             }),
             resync: true,
             received: None,
+            published: None,
         }
     }
 
@@ -468,6 +470,7 @@ mod tests {
             checkpoint: None,
             resync: true,
             received: None,
+            published: None,
         };
         let outgoing = encode_unit(&key, size, &clears);
         assert_eq!(outgoing.message_id, None);

@@ -17,6 +17,7 @@
 //! | `kvatlas_registered_ranks` | gauge | |
 //! | `kvatlas_index_memberships`, `_worker_ranks`, `_heap_bytes`, `_capacity`, `_queue_depth`, `_last_event_timestamp_seconds` | gauge | `model`, `tenant` |
 //! | `kvatlas_ingest_delay_seconds` | histogram | `model`, `tenant` (a batch's receipt — taken off its ZMQ socket, a `PublishEvents` message, an event-log message — to its events visible to queries; a batch held back for a gap counts from the message that released it; those a replay's timeout releases are not counted) |
+//! | `kvatlas_event_age_seconds` | histogram | `model`, `tenant` (a ZMQ batch's own timestamp — the engine's wall clock when it published it — to its events visible to queries: how fresh the index is, the engine's side and the wire included; 50 µs buckets up to 1 ms; batches without a timestamp under a minute old and not ahead of this server's clock are not counted, so engines on other machines need synchronized clocks) |
 //! | `kvatlas_events_applied_total` | counter | `model`, `tenant` (index mutations applied) |
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
@@ -107,22 +108,51 @@ const BOUNDS: [f64; 16] = [
     0.25, 1.0, 5.0,
 ];
 
+/// Bucket upper bounds of an event's age when it became visible (`kvatlas_event_age_seconds`),
+/// in seconds: every 50 µs up to 1 ms, so that a percentile near a millisecond is known to
+/// within 50 µs, then coarser up to [`kvatlas_events::MAX_EVENT_AGE`].
+pub(crate) const EVENT_AGE_BOUNDS: [f64; 41] = [
+    50e-6, 100e-6, 150e-6, 200e-6, 250e-6, 300e-6, 350e-6, 400e-6, 450e-6, 500e-6, 550e-6, 600e-6,
+    650e-6, 700e-6, 750e-6, 800e-6, 850e-6, 900e-6, 950e-6, 1e-3, 1.25e-3, 1.5e-3, 1.75e-3, 2e-3,
+    2.5e-3, 3e-3, 4e-3, 5e-3, 7.5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
+];
+
 /// A fixed-bucket histogram of durations.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Histogram {
-    /// Observations per bucket (not cumulative); the last one is `+Inf`.
-    buckets: [AtomicU64; BOUNDS.len() + 1],
+    /// The buckets' upper bounds, in seconds, ascending.
+    bounds: &'static [f64],
+    /// Observations per bucket (not cumulative); one per bound, then `+Inf`.
+    buckets: Box<[AtomicU64]>,
     sum_nanos: AtomicU64,
 }
 
+impl Default for Histogram {
+    /// A histogram of request latencies.
+    fn default() -> Self {
+        Self::with_bounds(&BOUNDS)
+    }
+}
+
 impl Histogram {
+    /// An empty histogram with buckets up to each of `bounds` (seconds, ascending) and `+Inf`.
+    pub(crate) fn with_bounds(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_nanos: AtomicU64::new(0),
+        }
+    }
+
     /// Counts one observation.
     pub(crate) fn observe(&self, elapsed: Duration) {
         let seconds = elapsed.as_secs_f64();
-        let bucket = BOUNDS
+        let bucket = self
+            .bounds
             .iter()
             .position(|&bound| seconds <= bound)
-            .unwrap_or(BOUNDS.len());
+            .unwrap_or(self.bounds.len());
         if let Some(count) = self.buckets.get(bucket) {
             count.fetch_add(1, Ordering::Relaxed);
         }
@@ -146,7 +176,8 @@ impl Histogram {
         let mut cumulative = 0;
         for (i, count) in self.buckets.iter().enumerate() {
             cumulative += count.load(Ordering::Relaxed);
-            let le = BOUNDS
+            let le = self
+                .bounds
                 .get(i)
                 .map_or_else(|| "+Inf".to_owned(), |b| format!("{b}"));
             let _ = writeln!(
@@ -461,6 +492,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
         counters: crate::registry::FeedCounters,
         listeners: std::collections::BTreeMap<&'static str, u64>,
         ingest_delay: std::sync::Arc<Histogram>,
+        event_age: std::sync::Arc<Histogram>,
     }
     let rows: Vec<Row> = registry
         .all()
@@ -482,6 +514,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
                 counters: entry.total_counters(),
                 listeners: entry.listener_statuses(),
                 ingest_delay: std::sync::Arc::clone(&entry.ingest_delay),
+                event_age: std::sync::Arc::clone(&entry.event_age),
             }
         })
         .collect();
@@ -536,6 +569,18 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
     for row in &rows {
         row.ingest_delay
             .render_samples(out, "kvatlas_ingest_delay_seconds", &row.labels);
+    }
+    header(
+        out,
+        "kvatlas_event_age_seconds",
+        "histogram",
+        "From an engine's timestamp of a batch (its publication, on the engine's wall clock) to \
+         its events being visible to queries; ZMQ batches with a timestamp under a minute old \
+         and not ahead of this server's clock.",
+    );
+    for row in &rows {
+        row.event_age
+            .render_samples(out, "kvatlas_event_age_seconds", &row.labels);
     }
     header(
         out,

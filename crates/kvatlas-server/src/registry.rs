@@ -32,14 +32,14 @@ use kvatlas_events::{
     ListenerState, ListenerStatus, Listeners, MutationSink, Resume, SocketMode, Source,
 };
 use kvatlas_hash::{BlockHasher, BlockSize};
-use kvatlas_index::{Mutation, SharedKvIndex, ThreadPool, Worker};
+use kvatlas_index::{Mutation, SharedKvIndex, ThreadPool, UnitDelay, Worker};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{IndexSettings, Limits};
 use crate::error::ServiceError;
 use crate::log_ingest::{LogHandle, LoggedSink};
 use crate::log_record;
-use crate::metrics::Histogram;
+use crate::metrics::{EVENT_AGE_BOUNDS, Histogram};
 use crate::nats::LogStats;
 use crate::served_index::ServedIndex;
 use crate::snapshot::{IndexImage, RecordedFeed};
@@ -378,6 +378,9 @@ pub(crate) struct IndexEntry {
     /// Receipt of a batch (ZMQ listener, `PublishEvents` message, event-log message) to its
     /// events being visible to queries (`kvatlas_ingest_delay_seconds`).
     pub(crate) ingest_delay: Arc<Histogram>,
+    /// An engine's timestamp of a batch to its events being visible to queries
+    /// (`kvatlas_event_age_seconds`).
+    pub(crate) event_age: Arc<Histogram>,
     /// The event log every applied unit is also published to (an ingest, `--publish-to`).
     pub(crate) log: Option<Arc<LogHandle>>,
     listeners: Listeners,
@@ -404,9 +407,15 @@ impl IndexEntry {
         log: Option<&Arc<LogHandle>>,
     ) -> Result<Self, ServiceError> {
         let ingest_delay = Arc::new(Histogram::default());
+        let event_age = Arc::new(Histogram::with_bounds(&EVENT_AGE_BOUNDS));
         let observer = {
-            let ingest_delay = Arc::clone(&ingest_delay);
-            Arc::new(move |delay| ingest_delay.observe(delay))
+            let (ingest_delay, event_age) = (Arc::clone(&ingest_delay), Arc::clone(&event_age));
+            Arc::new(move |delay: UnitDelay| {
+                ingest_delay.observe(delay.since_received);
+                if let Some(age) = delay.since_published {
+                    event_age.observe(age);
+                }
+            })
         };
         let pool = ThreadPool::with_delay_observer(
             ServedIndex::new(settings.capacity),
@@ -432,6 +441,7 @@ impl IndexEntry {
             seeded: Mutex::new(HashMap::new()),
             pool,
             ingest_delay,
+            event_age,
             log: log.cloned(),
             listeners: Listeners::with_context(zmq.clone(), sink),
             feeds: Mutex::new(BTreeMap::new()),

@@ -888,3 +888,123 @@ async fn shutdown_applies_and_acknowledges_what_it_read() {
         .collect();
     assert_eq!(report.indexes[0].last_seq, last);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_age_runs_from_the_engines_timestamp_to_visible() {
+    let mut h = start(ServerConfig::default()).await;
+    let mut engine = VllmPublisher::bind();
+    h.client
+        .register_worker(v1::RegisterWorkerRequest {
+            index: selector(MODEL, ""),
+            instance_id: 3,
+            block_size: BLOCK,
+            endpoint: engine.endpoint.clone(),
+            ..v1::RegisterWorkerRequest::default()
+        })
+        .await
+        .expect("registers");
+    // Empty batches, stamped long ago, until the listener hears the engine (ZMQ's slow joiner).
+    let client = h.client.clone();
+    wait_until("the listener to become active", || {
+        engine.publish(&[], None);
+        let mut client = client.clone();
+        async move {
+            let workers = client
+                .list_workers(v1::ListWorkersRequest::default())
+                .await
+                .expect("list")
+                .into_inner();
+            workers
+                .workers
+                .iter()
+                .any(|w| w.status == v1::WorkerStatus::Active as i32)
+        }
+    })
+    .await;
+    let labels = format!("model=\"{MODEL}\",tenant=\"default\"");
+    let labels = labels.as_str();
+    let series = |name: &str| {
+        let (_, body) = http_get(h.server.http_addr(), "/metrics", None);
+        metric(&body, &format!("{name}{{{labels}}}"))
+    };
+    let wall = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs_f64()
+    };
+    // Three batches stamped as an engine stamps them (its wall clock at publication), one stamped
+    // ahead of this machine's clock, one stamped long ago: only the three have an age.
+    let published = wall();
+    for i in 0..3u64 {
+        let tokens = prompt_tokens(&[40 + i], BLOCK);
+        let stored = VllmEvent::Stored {
+            hashes: vec![300 + i],
+            parent: None,
+            tokens,
+            block_size: BLOCK,
+        };
+        engine.publish_at(&[stored], None, wall());
+    }
+    engine.publish_at(&[], None, wall() + 30.0);
+    let last = engine.publish(&[], None);
+    // Every batch handed to the index once the last one is; every one observed once the ingest
+    // delay has counted as many batches as the listener received.
+    let client = h.client.clone();
+    wait_until("the last batch to be handed over", || {
+        let mut client = client.clone();
+        async move {
+            let listed = client
+                .list_workers(v1::ListWorkersRequest::default())
+                .await
+                .expect("list")
+                .into_inner();
+            listed.workers.iter().any(|w| w.last_seq == Some(last))
+        }
+    })
+    .await;
+    let (_, body) = http_get(h.server.http_addr(), "/metrics", None);
+    let received = metric(
+        &body,
+        &format!("kvatlas_batches_total{{{labels},outcome=\"received\"}}"),
+    );
+    assert!(received.is_some_and(|r| r >= 5.0), "{body}");
+    wait_until("every batch received to be visible", || {
+        let observed = series("kvatlas_ingest_delay_seconds_count");
+        async move { observed == received }
+    })
+    .await;
+    let elapsed = wall() - published;
+    let (_, body) = http_get(h.server.http_addr(), "/metrics", None);
+    assert_eq!(
+        metric(
+            &body,
+            &format!("kvatlas_ingest_delay_seconds_count{{{labels}}}")
+        ),
+        received,
+        "{body}"
+    );
+    assert_eq!(
+        metric(
+            &body,
+            &format!("kvatlas_event_age_seconds_count{{{labels}}}")
+        ),
+        Some(3.0),
+        "{body}"
+    );
+    let sum = metric(&body, &format!("kvatlas_event_age_seconds_sum{{{labels}}}"));
+    assert!(
+        sum.is_some_and(|s| s > 0.0 && s <= 3.0 * elapsed),
+        "three ages, each within the {elapsed} s since the first was stamped: {sum:?}"
+    );
+    // Every age fell into a bucket no wider than 50 µs below a millisecond, or a coarser one.
+    let le_1ms = metric(
+        &body,
+        &format!("kvatlas_event_age_seconds_bucket{{{labels},le=\"0.001\"}}"),
+    );
+    let le_950us = metric(
+        &body,
+        &format!("kvatlas_event_age_seconds_bucket{{{labels},le=\"0.00095\"}}"),
+    );
+    assert!(le_1ms.is_some() && le_950us.is_some(), "{body}");
+}

@@ -18,6 +18,33 @@ pub struct EventBatch {
     pub skipped: Vec<SkippedEvent>,
 }
 
+/// The oldest batch timestamp [`EventBatch::published_at`] takes as the engine's wall clock:
+/// older ones are not a publication time (a test's `0.0`, a replayed trace's own clock).
+pub const MAX_EVENT_AGE: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl EventBatch {
+    /// When the engine published the batch, on the monotonic clock of `now`: its timestamp
+    /// read as the engine's wall clock (`time.time()` in vLLM and SGLang), with `wall_now` the
+    /// wall-clock reading taken with `now`. `None` for a timestamp ahead of `wall_now` (another
+    /// machine's clock running ahead) or older than [`MAX_EVENT_AGE`] (not wall-clock time).
+    pub fn published_at(
+        &self,
+        now: std::time::Instant,
+        wall_now: std::time::SystemTime,
+    ) -> Option<std::time::Instant> {
+        let wall_now = wall_now
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_secs_f64();
+        let age = wall_now - self.ts;
+        // `!(..)` also refuses NaN.
+        if !(0.0..=MAX_EVENT_AGE.as_secs_f64()).contains(&age) {
+            return None;
+        }
+        now.checked_sub(std::time::Duration::from_secs_f64(age))
+    }
+}
+
 /// An event of the batch that was skipped while decoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SkippedEvent {
@@ -188,5 +215,56 @@ impl DecodeError {
             DecodeError::DpRankOutOfRange(_) => Reason::DpRankOutOfRange,
             _ => Reason::MalformedBatch,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+    use super::*;
+
+    fn batch(ts: f64) -> EventBatch {
+        EventBatch {
+            ts,
+            dp_rank: None,
+            events: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_recent_timestamp_is_carried_onto_the_monotonic_clock() {
+        let now = Instant::now();
+        let wall = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let Some(expected) = now.checked_sub(Duration::from_micros(1_500)) else {
+            return; // the monotonic clock started under 1.5 ms ago
+        };
+        let published = batch(1_800_000_000.0 - 0.0015).published_at(now, wall);
+        let off = published.map(|p| p.max(expected) - p.min(expected));
+        // f64 seconds since the epoch hold about 0.24 µs here.
+        assert!(off.is_some_and(|d| d < Duration::from_micros(1)), "{off:?}");
+        assert_eq!(batch(1_800_000_000.0).published_at(now, wall), Some(now));
+    }
+
+    #[test]
+    fn timestamps_that_are_not_a_recent_wall_clock_give_no_publication_time() {
+        let now = Instant::now();
+        let wall = SystemTime::now();
+        let secs = wall
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let too_old = secs - MAX_EVENT_AGE.as_secs_f64() - 1.0;
+        for ts in [
+            0.0,
+            1_795_317_349.0,
+            too_old,
+            secs + 0.5,
+            f64::NAN,
+            f64::INFINITY,
+        ] {
+            assert_eq!(batch(ts).published_at(now, wall), None, "ts {ts}");
+        }
+        assert!(batch(secs - 1.0).published_at(now, wall).is_some());
     }
 }

@@ -594,6 +594,7 @@ impl ListenerThread {
                 checkpoint: None,
                 resync: true,
                 received: self.taken,
+                published: None,
             })?;
         }
         // A replay the sequencer abandoned (buffer overflow, restart) is not waited for.
@@ -670,8 +671,12 @@ impl ListenerThread {
     fn apply(&mut self, seq: u64, payload: &[u8], fingerprint: u64) -> Result<(), Exit> {
         let mut drops = DropCounters::new();
         self.mutations.clear();
+        let mut published = None;
         match decode_batch(payload) {
             Ok(batch) => {
+                if self.taken.is_some() {
+                    published = batch.published_at(Instant::now(), std::time::SystemTime::now());
+                }
                 let worker = self.converter.worker_for(batch.dp_rank);
                 if self.ranks.len() < MAX_TRACKED_RANKS {
                     self.ranks.insert(worker);
@@ -706,6 +711,7 @@ impl ListenerThread {
                 fingerprint,
             }),
             received: self.taken,
+            published,
         };
         self.push(unit)?;
         bump(&self.shared.counters.batches_applied);

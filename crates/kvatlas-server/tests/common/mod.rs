@@ -492,7 +492,13 @@ impl VllmPublisher {
 
     /// Publishes one batch; `dp_rank` is the batch's rank field (`None` = nil).
     pub fn publish(&mut self, events: &[VllmEvent], dp_rank: Option<u32>) -> u64 {
-        let payload = vllm_batch(events, dp_rank);
+        self.publish_at(events, dp_rank, VLLM_TS)
+    }
+
+    /// Publishes one batch with `ts` as its timestamp (seconds since the epoch).
+    #[allow(dead_code)] // not every test binary uses it
+    pub fn publish_at(&mut self, events: &[VllmEvent], dp_rank: Option<u32>, ts: f64) -> u64 {
+        let payload = vllm_batch_at(events, dp_rank, ts);
         let seq = self.seq;
         self.socket
             .send_multipart([&b""[..], &seq.to_be_bytes()[..], &payload[..]], 0)
@@ -502,15 +508,23 @@ impl VllmPublisher {
     }
 }
 
-/// `[ts, [events…], dp_rank]` with vLLM ≥ 0.24 tagged-map events.
+/// The timestamp of [`vllm_batch`]'s batches: a fixed time long past (not a publication time).
+pub const VLLM_TS: f64 = 1_700_000_000.5;
+
+/// `[ts, [events…], dp_rank]` with vLLM ≥ 0.24 tagged-map events, `ts` [`VLLM_TS`].
 pub fn vllm_batch(events: &[VllmEvent], dp_rank: Option<u32>) -> Vec<u8> {
+    vllm_batch_at(events, dp_rank, VLLM_TS)
+}
+
+/// As [`vllm_batch`] with `ts` as the batch's timestamp.
+pub fn vllm_batch_at(events: &[VllmEvent], dp_rank: Option<u32>, ts: f64) -> Vec<u8> {
     use rmp::encode::{
         write_array_len, write_f64, write_map_len, write_nil, write_str, write_u64, write_uint,
     };
     let mut w = Vec::new();
     let str_ = |w: &mut Vec<u8>, s: &str| write_str(w, s).expect("write");
     write_array_len(&mut w, 3).expect("write");
-    write_f64(&mut w, 1_700_000_000.5).expect("write");
+    write_f64(&mut w, ts).expect("write");
     write_array_len(&mut w, events.len() as u32).expect("write");
     for event in events {
         match event {
