@@ -266,22 +266,7 @@ async fn zmq_workers_register_override_ranks_and_unregister() {
 
     // Empty batches until the listener hears the engine (ZMQ's slow joiner).
     let mut client = h.client.clone();
-    wait_until("the listener to become active", || {
-        engine.publish(&[], None);
-        let mut client = client.clone();
-        async move {
-            let workers = client
-                .list_workers(v1::ListWorkersRequest::default())
-                .await
-                .expect("list")
-                .into_inner();
-            workers
-                .workers
-                .iter()
-                .any(|w| w.status == v1::WorkerStatus::Active as i32)
-        }
-    })
-    .await;
+    wait_for_an_active_listener(&client, &mut engine).await;
     let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
     engine.publish(
         &[VllmEvent::Stored {
@@ -904,23 +889,7 @@ async fn event_age_runs_from_the_engines_timestamp_to_visible() {
         .await
         .expect("registers");
     // Empty batches, stamped long ago, until the listener hears the engine (ZMQ's slow joiner).
-    let client = h.client.clone();
-    wait_until("the listener to become active", || {
-        engine.publish(&[], None);
-        let mut client = client.clone();
-        async move {
-            let workers = client
-                .list_workers(v1::ListWorkersRequest::default())
-                .await
-                .expect("list")
-                .into_inner();
-            workers
-                .workers
-                .iter()
-                .any(|w| w.status == v1::WorkerStatus::Active as i32)
-        }
-    })
-    .await;
+    wait_for_an_active_listener(&h.client, &mut engine).await;
     let labels = format!("model=\"{MODEL}\",tenant=\"default\"");
     let labels = labels.as_str();
     let series = |name: &str| {

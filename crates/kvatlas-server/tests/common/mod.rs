@@ -62,6 +62,31 @@ where
     }
 }
 
+/// Publishes empty batches on `engine` until one of the server's listeners reports itself
+/// active (it hears the engine: ZMQ's slow joiner is past).
+#[allow(dead_code)] // not every test binary uses it
+pub async fn wait_for_an_active_listener(
+    client: &v1::indexer_client::IndexerClient<tonic::transport::Channel>,
+    engine: &mut VllmPublisher,
+) {
+    wait_until("the listener to become active", || {
+        engine.publish(&[], None);
+        let mut client = client.clone();
+        async move {
+            let workers = client
+                .list_workers(v1::ListWorkersRequest::default())
+                .await
+                .expect("list")
+                .into_inner();
+            workers
+                .workers
+                .iter()
+                .any(|w| w.status == v1::WorkerStatus::Active as i32)
+        }
+    })
+    .await;
+}
+
 pub fn selector(model: &str, tenant: &str) -> Option<v1::IndexSelector> {
     Some(v1::IndexSelector {
         model: model.into(),
