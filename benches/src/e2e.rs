@@ -160,8 +160,8 @@ pub struct Freshness {
     /// (`kvatlas_event_age_seconds`, at the service queried): every batch of the phase, from
     /// the fleet's wall-clock stamp as it sent it (the `ts` an engine writes) to its events
     /// visible to queries; buckets of 50 µs below 1 ms. The query that sees a batch is outside
-    /// (a query that starts once the batch is visible sees it). `None` for Dynamo, and at a
-    /// replica (the event log does not carry the engines' stamps).
+    /// (a query that starts once the batch is visible sees it); at a replica, through the ingest
+    /// and the event log, which carries the stamp. `None` for Dynamo.
     pub event_age: Option<ServerDelay>,
     /// Points of the lag CDF (fraction, ns) for the plot.
     #[serde(skip)]
@@ -670,7 +670,10 @@ fn ingest_phase(
             scrape("kvatlas_ingest_delay_seconds")?,
             scrape("kvatlas_event_age_seconds")?,
         ),
-        Service::Replicated(_) => (scrape("kvatlas_ingest_delay_seconds")?, None),
+        Service::Replicated(_) => (
+            scrape("kvatlas_ingest_delay_seconds")?,
+            scrape("kvatlas_event_age_seconds")?,
+        ),
         Service::Dynamo(_) => (None, None),
     };
 

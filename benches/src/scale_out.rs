@@ -300,6 +300,27 @@ pub fn markdown(paced: &Summary, unpaced: &Summary) -> String {
             n / 1e3
         );
     }
+    // Every batch's age at the server queried (alone) or the first replica: the engine's stamp
+    // to visible, `kvatlas_event_age_seconds` (bucket bounds).
+    let age = |kind, f: fn(&crate::e2e::ServerDelay) -> f64| {
+        median(
+            runs(paced, kind)
+                .iter()
+                .filter_map(leaf)
+                .filter_map(|i| i.freshness.event_age.as_ref().map(f))
+                .collect(),
+        )
+    };
+    let p50: fn(&crate::e2e::ServerDelay) -> f64 = |d| d.p50_le_us;
+    let p99: fn(&crate::e2e::ServerDelay) -> f64 = |d| d.p99_le_us;
+    let _ = writeln!(
+        out,
+        "| event age, every batch (the engine's stamp → visible; bucket bounds), p50 / p99, paced | ≤ {:.2} / ≤ {:.2} ms | ≤ {:.2} / ≤ {:.2} ms | |",
+        age(ServiceKind::Kvatlas, p50) / 1e3,
+        age(ServiceKind::Kvatlas, p99) / 1e3,
+        age(ServiceKind::KvatlasNats, p50) / 1e3,
+        age(ServiceKind::KvatlasNats, p99) / 1e3,
+    );
     let bootstrap = log(|f| f.bootstrap_ms);
     let _ = writeln!(
         out,

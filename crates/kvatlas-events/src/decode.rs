@@ -34,7 +34,7 @@ mod visitors;
 
 pub use types::{
     BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_EVENT_AGE, MsgpackError,
-    SaltSource, SkippedEvent,
+    SaltSource, SkippedEvent, instant_of_wall_clock,
 };
 pub use visitors::decode_batch;
 #[cfg(any(test, fuzzing))]

@@ -46,6 +46,8 @@ pub(crate) enum Body {
         resync: bool,
         /// The mutations.
         mutations: Vec<Mutation>,
+        /// When the engine published the batch (Unix µs on its wall clock), if known.
+        published_unix_micros: Option<i64>,
     },
     /// The source was unregistered (`None`: every rank of the worker).
     Unregister {
@@ -108,6 +110,13 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
         fingerprint: unit.checkpoint.map_or(0, |c| c.fingerprint),
         resync: unit.resync,
         mutations: unit.mutations.iter().map(encode_mutation).collect(),
+        published_unix_micros: unit.published.and_then(|published| {
+            unix_micros_of(
+                published,
+                std::time::Instant::now(),
+                std::time::SystemTime::now(),
+            )
+        }),
     };
     Outgoing {
         message_id: unit
@@ -117,6 +126,18 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
         source: (key.clone(), source),
         queued_at: std::time::Instant::now(),
     }
+}
+
+/// `instant` on the wall clock (Unix µs), with `wall_now` the wall-clock reading taken with
+/// `now`; `None` if it is later than `now` or the clock reads before 1970.
+fn unix_micros_of(
+    instant: std::time::Instant,
+    now: std::time::Instant,
+    wall_now: std::time::SystemTime,
+) -> Option<i64> {
+    let wall = wall_now.checked_sub(now.checked_duration_since(instant)?)?;
+    let micros = wall.duration_since(std::time::UNIX_EPOCH).ok()?.as_micros();
+    i64::try_from(micros).ok()
 }
 
 /// The record of an unregistration (`dp_rank` `None`: every rank of `instance_id`).
@@ -208,7 +229,7 @@ pub(crate) fn group_id(records: &[Outgoing]) -> Option<String> {
 
 impl Record {
     /// The unit a replica applies (its checkpoint is the source's position); `received`: when
-    /// its message arrived.
+    /// its message arrived (its publication is then carried onto this process's clock).
     pub(crate) fn into_unit(self, received: Option<std::time::Instant>) -> Option<Unit> {
         match self.body {
             Body::Batch {
@@ -216,6 +237,7 @@ impl Record {
                 fingerprint,
                 resync,
                 mutations,
+                published_unix_micros,
             } => Some(Unit {
                 worker_id: self.source.worker_id,
                 mutations,
@@ -226,7 +248,15 @@ impl Record {
                 }),
                 resync,
                 received,
-                published: None,
+                published: published_unix_micros
+                    .filter(|_| received.is_some())
+                    .and_then(|micros| {
+                        kvatlas_events::instant_of_wall_clock(
+                            micros as f64 / 1e6,
+                            std::time::Instant::now(),
+                            std::time::SystemTime::now(),
+                        )
+                    }),
             }),
             Body::Unregister { .. } => None,
         }
@@ -250,6 +280,7 @@ impl Record {
                 seq: batch.seq,
                 fingerprint: batch.fingerprint,
                 resync: batch.resync,
+                published_unix_micros: batch.published_unix_micros,
                 mutations: batch
                     .mutations
                     .into_iter()
@@ -425,6 +456,56 @@ mod tests {
             received: None,
             published: None,
         }
+    }
+
+    #[test]
+    fn the_engines_publication_time_crosses_the_log() {
+        use std::time::{Duration, Instant};
+        let key = IndexKey::new("m", "t");
+        let size = BlockSize::new(16).expect("valid");
+        let Some(published) = Instant::now().checked_sub(Duration::from_millis(3)) else {
+            return; // the monotonic clock started under 3 ms ago
+        };
+        let unit = Unit {
+            published: Some(published),
+            ..sample()
+        };
+        let outgoing = encode_unit(&key, size, &unit);
+        let decoded = Record::decode(&outgoing.payload).expect("decodes");
+        let Body::Batch {
+            published_unix_micros,
+            ..
+        } = decoded.body
+        else {
+            panic!("a batch");
+        };
+        let stamped = published_unix_micros.expect("the publication time is in the record");
+        let wall_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_micros() as i64;
+        // Recorded as the wall-clock time 3 ms (and the encoding) ago.
+        assert!(
+            (3_000..1_000_000).contains(&(wall_now - stamped)),
+            "{stamped} against {wall_now}"
+        );
+        // At the replica, on its clock: within a few microseconds of the ingest's instant (one
+        // machine, one clock; the two wall-clock readings and micro-second rounding apart).
+        let applied = decoded.into_unit(Some(Instant::now())).expect("a unit");
+        let carried = applied.published.expect("carried onto the replica's clock");
+        let off = carried.max(published) - carried.min(published);
+        assert!(off < Duration::from_millis(1), "{off:?}");
+        // No publication time without an arrival (a unit the replica did not receive live).
+        let decoded = Record::decode(&outgoing.payload).expect("decodes");
+        assert_eq!(decoded.into_unit(None).and_then(|u| u.published), None);
+        // And none when the unit had none.
+        let decoded = Record::decode(&encode_unit(&key, size, &sample()).payload).expect("ok");
+        assert_eq!(
+            decoded
+                .into_unit(Some(Instant::now()))
+                .and_then(|u| u.published),
+            None
+        );
     }
 
     #[test]

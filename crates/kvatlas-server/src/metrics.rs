@@ -17,7 +17,7 @@
 //! | `kvatlas_registered_ranks` | gauge | |
 //! | `kvatlas_index_memberships`, `_worker_ranks`, `_heap_bytes`, `_capacity`, `_queue_depth`, `_last_event_timestamp_seconds` | gauge | `model`, `tenant` |
 //! | `kvatlas_ingest_delay_seconds` | histogram | `model`, `tenant` (a batch's receipt — taken off its ZMQ socket, a `PublishEvents` message, an event-log message — to its events visible to queries; a batch held back for a gap counts from the message that released it; those a replay's timeout releases are not counted) |
-//! | `kvatlas_event_age_seconds` | histogram | `model`, `tenant` (a ZMQ batch's own timestamp — the engine's wall clock when it published it — to its events visible to queries: how fresh the index is, the engine's side and the wire included; 50 µs buckets up to 1 ms; batches without a timestamp under a minute old and not ahead of this server's clock are not counted, so engines on other machines need synchronized clocks) |
+//! | `kvatlas_event_age_seconds` | histogram | `model`, `tenant` (a ZMQ batch's own timestamp — the engine's wall clock when it published it — to its events visible to queries: how fresh the index is, the engine's side and the wire included; 50 µs buckets up to 1 ms; batches without a timestamp under a minute old and not ahead of this server's clock are not counted, so engines on other machines need synchronized clocks; at a replica, through the ingest and the event log, whose records carry the stamp) |
 //! | `kvatlas_events_applied_total` | counter | `model`, `tenant` (index mutations applied) |
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
@@ -576,7 +576,7 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
         "histogram",
         "From an engine's timestamp of a batch (its publication, on the engine's wall clock) to \
          its events being visible to queries; ZMQ batches with a timestamp under a minute old \
-         and not ahead of this server's clock.",
+         and not ahead of this server's clock (at a replica, carried by the event log).",
     );
     for row in &rows {
         row.event_age

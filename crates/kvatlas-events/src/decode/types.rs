@@ -25,24 +25,35 @@ pub const MAX_EVENT_AGE: std::time::Duration = std::time::Duration::from_secs(60
 impl EventBatch {
     /// When the engine published the batch, on the monotonic clock of `now`: its timestamp
     /// read as the engine's wall clock (`time.time()` in vLLM and SGLang), with `wall_now` the
-    /// wall-clock reading taken with `now`. `None` for a timestamp ahead of `wall_now` (another
-    /// machine's clock running ahead) or older than [`MAX_EVENT_AGE`] (not wall-clock time).
+    /// wall-clock reading taken with `now` ([`instant_of_wall_clock`]).
     pub fn published_at(
         &self,
         now: std::time::Instant,
         wall_now: std::time::SystemTime,
     ) -> Option<std::time::Instant> {
-        let wall_now = wall_now
-            .duration_since(std::time::UNIX_EPOCH)
-            .ok()?
-            .as_secs_f64();
-        let age = wall_now - self.ts;
-        // `!(..)` also refuses NaN.
-        if !(0.0..=MAX_EVENT_AGE.as_secs_f64()).contains(&age) {
-            return None;
-        }
-        now.checked_sub(std::time::Duration::from_secs_f64(age))
+        instant_of_wall_clock(self.ts, now, wall_now)
     }
+}
+
+/// `unix_seconds`, a wall-clock time (seconds since the epoch, possibly another machine's
+/// clock), on the monotonic clock of `now`, with `wall_now` the wall-clock reading taken with
+/// `now`. `None` for a time ahead of `wall_now` (a clock running ahead) or older than
+/// [`MAX_EVENT_AGE`] (not a recent wall-clock time).
+pub fn instant_of_wall_clock(
+    unix_seconds: f64,
+    now: std::time::Instant,
+    wall_now: std::time::SystemTime,
+) -> Option<std::time::Instant> {
+    let wall_now = wall_now
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64();
+    let age = wall_now - unix_seconds;
+    // `!(..)` also refuses NaN.
+    if !(0.0..=MAX_EVENT_AGE.as_secs_f64()).contains(&age) {
+        return None;
+    }
+    now.checked_sub(std::time::Duration::from_secs_f64(age))
 }
 
 /// An event of the batch that was skipped while decoding.
