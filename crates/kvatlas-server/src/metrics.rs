@@ -17,7 +17,7 @@
 //! | `kvatlas_registered_ranks` | gauge | |
 //! | `kvatlas_index_memberships`, `_worker_ranks`, `_heap_bytes`, `_capacity`, `_queue_depth`, `_last_event_timestamp_seconds` | gauge | `model`, `tenant` |
 //! | `kvatlas_ingest_delay_seconds` | histogram | `model`, `tenant` (a batch's receipt — taken off its ZMQ socket, a `PublishEvents` message, an event-log message — to its events visible to queries; a batch held back for a gap counts from the message that released it; those a replay's timeout releases are not counted) |
-//! | `kvatlas_event_age_seconds` | histogram | `model`, `tenant` (a ZMQ batch's own timestamp — the engine's wall clock when it published it — to its events visible to queries: how fresh the index is, the engine's side and the wire included; 50 µs buckets up to 1 ms; batches without a timestamp under a minute old and not ahead of this server's clock are not counted, so engines on other machines need synchronized clocks; at a replica, through the ingest and the event log, whose records carry the stamp) |
+//! | `kvatlas_event_age_seconds` | histogram | `model`, `tenant` (a ZMQ batch's own timestamp — the engine's wall clock when it published it — to its events visible to queries: how fresh the index is, the engine's side and the wire included; 50 µs buckets up to 1 ms, 0.5 ms up to 5 ms, 2.5 ms up to 25 ms; batches without a timestamp under a minute old and not ahead of this server's clock are not counted, so engines on other machines need synchronized clocks; at a replica, through the ingest and the event log, whose records carry the stamp) |
 //! | `kvatlas_events_applied_total` | counter | `model`, `tenant` (index mutations applied) |
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
@@ -110,12 +110,13 @@ const BOUNDS: [f64; 16] = [
 
 /// Bucket upper bounds of an event's age when it became visible (`kvatlas_event_age_seconds`),
 /// in seconds: every 50 µs up to 1 ms, so that a percentile near a millisecond is known to
-/// within 50 µs, then coarser up to [`kvatlas_events::MAX_EVENT_AGE`].
-pub(crate) const EVENT_AGE_BOUNDS: [f64; 41] = [
+/// within 50 µs; every 0.5 ms up to 5 ms, every 2.5 ms up to 25 ms (a replica's tail), then
+/// coarser up to [`kvatlas_events::MAX_EVENT_AGE`].
+pub(crate) const EVENT_AGE_BOUNDS: [f64; 50] = [
     50e-6, 100e-6, 150e-6, 200e-6, 250e-6, 300e-6, 350e-6, 400e-6, 450e-6, 500e-6, 550e-6, 600e-6,
-    650e-6, 700e-6, 750e-6, 800e-6, 850e-6, 900e-6, 950e-6, 1e-3, 1.25e-3, 1.5e-3, 1.75e-3, 2e-3,
-    2.5e-3, 3e-3, 4e-3, 5e-3, 7.5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    30.0, 60.0,
+    650e-6, 700e-6, 750e-6, 800e-6, 850e-6, 900e-6, 950e-6, 1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3,
+    3.5e-3, 4e-3, 4.5e-3, 5e-3, 7.5e-3, 10e-3, 12.5e-3, 15e-3, 17.5e-3, 20e-3, 22.5e-3, 25e-3,
+    50e-3, 75e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
 ];
 
 /// A fixed-bucket histogram of durations.
@@ -705,6 +706,37 @@ fn render_indexes(out: &mut String, registry: &Registry, ready: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn event_ages_fall_into_fine_buckets_up_to_the_oldest_counted() {
+        for bounds in [&BOUNDS[..], &EVENT_AGE_BOUNDS[..]] {
+            assert!(bounds.windows(2).all(|w| w[0] < w[1]), "{bounds:?}");
+        }
+        assert_eq!(
+            EVENT_AGE_BOUNDS.last().copied(),
+            Some(kvatlas_events::MAX_EVENT_AGE.as_secs_f64())
+        );
+        let ages = Histogram::with_bounds(&EVENT_AGE_BOUNDS);
+        for micros in [40, 960, 1_001, 11_000, 24_000] {
+            ages.observe(Duration::from_micros(micros));
+        }
+        let mut out = String::new();
+        ages.render_samples(&mut out, "age", "");
+        for (le, cumulative) in [
+            ("0.00005", 1),
+            ("0.00095", 1),
+            ("0.001", 2),
+            ("0.0015", 3),
+            ("0.0125", 4),
+            ("0.0225", 4),
+            ("0.025", 5),
+        ] {
+            assert!(
+                out.contains(&format!("age_bucket{{le=\"{le}\"}} {cumulative}\n")),
+                "{le}: {out}"
+            );
+        }
+    }
 
     #[test]
     fn histograms_are_cumulative_and_labels_escaped() {
