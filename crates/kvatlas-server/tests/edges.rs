@@ -691,16 +691,7 @@ async fn requests_beyond_the_concurrency_limit_are_shed() {
 async fn metrics_tell_what_happened() {
     let mut h = start(ServerConfig::default()).await;
     let engine = VllmPublisher::bind();
-    h.client
-        .register_worker(v1::RegisterWorkerRequest {
-            index: selector(MODEL, ""),
-            instance_id: 50,
-            block_size: BLOCK,
-            endpoint: engine.endpoint.clone(),
-            ..v1::RegisterWorkerRequest::default()
-        })
-        .await
-        .expect("registers");
+    register_engine(&mut h.client, (MODEL, BLOCK), 50, &engine).await;
     let batches = script(
         2,
         MODEL,

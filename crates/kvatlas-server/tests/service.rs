@@ -736,16 +736,7 @@ async fn a_bad_message_ends_the_stream_after_applying_what_came_before() {
 async fn one_feed_per_rank() {
     let mut h = start(ServerConfig::default()).await;
     let engine = VllmPublisher::bind();
-    h.client
-        .register_worker(v1::RegisterWorkerRequest {
-            index: selector(MODEL, ""),
-            instance_id: 9,
-            block_size: BLOCK,
-            endpoint: engine.endpoint.clone(),
-            ..v1::RegisterWorkerRequest::default()
-        })
-        .await
-        .expect("registers");
+    register_engine(&mut h.client, (MODEL, BLOCK), 9, &engine).await;
     let batches = script(5, MODEL, &[Worker::new(9, 0)], 1, BLOCK);
     let status = publish(&mut h.client, &batches)
         .await
@@ -878,16 +869,7 @@ async fn shutdown_applies_and_acknowledges_what_it_read() {
 async fn event_age_runs_from_the_engines_timestamp_to_visible() {
     let mut h = start(ServerConfig::default()).await;
     let mut engine = VllmPublisher::bind();
-    h.client
-        .register_worker(v1::RegisterWorkerRequest {
-            index: selector(MODEL, ""),
-            instance_id: 3,
-            block_size: BLOCK,
-            endpoint: engine.endpoint.clone(),
-            ..v1::RegisterWorkerRequest::default()
-        })
-        .await
-        .expect("registers");
+    register_engine(&mut h.client, (MODEL, BLOCK), 3, &engine).await;
     // Empty batches, stamped long ago, until the listener hears the engine (ZMQ's slow joiner).
     wait_for_an_active_listener(&h.client, &mut engine).await;
     let labels = format!("model=\"{MODEL}\",tenant=\"default\"");

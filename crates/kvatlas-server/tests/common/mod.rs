@@ -62,6 +62,27 @@ where
     }
 }
 
+/// Registers `engine` as worker `instance_id` of `model` (default tenant) at `block_size`, its
+/// listener connecting to it.
+#[allow(dead_code)] // not every test binary uses it
+pub async fn register_engine(
+    client: &mut v1::indexer_client::IndexerClient<tonic::transport::Channel>,
+    (model, block_size): (&str, u32),
+    instance_id: u64,
+    engine: &VllmPublisher,
+) {
+    client
+        .register_worker(v1::RegisterWorkerRequest {
+            index: selector(model, ""),
+            instance_id,
+            block_size,
+            endpoint: engine.endpoint.clone(),
+            ..v1::RegisterWorkerRequest::default()
+        })
+        .await
+        .expect("registers");
+}
+
 /// Publishes empty batches on `engine` until one of the server's listeners reports itself
 /// active (it hears the engine: ZMQ's slow joiner is past).
 #[allow(dead_code)] // not every test binary uses it
