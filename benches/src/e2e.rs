@@ -666,11 +666,7 @@ fn ingest_phase(
     let replays = fleet.replays_served();
     let scrape = |name| ServerDelay::scrape(service.http(), name).map(Some);
     let (server_delay, event_age) = match service {
-        Service::Kvatlas(_) => (
-            scrape("kvatlas_ingest_delay_seconds")?,
-            scrape("kvatlas_event_age_seconds")?,
-        ),
-        Service::Replicated(_) => (
+        Service::Kvatlas(_) | Service::Replicated(_) => (
             scrape("kvatlas_ingest_delay_seconds")?,
             scrape("kvatlas_event_age_seconds")?,
         ),

@@ -19,6 +19,7 @@ use kvatlas_proto::v1;
 use prost::Message as _;
 
 use crate::registry::IndexKey;
+use crate::served_index::unix_micros_now;
 
 /// A decoded record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,13 +111,7 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
         fingerprint: unit.checkpoint.map_or(0, |c| c.fingerprint),
         resync: unit.resync,
         mutations: unit.mutations.iter().map(encode_mutation).collect(),
-        published_unix_micros: unit.published.and_then(|published| {
-            unix_micros_of(
-                published,
-                std::time::Instant::now(),
-                std::time::SystemTime::now(),
-            )
-        }),
+        published_unix_micros: unit.published.and_then(unix_micros_of),
     };
     Outgoing {
         message_id: unit
@@ -128,16 +123,10 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
     }
 }
 
-/// `instant` on the wall clock (Unix µs), with `wall_now` the wall-clock reading taken with
-/// `now`; `None` if it is later than `now` or the clock reads before 1970.
-fn unix_micros_of(
-    instant: std::time::Instant,
-    now: std::time::Instant,
-    wall_now: std::time::SystemTime,
-) -> Option<i64> {
-    let wall = wall_now.checked_sub(now.checked_duration_since(instant)?)?;
-    let micros = wall.duration_since(std::time::UNIX_EPOCH).ok()?.as_micros();
-    i64::try_from(micros).ok()
+/// `instant`, a past instant, on the wall clock (Unix µs); `None` if it is later than now.
+fn unix_micros_of(instant: std::time::Instant) -> Option<i64> {
+    let ago = std::time::Instant::now().checked_duration_since(instant)?;
+    Some(unix_micros_now() - i64::try_from(ago.as_micros()).ok()?)
 }
 
 /// The record of an unregistration (`dp_rank` `None`: every rank of `instance_id`).

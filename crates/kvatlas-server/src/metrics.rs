@@ -149,11 +149,8 @@ impl Histogram {
     /// Counts one observation.
     pub(crate) fn observe(&self, elapsed: Duration) {
         let seconds = elapsed.as_secs_f64();
-        let bucket = self
-            .bounds
-            .iter()
-            .position(|&bound| seconds <= bound)
-            .unwrap_or(self.bounds.len());
+        // The first bound at or above `seconds` (the bounds ascend); past the last, `+Inf`.
+        let bucket = self.bounds.partition_point(|&bound| bound < seconds);
         if let Some(count) = self.buckets.get(bucket) {
             count.fetch_add(1, Ordering::Relaxed);
         }

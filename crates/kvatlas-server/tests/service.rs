@@ -296,11 +296,7 @@ async fn zmq_workers_register_override_ranks_and_unregister() {
         }
     })
     .await;
-    let listed = client
-        .list_workers(v1::ListWorkersRequest::default())
-        .await
-        .expect("list")
-        .into_inner();
+    let listed = listed_workers(&mut client).await;
     let sources: Vec<_> = listed
         .workers
         .iter()
@@ -508,11 +504,7 @@ async fn an_unreachable_engine_stays_pending_and_harms_nothing() {
     wait_until("the failed connection to be reported", || {
         let mut client = client.clone();
         async move {
-            let listed = client
-                .list_workers(v1::ListWorkersRequest::default())
-                .await
-                .expect("list")
-                .into_inner();
+            let listed = listed_workers(&mut client).await;
             let worker = &listed.workers[0];
             assert_eq!(worker.status, v1::WorkerStatus::Pending as i32);
             worker
@@ -658,12 +650,7 @@ async fn publish_events_follows_the_sequencing_rules() {
             reference.apply(m);
         });
     }
-    let listed = h
-        .client
-        .list_workers(v1::ListWorkersRequest::default())
-        .await
-        .expect("list")
-        .into_inner();
+    let listed = listed_workers(&mut h.client).await;
     let feed = &listed.workers[0];
     assert_eq!(feed.source, v1::WorkerSource::Grpc as i32);
     assert!(feed.last_error.contains("gap: batches 6..=7"), "{feed:?}");
@@ -760,11 +747,7 @@ async fn one_feed_per_rank() {
     wait_until("the first stream to feed the rank", || {
         let mut client = h.client.clone();
         async move {
-            let listed = client
-                .list_workers(v1::ListWorkersRequest::default())
-                .await
-                .expect("list")
-                .into_inner();
+            let listed = listed_workers(&mut client).await;
             listed.workers.iter().any(|w| w.instance_id == 10)
         }
     })
@@ -905,11 +888,7 @@ async fn event_age_runs_from_the_engines_timestamp_to_visible() {
     wait_until("the last batch to be handed over", || {
         let mut client = client.clone();
         async move {
-            let listed = client
-                .list_workers(v1::ListWorkersRequest::default())
-                .await
-                .expect("list")
-                .into_inner();
+            let listed = listed_workers(&mut client).await;
             listed.workers.iter().any(|w| w.last_seq == Some(last))
         }
     })

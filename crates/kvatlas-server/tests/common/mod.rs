@@ -83,6 +83,18 @@ pub async fn register_engine(
         .expect("registers");
 }
 
+/// The server's `ListWorkers` answer.
+#[allow(dead_code)] // not every test binary uses it
+pub async fn listed_workers(
+    client: &mut v1::indexer_client::IndexerClient<tonic::transport::Channel>,
+) -> v1::ListWorkersResponse {
+    client
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner()
+}
+
 /// Publishes empty batches on `engine` until one of the server's listeners reports itself
 /// active (it hears the engine: ZMQ's slow joiner is past).
 #[allow(dead_code)] // not every test binary uses it
@@ -94,11 +106,7 @@ pub async fn wait_for_an_active_listener(
         engine.publish(&[], None);
         let mut client = client.clone();
         async move {
-            let workers = client
-                .list_workers(v1::ListWorkersRequest::default())
-                .await
-                .expect("list")
-                .into_inner();
+            let workers = listed_workers(&mut client).await;
             workers
                 .workers
                 .iter()
