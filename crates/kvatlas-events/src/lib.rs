@@ -12,7 +12,7 @@
 //! | [`sequence`] | per-source ordering: gaps → replay requests, duplicates, restarts and incomplete replays → resync; a sans-IO state machine in the style of `quinn-proto` |
 //! | [`frames`] | the ZMQ multipart layouts of live messages and replay replies |
 //! | [`counters`] | [`Reason`] and [`DropCounters`]: every dropped event is counted by reason |
-//! | `listener` | **the I/O edge** (feature `listener`, on by default): one thread per source with a ZMQ SUB (connect or bind) and a DEALER for replays, driving the sequencer and handing mutations to a bounded `MutationSink` (a [`kvatlas_index::ThreadPool`]); the `Listeners` registry (start / stop / state / list) |
+//! | `listener` | **the I/O edge** (feature `listener`, on by default): a ZMQ SUB per source (connect or bind) and a DEALER for replays, polled with many others by a few poller threads (`ListenerThreads`), driving the sequencer and handing mutations to a bounded `MutationSink` (a [`kvatlas_index::ThreadPool`]); the `Listeners` registry (start / stop / state / list) |
 //!
 //! ```
 //! use kvatlas_events::{Converter, DropCounters, EngineKind, Source};
@@ -63,7 +63,7 @@ pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, deco
 #[cfg(feature = "listener")]
 pub use listener::{
     ApplyInline, Listener, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
-    ListenerOptions, ListenerState, ListenerStatus, Listeners, MutationSink, Resume, SinkError,
-    SocketMode,
+    ListenerOptions, ListenerState, ListenerStatus, ListenerThreads, Listeners, MutationSink,
+    Resume, SinkError, SocketMode,
 };
 pub use sequence::{Action, ReplayId, ResyncReason, SequenceCounters, Sequencer, SequencerConfig};

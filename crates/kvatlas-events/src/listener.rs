@@ -2,7 +2,7 @@
 //!
 //! This is the only module of the crate that performs I/O (sockets, threads, clocks). One
 //! [`Listener`] serves one registered source (one engine publisher: a worker's data-parallel
-//! rank) on its own thread:
+//! rank) on a poller thread that serves many ([`ListenerThreads`]):
 //!
 //! ```text
 //!  engine PUB ──► SUB (connect, or bind) ──frames──► Sequencer ──Apply──► decode + convert
@@ -12,9 +12,12 @@
 //!                                     (bounded; full → wait = backpressure)
 //! ```
 //!
-//! - **One thread per source** polls its SUB (and, while a replay is outstanding, its DEALER)
-//!   with a bounded timeout ([`ListenerOptions::recv_timeout`]), so [`Listener::stop`] always
-//!   returns within about one timeout.
+//! - **Poller threads**: a [`ListenerThreads`] set (one thread by default) polls every
+//!   listener's SUB (and, while a replay is outstanding, its DEALER) in one `zmq::poll`, and
+//!   reads each ready socket in turn: a burst of batches from many engines wakes one thread,
+//!   not one per engine. A stop or release wakes the thread at once; otherwise it wakes at the
+//!   listeners' deadlines (replays, probes) or after [`ListenerOptions::recv_timeout`]. A
+//!   panic in one listener's code fails that listener only.
 //! - **Replay**: an [`Action::Replay`] opens a fresh DEALER to the replay endpoint, sends
 //!   `[b"", start_be8]` and feeds every reply (2-, 3- or 4-frame layouts) to the sequencer until
 //!   the end marker. No reply for [`ListenerOptions::replay_timeout`] (the loop gives the
@@ -44,8 +47,9 @@
 //!
 //! Files: `config` (what a listener is started with, and its validation), `status` (its id,
 //! status, counters and state, and the atomics behind them), `error`, `sink` (where mutations
-//! go), `lifecycle` ([`Listener`]: socket setup, start, state and stop), `event_loop` (the
-//! listener thread: sockets, replays, sequencer, sink) and `registry` ([`Listeners`]).
+//! go), `lifecycle` ([`Listener`]: socket setup, start, state and stop), `event_loop` (one
+//! listener's sockets and state: replays, sequencer, sink), `poller` ([`ListenerThreads`]: the
+//! threads that poll many listeners) and `registry` ([`Listeners`]).
 //!
 //! [`Action::Replay`]: crate::sequence::Action::Replay
 //! [`Action::Resync`]: crate::sequence::Action::Resync
@@ -59,6 +63,7 @@ mod config;
 mod error;
 mod event_loop;
 mod lifecycle;
+mod poller;
 mod registry;
 mod sink;
 mod status;
@@ -66,6 +71,7 @@ mod status;
 pub use config::{ListenerConfig, ListenerOptions, Resume, SocketMode};
 pub use error::ListenerError;
 pub use lifecycle::Listener;
+pub use poller::ListenerThreads;
 pub use registry::Listeners;
 pub use sink::{ApplyInline, MutationSink, SinkError};
 pub use status::{ListenerCounters, ListenerId, ListenerState, ListenerStatus};

@@ -165,6 +165,10 @@ pub struct ServeArgs {
     /// Mutations queued per writer thread before producers wait [default: 16384].
     #[arg(long, env = "KVATLAS_WRITER_QUEUE")]
     pub writer_queue: Option<usize>,
+    /// Threads polling the engines' ZMQ sockets, shared by all indexes; each serves many
+    /// engines [default: 1].
+    #[arg(long, env = "KVATLAS_LISTENER_THREADS")]
+    pub listener_threads: Option<usize>,
     /// Most (rank, block, tier) memberships per index; beyond it the least recently used are
     /// evicted [default: unbounded].
     #[arg(long, env = "KVATLAS_CAPACITY")]
@@ -290,6 +294,7 @@ struct ServeFile {
     engine: Option<String>,
     writer_threads: Option<usize>,
     writer_queue: Option<usize>,
+    listener_threads: Option<usize>,
     capacity: Option<u64>,
     min_initial_workers: Option<usize>,
     data_dir: Option<PathBuf>,
@@ -382,6 +387,10 @@ impl ServeArgs {
                     .writer_queue
                     .or(file.writer_queue)
                     .unwrap_or(index.writer_queue),
+                listener_threads: self
+                    .listener_threads
+                    .or(file.listener_threads)
+                    .unwrap_or(index.listener_threads),
                 capacity: self.capacity.or(file.capacity),
                 listener: ListenerOptions {
                     quiet_probe: match self.quiet_probe_ms.or(file.quiet_probe_ms) {
@@ -1284,7 +1293,8 @@ mod tests {
         std::fs::write(
             &file,
             "grpc_addr = \"127.0.0.1:7000\"\nwriter_threads = 3\nworkers = \"1=tcp://h:1\"\n\
-             block_size = 32\nmodel = \"m\"\ntokenizer = [\"m=/t/tokenizer.json\"]\n",
+             block_size = 32\nmodel = \"m\"\ntokenizer = [\"m=/t/tokenizer.json\"]\n\
+             listener_threads = 2\n",
         )
         .expect("write");
         let args = ServeArgs {
@@ -1295,6 +1305,7 @@ mod tests {
         let (config, _) = args.resolve().expect("resolves");
         assert_eq!(config.grpc_addr.port(), 7000, "from the file");
         assert_eq!(config.index.writer_threads, 5, "the flag wins");
+        assert_eq!(config.index.listener_threads, 2, "from the file");
         assert_eq!(config.http_addr.port(), crate::DEFAULT_HTTP_PORT, "default");
         assert_eq!(config.workers.len(), 1);
         assert_eq!(config.workers[0].block_size.get(), 32);

@@ -82,6 +82,9 @@ pub struct IndexSettings {
     pub writer_threads: usize,
     /// Mutations queued per writer thread before producers wait.
     pub writer_queue: usize,
+    /// Threads that poll the ZMQ listeners' sockets, shared by every index (each serves many
+    /// listeners: a burst of batches from many engines wakes one thread, not one per engine).
+    pub listener_threads: usize,
     /// Most (rank, block, tier) memberships per index before the least recently used are
     /// evicted (`None` = unbounded).
     pub capacity: Option<u64>,
@@ -94,6 +97,7 @@ impl Default for IndexSettings {
         Self {
             writer_threads: 2,
             writer_queue: 16_384,
+            listener_threads: 1,
             capacity: None,
             listener: ListenerOptions::default(),
         }
@@ -254,6 +258,7 @@ impl ServerConfig {
         };
         positive(self.index.writer_threads, "writer threads")?;
         positive(self.index.writer_queue, "the writer queue")?;
+        positive(self.index.listener_threads, "listener threads")?;
         positive(self.limits.max_query_tokens, "max query tokens")?;
         positive(self.limits.max_message_bytes, "max message bytes")?;
         positive(

@@ -4,9 +4,13 @@
 //! ```text
 //!  Registry ── (model, tenant) ──► IndexEntry
 //!                                   ├─ pool: ThreadPool<ServedIndex>   writer threads, sticky per rank
-//!                                   ├─ listeners: Listeners            one thread per ZMQ source
+//!                                   ├─ listeners: Listeners            one per ZMQ source, on the
+//!                                   │                                  registry's ListenerThreads
 //!                                   └─ feeds: Worker → Feed            who feeds each rank
 //! ```
+//!
+//! The listeners of every index run on one set of poller threads (`--listener-threads`,
+//! started with the first index): a thread serves many engines' sockets.
 //!
 //! Invariants:
 //! - an index's block size never changes: it is fixed when the index is created (by the first
@@ -29,7 +33,8 @@ use std::time::Instant;
 
 use kvatlas_events::{
     DropCounters, EngineKind, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
-    ListenerState, ListenerStatus, Listeners, MutationSink, Resume, SocketMode, Source,
+    ListenerState, ListenerStatus, ListenerThreads, Listeners, MutationSink, Resume, SocketMode,
+    Source,
 };
 use kvatlas_hash::{BlockHasher, BlockSize};
 use kvatlas_index::{Mutation, SharedKvIndex, ThreadPool, UnitDelay, Worker};
@@ -404,6 +409,7 @@ impl IndexEntry {
         block_size: BlockSize,
         settings: &IndexSettings,
         zmq: &zmq::Context,
+        listener_threads: ListenerThreads,
         log: Option<&Arc<LogHandle>>,
     ) -> Result<Self, ServiceError> {
         let ingest_delay = Arc::new(Histogram::default());
@@ -443,7 +449,7 @@ impl IndexEntry {
             ingest_delay,
             event_age,
             log: log.cloned(),
-            listeners: Listeners::with_context(zmq.clone(), sink),
+            listeners: Listeners::with_threads(zmq.clone(), sink, listener_threads),
             feeds: Mutex::new(BTreeMap::new()),
             retired: Mutex::new(FeedCounters::default()),
         })
@@ -813,6 +819,8 @@ pub(crate) struct Registry {
     settings: IndexSettings,
     limits: Limits,
     zmq: zmq::Context,
+    /// The threads polling every index's listeners, started with the first index.
+    listener_threads: Mutex<Option<ListenerThreads>>,
     /// Registered ranks over all indexes (ZMQ listeners and gRPC feeds).
     registered: AtomicUsize,
     /// The server's part in the NATS event log, if any.
@@ -847,10 +855,25 @@ impl Registry {
             settings,
             limits,
             zmq: zmq::Context::new(),
+            listener_threads: Mutex::new(None),
             registered: AtomicUsize::new(0),
             log_role: None,
             log_stats: Arc::new(LogStats::default()),
         }
+    }
+
+    /// The threads polling the listeners (shared by every index), started on first use.
+    fn listener_threads(&self) -> Result<ListenerThreads, ServiceError> {
+        let mut threads = self.listener_threads.lock();
+        if let Some(threads) = &*threads {
+            return Ok(threads.clone());
+        }
+        let started = ListenerThreads::new(self.settings.listener_threads, "kvatlas-listen")
+            .map_err(|e| {
+                ServiceError::Internal(format!("cannot start the listener threads: {e}"))
+            })?;
+        *threads = Some(started.clone());
+        Ok(started)
     }
 
     /// This registry with a part in the event log (before any index exists).
@@ -972,6 +995,7 @@ impl Registry {
             block_size,
             &self.settings,
             &self.zmq,
+            self.listener_threads()?,
             log,
         )?);
         indexes.insert(key.clone(), Arc::clone(&entry));

@@ -24,8 +24,8 @@ pub(super) const MAX_PROBE_BACKOFF: u32 = 16;
 /// Tuning of a listener's sockets and timeouts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenerOptions {
-    /// The longest the listener thread waits on its sockets before checking for stop (and the
-    /// bound on how long [`Listener::stop`](super::Listener::stop) takes). Default 100 ms.
+    /// The longest its poller thread waits on the sockets before checking the listener's
+    /// timeouts again (a stop or release wakes it at once). Default 100 ms.
     pub recv_timeout: Duration,
     /// A replay fails when no reply arrives for this long (per reply, not in total). Default 2 s.
     pub replay_timeout: Duration,

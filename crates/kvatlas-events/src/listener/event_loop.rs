@@ -1,5 +1,7 @@
-//! The listener thread: polls its SUB, connection monitor and replay DEALER, drives the
-//! sequencer (live batches, replays, resyncs), and hands each applied batch to the sink.
+//! One listener's sockets and state, [`ListenerCore`]: a poller thread
+//! ([`super::poller`]) polls its SUB, connection monitor and replay DEALER together with other
+//! listeners' sockets; the core reads what is ready, drives the sequencer (live batches,
+//! replays, resyncs) and hands each applied batch to the sink.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::fmt;
@@ -84,13 +86,60 @@ impl ProbeSchedule {
     }
 }
 
-/// A fatal condition that ends the listener thread.
-#[derive(Debug)]
-enum Exit {
+/// A condition that ends a listener: its poller drops it (closing its sockets) and records
+/// the status ([`ListenerCore::finish`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Exit {
     /// Asked to stop.
     Stopped,
     /// A fatal error (already recorded).
     Failed,
+}
+
+/// Which of a listener's sockets hold something to read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Ready {
+    live: bool,
+    monitor: bool,
+    replay: bool,
+}
+
+impl Ready {
+    /// Whether any socket holds something.
+    pub(super) fn any(self) -> bool {
+        self.live || self.monitor || self.replay
+    }
+}
+
+/// Token offsets of a listener's sockets in its poller's epoll (see [`ListenerCore::attach`]).
+const SUB_TOKEN: usize = 0;
+const MONITOR_TOKEN: usize = 1;
+const REPLAY_TOKEN: usize = 2;
+/// Tokens reserved per listener.
+pub(super) const TOKENS_PER_LISTENER: usize = 4;
+
+/// A listener's registration with its poller's epoll.
+struct Watch {
+    registry: mio::Registry,
+    base: usize,
+}
+
+impl Watch {
+    fn register(&self, socket: &zmq::Socket, offset: usize) -> std::io::Result<()> {
+        let fd = socket.get_fd().map_err(std::io::Error::other)?;
+        self.registry.register(
+            &mut mio::unix::SourceFd(&fd),
+            mio::Token(self.base + offset),
+            mio::Interest::READABLE,
+        )
+    }
+
+    fn deregister(&self, socket: &zmq::Socket) {
+        // A socket whose descriptor is already gone has nothing left to remove.
+        if let Ok(fd) = socket.get_fd() {
+            let _ = self.registry.deregister(&mut mio::unix::SourceFd(&fd));
+        }
+    }
 }
 
 /// An outstanding replay request and its socket.
@@ -142,8 +191,14 @@ impl Received {
     }
 }
 
-/// The listener thread's state.
-pub(super) struct ListenerThread {
+/// One listener's sockets and state, driven by the poller thread it was given to: before each
+/// poll ([`ListenerCore::before_poll`]: stop, release, its next deadline), its poll items
+/// ([`ListenerCore::poll_items`]), after the poll ([`ListenerCore::after_poll`]: read what is
+/// ready, timeouts, probes).
+///
+/// Invariant: it lives on one thread at a time (ZMQ sockets are not thread-safe); it moves to
+/// its poller thread through a channel (a full memory barrier, as libzmq requires).
+pub(super) struct ListenerCore {
     context: zmq::Context,
     config: ListenerConfig,
     sub: zmq::Socket,
@@ -172,10 +227,12 @@ pub(super) struct ListenerThread {
     taken: Option<Instant>,
     sink: Arc<dyn MutationSink>,
     shared: Arc<Shared>,
+    /// Its registration with its poller's epoll (`None` until attached, and after detach).
+    watch: Option<Watch>,
 }
 
-impl ListenerThread {
-    /// The thread's state for `config`'s source, owning `sub` and `monitor`: held if the config
+impl ListenerCore {
+    /// The listener's state for `config`'s source, owning `sub` and `monitor`: held if the config
     /// says so, the sequencer resumed from [`ListenerConfig::resume`] if set.
     pub(super) fn new(
         context: zmq::Context,
@@ -216,14 +273,23 @@ impl ListenerThread {
             sink,
             shared,
             config,
+            watch: None,
         }
     }
 
-    pub(super) fn run(&mut self) {
-        match self.event_loop() {
+    /// Records how the listener ended and removes its sockets from the poller's epoll (called
+    /// by its poller just before dropping it).
+    pub(super) fn finish(&mut self, exit: Exit) {
+        self.detach();
+        match exit {
             Exit::Stopped => self.shared.set_status(ListenerStatus::Stopped),
             Exit::Failed => self.shared.set_status(ListenerStatus::Failed),
         }
+    }
+
+    /// The listener's shared state (status, counters, stop flag).
+    pub(super) fn shared(&self) -> &Shared {
+        &self.shared
     }
 
     fn fail(&self, error: String) -> Exit {
@@ -247,79 +313,106 @@ impl ListenerThread {
         Ok(())
     }
 
-    fn event_loop(&mut self) -> Exit {
-        if self.held.is_none()
-            && self.config.resume.is_some()
-            && let Err(exit) = self.catch_up()
-        {
-            return exit;
+    /// Called once on the poller thread before the first poll: a listener resuming a stream
+    /// (and not held) asks the engine for what it published meanwhile.
+    pub(super) fn begin(&mut self) -> Result<(), Exit> {
+        if self.held.is_none() && self.config.resume.is_some() {
+            self.catch_up()?;
+        }
+        Ok(())
+    }
+
+    /// Before a poll: ends the listener if it was asked to stop, takes a pending release, and
+    /// returns the latest instant by which [`ListenerCore::after_poll`] must run again (a
+    /// replay's deadline, a due probe, or one [`ListenerOptions::recv_timeout`] from `now`).
+    ///
+    /// [`ListenerOptions::recv_timeout`]: super::ListenerOptions::recv_timeout
+    pub(super) fn before_poll(&mut self, now: Instant) -> Result<Instant, Exit> {
+        if self.shared.stopping() {
+            return Err(Exit::Stopped);
+        }
+        if self.held.is_some() {
+            let released = self.shared.release.lock().take();
+            if let Some(resume) = released {
+                self.release(resume)?;
+            }
         }
         let recv_timeout = self.config.options.recv_timeout;
-        loop {
-            if self.shared.stopping() {
-                return Exit::Stopped;
+        Ok([self.sequencer.poll_timeout(), self.probe.map(|p| p.at)]
+            .into_iter()
+            .flatten()
+            .fold(now + recv_timeout, Instant::min))
+    }
+
+    /// Registers its sockets' notification descriptors (`ZMQ_FD`) with its poller's epoll,
+    /// under tokens `base + 0` (SUB), `+ 1` (monitor) and `+ 2` (a replay's DEALER, while one is
+    /// outstanding).
+    pub(super) fn attach(&mut self, registry: mio::Registry, base: usize) -> std::io::Result<()> {
+        let watch = Watch { registry, base };
+        watch.register(&self.sub, SUB_TOKEN)?;
+        if let Some(monitor) = &self.monitor {
+            watch.register(monitor, MONITOR_TOKEN)?;
+        }
+        self.watch = Some(watch);
+        Ok(())
+    }
+
+    /// Removes its sockets from its poller's epoll (before they are closed, so a descriptor
+    /// number reused later is not confused with them).
+    pub(super) fn detach(&mut self) {
+        if let Some(watch) = self.watch.take() {
+            watch.deregister(&self.sub);
+            if let Some(monitor) = &self.monitor {
+                watch.deregister(monitor);
             }
-            if self.held.is_some() {
-                let released = self.shared.release.lock().take();
-                if let Some(resume) = released
-                    && let Err(exit) = self.release(resume)
-                {
-                    return exit;
-                }
-            }
-            let now = Instant::now();
-            let timeout = [self.sequencer.poll_timeout(), self.probe.map(|p| p.at)]
-                .into_iter()
-                .flatten()
-                .map(|deadline| deadline.saturating_duration_since(now))
-                .fold(recv_timeout, Duration::min);
-            let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-            let (live_ready, monitor_ready, replay_ready) = {
-                let mut items = Vec::with_capacity(3);
-                items.push(self.sub.as_poll_item(zmq::POLLIN));
-                if let Some(monitor) = &self.monitor {
-                    items.push(monitor.as_poll_item(zmq::POLLIN));
-                }
-                let replay_at = items.len();
-                if let Some(replay) = &self.replay {
-                    items.push(replay.dealer.as_poll_item(zmq::POLLIN));
-                }
-                match zmq::poll(&mut items, timeout_ms) {
-                    Ok(_) => (
-                        items.first().is_some_and(zmq::PollItem::is_readable),
-                        self.monitor.is_some()
-                            && items.get(1).is_some_and(zmq::PollItem::is_readable),
-                        self.replay.is_some()
-                            && items.get(replay_at).is_some_and(zmq::PollItem::is_readable),
-                    ),
-                    Err(zmq::Error::EINTR) => (false, false, false),
-                    Err(error) => return self.fail(format!("zmq poll: {error}")),
-                }
-            };
-            if monitor_ready {
-                self.read_monitor();
-            }
-            if replay_ready && let Err(exit) = self.read_replay() {
-                return exit;
-            }
-            if live_ready && let Err(exit) = self.read_live() {
-                return exit;
-            }
-            let now = Instant::now();
-            if self.sequencer.handle_timeout(now).is_some() {
-                let from = self.replay.as_ref().map_or(0, |replay| replay.from);
-                self.replay_abandoned(format!("replay from {from} timed out"));
-                // What this releases (buffered batches, the resync's clears) was not just taken
-                // off a socket: not timed.
-                self.taken = None;
-                if let Err(exit) = self.drive() {
-                    return exit;
-                }
-            }
-            if let Err(exit) = self.probe_if_quiet(now) {
-                return exit;
+            if let Some(replay) = &self.replay {
+                watch.deregister(&replay.dealer);
             }
         }
+    }
+
+    /// Which of its sockets hold something to read now (`ZMQ_EVENTS`, which also processes the
+    /// socket's pending commands and so re-arms its `ZMQ_FD`). An error counts as readable: the
+    /// read that follows meets it and handles it.
+    ///
+    /// Invariant the poller keeps: a listener is served again without waiting for an epoll
+    /// event until this reports nothing readable, so a notification consumed by a read is
+    /// never lost.
+    pub(super) fn ready_now(&self) -> Ready {
+        let readable = |socket: &zmq::Socket| {
+            socket
+                .get_events()
+                .map_or(true, |events| events.contains(zmq::POLLIN))
+        };
+        Ready {
+            live: readable(&self.sub),
+            monitor: self.monitor.as_ref().is_some_and(readable),
+            replay: self.replay.as_ref().is_some_and(|r| readable(&r.dealer)),
+        }
+    }
+
+    /// After a poll: reads what `ready` shows (connection events, replay replies, live
+    /// batches), then handles an expired replay and a due probe.
+    pub(super) fn after_poll(&mut self, ready: Ready) -> Result<(), Exit> {
+        if ready.monitor {
+            self.read_monitor();
+        }
+        if ready.replay {
+            self.read_replay()?;
+        }
+        if ready.live {
+            self.read_live()?;
+        }
+        let now = Instant::now();
+        if self.sequencer.handle_timeout(now).is_some() {
+            let from = self.replay.as_ref().map_or(0, |replay| replay.from);
+            self.replay_abandoned(format!("replay from {from} timed out"));
+            // What this releases (buffered batches, the resync's clears) was not just taken
+            // off a socket: not timed.
+            self.taken = None;
+            self.drive()?;
+        }
+        self.probe_if_quiet(now)
     }
 
     /// Probes the engine if the live stream has been quiet until the probe is due, or to see
@@ -538,7 +631,7 @@ impl ListenerThread {
                 }
                 Ok(None) => {
                     bump(&self.shared.counters.replays_completed);
-                    self.replay = None;
+                    self.drop_replay();
                     self.sequencer.handle_replay_end(id);
                 }
                 Err(error) => {
@@ -569,7 +662,16 @@ impl ListenerThread {
             "{error}"
         );
         self.shared.set_error(error);
-        self.replay = None;
+        self.drop_replay();
+    }
+
+    /// Drops the outstanding replay's DEALER (deregistered first).
+    fn drop_replay(&mut self) {
+        if let Some(replay) = self.replay.take()
+            && let Some(watch) = &self.watch
+        {
+            watch.deregister(&replay.dealer);
+        }
     }
 
     /// Performs the sequencer's actions until it has none.
@@ -604,7 +706,7 @@ impl ListenerThread {
                 .outstanding_replay()
                 .is_none_or(|(id, _, _)| id != replay.id)
         {
-            self.replay = None;
+            self.drop_replay();
         }
         self.publish_sequence_counters();
         Ok(())
@@ -640,16 +742,22 @@ impl ListenerThread {
             );
             return;
         };
-        match self.open_dealer(&endpoint, from) {
-            Ok(dealer) => {
-                self.replay = Some(ReplayState { id, from, dealer });
-                self.sequencer
-                    .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
-            }
+        let dealer = match self.open_dealer(&endpoint, from) {
+            Ok(dealer) => dealer,
             Err(error) => {
                 self.replay_failed(id, format!("replay request to {endpoint}: {error}"));
+                return;
             }
+        };
+        if let Some(watch) = &self.watch
+            && let Err(error) = watch.register(&dealer, REPLAY_TOKEN)
+        {
+            self.replay_failed(id, format!("cannot watch the replay socket: {error}"));
+            return;
         }
+        self.replay = Some(ReplayState { id, from, dealer });
+        self.sequencer
+            .set_replay_deadline(id, Instant::now() + self.config.options.replay_timeout);
     }
 
     fn open_dealer(&self, endpoint: &str, from: u64) -> Result<zmq::Socket, zmq::Error> {

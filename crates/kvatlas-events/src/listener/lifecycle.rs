@@ -1,15 +1,16 @@
-//! One running listener, [`Listener`]: sets up its SUB on the caller's thread, starts its
-//! thread, and reads its state, releases and stops it.
+//! One running listener, [`Listener`]: sets up its SUB on the caller's thread, hands it to a
+//! poller thread, and reads its state, releases and stops it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::thread::JoinHandle;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use super::config::SocketMillis;
-use super::event_loop::ListenerThread;
+use super::event_loop::ListenerCore;
+use super::poller::ListenerThreads;
 use super::status::{Shared, SharedCounters};
 use super::{
     ListenerConfig, ListenerError, ListenerId, ListenerState, ListenerStatus, MutationSink, Resume,
@@ -17,7 +18,8 @@ use super::{
 };
 use crate::convert::Source;
 
-/// One running listener: a thread with a ZMQ SUB (and a DEALER during replays) for one source.
+/// One running listener: a ZMQ SUB (and a DEALER during replays) for one source, served by a
+/// poller thread of a [`ListenerThreads`] set.
 ///
 /// Dropping it stops it (see [`Listener::stop`]).
 #[derive(Debug)]
@@ -26,12 +28,16 @@ pub struct Listener {
     source: Source,
     endpoint: String,
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    threads: ListenerThreads,
+    /// The poller it runs on, in `threads`.
+    poller: usize,
+    /// Disconnects once the poller has dropped the listener (`None` after it was waited for).
+    done: Option<mpsc::Receiver<()>>,
 }
 
 impl Listener {
     /// Sets up the SUB (and checks the replay endpoint) on the caller's thread, so that a bad
-    /// endpoint is reported here, then starts the listener thread.
+    /// endpoint is reported here, then starts a thread of its own for it.
     ///
     /// # Errors
     /// [`ListenerError::Endpoint`] for an endpoint libzmq rejects, [`ListenerError::Socket`]
@@ -42,11 +48,18 @@ impl Listener {
         config: ListenerConfig,
         sink: Arc<dyn MutationSink>,
     ) -> Result<Self, ListenerError> {
-        Self::start_with_id(context, ListenerId(0), config, sink)
+        let name = format!(
+            "kvatlas-listen-{}-{}",
+            config.source.worker_id, config.source.dp_rank
+        );
+        let threads = ListenerThreads::new(1, &name)?;
+        Self::start_on(context, &threads, ListenerId(0), config, sink)
     }
 
-    pub(super) fn start_with_id(
+    /// As [`Listener::start`], on a poller thread of `threads` (the least loaded).
+    pub(super) fn start_on(
         context: &zmq::Context,
+        threads: &ListenerThreads,
         id: ListenerId,
         config: ListenerConfig,
         sink: Arc<dyn MutationSink>,
@@ -130,7 +143,7 @@ impl Listener {
             release: Mutex::new(None),
         });
         let source = config.source;
-        let mut worker = ListenerThread::new(
+        let core = ListenerCore::new(
             context.clone(),
             config,
             sub,
@@ -138,19 +151,15 @@ impl Listener {
             sink,
             Arc::clone(&shared),
         );
-        let thread = std::thread::Builder::new()
-            .name(format!(
-                "kvatlas-listen-{}-{}",
-                source.worker_id, source.dp_rank
-            ))
-            .spawn(move || worker.run())
-            .map_err(ListenerError::Spawn)?;
+        let placement = threads.add(core)?;
         Ok(Self {
             id,
             source,
             endpoint,
             shared,
-            thread: Some(thread),
+            threads: threads.clone(),
+            poller: placement.poller,
+            done: Some(placement.done),
         })
     }
 
@@ -172,10 +181,11 @@ impl Listener {
     /// Releases a listener started held ([`ListenerConfig::hold`]): it continues from `resume`
     /// (the checkpoint of the snapshot restored meanwhile) or from scratch, then applies the live
     /// batches it buffered — those the snapshot already holds are dropped as duplicates, a hole
-    /// before them is replayed. Takes effect within one receive timeout; a listener not held
-    /// ignores it.
+    /// before them is replayed. Takes effect on its poller thread's next turn (it is woken); a
+    /// listener not held ignores it.
     pub fn release(&self, resume: Option<Resume>) {
         *self.shared.release.lock() = Some(resume);
+        self.threads.wake(self.poller);
     }
 
     /// The current state.
@@ -200,9 +210,9 @@ impl Listener {
         }
     }
 
-    /// Stops the thread and waits for it (at most about one
-    /// [`ListenerOptions::recv_timeout`](super::ListenerOptions::recv_timeout), plus the
-    /// mutation being converted); returns the final state. The index keeps the source's blocks.
+    /// Stops the listener and waits until its poller thread has dropped it (its sockets are
+    /// closed; at most the mutation being handed over, or the sink's backpressure, delays it);
+    /// returns the final state. The index keeps the source's blocks.
     pub fn stop(mut self) -> ListenerState {
         self.shutdown();
         self.state()
@@ -210,14 +220,14 @@ impl Listener {
 
     fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                self.shared
-                    .set_error("the listener thread panicked".to_owned());
-                self.shared.set_status(ListenerStatus::Failed);
-            } else if self.shared.status() != ListenerStatus::Failed {
-                self.shared.set_status(ListenerStatus::Stopped);
-            }
+        let Some(done) = self.done.take() else {
+            return;
+        };
+        self.threads.wake(self.poller);
+        // Disconnects when the poller drops the listener (or its thread ends).
+        let _ = done.recv();
+        if self.shared.status() != ListenerStatus::Failed {
+            self.shared.set_status(ListenerStatus::Stopped);
         }
     }
 }

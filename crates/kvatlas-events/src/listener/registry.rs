@@ -1,5 +1,5 @@
 //! The registry a server drives: [`Listeners`] starts, releases, stops and lists listeners
-//! sharing one ZMQ context and one sink.
+//! sharing one ZMQ context, one sink and one set of poller threads.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,15 +9,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::{
-    Listener, ListenerConfig, ListenerError, ListenerId, ListenerState, MutationSink, Resume,
+    Listener, ListenerConfig, ListenerError, ListenerId, ListenerState, ListenerThreads,
+    MutationSink, Resume,
 };
 
-/// A registry of listeners sharing one ZMQ context and one sink: what a server drives.
+/// A registry of listeners sharing one ZMQ context, one sink and one set of poller threads
+/// ([`ListenerThreads`]): what a server drives.
 ///
 /// Dropping it stops every listener.
 pub struct Listeners {
     context: zmq::Context,
     sink: Arc<dyn MutationSink>,
+    threads: ListenerThreads,
     next_id: AtomicU64,
     listeners: Mutex<BTreeMap<ListenerId, Listener>>,
 }
@@ -31,16 +34,38 @@ impl fmt::Debug for Listeners {
 }
 
 impl Listeners {
-    /// An empty registry whose listeners hand their mutations to `sink`.
-    pub fn new(sink: Arc<dyn MutationSink>) -> Self {
+    /// An empty registry whose listeners hand their mutations to `sink`, on one poller thread
+    /// of its own.
+    ///
+    /// # Errors
+    /// [`ListenerError::Spawn`] if the thread cannot start.
+    pub fn new(sink: Arc<dyn MutationSink>) -> Result<Self, ListenerError> {
         Self::with_context(zmq::Context::new(), sink)
     }
 
-    /// An empty registry using an existing ZMQ context.
-    pub fn with_context(context: zmq::Context, sink: Arc<dyn MutationSink>) -> Self {
+    /// An empty registry using an existing ZMQ context, on one poller thread of its own.
+    ///
+    /// # Errors
+    /// [`ListenerError::Spawn`] if the thread cannot start.
+    pub fn with_context(
+        context: zmq::Context,
+        sink: Arc<dyn MutationSink>,
+    ) -> Result<Self, ListenerError> {
+        let threads = ListenerThreads::new(1, "kvatlas-listen")?;
+        Ok(Self::with_threads(context, sink, threads))
+    }
+
+    /// An empty registry whose listeners run on `threads` (shared with other registries: a
+    /// server's indexes share one set).
+    pub fn with_threads(
+        context: zmq::Context,
+        sink: Arc<dyn MutationSink>,
+        threads: ListenerThreads,
+    ) -> Self {
         Self {
             context,
             sink,
+            threads,
             next_id: AtomicU64::new(1),
             listeners: Mutex::new(BTreeMap::new()),
         }
@@ -65,7 +90,8 @@ impl Listeners {
             });
         }
         let id = ListenerId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let listener = Listener::start_with_id(&self.context, id, config, Arc::clone(&self.sink))?;
+        let listener =
+            Listener::start_on(&self.context, &self.threads, id, config, Arc::clone(&self.sink))?;
         listeners.insert(id, listener);
         Ok(id)
     }

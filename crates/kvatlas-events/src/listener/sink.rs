@@ -42,8 +42,9 @@ impl<S: MutationSink + ?Sized> MutationSink for Arc<S> {
     }
 }
 
-/// A sink that applies each unit inline, on the listener's thread, to a shared index (never
-/// full). Simple, and the listener's own thread pays for the index writes.
+/// A sink that applies each unit inline, on the listener's poller thread, to a shared index
+/// (never full). Simple, and the poller thread pays for the index writes (delaying the other
+/// listeners it serves).
 #[derive(Debug)]
 pub struct ApplyInline<I>(pub Arc<I>);
 

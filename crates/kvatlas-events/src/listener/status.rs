@@ -35,7 +35,7 @@ pub enum ListenerStatus {
     Pending,
     /// At least one valid live batch has arrived.
     Active,
-    /// The listener thread hit a fatal error and exited (see `last_error`).
+    /// The listener hit a fatal error and ended (see `last_error`).
     Failed,
     /// The listener was stopped.
     Stopped,
@@ -254,14 +254,14 @@ impl SharedCounters {
     }
 }
 
-/// State shared between a listener's thread and its handle.
+/// State shared between a listener (on its poller thread) and its handle.
 #[derive(Debug)]
 pub(super) struct Shared {
     pub(super) stop: AtomicBool,
     pub(super) status: AtomicU8,
     /// `u64::MAX` = none.
     pub(super) last_seq: AtomicU64,
-    /// When the thread started; `last_batch_micros` counts from it.
+    /// When the listener started; `last_batch_micros` counts from it.
     pub(super) started: Instant,
     /// Microseconds from `started` to the last valid live message, plus one (0 = none yet).
     pub(super) last_batch_micros: AtomicU64,
