@@ -601,7 +601,11 @@ fn many_listeners_share_one_poller_thread_and_stop_one_at_a_time() {
     pool.flush();
     assert_eq!(pool.index().snapshot(), reference.snapshot());
     drop(listeners);
-    assert_eq!(threads.loads(), vec![0], "dropping the registry stops its listeners");
+    assert_eq!(
+        threads.loads(),
+        vec![0],
+        "dropping the registry stops its listeners"
+    );
 }
 
 #[test]
@@ -615,10 +619,14 @@ fn a_stop_or_release_wakes_the_poller_thread() {
         ..fast_options()
     };
     let config = |hold: bool| {
-        let config = ListenerConfig::new(source(), publisher.endpoint.clone()).with_options(options);
+        let config =
+            ListenerConfig::new(source(), publisher.endpoint.clone()).with_options(options);
         if hold { config.held() } else { config }
     };
-    let held = h.listeners.start(config(true)).expect("the listener starts");
+    let held = h
+        .listeners
+        .start(config(true))
+        .expect("the listener starts");
     // Let the poller go to sleep on its sockets.
     std::thread::sleep(Duration::from_millis(50));
     h.listeners.release(held, None).expect("a known listener");

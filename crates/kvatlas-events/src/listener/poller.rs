@@ -360,10 +360,7 @@ impl PollerThread {
                 return;
             }
         };
-        if let Err(error) = entry
-            .core
-            .attach(registry, slot * TOKENS_PER_LISTENER)
-        {
+        if let Err(error) = entry.core.attach(registry, slot * TOKENS_PER_LISTENER) {
             entry
                 .core
                 .shared()

@@ -90,8 +90,13 @@ impl Listeners {
             });
         }
         let id = ListenerId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let listener =
-            Listener::start_on(&self.context, &self.threads, id, config, Arc::clone(&self.sink))?;
+        let listener = Listener::start_on(
+            &self.context,
+            &self.threads,
+            id,
+            config,
+            Arc::clone(&self.sink),
+        )?;
         listeners.insert(id, listener);
         Ok(id)
     }
