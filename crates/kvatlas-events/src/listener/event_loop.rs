@@ -191,9 +191,10 @@ impl Received {
     }
 }
 
-/// One listener's sockets and state, driven by the poller thread it was given to: before each
-/// poll ([`ListenerCore::before_poll`]: stop, release, its next deadline), its poll items
-/// ([`ListenerCore::poll_items`]), after the poll ([`ListenerCore::after_poll`]: read what is
+/// One listener's sockets and state, driven by the poller thread it was given to: its sockets
+/// registered with the poller's epoll ([`ListenerCore::attach`]), before each poll
+/// ([`ListenerCore::before_poll`]: stop, release, its next deadline), what holds messages
+/// ([`ListenerCore::ready_now`]), after the poll ([`ListenerCore::after_poll`]: read what is
 /// ready, timeouts, probes).
 ///
 /// Invariant: it lives on one thread at a time (ZMQ sockets are not thread-safe); it moves to
