@@ -11,7 +11,7 @@
 //!    to every engine. The fleet publishes the Workload A stream (the Mooncake trace through the
 //!    mock engines) at the trace's timing rescaled to `rate` requests per second.
 //! 2. **Freshness.** While it publishes, a probe (a router's HTTP client) takes one stored batch
-//!    at a time, at most one per 10 ms, and queries the stored prompt over `POST /query` until
+//!    at a time, at most one per `probe_interval` (10 ms by default), and queries the stored prompt over `POST /query` until
 //!    the publishing worker's score covers it: the lag from the instant before the send to the
 //!    answer that shows it (an upper bound: it includes one query's round trip). A probe not
 //!    satisfied within 2 s is counted as unseen.
@@ -111,6 +111,9 @@ pub struct Settings {
     pub connections: usize,
     /// Prompts checked against the reference per service and eviction order.
     pub exactness_queries: usize,
+    /// The freshness probe takes a batch at most this often (it queries until the batch is
+    /// visible, so it loads the service and the machine while it measures); 10 ms by default.
+    pub probe_interval: Duration,
     /// Where the plots go (`None`: no plots).
     pub plots: Option<PathBuf>,
     /// The services measured (both by default; one alone is for investigating, not comparing).
@@ -615,7 +618,7 @@ fn ingest_phase(
             return;
         };
         if busy.load(Ordering::Acquire)
-            || last_probe.is_some_and(|t| at - t < Duration::from_millis(10))
+            || last_probe.is_some_and(|t| at - t < settings.probe_interval)
         {
             return;
         }

@@ -52,6 +52,10 @@ struct Args {
     /// Prompts checked against the reference model per service and eviction order.
     #[arg(long, default_value_t = 2_000)]
     exactness_queries: usize,
+    /// The freshness probe takes a stored batch at most once per this many milliseconds (it
+    /// queries until the batch shows, loading the service while it measures).
+    #[arg(long, default_value_t = 10.0)]
+    probe_interval_ms: f64,
     /// A short run: 1 run, 3,000 trace requests, 1 s sweep points, 500 exactness prompts.
     #[arg(long)]
     quick: bool,
@@ -98,6 +102,7 @@ fn main() -> Result<()> {
         } else {
             args.exactness_queries
         },
+        probe_interval: Duration::from_secs_f64(args.probe_interval_ms / 1e3),
         plots: args.plots,
         services: args.services,
         sweep: true,

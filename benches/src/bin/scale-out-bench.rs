@@ -75,6 +75,7 @@ fn main() -> Result<()> {
         step: Duration::from_secs(1),
         connections: 1,
         exactness_queries: args.exactness_queries,
+        probe_interval: Duration::from_millis(10),
         plots: None,
         services: vec![ServiceKind::Kvatlas, ServiceKind::KvatlasNats],
         sweep: false,
