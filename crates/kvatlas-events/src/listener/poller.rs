@@ -348,19 +348,12 @@ impl PollerThread {
             self.slots.push(None);
             self.slots.len() - 1
         });
-        let registry = match self.poll.registry().try_clone() {
-            Ok(registry) => registry,
-            Err(error) => {
-                entry
-                    .core
-                    .shared()
-                    .set_error(format!("cannot watch the listener's sockets: {error}"));
-                self.slots[slot] = Some(entry);
-                self.end(slot, Exit::Failed);
-                return;
-            }
-        };
-        if let Err(error) = entry.core.attach(registry, slot * TOKENS_PER_LISTENER) {
+        let attached = self
+            .poll
+            .registry()
+            .try_clone()
+            .and_then(|registry| entry.core.attach(registry, slot * TOKENS_PER_LISTENER));
+        if let Err(error) = attached {
             entry
                 .core
                 .shared()
