@@ -12,10 +12,10 @@
 //!                                     (bounded; full → wait = backpressure)
 //! ```
 //!
-//! - **Poller threads**: a [`ListenerThreads`] set (one thread by default) polls every
-//!   listener's SUB (and, while a replay is outstanding, its DEALER) in one `zmq::poll`, and
-//!   reads each ready socket in turn: a burst of batches from many engines wakes one thread,
-//!   not one per engine. A stop or release wakes the thread at once; otherwise it wakes at the
+//! - **Poller threads**: a [`ListenerThreads`] set (one thread by default) watches every
+//!   listener's SUB (and, while a replay is outstanding, its DEALER) with one epoll, and
+//!   reads each signalled socket in turn: a burst of batches from many engines wakes one
+//!   thread, not one per engine. A stop or release wakes the thread at once; otherwise it wakes at the
 //!   listeners' deadlines (replays, probes) or after [`ListenerOptions::recv_timeout`]. A
 //!   panic in one listener's code fails that listener only.
 //! - **Replay**: an [`Action::Replay`] opens a fresh DEALER to the replay endpoint, sends
