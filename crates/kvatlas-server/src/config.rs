@@ -508,6 +508,28 @@ mod tests {
     }
 
     #[test]
+    fn zero_threads_are_refused_with_the_setting_named() {
+        for (name, set) in [
+            (
+                "writer threads",
+                (|c: &mut ServerConfig| c.index.writer_threads = 0) as fn(&mut ServerConfig),
+            ),
+            ("listener threads", |c: &mut ServerConfig| {
+                c.index.listener_threads = 0
+            }),
+        ] {
+            let mut config = ServerConfig::default();
+            config.validate().expect("the defaults are valid");
+            set(&mut config);
+            let error = config.validate().expect_err(name).to_string();
+            assert!(
+                error.contains(name) && error.contains("at least 1"),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
     fn dynamo_worker_lists_parse() {
         let workers =
             parse_worker_list("1=tcp://h:5557, 2:1=tcp://h:5558", &defaults()).expect("parses");
