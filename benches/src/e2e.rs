@@ -11,10 +11,10 @@
 //!    to every engine. The fleet publishes the Workload A stream (the Mooncake trace through the
 //!    mock engines) at the trace's timing rescaled to `rate` requests per second.
 //! 2. **Freshness.** While it publishes, a probe (a router's HTTP client) takes one stored batch
-//!    at a time, at most one per `probe_interval` (10 ms by default), and queries the stored prompt over `POST /query` until
-//!    the publishing worker's score covers it: the lag from the instant before the send to the
-//!    answer that shows it (an upper bound: it includes one query's round trip). A probe not
-//!    satisfied within 2 s is counted as unseen.
+//!    at a time, at most one per `probe_interval` (10 ms by default), and queries the stored
+//!    prompt over `POST /query` until the publishing worker's score covers it: the lag from
+//!    the instant before the send to the answer that shows it (an upper bound: it includes one
+//!    query's round trip). A probe not satisfied within 2 s is counted as unseen.
 //! 3. **CPU.** The service's user + system CPU seconds over the publishing window and the
 //!    quiesce (`/proc/PID/stat`), per million vLLM events published (the probe's queries are
 //!    included and counted).

@@ -373,22 +373,27 @@ impl ListenerCore {
     }
 
     /// Which of its sockets hold something to read now (`ZMQ_EVENTS`, which also processes the
-    /// socket's pending commands and so re-arms its `ZMQ_FD`). An error counts as readable: the
-    /// read that follows meets it and handles it.
+    /// socket's pending commands and so re-arms its `ZMQ_FD`). An error on the SUB or the
+    /// DEALER counts as readable: the read that follows meets it and ends the listener or the
+    /// replay. The monitor's reads ignore errors, so an error there counts as nothing to read
+    /// (the listener is not served again and again for it).
     ///
     /// Invariant the poller keeps: a listener is served again without waiting for an epoll
     /// event until this reports nothing readable, so a notification consumed by a read is
     /// never lost.
     pub(super) fn ready_now(&self) -> Ready {
-        let readable = |socket: &zmq::Socket| {
+        let readable = |socket: &zmq::Socket, on_error: bool| {
             socket
                 .get_events()
-                .map_or(true, |events| events.contains(zmq::POLLIN))
+                .map_or(on_error, |events| events.contains(zmq::POLLIN))
         };
         Ready {
-            live: readable(&self.sub),
-            monitor: self.monitor.as_ref().is_some_and(readable),
-            replay: self.replay.as_ref().is_some_and(|r| readable(&r.dealer)),
+            live: readable(&self.sub, true),
+            monitor: self.monitor.as_ref().is_some_and(|m| readable(m, false)),
+            replay: self
+                .replay
+                .as_ref()
+                .is_some_and(|r| readable(&r.dealer, true)),
         }
     }
 

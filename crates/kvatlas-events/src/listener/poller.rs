@@ -292,6 +292,9 @@ impl PollerThread {
                 Ok(()) => {}
                 Err(error) if error.kind() == ErrorKind::Interrupted => continue,
                 Err(error) => {
+                    // Fatal for the thread: its listeners fail, and later additions are
+                    // refused ("the listener thread has exited") instead of polled by a loop
+                    // that can no longer wait.
                     let message = format!("epoll: {error}");
                     for slot in 0..self.slots.len() {
                         if let Some(entry) = &self.slots[slot] {
@@ -299,7 +302,7 @@ impl PollerThread {
                         }
                         self.end(slot, Exit::Failed);
                     }
-                    continue;
+                    return;
                 }
             }
             for event in &events {
