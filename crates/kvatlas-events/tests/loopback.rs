@@ -609,6 +609,62 @@ fn many_listeners_share_one_poller_thread_and_stop_one_at_a_time() {
 }
 
 #[test]
+fn a_wake_serves_only_the_listeners_it_concerns() {
+    let pool = Arc::new(ThreadPool::new(Locked::new(Atlas::new()), 1, 64).expect("pool"));
+    let ctx = zmq::Context::new();
+    let threads = ListenerThreads::new(1, "test-listen").expect("the poller thread starts");
+    let listeners = Listeners::with_threads(ctx.clone(), pool.clone(), threads.clone());
+    // No deadline of their own comes due during the test: no probes, a 30 s receive timeout.
+    let options = ListenerOptions {
+        recv_timeout: Duration::from_secs(30),
+        quiet_probe: None,
+        ..fast_options()
+    };
+    const IDLE: u64 = 24;
+    let mut engines: Vec<(Publisher, ListenerId)> = (0..=IDLE)
+        .map(|w| {
+            let publisher = Publisher::loopback(&ctx);
+            let source = Source {
+                worker_id: 100 + w,
+                ..source()
+            };
+            let config = ListenerConfig::new(source, publisher.endpoint.clone())
+                .with_replay_endpoint(publisher.replay_endpoint.clone())
+                .with_options(options);
+            let id = listeners.start(config).expect("the listener starts");
+            (publisher, id)
+        })
+        .collect();
+    // Every engine is subscribed; only the last one publishes from here on.
+    for (publisher, id) in &mut engines {
+        publisher.warm_up(&listeners, *id);
+    }
+    let (busy, busy_id) = engines.last_mut().expect("engines");
+    let turns_before = threads.turns()[0];
+    const BATCHES: u64 = 40;
+    for _ in 0..BATCHES {
+        // One batch at a time, each read before the next is sent: one wake per batch.
+        let seq = busy.publish(busy.empty(busy.next_seq), true);
+        wait_for("the batch", || {
+            state(&listeners, *busy_id).last_seq == Some(seq)
+        });
+    }
+    let turns = threads.turns()[0] - turns_before;
+    // The busy listener is served once per batch and again to find its socket empty (a read
+    // may consume the next signal); the idle ones are passed over. Serving every listener on
+    // every wake would give at least (IDLE + 1) * BATCHES = 1,000 turns.
+    assert!(
+        (BATCHES..=4 * BATCHES).contains(&turns),
+        "{turns} turns for {BATCHES} batches on one of {} listeners",
+        IDLE + 1
+    );
+    for (_, id) in &engines {
+        let s = state(&listeners, *id);
+        assert_eq!(s.status, ListenerStatus::Active, "{s:?}");
+    }
+}
+
+#[test]
 fn a_stop_or_release_wakes_the_poller_thread() {
     let h = Harness::new();
     let publisher = Publisher::loopback(&h.ctx);

@@ -29,7 +29,7 @@
 use std::io::ErrorKind;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -68,6 +68,8 @@ struct Poller {
     waker: mio::Waker,
     /// Listeners on this thread (added, not yet ended).
     load: Arc<AtomicUsize>,
+    /// Turns this thread has given its listeners ([`ListenerThreads::turns`]).
+    turns: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -84,6 +86,9 @@ struct Entry {
     /// To be served without waiting for an event (an event came, or a socket still holds
     /// messages after it was served).
     marked: bool,
+    /// When it is to be served even without an event (its [`ListenerCore::before_poll`]
+    /// deadline); `None` once served, until that deadline is taken again.
+    due: Option<Instant>,
 }
 
 /// Where [`ListenerThreads::add`] put a listener: the poller to wake for it, and the channel
@@ -142,6 +147,18 @@ impl ListenerThreads {
             .collect()
     }
 
+    /// Turns each thread has given its listeners so far: a turn is one listener served (its
+    /// ready sockets read, or its deadlines — a replay's, a probe's, the receive timeout —
+    /// handled). A wake gives turns only to the listeners it concerns, so a burst on a few of
+    /// many engines costs turns for those few.
+    pub fn turns(&self) -> Vec<u64> {
+        self.inner
+            .pollers
+            .iter()
+            .map(|p| p.turns.load(Ordering::Relaxed))
+            .collect()
+    }
+
     /// Hands `core` to the least-loaded poller and wakes it.
     pub(super) fn add(&self, core: ListenerCore) -> Result<Placement, ListenerError> {
         let (index, poller) = self
@@ -160,6 +177,7 @@ impl ListenerThreads {
             core: Box::new(core),
             _done: done,
             marked: true,
+            due: None,
         };
         if poller.commands.send(Command::Add(entry)).is_err() {
             poller.load.fetch_sub(1, Ordering::Relaxed);
@@ -188,10 +206,12 @@ impl Poller {
         let waker = mio::Waker::new(poll.registry(), WAKE).map_err(ListenerError::Spawn)?;
         let (commands, received) = mpsc::channel();
         let load = Arc::new(AtomicUsize::new(0));
+        let turns = Arc::new(AtomicU64::new(0));
         let thread = PollerThread {
             commands: received,
             poll,
             load: Arc::clone(&load),
+            turns: Arc::clone(&turns),
             slots: Vec::new(),
             free: Vec::new(),
         };
@@ -203,6 +223,7 @@ impl Poller {
             commands,
             waker,
             load,
+            turns,
             thread: Mutex::new(Some(handle)),
         })
     }
@@ -234,6 +255,7 @@ struct PollerThread {
     commands: mpsc::Receiver<Command>,
     poll: mio::Poll,
     load: Arc<AtomicUsize>,
+    turns: Arc<AtomicU64>,
     /// The listeners served; a listener's tokens are `slot * TOKENS_PER_LISTENER + offset`.
     slots: Vec<Option<Entry>>,
     /// Empty slots, reused first.
@@ -260,6 +282,12 @@ fn guarded<T>(
 impl PollerThread {
     fn run(mut self) {
         let mut events = mio::Events::with_capacity(EVENTS_PER_POLL);
+        // A wake (a command, a stop, a release) may concern any listener, so every listener's
+        // deadline is taken again after one; otherwise only the deadlines of the listeners
+        // served since, the only ones that can have moved (a listener's deadline depends on
+        // its own state, which changes only when it is served, and on its stop and release
+        // flags, which are set with a wake).
+        let mut woken = true;
         loop {
             if !self.take_commands() {
                 for slot in 0..self.slots.len() {
@@ -275,13 +303,21 @@ impl PollerThread {
                 let Some(entry) = self.slots[slot].as_mut() else {
                     continue;
                 };
-                match guarded(entry, |core| core.before_poll(now)) {
-                    Ok(due) => {
-                        deadline = Some(deadline.map_or(due, |d| d.min(due)));
-                        marked |= entry.marked;
-                    }
-                    Err(exit) => self.end(slot, exit),
-                }
+                let due = match entry.due {
+                    Some(due) if !woken => due,
+                    _ => match guarded(entry, |core| core.before_poll(now)) {
+                        Ok(due) => {
+                            entry.due = Some(due);
+                            due
+                        }
+                        Err(exit) => {
+                            self.end(slot, exit);
+                            continue;
+                        }
+                    },
+                };
+                deadline = Some(deadline.map_or(due, |d| d.min(due)));
+                marked |= entry.marked;
             }
             let timeout = if marked {
                 Some(Duration::ZERO)
@@ -305,8 +341,10 @@ impl PollerThread {
                     return;
                 }
             }
+            woken = false;
             for event in &events {
                 if event.token() == WAKE {
+                    woken = true;
                     continue;
                 }
                 let slot = event.token().0 / TOKENS_PER_LISTENER;
@@ -314,15 +352,25 @@ impl PollerThread {
                     entry.marked = true;
                 }
             }
+            // Served: the listeners with an event or still holding messages, and those whose
+            // deadline (a replay's, a probe's, the receive timeout) has come. The others are
+            // passed over without a call, so a wake costs in proportion to the listeners it
+            // concerns.
+            let now = Instant::now();
             for slot in 0..self.slots.len() {
                 let Some(entry) = self.slots[slot].as_mut() else {
                     continue;
                 };
+                if !entry.marked && entry.due.is_some_and(|due| due > now) {
+                    continue;
+                }
                 let ready = if entry.marked {
                     entry.core.ready_now()
                 } else {
                     Ready::default()
                 };
+                entry.due = None;
+                self.turns.fetch_add(1, Ordering::Relaxed);
                 let served = guarded(entry, |core| core.after_poll(ready));
                 match served {
                     // Still marked while a socket holds messages (read caps, or a signal the
