@@ -1,7 +1,9 @@
 //! Scale-out over NATS JetStream, measured (`cargo xtask bench scale-out`): the end-to-end
 //! benchmark's fleet and probes (`crate::e2e`) against `kvatlas serve` alone and against
-//! `kvatlas serve --publish-to` → a real nats-server → `kvatlas serve --consume-from` replicas,
-//! in the same run, on the same stream:
+//! `kvatlas serve --publish-to --publish-only` (the ingest role: it decodes, re-hashes,
+//! sequences and publishes; `scale-out-bench --indexing-ingest` lets it keep an index too) → a
+//! real nats-server → `kvatlas serve --consume-from` replicas, in the same run, on the same
+//! stream:
 //!
 //! - **Lag**: the e2e probe's publish-to-visible lag, asked of the first replica, at Workload A's
 //!   pace (an upper bound: it includes one query's round trip).
@@ -207,7 +209,22 @@ fn median(values: Vec<f64>) -> f64 {
 
 /// The figures of the paced run (lag, bootstrap, bytes) and the unpaced one (event rates),
 /// medians over their runs, against the bars.
-pub fn markdown(paced: &Summary, unpaced: &Summary) -> String {
+/// How the ingest runs, for the report: `kvatlas serve --publish-to` with `ingest_args`.
+pub fn ingest_description(ingest_args: &[String]) -> String {
+    let role = if ingest_args.iter().any(|arg| arg == "--publish-only") {
+        "publishes only (`--publish-only`: no index of its own; the replicas answer)"
+    } else {
+        "keeps an index of its own as well (`--publish-to` without `--publish-only`)"
+    };
+    if ingest_args.is_empty() {
+        format!("the ingest {role}")
+    } else {
+        format!("the ingest {role}; its extra arguments: {}", ingest_args.join(" "))
+    }
+}
+
+/// The report: `ingest` says how the ingest ran ([`ingest_description`]).
+pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
     use std::fmt::Write as _;
     let runs = |summary: &Summary, kind: ServiceKind| -> Vec<crate::e2e::ServiceRun> {
         summary
@@ -253,7 +270,7 @@ pub fn markdown(paced: &Summary, unpaced: &Summary) -> String {
         rate(unpaced, ServiceKind::KvatlasNats),
     );
     let mut out = format!(
-        "Load (paced): {}\n\nLoad (unpaced): {}\n\n",
+        "Load (paced): {}\n\nLoad (unpaced): {}\n\nThrough NATS: {ingest}.\n\n",
         paced.load, unpaced.load
     );
     let _ = writeln!(

@@ -54,14 +54,24 @@ struct Args {
     /// `--kvatlas-arg=--busy-poll`): for trying settings; the reported figures use none.
     #[arg(long, allow_hyphen_values = true)]
     kvatlas_arg: Vec<String>,
-    /// An extra argument of the ingest only (repeat it for more), e.g.
-    /// `--ingest-arg=--publish-only`: an ingest that keeps no index of its own.
+    /// The ingest also keeps an index of its own and could answer queries (`kvatlas serve
+    /// --publish-to` alone). By default it runs `--publish-only`: the ingest role of the
+    /// scale-out layout, in which the replicas answer the queries.
+    #[arg(long)]
+    indexing_ingest: bool,
+    /// An extra argument of the ingest only (repeat it for more): for trying settings.
     #[arg(long, allow_hyphen_values = true)]
     ingest_arg: Vec<String>,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let mut ingest_args = Vec::new();
+    if !args.indexing_ingest {
+        ingest_args.push("--publish-only".to_owned());
+    }
+    ingest_args.extend(args.ingest_arg.iter().cloned());
+    let ingest = scale_out::ingest_description(&ingest_args);
     let settings = |rate: f64| Settings {
         kvatlas: args.kvatlas.clone(),
         dynamo_python: PathBuf::new(),
@@ -81,7 +91,7 @@ fn main() -> Result<()> {
         sweep: false,
         replicas: args.replicas,
         kvatlas_args: args.kvatlas_arg.clone(),
-        ingest_args: args.ingest_arg.clone(),
+        ingest_args: ingest_args.clone(),
     };
     let paced = e2e::run(&settings(args.rate), |step| {
         eprintln!("scale-out bench (paced): {step}");
@@ -89,9 +99,9 @@ fn main() -> Result<()> {
     let unpaced = e2e::run(&settings(args.unpaced_rate), |step| {
         eprintln!("scale-out bench (unpaced): {step}");
     })?;
-    print!("{}", scale_out::markdown(&paced, &unpaced));
+    print!("{}", scale_out::markdown(&paced, &unpaced, &ingest));
     if let Some(path) = args.json {
-        let both = serde_json::json!({ "paced": paced, "unpaced": unpaced });
+        let both = serde_json::json!({ "ingest": ingest, "paced": paced, "unpaced": unpaced });
         std::fs::write(&path, serde_json::to_string_pretty(&both)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
