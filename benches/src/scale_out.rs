@@ -216,10 +216,18 @@ pub fn ingest_description(ingest_args: &[String]) -> String {
     } else {
         "keeps an index of its own as well (`--publish-to` without `--publish-only`)"
     };
-    if ingest_args.is_empty() {
+    let extra: Vec<&str> = ingest_args
+        .iter()
+        .map(String::as_str)
+        .filter(|&arg| arg != "--publish-only")
+        .collect();
+    if extra.is_empty() {
         format!("the ingest {role}")
     } else {
-        format!("the ingest {role}; its extra arguments: {}", ingest_args.join(" "))
+        format!(
+            "the ingest {role}; its extra arguments: {}",
+            extra.join(" ")
+        )
     }
 }
 

@@ -44,7 +44,7 @@ tasks:
                      kvatlas serve alone against an ingest -> nats-server (JetStream) -> replicas
                      on the same fleet: event rate, lag at a replica, a new replica's bootstrap,
                      bytes per event (installs nats-server if missing; ARGS: --runs, --quick,
-                     --json, --check)
+                     --json, --check, --indexing-ingest)
   interop            the listener and server against vLLM's and SGLang's real publishers, grpcio,
                      grpcurl and Dynamo's indexer, then short `bench e2e --check`, `bench service`
                      and `bench snapshot` runs (downloads once)
