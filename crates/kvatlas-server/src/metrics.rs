@@ -24,6 +24,7 @@
 //! | `kvatlas_batches_total` | counter | `model`, `tenant`, `outcome` (`received`, `applied`, `replayed`, `duplicate`, `decode_error`, `bad_frame`) |
 //! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`, `connect`, `connect_retry`, `disconnect`, `catch_up`, `replay_resync`) |
 //! | `kvatlas_listeners` | gauge | `model`, `tenant`, `status` |
+//! | `kvatlas_listener_thread_listeners`, `kvatlas_listener_thread_turns_total` | gauge, counter | `thread` (the poller threads all indexes' listeners share; a turn is one listener served, so batches over turns says how many batches a turn finds) |
 //! | `kvatlas_snapshots_total` | counter | `outcome` (`written`, `failed`: data-directory snapshots) |
 //! | `kvatlas_snapshot_last_bytes`, `_last_memberships`, `_last_duration_seconds`, `_last_timestamp_seconds` | gauge | (the last snapshot written) |
 //! | `kvatlas_snapshot_files_rejected_total` | counter | (unreadable snapshot files moved aside at start) |
@@ -286,6 +287,7 @@ impl Metrics {
         self.render_requests(&mut out);
         self.render_recovery(&mut out);
         render_indexes(&mut out, registry, ready);
+        render_listener_threads(&mut out, registry);
         if let Some(role) = registry.log_role() {
             registry.log_stats().render(&mut out, role);
         }
@@ -438,6 +440,38 @@ impl Metrics {
                 "kvatlas_http_requests_total{{route=\"{route}\",status=\"{status}\"}} {count}"
             );
         }
+    }
+}
+
+/// The poller threads every index's listeners share (none before the first index).
+fn render_listener_threads(out: &mut String, registry: &Registry) {
+    let threads = registry.listener_thread_figures();
+    if threads.is_empty() {
+        return;
+    }
+    header(
+        out,
+        "kvatlas_listener_thread_listeners",
+        "gauge",
+        "ZMQ listeners served by each listener (poller) thread.",
+    );
+    for (thread, (listeners, _)) in threads.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvatlas_listener_thread_listeners{{thread=\"{thread}\"}} {listeners}"
+        );
+    }
+    header(
+        out,
+        "kvatlas_listener_thread_turns_total",
+        "counter",
+        "Turns each listener thread gave its listeners: one listener served (its sockets read, or a deadline of its handled).",
+    );
+    for (thread, (_, turns)) in threads.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "kvatlas_listener_thread_turns_total{{thread=\"{thread}\"}} {turns}"
+        );
     }
 }
 

@@ -876,6 +876,16 @@ impl Registry {
         Ok(started)
     }
 
+    /// Per listener thread, the listeners on it and the turns it has given them
+    /// ([`ListenerThreads::turns`]); empty until the first index started the threads.
+    pub(crate) fn listener_thread_figures(&self) -> Vec<(usize, u64)> {
+        self.listener_threads
+            .lock()
+            .as_ref()
+            .map(|threads| threads.loads().into_iter().zip(threads.turns()).collect())
+            .unwrap_or_default()
+    }
+
     /// This registry with a part in the event log (before any index exists).
     pub(crate) fn with_log(mut self, role: LogRole, stats: Arc<LogStats>) -> Self {
         self.log_role = Some(role);

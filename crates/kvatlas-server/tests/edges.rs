@@ -764,9 +764,17 @@ async fn metrics_tell_what_happened() {
         ),
         ("kvatlas_registered_ranks".into(), 3.0),
         ("kvatlas_ready".into(), 1.0),
+        // The one ZMQ listener, on the one poller thread (the default).
+        (
+            "kvatlas_listener_thread_listeners{thread=\"0\"}".into(),
+            1.0,
+        ),
     ] {
         assert_eq!(metric(&body, &series), Some(value), "{series}\n{body}");
     }
+    // Started, the listener was served at least once.
+    let turns = metric(&body, "kvatlas_listener_thread_turns_total{thread=\"0\"}");
+    assert!(turns.is_some_and(|t| t >= 1.0), "{turns:?}\n{body}");
     assert!(body.contains("# TYPE kvatlas_request_duration_seconds histogram"));
 }
 
