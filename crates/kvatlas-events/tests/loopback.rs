@@ -528,16 +528,41 @@ fn publish_all(publisher: &mut Publisher, payloads: &[Vec<u8>], live: impl Fn(us
     }
 }
 
+/// A registry on a set of one poller thread, over an index with `writers` writer threads.
+fn on_one_poller(writers: usize) -> (Arc<Pool>, zmq::Context, ListenerThreads, Listeners) {
+    let pool = Arc::new(ThreadPool::new(Locked::new(Atlas::new()), writers, 64).expect("pool"));
+    let ctx = zmq::Context::new();
+    let threads = ListenerThreads::new(1, "test-listen").expect("the poller thread starts");
+    let listeners = Listeners::with_threads(ctx.clone(), pool.clone(), threads.clone());
+    (pool, ctx, threads, listeners)
+}
+
+/// A loopback engine for worker `worker_id` and its listener in `listeners`.
+fn start_engine(
+    listeners: &Listeners,
+    ctx: &zmq::Context,
+    worker_id: u64,
+    options: ListenerOptions,
+) -> (Source, Publisher, ListenerId) {
+    let source = Source {
+        worker_id,
+        ..source()
+    };
+    let publisher = Publisher::loopback(ctx);
+    let config = ListenerConfig::new(source, publisher.endpoint.clone())
+        .with_replay_endpoint(publisher.replay_endpoint.clone())
+        .with_options(options);
+    let id = listeners.start(config).expect("the listener starts");
+    (source, publisher, id)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scenarios
 // ---------------------------------------------------------------------------------------------
 
 #[test]
 fn many_listeners_share_one_poller_thread_and_stop_one_at_a_time() {
-    let pool = Arc::new(ThreadPool::new(Locked::new(Atlas::new()), 2, 64).expect("pool"));
-    let ctx = zmq::Context::new();
-    let threads = ListenerThreads::new(1, "test-listen").expect("the poller thread starts");
-    let listeners = Listeners::with_threads(ctx.clone(), pool.clone(), threads.clone());
+    let (pool, ctx, threads, listeners) = on_one_poller(2);
     let mut reference = ReferenceIndex::new();
     struct Engine {
         source: Source,
@@ -547,15 +572,7 @@ fn many_listeners_share_one_poller_thread_and_stop_one_at_a_time() {
     }
     let mut engines: Vec<Engine> = (0..6u64)
         .map(|w| {
-            let source = Source {
-                worker_id: 100 + w,
-                ..source()
-            };
-            let publisher = Publisher::loopback(&ctx);
-            let config = ListenerConfig::new(source, publisher.endpoint.clone())
-                .with_replay_endpoint(publisher.replay_endpoint.clone())
-                .with_options(fast_options());
-            let id = listeners.start(config).expect("the listener starts");
+            let (source, publisher, id) = start_engine(&listeners, &ctx, 100 + w, fast_options());
             Engine {
                 source,
                 publisher,
@@ -610,10 +627,7 @@ fn many_listeners_share_one_poller_thread_and_stop_one_at_a_time() {
 
 #[test]
 fn a_wake_serves_only_the_listeners_it_concerns() {
-    let pool = Arc::new(ThreadPool::new(Locked::new(Atlas::new()), 1, 64).expect("pool"));
-    let ctx = zmq::Context::new();
-    let threads = ListenerThreads::new(1, "test-listen").expect("the poller thread starts");
-    let listeners = Listeners::with_threads(ctx.clone(), pool.clone(), threads.clone());
+    let (_pool, ctx, threads, listeners) = on_one_poller(1);
     // No deadline of their own comes due during the test: no probes, a 30 s receive timeout.
     let options = ListenerOptions {
         recv_timeout: Duration::from_secs(30),
@@ -623,15 +637,7 @@ fn a_wake_serves_only_the_listeners_it_concerns() {
     const IDLE: u64 = 24;
     let mut engines: Vec<(Publisher, ListenerId)> = (0..=IDLE)
         .map(|w| {
-            let publisher = Publisher::loopback(&ctx);
-            let source = Source {
-                worker_id: 100 + w,
-                ..source()
-            };
-            let config = ListenerConfig::new(source, publisher.endpoint.clone())
-                .with_replay_endpoint(publisher.replay_endpoint.clone())
-                .with_options(options);
-            let id = listeners.start(config).expect("the listener starts");
+            let (_, publisher, id) = start_engine(&listeners, &ctx, 100 + w, options);
             (publisher, id)
         })
         .collect();

@@ -449,29 +449,26 @@ fn render_listener_threads(out: &mut String, registry: &Registry) {
     if threads.is_empty() {
         return;
     }
-    header(
-        out,
-        "kvatlas_listener_thread_listeners",
-        "gauge",
-        "ZMQ listeners served by each listener (poller) thread.",
-    );
-    for (thread, (listeners, _)) in threads.iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "kvatlas_listener_thread_listeners{{thread=\"{thread}\"}} {listeners}"
-        );
-    }
-    header(
-        out,
-        "kvatlas_listener_thread_turns_total",
-        "counter",
-        "Turns each listener thread gave its listeners: one listener served (its sockets read, or a deadline of its handled).",
-    );
-    for (thread, (_, turns)) in threads.iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "kvatlas_listener_thread_turns_total{{thread=\"{thread}\"}} {turns}"
-        );
+    type Figure = fn(&(usize, u64)) -> u64;
+    let series: [(&str, &str, &str, Figure); 2] = [
+        (
+            "kvatlas_listener_thread_listeners",
+            "gauge",
+            "ZMQ listeners served by each listener (poller) thread.",
+            |&(listeners, _)| listeners as u64,
+        ),
+        (
+            "kvatlas_listener_thread_turns_total",
+            "counter",
+            "Turns each listener thread gave its listeners: one listener served (its sockets read, or a deadline of its handled).",
+            |&(_, turns)| turns,
+        ),
+    ];
+    for (name, kind, help, figure) in series {
+        header(out, name, kind, help);
+        for (thread, figures) in threads.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{thread=\"{thread}\"}} {}", figure(figures));
+        }
     }
 }
 
