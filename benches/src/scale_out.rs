@@ -207,20 +207,13 @@ fn median(values: Vec<f64>) -> f64 {
     crate::service::median(&mut values)
 }
 
-/// The figures of the paced run (lag, bootstrap, bytes) and the unpaced one (event rates),
-/// medians over their runs, against the bars.
-/// How the ingest runs, for the report: `kvatlas serve --publish-to` with `ingest_args`.
-pub fn ingest_description(ingest_args: &[String]) -> String {
-    let role = if ingest_args.iter().any(|arg| arg == "--publish-only") {
+/// How the ingest ran, for the report: `--publish-only` or not, and `extra` arguments.
+pub fn ingest_description(publish_only: bool, extra: &[String]) -> String {
+    let role = if publish_only {
         "publishes only (`--publish-only`: no index of its own; the replicas answer)"
     } else {
         "keeps an index of its own as well (`--publish-to` without `--publish-only`)"
     };
-    let extra: Vec<&str> = ingest_args
-        .iter()
-        .map(String::as_str)
-        .filter(|&arg| arg != "--publish-only")
-        .collect();
     if extra.is_empty() {
         format!("the ingest {role}")
     } else {
@@ -231,7 +224,9 @@ pub fn ingest_description(ingest_args: &[String]) -> String {
     }
 }
 
-/// The report: `ingest` says how the ingest ran ([`ingest_description`]).
+/// The figures of the paced run (lag, bootstrap, bytes) and the unpaced one (event rates),
+/// medians over their runs, against the bars; `ingest` says how the ingest ran
+/// ([`ingest_description`]).
 pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
     use std::fmt::Write as _;
     let runs = |summary: &Summary, kind: ServiceKind| -> Vec<crate::e2e::ServiceRun> {

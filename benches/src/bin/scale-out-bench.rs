@@ -71,7 +71,7 @@ fn main() -> Result<()> {
         ingest_args.push("--publish-only".to_owned());
     }
     ingest_args.extend(args.ingest_arg.iter().cloned());
-    let ingest = scale_out::ingest_description(&ingest_args);
+    let ingest = scale_out::ingest_description(!args.indexing_ingest, &args.ingest_arg);
     let settings = |rate: f64| Settings {
         kvatlas: args.kvatlas.clone(),
         dynamo_python: PathBuf::new(),
