@@ -128,6 +128,10 @@ pub struct Settings {
     /// Extra arguments of the ingest only (through NATS), after `kvatlas_args`, e.g.
     /// `--publish-only`.
     pub ingest_args: Vec<String>,
+    /// Per run and eviction order, also publish the fleet's schedule into a bare ZMQ
+    /// subscriber started as this program (`crate::zmq_floor`): the machine's floor under
+    /// the services' event age. `None`: not measured.
+    pub zmq_floor: Option<PathBuf>,
 }
 
 /// Freshness: publish-to-visible lag.
@@ -283,6 +287,9 @@ pub struct Summary {
     pub load: String,
     /// Per run, per service.
     pub runs: Vec<Vec<ServiceRun>>,
+    /// Per run, per eviction order (leaf-first, head-first): the floor under the event age,
+    /// the same schedule into a bare ZMQ subscriber (empty when not measured).
+    pub floors: Vec<Vec<crate::zmq_floor::Floor>>,
 }
 
 /// What one eviction order's fleet publishes, with the reference's answers.
@@ -423,7 +430,7 @@ impl Drop for DynamoServer {
 }
 
 /// User + system CPU seconds of process `pid` so far.
-fn cpu_seconds(pid: u32) -> Result<f64> {
+pub(crate) fn cpu_seconds(pid: u32) -> Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     let after = stat
         .rsplit_once(')')
@@ -1181,7 +1188,31 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
             .collect::<Vec<_>>(),
     );
     let mut runs = Vec::new();
+    let mut floors = Vec::new();
     for r in 0..settings.runs {
+        if let Some(exe) = &settings.zmq_floor {
+            let mut run_floors = Vec::new();
+            for p in &prepared {
+                progress(&format!(
+                    "run {} of {}: the floor, the fleet into a bare ZMQ subscriber ({} eviction)",
+                    r + 1,
+                    settings.runs,
+                    p.eviction.name()
+                ));
+                let floor = crate::zmq_floor::measure(&p.stream, exe)?;
+                progress(&format!(
+                    "the floor: {} of {} batches, age on arrival p50 {:.0} µs, p99 {:.0} µs, \
+                     {:.1} % within 1 ms",
+                    floor.received,
+                    floor.published,
+                    floor.p50_us,
+                    floor.p99_us,
+                    floor.within_1ms * 100.0
+                ));
+                run_floors.push(floor);
+            }
+            floors.push(run_floors);
+        }
         let mut services = Vec::new();
         for &kind in &settings.services {
             progress(&format!(
@@ -1218,7 +1249,7 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
         first.bytes as f64 / 1e6,
         settings.connections,
     );
-    let summary = Summary { load, runs };
+    let summary = Summary { load, runs, floors };
     if let Some(dir) = &settings.plots {
         plots(dir, &summary)?;
     }
@@ -1308,6 +1339,25 @@ fn median(mut values: Vec<f64>) -> f64 {
     service::median(&mut values)
 }
 
+/// The floor's row for the eviction order at `index` (medians over the runs), ending in
+/// `tail`; empty when the floor was not measured.
+fn floor_row(summary: &Summary, index: usize, tail: &str) -> String {
+    let floors: Vec<&crate::zmq_floor::Floor> =
+        summary.floors.iter().filter_map(|f| f.get(index)).collect();
+    if floors.is_empty() {
+        return String::new();
+    }
+    let of = |f: fn(&crate::zmq_floor::Floor) -> f64| median(floors.iter().map(|x| f(x)).collect());
+    format!(
+        "| the machine's floor: the same schedule into a bare ZMQ subscriber process, the stamp → \
+         received (every batch), {} | p50 {:.0} µs, p99 {:.0} µs, {:.1} % within 1 ms |{tail}\n",
+        Eviction::ALL[index].name(),
+        of(|f| f.p50_us),
+        of(|f| f.p99_us),
+        of(|f| f.within_1ms) * 100.0,
+    )
+}
+
 /// The medians (mismatches: the maximum) as a Markdown report.
 pub fn markdown(summary: &Summary) -> String {
     use std::fmt::Write as _;
@@ -1324,6 +1374,17 @@ pub fn markdown(summary: &Summary) -> String {
         out.push_str(
             "Only one service was measured: no comparison (the figures are in the JSON).\n",
         );
+        if !summary.floors.is_empty() {
+            let _ = writeln!(
+                out,
+                "\n| the machine's floor (medians of {} runs) | |",
+                summary.floors.len()
+            );
+            let _ = writeln!(out, "|---|---|");
+            for eviction in 0..2 {
+                out.push_str(&floor_row(summary, eviction, ""));
+            }
+        }
         return out;
     }
     let threshold = |runs: &[&ServiceRun], protocol: &str| -> Option<f64> {
@@ -1448,6 +1509,9 @@ pub fn markdown(summary: &Summary) -> String {
                 );
             }
         }
+    }
+    for eviction in 0..2 {
+        out.push_str(&floor_row(summary, eviction, " — | |"));
     }
     let rss = |runs: &[&ServiceRun]| median(runs.iter().map(|r| r.peak_rss_mib).collect());
     let (k, d) = (rss(&kv), rss(&dy));

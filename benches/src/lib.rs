@@ -32,6 +32,7 @@ pub mod scale_out;
 pub mod service;
 pub mod snapshot;
 pub mod synthetic;
+pub mod zmq_floor;
 
 /// The mock engines, from `kvatlas-fleet` (where `kvatlas demo` drives them too).
 pub use kvatlas_fleet::engine;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Parser;
 use kvatlas_bench::e2e::{self, Settings};
+use kvatlas_bench::zmq_floor;
 
 /// kvatlas against Dynamo's standalone indexer on the same fleet and the same queries.
 #[derive(Debug, Parser)]
@@ -81,10 +82,24 @@ struct Args {
         default_value = "kvatlas,dynamo"
     )]
     services: Vec<e2e::ServiceKind>,
+    /// Skip the machine's floor (the fleet's schedule into a bare ZMQ subscriber process,
+    /// measured before the services in every run and eviction order).
+    #[arg(long)]
+    no_zmq_floor: bool,
 }
 
 fn main() -> Result<()> {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(zmq_floor::RECEIVER_ARG) {
+        // The floor's receiver, started by this program's own run.
+        return zmq_floor::receiver_main(&argv[2..]);
+    }
     let args = Args::parse();
+    let zmq_floor = if args.no_zmq_floor {
+        None
+    } else {
+        Some(std::env::current_exe().context("the path of e2e-bench, for the floor's receiver")?)
+    };
     let settings = Settings {
         kvatlas: args.kvatlas,
         dynamo_python: args.dynamo_python,
@@ -109,6 +124,7 @@ fn main() -> Result<()> {
         replicas: 2,
         kvatlas_args: args.kvatlas_arg,
         ingest_args: Vec::new(),
+        zmq_floor,
     };
     let summary = e2e::run(&settings, |step| eprintln!("e2e bench: {step}"))?;
     print!("{}", e2e::markdown(&summary));

@@ -92,6 +92,7 @@ fn main() -> Result<()> {
         replicas: args.replicas,
         kvatlas_args: args.kvatlas_arg.clone(),
         ingest_args: ingest_args.clone(),
+        zmq_floor: None,
     };
     let paced = e2e::run(&settings(args.rate), |step| {
         eprintln!("scale-out bench (paced): {step}");

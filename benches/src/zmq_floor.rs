@@ -1,0 +1,208 @@
+//! This machine's floor under the end-to-end freshness figures: the fleet's schedule, at the same
+//! pace, into a bare subscriber process that takes each batch off a ZMQ socket, reads the `ts`
+//! the fleet stamped into it and does nothing else.
+//!
+//! Every service's event age (`kvatlas_event_age_seconds`) runs from the same stamp to the
+//! batch visible to queries; the floor runs from the stamp to the batch read by a process that
+//! neither decodes, hashes nor indexes it. What a service adds is the difference. The receiver
+//! is as cheap as ZMQ allows: one SUB socket connected to every engine (ZMQ's own fair queue,
+//! one blocking receive per batch), in a process of its own on the same cores, as a server's
+//! would be. The fleet is the one the services are measured with: one thread publishing every
+//! engine's batches through one ZMQ I/O thread.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::fleet::{self, FleetStream};
+use kvatlas_fleet::publish::Publishers;
+
+/// The first argument that makes `e2e-bench` the floor's receiver (see [`receiver_main`]).
+pub const RECEIVER_ARG: &str = "zmq-floor-receiver";
+
+/// How long the receiver waits for the next batch before it reports what it has.
+const IDLE: Duration = Duration::from_secs(10);
+
+/// Every batch's age on arrival at the bare subscriber, over one publishing pass.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Floor {
+    /// Batches the fleet published.
+    pub published: u64,
+    /// Batches the receiver took (all of them, unless ZMQ dropped some at a full queue).
+    pub received: u64,
+    /// Age on arrival, µs: the fleet's wall-clock stamp as it sent the batch to the
+    /// receiver's wall clock as the receive returned.
+    pub p50_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// The largest.
+    pub max_us: f64,
+    /// The fraction of batches that arrived within 1 ms of their stamp.
+    pub within_1ms: f64,
+    /// The receiver's CPU seconds (user + system) over the pass.
+    pub cpu_seconds: f64,
+}
+
+/// Publishes `stream`'s schedule at its pace into a bare subscriber started as `exe
+/// zmq-floor-receiver …` (the running `e2e-bench`), and returns what it measured.
+///
+/// # Errors
+/// If the fleet cannot bind or send, or the receiver cannot be started or reports nothing.
+pub fn measure(stream: &FleetStream, exe: &Path) -> Result<Floor> {
+    let fleet = Publishers::bind(stream.workers)?;
+    let endpoints: Vec<&str> = fleet.endpoints().iter().map(|e| e.live.as_str()).collect();
+    let published = stream.schedule.len() as u64;
+    let mut child = Command::new(exe)
+        .arg(RECEIVER_ARG)
+        .arg(published.to_string())
+        .args(&endpoints)
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {} {RECEIVER_ARG}", exe.display()))?;
+    let result = (|| -> Result<Floor> {
+        fleet.wait_subscribed(1, Duration::from_secs(30))?;
+        fleet::publish_schedule(stream, &fleet, |_, _| {})?;
+        let stdout = child.stdout.take().context("the receiver's stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .context("reading the receiver's report")?;
+        parse_report(published, &line)
+    })();
+    if result.is_err() {
+        let _ = child.kill();
+    }
+    let status = child.wait()?;
+    let floor = result?;
+    if !status.success() {
+        bail!("the floor's receiver exited with {status}");
+    }
+    fleet.stop()?;
+    Ok(floor)
+}
+
+/// The receiver's side (`e2e-bench zmq-floor-receiver EXPECTED ENDPOINT…`): subscribes to
+/// every endpoint on one SUB socket, takes `EXPECTED` batches (or as many as come before a
+/// 10-second silence) and prints one line: received, p50, p99, max (µs), within 1 ms, CPU
+/// seconds.
+///
+/// # Errors
+/// If the arguments are not a count and endpoints, or a ZMQ call fails.
+pub fn receiver_main(args: &[String]) -> Result<()> {
+    let (expected, endpoints) = args
+        .split_first()
+        .context("usage: zmq-floor-receiver EXPECTED ENDPOINT…")?;
+    let expected: u64 = expected.parse().context("EXPECTED is a count of batches")?;
+    let context = zmq::Context::new();
+    let sub = context.socket(zmq::SUB)?;
+    sub.set_subscribe(b"")?;
+    sub.set_rcvtimeo(i32::try_from(IDLE.as_millis()).unwrap_or(i32::MAX))?;
+    for endpoint in endpoints {
+        sub.connect(endpoint)?;
+    }
+    let mut ages = Histogram::<u64>::new(3)?;
+    let mut received = 0u64;
+    let started = cpu_seconds_of_self()?;
+    while received < expected {
+        let frames = match sub.recv_multipart(0) {
+            Ok(frames) => frames,
+            Err(zmq::Error::EAGAIN) => break,
+            Err(error) => return Err(error.into()),
+        };
+        let now = wall_clock_micros();
+        received += 1;
+        if let Some(stamp) = frames.last().and_then(|payload| stamp_micros(payload)) {
+            ages.record(now.saturating_sub(stamp))?;
+        }
+    }
+    let cpu = cpu_seconds_of_self()? - started;
+    let within = if ages.is_empty() {
+        0.0
+    } else {
+        ages.count_between(0, 1_000) as f64 / ages.len() as f64
+    };
+    println!(
+        "{received} {} {} {} {within} {cpu}",
+        ages.value_at_quantile(0.5),
+        ages.value_at_quantile(0.99),
+        ages.max()
+    );
+    Ok(())
+}
+
+/// The receiver's line as a [`Floor`].
+fn parse_report(published: u64, line: &str) -> Result<Floor> {
+    let fields: Vec<f64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("the receiver's report {line:?}"))?;
+    let [received, p50, p99, max, within, cpu] = fields[..] else {
+        bail!("the receiver reported {line:?}, not six figures");
+    };
+    Ok(Floor {
+        published,
+        received: received as u64,
+        p50_us: p50,
+        p99_us: p99,
+        max_us: max,
+        within_1ms: within,
+        cpu_seconds: cpu,
+    })
+}
+
+/// The `ts` of a vLLM batch (`[ts, events, dp_rank]`, the float 64 first) in µs since the
+/// epoch; `None` for another shape.
+fn stamp_micros(payload: &[u8]) -> Option<u64> {
+    if payload.first().is_none_or(|&b| b & 0xf0 != 0x90) || payload.get(1) != Some(&0xcb) {
+        return None;
+    }
+    let seconds = f64::from_be_bytes(payload.get(2..10)?.try_into().ok()?);
+    (seconds.is_finite() && seconds > 0.0).then_some((seconds * 1e6) as u64)
+}
+
+fn wall_clock_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// This process's CPU seconds (user + system) so far.
+fn cpu_seconds_of_self() -> Result<f64> {
+    crate::e2e::cpu_seconds(std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stamped_batch_gives_its_stamp_and_anything_else_none() {
+        let batch = kvatlas_fleet::vllm::with_timestamp(
+            &[0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90, 0x00],
+            1_795_317_349.25,
+        )
+        .expect("a batch with a float stamp");
+        assert_eq!(stamp_micros(&batch), Some(1_795_317_349_250_000));
+        assert_eq!(stamp_micros(&[0x93, 0xca, 0, 0, 0, 0]), None);
+        assert_eq!(stamp_micros(&[0x93, 0xcb, 0, 0]), None);
+        assert_eq!(stamp_micros(b""), None);
+    }
+
+    #[test]
+    fn a_report_line_parses_and_a_short_one_is_an_error() {
+        let floor = parse_report(10, "9 120 900 1500 0.95 0.25\n").expect("six figures");
+        assert_eq!(floor.received, 9);
+        assert_eq!(
+            (floor.p50_us, floor.p99_us, floor.max_us),
+            (120.0, 900.0, 1500.0)
+        );
+        assert!(parse_report(10, "9 120").is_err());
+        assert!(parse_report(10, "nine 1 2 3 4 5").is_err());
+    }
+}
