@@ -791,12 +791,14 @@ impl Dangling {
         }
     }
 
-    /// Takes `item` off the list of the items waiting for `parent` (the list goes when empty).
+    /// Takes `item` off the list of the items waiting for `parent` (the list goes when empty,
+    /// found by the same lookup: an item waiting alone is the common case).
     fn unlist(&mut self, item: u32, parent: ExternalBlockHash) {
-        if let Some(waiting) = self.waiting.get_mut(&parent) {
-            waiting.retain(|w| *w != item);
-            if waiting.is_empty() {
-                self.waiting.remove(&parent);
+        if let std::collections::hash_map::Entry::Occupied(mut waiting) = self.waiting.entry(parent)
+        {
+            waiting.get_mut().retain(|w| *w != item);
+            if waiting.get().is_empty() {
+                waiting.remove();
             }
         }
     }
