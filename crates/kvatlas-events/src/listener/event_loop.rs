@@ -159,24 +159,37 @@ impl fmt::Debug for ReplayState {
 }
 
 /// A received multipart message: its first [`MAX_KEPT_FRAMES`] frames and its true frame count.
+///
+/// The frames stay ZMQ's messages: a batch is decoded where ZMQ received it, and a payload the
+/// sequencer keeps is kept as the message, not copied into a buffer of its own.
 struct Received {
-    frames: Vec<Vec<u8>>,
+    frames: Vec<zmq::Message>,
     count: usize,
+}
+
+/// A batch's payload as received: ZMQ's message, handed to the sequencer as it is.
+struct Payload(zmq::Message);
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 /// Receives one whole multipart message, keeping at most [`MAX_KEPT_FRAMES`] frames.
 /// `Ok(None)` when nothing is ready (`EAGAIN`).
 fn receive(socket: &zmq::Socket, flags: i32) -> Result<Option<Received>, zmq::Error> {
-    let first = match socket.recv_bytes(flags) {
+    let first = match socket.recv_msg(flags) {
         Ok(frame) => frame,
         Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => return Ok(None),
         Err(error) => return Err(error),
     };
-    let mut frames = vec![first];
+    let mut frames = Vec::with_capacity(MAX_KEPT_FRAMES);
+    frames.push(first);
     let mut count = 1;
     // The rest of a multipart message is delivered atomically with its first frame.
     while socket.get_rcvmore()? {
-        let frame = socket.recv_bytes(0)?;
+        let frame = socket.recv_msg(0)?;
         count += 1;
         if frames.len() < MAX_KEPT_FRAMES {
             frames.push(frame);
@@ -187,7 +200,7 @@ fn receive(socket: &zmq::Socket, flags: i32) -> Result<Option<Received>, zmq::Er
 
 impl Received {
     fn slices(&self) -> Vec<&[u8]> {
-        self.frames.iter().map(Vec::as_slice).collect()
+        self.frames.iter().map(|frame| &frame[..]).collect()
     }
 }
 
@@ -209,11 +222,11 @@ pub(super) struct ListenerCore {
     connection_error: Option<String>,
     /// While held: the live batches received, oldest first (at most the sequencer's buffer;
     /// the oldest are dropped beyond it, and replayed after the release).
-    held: Option<VecDeque<(u64, Vec<u8>)>>,
+    held: Option<VecDeque<(u64, Payload)>>,
     replay: Option<ReplayState>,
     /// Probes of a quiet stream; `None` without a replay endpoint or with probing off.
     probe: Option<ProbeSchedule>,
-    sequencer: Sequencer<Vec<u8>>,
+    sequencer: Sequencer<Payload>,
     converter: Converter,
     /// Ranks this source has fed (cleared on resync), capped at [`MAX_TRACKED_RANKS`].
     ranks: BTreeSet<Worker>,
@@ -490,7 +503,7 @@ impl ListenerCore {
             let value = head
                 .get(2..6)
                 .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            let address = String::from_utf8_lossy(address);
+            let address = String::from_utf8_lossy(&address[..]);
             let counters = &self.shared.counters;
             let error = match zmq::SocketEvent::from_raw(event) {
                 zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
@@ -569,7 +582,7 @@ impl ListenerCore {
                         Ordering::Relaxed,
                     );
                     let mut frames = received.frames;
-                    let payload = frames.pop().unwrap_or_default();
+                    let payload = Payload(frames.pop().unwrap_or_else(zmq::Message::new));
                     if let Some(held) = &mut self.held {
                         if held.len() >= self.config.options.sequencer.max_buffered.max(1) {
                             held.pop_front();
@@ -632,7 +645,7 @@ impl ListenerCore {
             match reply {
                 Ok(Some(seq)) => {
                     let mut frames = received.frames;
-                    let payload = frames.pop().unwrap_or_default();
+                    let payload = Payload(frames.pop().unwrap_or_else(zmq::Message::new));
                     self.sequencer.handle_replay_batch(id, seq, payload);
                 }
                 Ok(None) => {
@@ -688,7 +701,7 @@ impl ListenerCore {
                     seq,
                     payload,
                     fingerprint,
-                } => self.apply(seq, &payload, fingerprint)?,
+                } => self.apply(seq, payload.as_ref(), fingerprint)?,
                 Action::Replay { id, from, to } => self.start_replay(id, from, to),
                 Action::Resync { reason } => self.resync(reason),
             }
