@@ -168,6 +168,10 @@ struct Received {
 }
 
 /// A batch's payload as received: ZMQ's message, handed to the sequencer as it is.
+///
+/// Memory: a received message may share ZMQ's receive buffer (8 KiB, with the other messages of
+/// one read) until it is dropped, so a buffered payload can hold up to that much more than its
+/// own bytes; the bound on what a listener buffers stays `max_buffered` × `max_frame_bytes`.
 struct Payload(zmq::Message);
 
 impl AsRef<[u8]> for Payload {
