@@ -341,6 +341,26 @@ pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
         age(ServiceKind::KvatlasNats, p50) / 1e3,
         age(ServiceKind::KvatlasNats, p99) / 1e3,
     );
+    // The same paced schedule into a bare ZMQ subscriber: what the machine costs before any
+    // ingest does its work (leaf-first, medians over the runs).
+    let floor = |f: fn(&crate::zmq_floor::Floor) -> f64| {
+        median(
+            paced
+                .floors
+                .iter()
+                .filter_map(|run| run.first())
+                .map(f)
+                .collect(),
+        )
+    };
+    if !paced.floors.is_empty() {
+        let _ = writeln!(
+            out,
+            "| the machine's floor: the same schedule into a bare ZMQ subscriber process (the stamp → received), p50 / p99, paced | {:.2} / {:.2} ms (no index) | — | |",
+            floor(|f| f.p50_us) / 1e3,
+            floor(|f| f.p99_us) / 1e3,
+        );
+    }
     let bootstrap = log(|f| f.bootstrap_ms);
     let _ = writeln!(
         out,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Parser;
 use kvatlas_bench::e2e::{self, ServiceKind, Settings};
-use kvatlas_bench::scale_out;
+use kvatlas_bench::{scale_out, zmq_floor};
 
 /// kvatlas alone against kvatlas through NATS JetStream, on the same fleet.
 #[derive(Debug, Parser)]
@@ -65,14 +65,21 @@ struct Args {
 }
 
 fn main() -> Result<()> {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(zmq_floor::RECEIVER_ARG) {
+        // The floor's receiver, started by this program's own paced run.
+        return zmq_floor::receiver_main(&argv[2..]);
+    }
     let args = Args::parse();
+    let floor =
+        std::env::current_exe().context("the path of scale-out-bench, for the floor's receiver")?;
     let mut ingest_args = Vec::new();
     if !args.indexing_ingest {
         ingest_args.push("--publish-only".to_owned());
     }
     ingest_args.extend(args.ingest_arg.iter().cloned());
     let ingest = scale_out::ingest_description(!args.indexing_ingest, &args.ingest_arg);
-    let settings = |rate: f64| Settings {
+    let settings = |rate: f64, zmq_floor: Option<PathBuf>| Settings {
         kvatlas: args.kvatlas.clone(),
         dynamo_python: PathBuf::new(),
         dynamo_threads: 0,
@@ -92,12 +99,13 @@ fn main() -> Result<()> {
         replicas: args.replicas,
         kvatlas_args: args.kvatlas_arg.clone(),
         ingest_args: ingest_args.clone(),
-        zmq_floor: None,
+        zmq_floor,
     };
-    let paced = e2e::run(&settings(args.rate), |step| {
+    // The machine's floor under the lag: paced only.
+    let paced = e2e::run(&settings(args.rate, Some(floor)), |step| {
         eprintln!("scale-out bench (paced): {step}");
     })?;
-    let unpaced = e2e::run(&settings(args.unpaced_rate), |step| {
+    let unpaced = e2e::run(&settings(args.unpaced_rate, None), |step| {
         eprintln!("scale-out bench (unpaced): {step}");
     })?;
     print!("{}", scale_out::markdown(&paced, &unpaced, &ingest));
