@@ -1381,7 +1381,7 @@ pub fn markdown(summary: &Summary) -> String {
                 summary.floors.len()
             );
             let _ = writeln!(out, "|---|---|");
-            for eviction in 0..2 {
+            for eviction in 0..Eviction::ALL.len() {
                 out.push_str(&floor_row(summary, eviction, ""));
             }
         }
@@ -1510,7 +1510,7 @@ pub fn markdown(summary: &Summary) -> String {
             }
         }
     }
-    for eviction in 0..2 {
+    for eviction in 0..Eviction::ALL.len() {
         out.push_str(&floor_row(summary, eviction, " — | |"));
     }
     let rss = |runs: &[&ServiceRun]| median(runs.iter().map(|r| r.peak_rss_mib).collect());

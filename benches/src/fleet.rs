@@ -265,7 +265,7 @@ pub fn publish_schedule(
 }
 
 /// Seconds since the Unix epoch on the wall clock (0 if it reads earlier).
-fn wall_clock_seconds() -> f64 {
+pub(crate) fn wall_clock_seconds() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())

@@ -21,8 +21,9 @@ use serde::Serialize;
 
 use crate::fleet::{self, FleetStream};
 use kvatlas_fleet::publish::Publishers;
+use kvatlas_fleet::vllm;
 
-/// The first argument that makes `e2e-bench` the floor's receiver (see [`receiver_main`]).
+/// The first argument that makes a benchmark binary the floor's receiver (see [`receiver_main`]).
 pub const RECEIVER_ARG: &str = "zmq-floor-receiver";
 
 /// How long the receiver waits for the next batch before it reports what it has.
@@ -86,6 +87,15 @@ pub fn measure(stream: &FleetStream, exe: &Path) -> Result<Floor> {
     Ok(floor)
 }
 
+/// Runs the floor's receiver if this process was started as one ([`measure`] starts the
+/// running benchmark binary again with [`RECEIVER_ARG`] first); `None` otherwise. A benchmark
+/// binary that measures the floor calls it first thing in `main`.
+pub fn run_if_receiver() -> Option<Result<()>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (first, rest) = args.split_first()?;
+    (first == RECEIVER_ARG).then(|| receiver_main(rest))
+}
+
 /// The receiver's side (`e2e-bench zmq-floor-receiver EXPECTED ENDPOINT…`): subscribes to
 /// every endpoint on one SUB socket, takes `EXPECTED` batches (or as many as come before a
 /// 10-second silence) and prints one line: received, p50, p99, max (µs), within 1 ms, CPU
@@ -93,7 +103,7 @@ pub fn measure(stream: &FleetStream, exe: &Path) -> Result<Floor> {
 ///
 /// # Errors
 /// If the arguments are not a count and endpoints, or a ZMQ call fails.
-pub fn receiver_main(args: &[String]) -> Result<()> {
+fn receiver_main(args: &[String]) -> Result<()> {
     let (expected, endpoints) = args
         .split_first()
         .context("usage: zmq-floor-receiver EXPECTED ENDPOINT…")?;
@@ -107,20 +117,21 @@ pub fn receiver_main(args: &[String]) -> Result<()> {
     }
     let mut ages = Histogram::<u64>::new(3)?;
     let mut received = 0u64;
-    let started = cpu_seconds_of_self()?;
+    let started = crate::e2e::cpu_seconds(std::process::id())?;
     while received < expected {
         let frames = match sub.recv_multipart(0) {
             Ok(frames) => frames,
             Err(zmq::Error::EAGAIN) => break,
             Err(error) => return Err(error.into()),
         };
-        let now = wall_clock_micros();
+        let now = fleet::wall_clock_seconds();
         received += 1;
-        if let Some(stamp) = frames.last().and_then(|payload| stamp_micros(payload)) {
-            ages.record(now.saturating_sub(stamp))?;
+        let stamp = frames.last().and_then(|payload| vllm::timestamp(payload));
+        if let Some(stamp) = stamp.filter(|s| s.is_finite() && *s > 0.0) {
+            ages.record(((now - stamp).max(0.0) * 1e6) as u64)?;
         }
     }
-    let cpu = cpu_seconds_of_self()? - started;
+    let cpu = crate::e2e::cpu_seconds(std::process::id())? - started;
     let within = if ages.is_empty() {
         0.0
     } else {
@@ -156,43 +167,9 @@ fn parse_report(published: u64, line: &str) -> Result<Floor> {
     })
 }
 
-/// The `ts` of a vLLM batch (`[ts, events, dp_rank]`, the float 64 first) in µs since the
-/// epoch; `None` for another shape.
-fn stamp_micros(payload: &[u8]) -> Option<u64> {
-    if payload.first().is_none_or(|&b| b & 0xf0 != 0x90) || payload.get(1) != Some(&0xcb) {
-        return None;
-    }
-    let seconds = f64::from_be_bytes(payload.get(2..10)?.try_into().ok()?);
-    (seconds.is_finite() && seconds > 0.0).then_some((seconds * 1e6) as u64)
-}
-
-fn wall_clock_micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-}
-
-/// This process's CPU seconds (user + system) so far.
-fn cpu_seconds_of_self() -> Result<f64> {
-    crate::e2e::cpu_seconds(std::process::id())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_stamped_batch_gives_its_stamp_and_anything_else_none() {
-        let batch = kvatlas_fleet::vllm::with_timestamp(
-            &[0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90, 0x00],
-            1_795_317_349.25,
-        )
-        .expect("a batch with a float stamp");
-        assert_eq!(stamp_micros(&batch), Some(1_795_317_349_250_000));
-        assert_eq!(stamp_micros(&[0x93, 0xca, 0, 0, 0, 0]), None);
-        assert_eq!(stamp_micros(&[0x93, 0xcb, 0, 0]), None);
-        assert_eq!(stamp_micros(b""), None);
-    }
 
     #[test]
     fn a_report_line_parses_and_a_short_one_is_an_error() {

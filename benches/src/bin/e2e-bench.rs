@@ -89,10 +89,9 @@ struct Args {
 }
 
 fn main() -> Result<()> {
-    let argv: Vec<String> = std::env::args().collect();
-    if argv.get(1).map(String::as_str) == Some(zmq_floor::RECEIVER_ARG) {
+    if let Some(received) = zmq_floor::run_if_receiver() {
         // The floor's receiver, started by this program's own run.
-        return zmq_floor::receiver_main(&argv[2..]);
+        return received;
     }
     let args = Args::parse();
     let zmq_floor = if args.no_zmq_floor {

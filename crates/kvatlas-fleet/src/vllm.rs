@@ -33,6 +33,15 @@ pub fn with_timestamp(batch: &[u8], ts: f64) -> Option<Vec<u8>> {
     Some(stamped)
 }
 
+/// The timestamp of `batch` as [`encode_batch`] or [`with_timestamp`] wrote it (seconds since
+/// the epoch); `None` if `batch` does not start that way.
+pub fn timestamp(batch: &[u8]) -> Option<f64> {
+    let (&[0x93, 0xcb], rest) = batch.split_first_chunk::<2>()? else {
+        return None;
+    };
+    Some(f64::from_be_bytes(*rest.first_chunk::<8>()?))
+}
+
 /// Encodes events as one vLLM 0.33 batch at block size [`BLOCK_TOKENS`] (rank 0): its
 /// stores if `stores` (each block's 16 token ids appended by `fill_tokens`), its evictions if
 /// `removes` (one `BlockRemoved` per block, as vLLM emits them). `tokens` is scratch space.
@@ -204,6 +213,14 @@ mod tests {
         let now = 1_795_781_819.123_456;
         assert_eq!(with_timestamp(&encoded(0.0), now), Some(encoded(now)));
         assert_ne!(encoded(0.0), encoded(now));
+        assert_eq!(timestamp(&encoded(now)), Some(now));
+        assert_eq!(
+            timestamp(&encoded(0.0)[..9]),
+            None,
+            "cut inside the timestamp"
+        );
+        assert_eq!(timestamp(&[0x93, 0xca, 0, 0, 0, 0]), None, "a float 32");
+        assert_eq!(timestamp(&[]), None);
     }
 
     #[test]
