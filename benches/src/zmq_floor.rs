@@ -23,7 +23,7 @@ use crate::fleet::{self, FleetStream};
 use kvatlas_fleet::publish::Publishers;
 use kvatlas_fleet::vllm;
 
-/// The first argument that makes a benchmark binary the floor's receiver (see [`receiver_main`]).
+/// The first argument that makes a benchmark binary the floor's receiver (see [`run_if_receiver`]).
 pub const RECEIVER_ARG: &str = "zmq-floor-receiver";
 
 /// How long the receiver waits for the next batch before it reports what it has.
