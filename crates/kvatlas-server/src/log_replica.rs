@@ -235,7 +235,8 @@ impl Consumer {
             if sequence > self.applied + 1 && self.skipped(sequence).await? {
                 return Err("re-bootstrapped from a snapshot".into());
             }
-            self.apply_message(&message.payload, arrived).await;
+            self.apply_message(&message.payload, arrived, published_nanos)
+                .await;
             self.applied = sequence;
             self.stats
                 .stream_sequence
@@ -294,13 +295,18 @@ impl Consumer {
         }
     }
 
-    /// Applies the records of one message, which arrived at `arrived` (a malformed message is
-    /// counted and skipped).
-    async fn apply_message(&mut self, payload: &[u8], arrived: std::time::Instant) {
+    /// Applies the records of one message, which the stream stored at `stored_nanos` (Unix
+    /// ns) and arrived at `arrived` (a malformed message is counted and skipped).
+    async fn apply_message(
+        &mut self,
+        payload: &[u8],
+        arrived: std::time::Instant,
+        stored_nanos: i128,
+    ) {
         match crate::log_record::unframe(payload) {
             Ok(records) => {
                 for record in records {
-                    self.apply(record, arrived).await;
+                    self.apply(record, arrived, stored_nanos).await;
                 }
             }
             Err(why) => {
@@ -310,9 +316,9 @@ impl Consumer {
         }
     }
 
-    /// Decodes, sequences and applies one record of a message that arrived at `arrived` (an
-    /// invalid one is counted and skipped).
-    async fn apply(&mut self, payload: &[u8], arrived: std::time::Instant) {
+    /// Decodes, sequences and applies one record of a message that the stream stored at
+    /// `stored_nanos` and arrived at `arrived` (an invalid one is counted and skipped).
+    async fn apply(&mut self, payload: &[u8], arrived: std::time::Instant, stored_nanos: i128) {
         LogStats::bump(&self.stats.consumed);
         let record = match Record::decode(payload) {
             Ok(record) => record,
@@ -362,8 +368,16 @@ impl Consumer {
                 seq,
                 fingerprint,
                 resync,
+                published_unix_micros,
                 ..
             } => {
+                if let Some(age) = published_unix_micros.and_then(|micros| {
+                    let nanos = stored_nanos - i128::from(micros) * 1000;
+                    u64::try_from(nanos).ok().map(Duration::from_nanos)
+                }) && age <= kvatlas_events::MAX_EVENT_AGE
+                {
+                    self.stats.stored_age.0.observe(age);
+                }
                 if !self.sources.contains_key(&source_key)
                     && self.sources.len() >= registry.limits().max_registered_ranks
                 {

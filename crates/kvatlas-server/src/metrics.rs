@@ -29,7 +29,7 @@
 //! | `kvatlas_snapshot_last_bytes`, `_last_memberships`, `_last_duration_seconds`, `_last_timestamp_seconds` | gauge | (the last snapshot written) |
 //! | `kvatlas_snapshot_files_rejected_total` | counter | (unreadable snapshot files moved aside at start) |
 //! | `kvatlas_restored_memberships` | gauge | `source` (`data_dir`, `peer_snapshot`, `peer_dump`: what the state at start came from) |
-//! | `kvatlas_log_*_total` (`queued`, `published`, `publish_duplicates`, `published_bytes`, `publish_retries`, `consumed`, `applied`, `dropped_duplicate`, `dropped_stale`, `dropped_invalid`, `rebootstraps`, `sequences_lost`, `snapshots_written`, `snapshots_skipped`, `snapshots_failed`), `kvatlas_log_stream_sequence`, `kvatlas_log_publish_seconds`, `kvatlas_log_lag_seconds` | counter, gauge, histogram | (with `--publish-to` or `--consume-from`: the NATS event log) |
+//! | `kvatlas_log_*_total` (`queued`, `published`, `publish_duplicates`, `published_bytes`, `publish_retries`, `consumed`, `applied`, `dropped_duplicate`, `dropped_stale`, `dropped_invalid`, `rebootstraps`, `sequences_lost`, `snapshots_written`, `snapshots_skipped`, `snapshots_failed`), `kvatlas_log_stream_sequence`, `kvatlas_log_publish_seconds`, `kvatlas_log_lag_seconds`, `kvatlas_log_stored_age_seconds` | counter, gauge, histogram | (with `--publish-to` or `--consume-from`: the NATS event log; `stored_age`, at a replica: a stamped batch's engine stamp to the stream storing its record, in the event age's buckets) |
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 
-use crate::metrics::Histogram;
+use crate::metrics::{EVENT_AGE_BOUNDS, Histogram};
 
 /// The default stream name.
 pub const DEFAULT_STREAM: &str = "KVATLAS_EVENTS";
@@ -176,9 +176,23 @@ pub(crate) async fn snapshot_bucket(
     }
 }
 
+/// A histogram with the event age's fine buckets ([`EVENT_AGE_BOUNDS`]).
+#[derive(Debug)]
+pub(crate) struct AgeHistogram(pub(crate) Histogram);
+
+impl Default for AgeHistogram {
+    fn default() -> Self {
+        Self(Histogram::with_bounds(&EVENT_AGE_BOUNDS))
+    }
+}
+
 /// What the event log did in this process (both roles; `/metrics` shows them).
 #[derive(Debug, Default)]
 pub(crate) struct LogStats {
+    /// At a replica, a batch's engine stamp to the stream storing its record: the engine's,
+    /// the ingest's and NATS's share of the event age (`kvatlas_event_age_seconds` is the
+    /// whole, to visible at the replica).
+    pub(crate) stored_age: AgeHistogram,
     /// Records handed to the publisher.
     pub(crate) queued: AtomicU64,
     /// Records the stream acknowledged.
@@ -337,6 +351,12 @@ impl LogStats {
             out,
             "kvatlas_log_lag_seconds",
             "From the stream storing a record to the replica applying it.",
+            "",
+        );
+        self.stored_age.0.render(
+            out,
+            "kvatlas_log_stored_age_seconds",
+            "At a replica: from a batch's engine stamp to the stream storing its record.",
             "",
         );
     }

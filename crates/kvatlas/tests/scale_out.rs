@@ -155,12 +155,18 @@ fn replicas_converge_through_a_replica_kill_a_nats_restart_and_a_late_start() {
 fn a_publish_only_ingest_applies_nothing_and_refuses_queries() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
     let mut fleet = Fleet::new();
+    fleet.stamped = true;
     let ingest = ingest_with(&nats, &fleet, &["--publish-only"]);
     fleet.wait_subscribed(1);
     let replica = replica(&nats);
     fleet.serve(300);
     converges(&replica, &fleet, "the replica of a publish-only ingest");
     assert_eq!(metric(&ingest, "kvatlas_log_queued_total"), fleet.batches);
+    // Every batch carried its engine's stamp through the log: the replica splits its age
+    // at the stream's store (the ingest observes none).
+    let stored_ages = "kvatlas_log_stored_age_seconds_count";
+    assert_eq!(metric(&replica, stored_ages), fleet.batches);
+    assert_eq!(metric(&ingest, stored_ages), 0);
     let memberships = |server| metric_sum(server, "kvatlas_index_memberships", "model=\"m\"");
     assert!(memberships(&replica) > 0);
     assert_eq!(memberships(&ingest), 0, "the ingest applied nothing");

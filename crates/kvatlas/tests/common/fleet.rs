@@ -30,6 +30,9 @@ pub struct Fleet {
     tokens: Vec<u32>,
     /// Batches published so far.
     pub batches: u64,
+    /// Stamp each batch with the wall clock as an engine does (otherwise `ts` is 0, which
+    /// servers take as no stamp).
+    pub stamped: bool,
 }
 
 impl Fleet {
@@ -52,6 +55,7 @@ impl Fleet {
             next: 0,
             tokens: Vec::new(),
             batches: 0,
+            stamped: false,
         }
     }
 
@@ -95,7 +99,14 @@ impl Fleet {
                 .zip(&request.hash_ids)
                 .map(|(l, &id)| (l.get(), id))
                 .collect();
-            let batch = encode_batch(0.0, &events, true, true, &mut self.tokens, |block, out| {
+            let ts = if self.stamped {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64())
+            } else {
+                0.0
+            };
+            let batch = encode_batch(ts, &events, true, true, &mut self.tokens, |block, out| {
                 let id = ids.get(&block.local.get()).copied().unwrap_or_default();
                 block_tokens(id, BLOCK_TOKENS as usize, out);
             });
