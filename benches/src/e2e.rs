@@ -130,7 +130,10 @@ pub struct Settings {
     pub ingest_args: Vec<String>,
     /// Per run and eviction order, also publish the fleet's schedule into a bare ZMQ
     /// subscriber started as this program (`crate::zmq_floor`): the machine's floor under
-    /// the services' event age. `None`: not measured.
+    /// the services' event age. `None`: not measured. With
+    /// [`ServiceKind::KvatlasNats`] among the services, the same program is also started
+    /// as the log's floor (`crate::log_floor`): a bare relay into JetStream and
+    /// [`Self::replicas`] bare consumers.
     pub zmq_floor: Option<PathBuf>,
 }
 
@@ -290,6 +293,9 @@ pub struct Summary {
     /// Per run, per eviction order (leaf-first, head-first): the floor under the event age,
     /// the same schedule into a bare ZMQ subscriber (empty when not measured).
     pub floors: Vec<Vec<crate::zmq_floor::Floor>>,
+    /// Per run and eviction order, through NATS: the same schedule through a bare relay,
+    /// JetStream and bare consumers, at the first consumer (empty when not measured).
+    pub log_floors: Vec<Vec<crate::zmq_floor::Floor>>,
 }
 
 /// What one eviction order's fleet publishes, with the reference's answers.
@@ -1073,8 +1079,10 @@ fn run_service(
             progress("kvatlas via NATS: a new replica bootstraps on this state");
             let figures = replicated.figures(ingest.events)?;
             progress(&format!(
-                "kvatlas via NATS: ingest queued → acknowledged p99 ≤ {:.2} ms; stream stored → \
-                 replica applied p50 ≤ {:.2} ms, p99 ≤ {:.2} ms; bootstrap {:.0} ms",
+                "kvatlas via NATS: engine stamp → stored p99 ≤ {:.2} ms; ingest queued → \
+                 acknowledged p99 ≤ {:.2} ms; stream stored → replica applied p50 ≤ {:.2} ms, \
+                 p99 ≤ {:.2} ms; bootstrap {:.0} ms",
+                figures.stored_age_p99_ms,
                 figures.publish_p99_ms,
                 figures.replica_lag_p50_ms,
                 figures.replica_lag_p99_ms,
@@ -1189,6 +1197,7 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
     );
     let mut runs = Vec::new();
     let mut floors = Vec::new();
+    let mut log_floors = Vec::new();
     for r in 0..settings.runs {
         if let Some(exe) = &settings.zmq_floor {
             let mut run_floors = Vec::new();
@@ -1212,6 +1221,31 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
                 run_floors.push(floor);
             }
             floors.push(run_floors);
+            if settings.services.contains(&ServiceKind::KvatlasNats) {
+                let mut run_floors = Vec::new();
+                for p in &prepared {
+                    progress(&format!(
+                        "run {} of {}: the log's floor, the fleet through a bare relay, \
+                         JetStream and {} bare consumer(s) ({} eviction)",
+                        r + 1,
+                        settings.runs,
+                        settings.replicas.max(1),
+                        p.eviction.name()
+                    ));
+                    let floor = crate::log_floor::measure(&p.stream, exe, settings.replicas)?;
+                    progress(&format!(
+                        "the log's floor: {} of {} batches, age on arrival p50 {:.0} µs, p99 \
+                         {:.0} µs, {:.1} % within 1 ms",
+                        floor.received,
+                        floor.published,
+                        floor.p50_us,
+                        floor.p99_us,
+                        floor.within_1ms * 100.0
+                    ));
+                    run_floors.push(floor);
+                }
+                log_floors.push(run_floors);
+            }
         }
         let mut services = Vec::new();
         for &kind in &settings.services {
@@ -1249,7 +1283,12 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
         first.bytes as f64 / 1e6,
         settings.connections,
     );
-    let summary = Summary { load, runs, floors };
+    let summary = Summary {
+        load,
+        runs,
+        floors,
+        log_floors,
+    };
     if let Some(dir) = &settings.plots {
         plots(dir, &summary)?;
     }

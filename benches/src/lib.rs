@@ -24,6 +24,7 @@ pub mod fleet;
 pub mod harness;
 pub mod http;
 pub mod ingest;
+pub mod log_floor;
 pub mod openloop;
 pub mod plot;
 pub mod render;

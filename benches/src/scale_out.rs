@@ -54,6 +54,11 @@ pub struct LogFigures {
     /// The ingest's `kvatlas_log_publish_seconds` (queued → acknowledged by the stream), p99
     /// bucket bound, ms.
     pub publish_p99_ms: f64,
+    /// The first replica's `kvatlas_log_stored_age_seconds` (a batch's engine stamp → the
+    /// stream storing its record: the engine, the ingest and NATS), p50 bucket bound, ms.
+    pub stored_age_p50_ms: f64,
+    /// Its 99th percentile's bucket bound.
+    pub stored_age_p99_ms: f64,
 }
 
 /// Seconds between a replica's snapshots in the benchmark (the default is 30; shorter so a
@@ -146,6 +151,8 @@ impl Replicated {
         let bytes = metric(&self.ingest.http, "kvatlas_log_published_bytes_total")?;
         let lag = http::histogram_buckets(&self.replicas[0].http, "kvatlas_log_lag_seconds")?;
         let publish = http::histogram_buckets(&self.ingest.http, "kvatlas_log_publish_seconds")?;
+        let stored_age =
+            http::histogram_buckets(&self.replicas[0].http, "kvatlas_log_stored_age_seconds")?;
         Ok(LogFigures {
             bootstrap_ms,
             wire_bytes_per_event: bytes as f64 / events.max(1) as f64,
@@ -153,6 +160,8 @@ impl Replicated {
             replica_lag_p50_ms: http::quantile_bound(&lag, 0.5) * 1e3,
             replica_lag_p99_ms: http::quantile_bound(&lag, 0.99) * 1e3,
             publish_p99_ms: http::quantile_bound(&publish, 0.99) * 1e3,
+            stored_age_p50_ms: http::quantile_bound(&stored_age, 0.5) * 1e3,
+            stored_age_p99_ms: http::quantile_bound(&stored_age, 0.99) * 1e3,
         })
     }
 
@@ -361,6 +370,28 @@ pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
             floor(|f| f.p99_us) / 1e3,
         );
     }
+    // The same schedule through a bare relay, JetStream and bare consumers: the floor under
+    // the replica's event age (leaf-first, medians over the runs).
+    let log_floor = |f: fn(&crate::zmq_floor::Floor) -> f64| {
+        median(
+            paced
+                .log_floors
+                .iter()
+                .filter_map(|run| run.first())
+                .map(f)
+                .collect(),
+        )
+    };
+    if !paced.log_floors.is_empty() {
+        let _ = writeln!(
+            out,
+            "| the log's floor: the same schedule through a bare relay, JetStream and bare consumers; the stamp → stored, p50 / p99; the stamp → received, p50 / p99, paced | — | {:.2} / {:.2} ms; {:.2} / {:.2} ms (no ingest work, no index) | |",
+            log_floor(|f| f.stored_p50_us.unwrap_or(f64::NAN)) / 1e3,
+            log_floor(|f| f.stored_p99_us.unwrap_or(f64::NAN)) / 1e3,
+            log_floor(|f| f.p50_us) / 1e3,
+            log_floor(|f| f.p99_us) / 1e3,
+        );
+    }
     let bootstrap = log(|f| f.bootstrap_ms);
     let _ = writeln!(
         out,
@@ -375,6 +406,12 @@ pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
         out,
         "| of the lag: ingest queued → stream acknowledged, p99 (bucket bound), paced | — | ≤ {:.2} ms | — |",
         log(|f| f.publish_p99_ms)
+    );
+    let _ = writeln!(
+        out,
+        "| of the event age: the engine's stamp → the stream storing the record, p50 / p99 (bucket bounds), paced | — | ≤ {:.2} / ≤ {:.2} ms | — |",
+        log(|f| f.stored_age_p50_ms),
+        log(|f| f.stored_age_p99_ms)
     );
     let _ = writeln!(
         out,

@@ -47,6 +47,11 @@ pub struct Floor {
     pub within_1ms: f64,
     /// The receiver's CPU seconds (user + system) over the pass.
     pub cpu_seconds: f64,
+    /// Through the log (`crate::log_floor`): the stamp to the stream storing the batch, p50
+    /// and p99, µs (`None` for the ZMQ floor).
+    pub stored_p50_us: Option<f64>,
+    /// Its 99th percentile.
+    pub stored_p99_us: Option<f64>,
 }
 
 /// Publishes `stream`'s schedule at its pace into a bare subscriber started as `exe
@@ -88,12 +93,16 @@ pub fn measure(stream: &FleetStream, exe: &Path) -> Result<Floor> {
 }
 
 /// Runs the floor's receiver if this process was started as one ([`measure`] starts the
-/// running benchmark binary again with [`RECEIVER_ARG`] first); `None` otherwise. A benchmark
-/// binary that measures the floor calls it first thing in `main`.
+/// running benchmark binary again with [`RECEIVER_ARG`] first), or the log floor's relay or
+/// consumer ([`crate::log_floor::run_if_started_as_one`]); `None` otherwise. A benchmark
+/// binary that measures the floors calls it first thing in `main`.
 pub fn run_if_receiver() -> Option<Result<()>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (first, rest) = args.split_first()?;
-    (first == RECEIVER_ARG).then(|| receiver_main(rest))
+    if first == RECEIVER_ARG {
+        return Some(receiver_main(rest));
+    }
+    crate::log_floor::run_if_started_as_one()
 }
 
 /// The receiver's side (`e2e-bench zmq-floor-receiver EXPECTED ENDPOINT…`): subscribes to
@@ -132,29 +141,42 @@ fn receiver_main(args: &[String]) -> Result<()> {
         }
     }
     let cpu = crate::e2e::cpu_seconds(std::process::id())? - started;
+    println!("{}", report_line(received, &ages, cpu));
+    Ok(())
+}
+
+/// A receiver's report: `received`, the p50, p99 and largest of `ages` (µs), the fraction
+/// within 1 ms, and its `cpu` seconds, on one line ([`parse_report`] reads it).
+pub(crate) fn report_line(received: u64, ages: &Histogram<u64>, cpu: f64) -> String {
     let within = if ages.is_empty() {
         0.0
     } else {
         ages.count_between(0, 1_000) as f64 / ages.len() as f64
     };
-    println!(
+    format!(
         "{received} {} {} {} {within} {cpu}",
         ages.value_at_quantile(0.5),
         ages.value_at_quantile(0.99),
         ages.max()
-    );
-    Ok(())
+    )
 }
 
-/// The receiver's line as a [`Floor`].
-fn parse_report(published: u64, line: &str) -> Result<Floor> {
+/// A receiver's line as a [`Floor`] of `published` batches.
+pub(crate) fn parse_report(published: u64, line: &str) -> Result<Floor> {
     let fields: Vec<f64> = line
         .split_whitespace()
         .map(str::parse)
         .collect::<Result<_, _>>()
         .with_context(|| format!("the receiver's report {line:?}"))?;
-    let [received, p50, p99, max, within, cpu] = fields[..] else {
+    let (&[received, p50, p99, max, within, cpu], stored) =
+        fields.split_at_checked(6).unwrap_or_default()
+    else {
         bail!("the receiver reported {line:?}, not six figures");
+    };
+    let (stored_p50_us, stored_p99_us) = match *stored {
+        [] => (None, None),
+        [p50, p99] => (Some(p50), Some(p99)),
+        _ => bail!("the receiver reported {line:?}: six figures, or eight with the stored ages"),
     };
     Ok(Floor {
         published,
@@ -164,6 +186,8 @@ fn parse_report(published: u64, line: &str) -> Result<Floor> {
         max_us: max,
         within_1ms: within,
         cpu_seconds: cpu,
+        stored_p50_us,
+        stored_p99_us,
     })
 }
 
@@ -174,11 +198,26 @@ mod tests {
     #[test]
     fn a_report_line_parses_and_a_short_one_is_an_error() {
         let floor = parse_report(10, "9 120 900 1500 0.95 0.25\n").expect("six figures");
+        let mut ages = Histogram::<u64>::new(3).expect("a histogram");
+        for age in [100, 200, 2_000] {
+            ages.record(age).expect("in range");
+        }
+        let written = parse_report(3, &report_line(3, &ages, 0.5)).expect("what it writes parses");
+        assert_eq!((written.received, written.cpu_seconds), (3, 0.5));
+        assert!((written.within_1ms - 2.0 / 3.0).abs() < 1e-9);
+        assert!(written.max_us >= 2_000.0 && written.p50_us < 1_000.0);
         assert_eq!(floor.received, 9);
         assert_eq!(
             (floor.p50_us, floor.p99_us, floor.max_us),
             (120.0, 900.0, 1500.0)
         );
+        assert_eq!(floor.stored_p99_us, None);
+        let through_log = parse_report(10, "9 120 900 1500 0.95 0.25 80 700").expect("eight");
+        assert_eq!(
+            (through_log.stored_p50_us, through_log.stored_p99_us),
+            (Some(80.0), Some(700.0))
+        );
+        assert!(parse_report(10, "9 120 900 1500 0.95 0.25 80").is_err());
         assert!(parse_report(10, "9 120").is_err());
         assert!(parse_report(10, "nine 1 2 3 4 5").is_err());
     }

@@ -1,0 +1,314 @@
+//! This machine's floor under the scale-out lag: the fleet's schedule, at the same pace,
+//! through a bare relay into NATS JetStream and out to bare consumers, with nothing of
+//! kvatlas's work on the way.
+//!
+//! A replica's event age (`kvatlas_event_age_seconds`) runs from the engine's stamp, through
+//! the ingest (decode, re-hash, sequence, encode, one message in flight per source), the stream
+//! and the replica (decode, sequence, apply), to the batch visible to queries. The log's floor
+//! runs from the same stamp through the same parts of the path that are not kvatlas's:
+//! - the **relay** (a process of its own, as the ingest is) takes each batch off one SUB
+//!   socket connected to every engine on a thread of its own (the ingest's poller), hands it
+//!   to a one-worker tokio runtime (the ingest's runtime) that publishes it unchanged to a
+//!   JetStream stream on file storage with a message id (the ingest's stream and header),
+//!   every publish in flight at once;
+//! - **consumers** (as many as the replicas, each a process of its own) read the stream with
+//!   an ordered pull consumer (the replica's) and take the stamp of each message on arrival.
+//!
+//! The first consumer's ages are the floor: what the fleet, ZMQ, the relay's hand-off,
+//! nats-server and the consumer's client cost on these cores. What kvatlas adds is the
+//! difference.
+
+use std::io::{BufRead, BufReader, Write as _};
+use std::path::Path;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use async_nats::jetstream;
+use hdrhistogram::Histogram;
+use tokio_stream::StreamExt as _;
+
+use crate::fleet::{self, FleetStream};
+use crate::zmq_floor::Floor;
+use kvatlas_fleet::nats::NatsServer;
+use kvatlas_fleet::publish::Publishers;
+use kvatlas_fleet::vllm;
+
+/// The first argument that makes a benchmark binary the log floor's relay.
+pub const RELAY_ARG: &str = "log-floor-relay";
+/// The first argument that makes a benchmark binary one of the log floor's consumers.
+pub const CONSUMER_ARG: &str = "log-floor-consumer";
+
+/// The floor's stream and its subjects (one per engine, as the ingest has one per source).
+const STREAM: &str = "KVATLAS_FLOOR";
+const SUBJECT_PREFIX: &str = "kvatlas-floor";
+
+/// How long a relay or consumer waits for the next batch before it reports what it has.
+const IDLE: Duration = Duration::from_secs(10);
+
+/// Publishes `stream`'s schedule at its pace through a relay (`exe log-floor-relay …`),
+/// JetStream on a nats-server of its own, and `consumers` consumers (`exe
+/// log-floor-consumer …`, at least one), and returns what the first consumer measured.
+///
+/// # Errors
+/// If nats-server, the fleet, the relay or a consumer cannot start, or a consumer reports
+/// nothing.
+pub fn measure(stream: &FleetStream, exe: &Path, consumers: usize) -> Result<Floor> {
+    let nats = NatsServer::start()?;
+    let url = nats.url();
+    let published = stream.schedule.len() as u64;
+    let mut children: Vec<Child> = Vec::new();
+    let result = (|| -> Result<Floor> {
+        let mut reports: Vec<BufReader<ChildStdout>> = Vec::new();
+        // The consumers first: each says "ready" once it reads the stream, so that no batch
+        // is older than its consumer.
+        for _ in 0..consumers.max(1) {
+            let mut child = Command::new(exe)
+                .args([CONSUMER_ARG, &url, &published.to_string()])
+                .stdout(Stdio::piped())
+                .spawn()
+                .with_context(|| format!("starting {} {CONSUMER_ARG}", exe.display()))?;
+            let stdout = child.stdout.take().context("a consumer's stdout")?;
+            children.push(child);
+            let mut stdout = BufReader::new(stdout);
+            expect_ready(&mut stdout, "a consumer")?;
+            reports.push(stdout);
+        }
+        let fleet = Publishers::bind(stream.workers)?;
+        let endpoints: Vec<&str> = fleet.endpoints().iter().map(|e| e.live.as_str()).collect();
+        let mut relay = Command::new(exe)
+            .args([RELAY_ARG, &url, &published.to_string()])
+            .args(&endpoints)
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {} {RELAY_ARG}", exe.display()))?;
+        let relay_out = relay.stdout.take().context("the relay's stdout")?;
+        children.push(relay);
+        let mut relay_out = BufReader::new(relay_out);
+        expect_ready(&mut relay_out, "the relay")?;
+        fleet.wait_subscribed(1, Duration::from_secs(30))?;
+        fleet::publish_schedule(stream, &fleet, |_, _| {})?;
+        let mut line = String::new();
+        relay_out
+            .read_line(&mut line)
+            .context("reading the relay's report")?;
+        let acknowledged: u64 = line
+            .trim()
+            .parse()
+            .with_context(|| format!("the relay's report {line:?}"))?;
+        if acknowledged < published {
+            bail!("the stream acknowledged {acknowledged} of {published} batches");
+        }
+        let mut floors = Vec::new();
+        for report in &mut reports {
+            let mut line = String::new();
+            report
+                .read_line(&mut line)
+                .context("reading a consumer's report")?;
+            floors.push(crate::zmq_floor::parse_report(published, &line)?);
+        }
+        fleet.stop()?;
+        floors.into_iter().next().context("no consumer reported")
+    })();
+    for mut child in children {
+        if result.is_err() {
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+    }
+    drop(nats);
+    result
+}
+
+/// Reads the line a relay or consumer prints when it is ready.
+fn expect_ready(out: &mut impl BufRead, who: &str) -> Result<()> {
+    let mut line = String::new();
+    out.read_line(&mut line)
+        .with_context(|| format!("waiting for {who}"))?;
+    if line.trim() != "ready" {
+        bail!("{who} did not start (it said {line:?})");
+    }
+    Ok(())
+}
+
+/// Runs the relay or a consumer if this process was started as one ([`measure`] starts the
+/// running benchmark binary again with [`RELAY_ARG`] or [`CONSUMER_ARG`] first); `None`
+/// otherwise. A benchmark binary that measures the log floor calls it first thing in `main`.
+pub fn run_if_started_as_one() -> Option<Result<()>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (first, rest) = args.split_first()?;
+    if first == RELAY_ARG {
+        Some(relay_main(rest))
+    } else if first == CONSUMER_ARG {
+        Some(consumer_main(rest))
+    } else {
+        None
+    }
+}
+
+/// A one-worker runtime, as `kvatlas serve` runs on two cores.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?)
+}
+
+/// Connects and creates the floor's stream (file storage and a duplicate window, as the
+/// event log's).
+async fn floor_stream(url: &str) -> Result<(jetstream::Context, jetstream::stream::Stream)> {
+    let client = async_nats::connect(url)
+        .await
+        .with_context(|| format!("connecting to {url}"))?;
+    let js = jetstream::new(client);
+    let stream = js
+        .get_or_create_stream(jetstream::stream::Config {
+            name: STREAM.to_owned(),
+            subjects: vec![format!("{SUBJECT_PREFIX}.>")],
+            max_age: Duration::from_secs(3600),
+            duplicate_window: Duration::from_secs(120),
+            storage: jetstream::stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("creating the floor's stream: {e}"))?;
+    Ok((js, stream))
+}
+
+/// Prints `line` on stdout at once (the parent reads it).
+fn say(line: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()?;
+    Ok(())
+}
+
+/// The relay (`… log-floor-relay URL EXPECTED ENDPOINT…`): takes `EXPECTED` batches (or as
+/// many as come before a 10-second silence) off one SUB socket on every endpoint, publishes
+/// each to the stream unchanged, and prints how many the stream acknowledged.
+fn relay_main(args: &[String]) -> Result<()> {
+    let [url, expected, endpoints @ ..] = args else {
+        bail!("usage: {RELAY_ARG} URL EXPECTED ENDPOINT…");
+    };
+    let expected: u64 = expected.parse().context("EXPECTED is a count of batches")?;
+    let runtime = runtime()?;
+    let (js, _) = runtime.block_on(floor_stream(url))?;
+    let context = zmq::Context::new();
+    let sub = context.socket(zmq::SUB)?;
+    sub.set_subscribe(b"")?;
+    sub.set_rcvtimeo(i32::try_from(IDLE.as_millis()).unwrap_or(i32::MAX))?;
+    for endpoint in endpoints {
+        sub.connect(endpoint)?;
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+    let receiver = std::thread::spawn(move || -> Result<()> {
+        for _ in 0..expected {
+            let mut frames = match sub.recv_multipart(0) {
+                Ok(frames) => frames,
+                Err(zmq::Error::EAGAIN) => break,
+                Err(error) => return Err(error.into()),
+            };
+            let Some(payload) = frames.pop() else {
+                continue;
+            };
+            if tx.send(payload).is_err() {
+                break;
+            }
+        }
+        Ok(())
+    });
+    say("ready")?;
+    let acknowledged = runtime.block_on(async move {
+        let mut acks = tokio::task::JoinSet::new();
+        let mut sent = 0u64;
+        let mut acknowledged = 0u64;
+        loop {
+            tokio::select! {
+                Some(done) = acks.join_next(), if !acks.is_empty() => {
+                    if matches!(done, Ok(true)) {
+                        acknowledged += 1;
+                    }
+                }
+                payload = rx.recv() => {
+                    let Some(payload) = payload else { break };
+                    sent += 1;
+                    let subject = format!("{SUBJECT_PREFIX}.{}", sent % 128);
+                    let publish = jetstream::message::PublishMessage::build()
+                        .payload(payload.into())
+                        .message_id(sent.to_string());
+                    match js.send_publish(subject, publish).await {
+                        Ok(ack) => {
+                            acks.spawn(async move { ack.await.is_ok() });
+                        }
+                        Err(error) => eprintln!("{RELAY_ARG}: publishing failed: {error}"),
+                    }
+                }
+            }
+        }
+        while let Some(done) = acks.join_next().await {
+            if matches!(done, Ok(true)) {
+                acknowledged += 1;
+            }
+        }
+        acknowledged
+    });
+    receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("the relay's receiving thread panicked"))??;
+    say(&acknowledged.to_string())
+}
+
+/// A consumer (`… log-floor-consumer URL EXPECTED`): reads the stream from its start with an
+/// ordered pull consumer, takes each message's stamp on arrival, and after `EXPECTED` messages
+/// (or a 10-second silence) prints the zmq floor's report line (received, p50, p99, max (µs),
+/// within 1 ms, CPU seconds) and the p50 and p99 of the stamp to the stream storing the batch.
+fn consumer_main(args: &[String]) -> Result<()> {
+    let [url, expected] = args else {
+        bail!("usage: {CONSUMER_ARG} URL EXPECTED");
+    };
+    let expected: u64 = expected.parse().context("EXPECTED is a count of batches")?;
+    let runtime = runtime()?;
+    runtime.block_on(async {
+        let (_, stream) = floor_stream(url).await?;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: format!("{SUBJECT_PREFIX}.>"),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("creating the consumer: {e}"))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
+        say("ready")?;
+        let mut ages = Histogram::<u64>::new(3)?;
+        let mut stored_ages = Histogram::<u64>::new(3)?;
+        let mut received = 0u64;
+        let started = crate::e2e::cpu_seconds(std::process::id())?;
+        while received < expected {
+            let Ok(Some(message)) = tokio::time::timeout(IDLE, messages.next()).await else {
+                break;
+            };
+            let message = message.map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
+            let now = fleet::wall_clock_seconds();
+            received += 1;
+            if let Some(stamp) =
+                vllm::timestamp(&message.payload).filter(|s| s.is_finite() && *s > 0.0)
+            {
+                ages.record(((now - stamp).max(0.0) * 1e6) as u64)?;
+                if let Ok(info) = message.info() {
+                    let stored = info.published.unix_timestamp_nanos() as f64 / 1e9;
+                    stored_ages.record(((stored - stamp).max(0.0) * 1e6) as u64)?;
+                }
+            }
+        }
+        let cpu = crate::e2e::cpu_seconds(std::process::id())? - started;
+        say(&format!(
+            "{} {} {}",
+            crate::zmq_floor::report_line(received, &ages, cpu),
+            stored_ages.value_at_quantile(0.5),
+            stored_ages.value_at_quantile(0.99)
+        ))
+    })
+}
