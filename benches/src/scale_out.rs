@@ -106,7 +106,7 @@ impl Replicated {
             })
             .collect::<Result<Vec<_>>>()?;
         for replica in &replicas {
-            wait_ready(&replica.http, Duration::from_secs(30))?;
+            wait_ready(replica, Duration::from_secs(30))?;
         }
         Ok(Self {
             nats,
@@ -137,7 +137,7 @@ impl Replicated {
         let started = Instant::now();
         let replica = Server::start(&self.kvatlas, &replica_args(&self.nats.url(), &self.extra))
             .context("starting the new replica")?;
-        wait_ready(&replica.http, Duration::from_secs(60))?;
+        wait_ready(&replica, Duration::from_secs(60))?;
         let bootstrap_ms = started.elapsed().as_secs_f64() * 1e3;
         let consumed = metric(&replica.http, "kvatlas_log_consumed_total")?;
         replica.stop();
@@ -175,8 +175,9 @@ impl Replicated {
     }
 }
 
-/// Waits until `GET /ready` answers 200.
-fn wait_ready(addr: &str, timeout: Duration) -> Result<()> {
+/// Waits until `server`'s `GET /ready` answers 200.
+fn wait_ready(server: &Server, timeout: Duration) -> Result<()> {
+    let addr = &server.http;
     let deadline = Instant::now() + timeout;
     loop {
         if let Ok(mut c) = Connection::connect(addr)
@@ -185,7 +186,16 @@ fn wait_ready(addr: &str, timeout: Duration) -> Result<()> {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("{addr} was not ready within {timeout:?}");
+            let answer = Connection::connect(addr)
+                .and_then(|mut c| c.send(&http::get("/ready")))
+                .map_or_else(
+                    |e| format!("no answer: {e}"),
+                    |(status, body)| format!("{status} {}", String::from_utf8_lossy(&body)),
+                );
+            bail!(
+                "{addr} was not ready within {timeout:?} (GET /ready: {answer}); its log:\n{}",
+                server.log_tail().join("\n")
+            );
         }
         std::thread::sleep(Duration::from_millis(2));
     }

@@ -1,11 +1,15 @@
 //! `kvatlas serve` as a child process on loopback ports of its own choosing: what the demo and
 //! the benchmarks run, reached as a router reaches it.
 
+use std::collections::VecDeque;
 use std::io::BufRead;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
+
+/// How many lines of a server's log [`ServeChild::log_tail`] keeps.
+const LOG_LINES: usize = 200;
 
 /// A child's output, line by line, read on a thread of its own until the pipe closes — whether
 /// or not anyone still receives (a child never blocks on a full pipe).
@@ -47,12 +51,16 @@ pub struct ServeChild {
     pub url: String,
     /// Its HTTP address (`127.0.0.1:port`).
     pub http: String,
+    /// The newest [`LOG_LINES`] lines of its log after the start line (warnings and errors:
+    /// it logs at `warn`), for error messages.
+    log: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl ServeChild {
     /// Runs `binary serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 ARGS…` (logging
     /// warnings and the server's start line) and waits until it logs the addresses it bound.
-    /// Its log keeps being read (and dropped), so it never blocks on a full pipe.
+    /// Its log keeps being read (the newest lines kept for [`Self::log_tail`]), so it never
+    /// blocks on a full pipe.
     ///
     /// # Errors
     /// If it cannot be started or does not report its addresses within 30 s.
@@ -97,11 +105,33 @@ impl ServeChild {
         let (Some(grpc), Some(http)) = (after("gRPC on "), after("HTTP on ")) else {
             return Err(ServeError::NoAddresses);
         };
+        let log = Arc::new(Mutex::new(VecDeque::new()));
+        let kept = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in rx {
+                let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
+                if kept.len() == LOG_LINES {
+                    kept.pop_front();
+                }
+                kept.push_back(line);
+            }
+        });
         Ok(Self {
             child,
             url: format!("http://{grpc}"),
             http,
+            log,
         })
+    }
+
+    /// The newest lines of its log since it started (at most 200).
+    pub fn log_tail(&self) -> Vec<String> {
+        self.log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// Its process id.
