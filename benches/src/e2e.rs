@@ -1209,15 +1209,7 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
                     p.eviction.name()
                 ));
                 let floor = crate::zmq_floor::measure(&p.stream, exe)?;
-                progress(&format!(
-                    "the floor: {} of {} batches, age on arrival p50 {:.0} µs, p99 {:.0} µs, \
-                     {:.1} % within 1 ms",
-                    floor.received,
-                    floor.published,
-                    floor.p50_us,
-                    floor.p99_us,
-                    floor.within_1ms * 100.0
-                ));
+                progress(&floor.progress_line("the floor"));
                 run_floors.push(floor);
             }
             floors.push(run_floors);
@@ -1233,15 +1225,7 @@ pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summar
                         p.eviction.name()
                     ));
                     let floor = crate::log_floor::measure(&p.stream, exe, settings.replicas)?;
-                    progress(&format!(
-                        "the log's floor: {} of {} batches, age on arrival p50 {:.0} µs, p99 \
-                         {:.0} µs, {:.1} % within 1 ms",
-                        floor.received,
-                        floor.published,
-                        floor.p50_us,
-                        floor.p99_us,
-                        floor.within_1ms * 100.0
-                    ));
+                    progress(&floor.progress_line("the log's floor"));
                     run_floors.push(floor);
                 }
                 log_floors.push(run_floors);

@@ -194,12 +194,7 @@ fn relay_main(args: &[String]) -> Result<()> {
     let runtime = runtime()?;
     let (js, _) = runtime.block_on(floor_stream(url))?;
     let context = zmq::Context::new();
-    let sub = context.socket(zmq::SUB)?;
-    sub.set_subscribe(b"")?;
-    sub.set_rcvtimeo(i32::try_from(IDLE.as_millis()).unwrap_or(i32::MAX))?;
-    for endpoint in endpoints {
-        sub.connect(endpoint)?;
-    }
+    let sub = crate::zmq_floor::subscribe_all(&context, endpoints)?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
     let receiver = std::thread::spawn(move || -> Result<()> {
         for _ in 0..expected {

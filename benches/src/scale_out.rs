@@ -362,16 +362,7 @@ pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
     );
     // The same paced schedule into a bare ZMQ subscriber: what the machine costs before any
     // ingest does its work (leaf-first, medians over the runs).
-    let floor = |f: fn(&crate::zmq_floor::Floor) -> f64| {
-        median(
-            paced
-                .floors
-                .iter()
-                .filter_map(|run| run.first())
-                .map(f)
-                .collect(),
-        )
-    };
+    let floor = |f: fn(&crate::zmq_floor::Floor) -> f64| leaf_first_median(&paced.floors, f);
     if !paced.floors.is_empty() {
         let _ = writeln!(
             out,
@@ -382,16 +373,8 @@ pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
     }
     // The same schedule through a bare relay, JetStream and bare consumers: the floor under
     // the replica's event age (leaf-first, medians over the runs).
-    let log_floor = |f: fn(&crate::zmq_floor::Floor) -> f64| {
-        median(
-            paced
-                .log_floors
-                .iter()
-                .filter_map(|run| run.first())
-                .map(f)
-                .collect(),
-        )
-    };
+    let log_floor =
+        |f: fn(&crate::zmq_floor::Floor) -> f64| leaf_first_median(&paced.log_floors, f);
     if !paced.log_floors.is_empty() {
         let _ = writeln!(
             out,
@@ -480,4 +463,12 @@ pub fn markdown(paced: &Summary, unpaced: &Summary, ingest: &str) -> String {
         );
     }
     out
+}
+
+/// The median over the runs of `f` of each run's leaf-first floor (the first of the run's).
+fn leaf_first_median(
+    floors: &[Vec<crate::zmq_floor::Floor>],
+    f: fn(&crate::zmq_floor::Floor) -> f64,
+) -> f64 {
+    median(floors.iter().filter_map(|run| run.first()).map(f).collect())
 }

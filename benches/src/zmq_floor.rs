@@ -54,6 +54,21 @@ pub struct Floor {
     pub stored_p99_us: Option<f64>,
 }
 
+impl Floor {
+    /// One line for the progress output, after `what` ("the floor").
+    pub(crate) fn progress_line(&self, what: &str) -> String {
+        format!(
+            "{what}: {} of {} batches, age on arrival p50 {:.0} µs, p99 {:.0} µs, {:.1} % \
+             within 1 ms",
+            self.received,
+            self.published,
+            self.p50_us,
+            self.p99_us,
+            self.within_1ms * 100.0
+        )
+    }
+}
+
 /// Publishes `stream`'s schedule at its pace into a bare subscriber started as `exe
 /// zmq-floor-receiver …` (the running `e2e-bench`), and returns what it measured.
 ///
@@ -118,12 +133,7 @@ fn receiver_main(args: &[String]) -> Result<()> {
         .context("usage: zmq-floor-receiver EXPECTED ENDPOINT…")?;
     let expected: u64 = expected.parse().context("EXPECTED is a count of batches")?;
     let context = zmq::Context::new();
-    let sub = context.socket(zmq::SUB)?;
-    sub.set_subscribe(b"")?;
-    sub.set_rcvtimeo(i32::try_from(IDLE.as_millis()).unwrap_or(i32::MAX))?;
-    for endpoint in endpoints {
-        sub.connect(endpoint)?;
-    }
+    let sub = subscribe_all(&context, endpoints)?;
     let mut ages = Histogram::<u64>::new(3)?;
     let mut received = 0u64;
     let started = crate::e2e::cpu_seconds(std::process::id())?;
@@ -143,6 +153,18 @@ fn receiver_main(args: &[String]) -> Result<()> {
     let cpu = crate::e2e::cpu_seconds(std::process::id())? - started;
     println!("{}", report_line(received, &ages, cpu));
     Ok(())
+}
+
+/// One SUB socket connected to every endpoint, subscribed to everything, whose receive gives
+/// up after a 10-second silence: how a floor's process takes the fleet's batches.
+pub(crate) fn subscribe_all(context: &zmq::Context, endpoints: &[String]) -> Result<zmq::Socket> {
+    let sub = context.socket(zmq::SUB)?;
+    sub.set_subscribe(b"")?;
+    sub.set_rcvtimeo(i32::try_from(IDLE.as_millis()).unwrap_or(i32::MAX))?;
+    for endpoint in endpoints {
+        sub.connect(endpoint)?;
+    }
+    Ok(sub)
 }
 
 /// A receiver's report: `received`, the p50, p99 and largest of `ages` (µs), the fraction
