@@ -252,7 +252,7 @@ pub fn publish_schedule(
         max_late = max_late.max(at.saturating_duration_since(due));
         let payload = &stream.batches[item.worker as usize][item.seq as usize];
         // Stamped as an engine stamps a batch: its wall clock as it publishes it.
-        let payload = vllm::with_timestamp(payload, wall_clock_seconds())
+        let payload = vllm::with_timestamp(payload, vllm::wall_clock_seconds())
             .map_or_else(|| Arc::clone(payload), Arc::from);
         let seq = publishers.publish(item.worker, payload)?;
         debug_assert_eq!(seq, item.seq, "one publisher per stream");
@@ -262,13 +262,6 @@ pub fn publish_schedule(
         elapsed: start.elapsed(),
         max_late,
     })
-}
-
-/// Seconds since the Unix epoch on the wall clock (0 if it reads earlier).
-pub(crate) fn wall_clock_seconds() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]

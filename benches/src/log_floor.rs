@@ -18,7 +18,7 @@
 //! nats-server and the consumer's client cost on these cores. What kvatlas adds is the
 //! difference.
 
-use std::io::{BufRead, BufReader, Write as _};
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
@@ -29,7 +29,7 @@ use hdrhistogram::Histogram;
 use tokio_stream::StreamExt as _;
 
 use crate::fleet::{self, FleetStream};
-use crate::zmq_floor::Floor;
+use crate::zmq_floor::{Floor, age_us};
 use kvatlas_fleet::nats::NatsServer;
 use kvatlas_fleet::publish::Publishers;
 use kvatlas_fleet::vllm;
@@ -62,30 +62,18 @@ pub fn measure(stream: &FleetStream, exe: &Path, consumers: usize) -> Result<Flo
         let mut reports: Vec<BufReader<ChildStdout>> = Vec::new();
         // The consumers first: each says "ready" once it reads the stream, so that no batch
         // is older than its consumer.
+        let expected = published.to_string();
         for _ in 0..consumers.max(1) {
-            let mut child = Command::new(exe)
-                .args([CONSUMER_ARG, &url, &published.to_string()])
-                .stdout(Stdio::piped())
-                .spawn()
-                .with_context(|| format!("starting {} {CONSUMER_ARG}", exe.display()))?;
-            let stdout = child.stdout.take().context("a consumer's stdout")?;
+            let (child, stdout) =
+                start_ready(exe, &[CONSUMER_ARG, url.as_str(), expected.as_str()])?;
             children.push(child);
-            let mut stdout = BufReader::new(stdout);
-            expect_ready(&mut stdout, "a consumer")?;
             reports.push(stdout);
         }
         let fleet = Publishers::bind(stream.workers)?;
-        let endpoints: Vec<&str> = fleet.endpoints().iter().map(|e| e.live.as_str()).collect();
-        let mut relay = Command::new(exe)
-            .args([RELAY_ARG, &url, &published.to_string()])
-            .args(&endpoints)
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting {} {RELAY_ARG}", exe.display()))?;
-        let relay_out = relay.stdout.take().context("the relay's stdout")?;
+        let mut relay_args = vec![RELAY_ARG, url.as_str(), expected.as_str()];
+        relay_args.extend(fleet.endpoints().iter().map(|e| e.live.as_str()));
+        let (relay, mut relay_out) = start_ready(exe, &relay_args)?;
         children.push(relay);
-        let mut relay_out = BufReader::new(relay_out);
-        expect_ready(&mut relay_out, "the relay")?;
         fleet.wait_subscribed(1, Duration::from_secs(30))?;
         fleet::publish_schedule(stream, &fleet, |_, _| {})?;
         let mut line = String::new();
@@ -120,23 +108,41 @@ pub fn measure(stream: &FleetStream, exe: &Path, consumers: usize) -> Result<Flo
     result
 }
 
-/// Reads the line a relay or consumer prints when it is ready.
-fn expect_ready(out: &mut impl BufRead, who: &str) -> Result<()> {
-    let mut line = String::new();
-    out.read_line(&mut line)
-        .with_context(|| format!("waiting for {who}"))?;
-    if line.trim() != "ready" {
-        bail!("{who} did not start (it said {line:?})");
+/// Starts `exe ARGS…` (a relay or a consumer: `ARGS[0]` says which) with its stdout piped,
+/// and waits for the "ready" line it prints (killing it if another line or none comes).
+fn start_ready(exe: &Path, args: &[&str]) -> Result<(Child, BufReader<ChildStdout>)> {
+    let role = args.first().copied().unwrap_or_default();
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {} {role}", exe.display()))?;
+    let ready = (|| -> Result<BufReader<ChildStdout>> {
+        let mut out = BufReader::new(child.stdout.take().context("its stdout")?);
+        let mut line = String::new();
+        out.read_line(&mut line)
+            .with_context(|| format!("waiting for the {role}"))?;
+        if line.trim() != "ready" {
+            bail!("the {role} did not start (it said {line:?})");
+        }
+        Ok(out)
+    })();
+    match ready {
+        Ok(out) => Ok((child, out)),
+        Err(error) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(error)
+        }
     }
-    Ok(())
 }
 
-/// Runs the relay or a consumer if this process was started as one ([`measure`] starts the
-/// running benchmark binary again with [`RELAY_ARG`] or [`CONSUMER_ARG`] first); `None`
-/// otherwise. A benchmark binary that measures the log floor calls it first thing in `main`.
-pub fn run_if_started_as_one() -> Option<Result<()>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (first, rest) = args.split_first()?;
+/// Runs the relay or a consumer if this process's first argument `first` says it is one
+/// ([`measure`] starts the running benchmark binary again with [`RELAY_ARG`] or
+/// [`CONSUMER_ARG`] first), with the arguments `rest`; `None` otherwise.
+/// `zmq_floor::run_if_receiver`, which benchmark binaries call first thing in `main`,
+/// dispatches here.
+pub(crate) fn run_if_started_as(first: &str, rest: &[String]) -> Option<Result<()>> {
     if first == RELAY_ARG {
         Some(relay_main(rest))
     } else if first == CONSUMER_ARG {
@@ -286,15 +292,18 @@ fn consumer_main(args: &[String]) -> Result<()> {
                 break;
             };
             let message = message.map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
-            let now = fleet::wall_clock_seconds();
+            let now = vllm::wall_clock_seconds();
             received += 1;
-            if let Some(stamp) =
-                vllm::timestamp(&message.payload).filter(|s| s.is_finite() && *s > 0.0)
-            {
-                ages.record(((now - stamp).max(0.0) * 1e6) as u64)?;
-                if let Ok(info) = message.info() {
-                    let stored = info.published.unix_timestamp_nanos() as f64 / 1e9;
-                    stored_ages.record(((stored - stamp).max(0.0) * 1e6) as u64)?;
+            if let Some(age) = age_us(&message.payload, now) {
+                ages.record(age)?;
+                let stored = message.info().ok().and_then(|info| {
+                    age_us(
+                        &message.payload,
+                        info.published.unix_timestamp_nanos() as f64 / 1e9,
+                    )
+                });
+                if let Some(stored) = stored {
+                    stored_ages.record(stored)?;
                 }
             }
         }

@@ -180,18 +180,15 @@ fn wait_ready(server: &Server, timeout: Duration) -> Result<()> {
     let addr = &server.http;
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok(mut c) = Connection::connect(addr)
-            && let Ok((200, _)) = c.send(&http::get("/ready"))
-        {
+        let answer = Connection::connect(addr).and_then(|mut c| c.send(&http::get("/ready")));
+        if let Ok((200, _)) = answer {
             return Ok(());
         }
         if Instant::now() > deadline {
-            let answer = Connection::connect(addr)
-                .and_then(|mut c| c.send(&http::get("/ready")))
-                .map_or_else(
-                    |e| format!("no answer: {e}"),
-                    |(status, body)| format!("{status} {}", String::from_utf8_lossy(&body)),
-                );
+            let answer = answer.map_or_else(
+                |e| format!("no answer: {e}"),
+                |(status, body)| format!("{status} {}", String::from_utf8_lossy(&body)),
+            );
             bail!(
                 "{addr} was not ready within {timeout:?} (GET /ready: {answer}); its log:\n{}",
                 server.log_tail().join("\n")

@@ -109,7 +109,7 @@ pub fn measure(stream: &FleetStream, exe: &Path) -> Result<Floor> {
 
 /// Runs the floor's receiver if this process was started as one ([`measure`] starts the
 /// running benchmark binary again with [`RECEIVER_ARG`] first), or the log floor's relay or
-/// consumer ([`crate::log_floor::run_if_started_as_one`]); `None` otherwise. A benchmark
+/// consumer ([`crate::log_floor::run_if_started_as`]); `None` otherwise. A benchmark
 /// binary that measures the floors calls it first thing in `main`.
 pub fn run_if_receiver() -> Option<Result<()>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -117,7 +117,7 @@ pub fn run_if_receiver() -> Option<Result<()>> {
     if first == RECEIVER_ARG {
         return Some(receiver_main(rest));
     }
-    crate::log_floor::run_if_started_as_one()
+    crate::log_floor::run_if_started_as(first, rest)
 }
 
 /// The receiver's side (`e2e-bench zmq-floor-receiver EXPECTED ENDPOINT…`): subscribes to
@@ -143,16 +143,22 @@ fn receiver_main(args: &[String]) -> Result<()> {
             Err(zmq::Error::EAGAIN) => break,
             Err(error) => return Err(error.into()),
         };
-        let now = fleet::wall_clock_seconds();
+        let now = vllm::wall_clock_seconds();
         received += 1;
-        let stamp = frames.last().and_then(|payload| vllm::timestamp(payload));
-        if let Some(stamp) = stamp.filter(|s| s.is_finite() && *s > 0.0) {
-            ages.record(((now - stamp).max(0.0) * 1e6) as u64)?;
+        if let Some(age) = frames.last().and_then(|payload| age_us(payload, now)) {
+            ages.record(age)?;
         }
     }
     let cpu = crate::e2e::cpu_seconds(std::process::id())? - started;
     println!("{}", report_line(received, &ages, cpu));
     Ok(())
+}
+
+/// The age in µs, at `at` (seconds since the epoch), of the batch `payload` as the fleet
+/// stamped it; `None` for a batch without a stamp.
+pub(crate) fn age_us(payload: &[u8], at: f64) -> Option<u64> {
+    let stamp = vllm::timestamp(payload).filter(|s| s.is_finite() && *s > 0.0)?;
+    Some(((at - stamp).max(0.0) * 1e6) as u64)
 }
 
 /// One SUB socket connected to every endpoint, subscribed to everything, whose receive gives

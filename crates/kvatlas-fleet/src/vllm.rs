@@ -33,6 +33,14 @@ pub fn with_timestamp(batch: &[u8], ts: f64) -> Option<Vec<u8>> {
     Some(stamped)
 }
 
+/// An engine's stamp for a batch published now: seconds since the Unix epoch on the wall
+/// clock, as vLLM and SGLang take `time.time()` (0 if the clock reads earlier).
+pub fn wall_clock_seconds() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// The timestamp of `batch` as [`encode_batch`] or [`with_timestamp`] wrote it (seconds since
 /// the epoch); `None` if `batch` does not start that way.
 pub fn timestamp(batch: &[u8]) -> Option<f64> {

@@ -138,6 +138,11 @@ impl Default for Histogram {
 }
 
 impl Histogram {
+    /// An empty histogram of event ages ([`EVENT_AGE_BOUNDS`]).
+    pub(crate) fn event_ages() -> Self {
+        Self::with_bounds(&EVENT_AGE_BOUNDS)
+    }
+
     /// An empty histogram with buckets up to each of `bounds` (seconds, ascending) and `+Inf`.
     pub(crate) fn with_bounds(bounds: &'static [f64]) -> Self {
         Self {

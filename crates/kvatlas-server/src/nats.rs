@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 
-use crate::metrics::{EVENT_AGE_BOUNDS, Histogram};
+use crate::metrics::Histogram;
 
 /// The default stream name.
 pub const DEFAULT_STREAM: &str = "KVATLAS_EVENTS";
@@ -176,13 +176,13 @@ pub(crate) async fn snapshot_bucket(
     }
 }
 
-/// A histogram with the event age's fine buckets ([`EVENT_AGE_BOUNDS`]).
+/// A histogram with the event age's fine buckets ([`Histogram::event_ages`]).
 #[derive(Debug)]
 pub(crate) struct AgeHistogram(pub(crate) Histogram);
 
 impl Default for AgeHistogram {
     fn default() -> Self {
-        Self(Histogram::with_bounds(&EVENT_AGE_BOUNDS))
+        Self(Histogram::event_ages())
     }
 }
 

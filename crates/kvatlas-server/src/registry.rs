@@ -44,7 +44,7 @@ use crate::config::{IndexSettings, Limits};
 use crate::error::ServiceError;
 use crate::log_ingest::{LogHandle, LoggedSink};
 use crate::log_record;
-use crate::metrics::{EVENT_AGE_BOUNDS, Histogram};
+use crate::metrics::Histogram;
 use crate::nats::LogStats;
 use crate::served_index::ServedIndex;
 use crate::snapshot::{IndexImage, RecordedFeed};
@@ -413,7 +413,7 @@ impl IndexEntry {
         log: Option<&Arc<LogHandle>>,
     ) -> Result<Self, ServiceError> {
         let ingest_delay = Arc::new(Histogram::default());
-        let event_age = Arc::new(Histogram::with_bounds(&EVENT_AGE_BOUNDS));
+        let event_age = Arc::new(Histogram::event_ages());
         let observer = {
             let (ingest_delay, event_age) = (Arc::clone(&ingest_delay), Arc::clone(&event_age));
             Arc::new(move |delay: UnitDelay| {

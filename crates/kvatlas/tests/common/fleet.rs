@@ -100,9 +100,7 @@ impl Fleet {
                 .map(|(l, &id)| (l.get(), id))
                 .collect();
             let ts = if self.stamped {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64())
+                kvatlas_fleet::vllm::wall_clock_seconds()
             } else {
                 0.0
             };
