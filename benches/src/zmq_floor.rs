@@ -109,7 +109,8 @@ pub fn measure(stream: &FleetStream, exe: &Path) -> Result<Floor> {
 
 /// Runs the floor's receiver if this process was started as one ([`measure`] starts the
 /// running benchmark binary again with [`RECEIVER_ARG`] first), or the log floor's relay or
-/// consumer ([`crate::log_floor::run_if_started_as`]); `None` otherwise. A benchmark
+/// consumer (first argument [`crate::log_floor::RELAY_ARG`] or
+/// [`crate::log_floor::CONSUMER_ARG`]); `None` otherwise. A benchmark
 /// binary that measures the floors calls it first thing in `main`.
 pub fn run_if_receiver() -> Option<Result<()>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
