@@ -278,6 +278,11 @@ pub struct ServeArgs {
     /// [default: 30].
     #[arg(long, env = "KVATLAS_NATS_SNAPSHOT_INTERVAL_SECS")]
     pub nats_snapshot_interval_secs: Option<u64>,
+    /// Turn the live path off: an ingest publishes to the stream only, and a replica applies
+    /// what the stream delivers only (by default an ingest also publishes each record at once
+    /// on core NATS and replicas apply it before the stream confirms it: docs/server.md).
+    #[arg(long, env = "KVATLAS_NATS_NO_LIVE")]
+    pub nats_no_live: bool,
 }
 
 /// The TOML file of `--config`: the same settings.
@@ -326,6 +331,7 @@ struct ServeFile {
     nats_max_bytes: Option<i64>,
     nats_snapshot_bucket: Option<String>,
     nats_snapshot_interval_secs: Option<u64>,
+    nats_no_live: Option<bool>,
 }
 
 impl ServeArgs {
@@ -506,6 +512,7 @@ impl ServeArgs {
                     Some(secs) => Some(Duration::from_secs(secs)),
                     None => defaults.snapshot_interval,
                 },
+                live: !(self.nats_no_live || file.nats_no_live.unwrap_or(false)),
                 ..defaults
             }
         };

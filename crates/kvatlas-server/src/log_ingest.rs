@@ -10,6 +10,11 @@
 //!   message (up to 64 records, 512 KiB); different sources are in flight together.
 //!   A failed publish is retried with the same message id until the stream takes it: a record
 //!   stored twice (an acknowledgement lost) is dropped by the stream's duplicate window.
+//! - The **live path** (`NatsLog::live`, on by default): as the publisher takes each record off
+//!   the queue it also publishes it at once on core NATS (no storage, no acknowledgement, a
+//!   bounded queue of its own: a record left off is counted and the stream still carries it),
+//!   with the digest of the source's record before it ([`log_record::LIVE_PREV_HEADER`]), so a
+//!   replica can tell whether it continues the records it holds (`log_replica`).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -32,6 +37,70 @@ use crate::served_index::ServedIndex;
 pub(crate) const QUEUE: usize = 8192;
 /// Messages in flight to the stream at once (at most one per source).
 const IN_FLIGHT: usize = 512;
+/// Live records queued for core NATS before more are left off.
+const LIVE_QUEUE: usize = 4096;
+
+/// A live record: its subject, the digest of its source's record before it, its wire form.
+type LiveRecord = (String, u64, bytes::Bytes);
+
+/// The live path's publishing side: per source, the digest of the last record published.
+struct LivePath {
+    tx: mpsc::Sender<LiveRecord>,
+    prefix: String,
+    heads: HashMap<(IndexKey, Worker), u64>,
+    stats: Arc<LogStats>,
+}
+
+impl LivePath {
+    /// Starts the task that publishes live records on `client`.
+    fn start(client: async_nats::Client, log: &NatsLog, stats: Arc<LogStats>) -> Self {
+        let (tx, mut rx) = mpsc::channel::<LiveRecord>(LIVE_QUEUE);
+        let task_stats = Arc::clone(&stats);
+        tokio::spawn(async move {
+            while let Some((subject, prev, payload)) = rx.recv().await {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(
+                    log_record::LIVE_PREV_HEADER,
+                    format!("{prev:016x}").as_str(),
+                );
+                let published = client.publish_with_headers(subject, headers, payload).await;
+                if published.is_ok() {
+                    LogStats::bump(&task_stats.live_published);
+                } else {
+                    LogStats::bump(&task_stats.live_dropped);
+                }
+            }
+        });
+        Self {
+            tx,
+            prefix: log.live_prefix(),
+            heads: HashMap::new(),
+            stats,
+        }
+    }
+
+    /// Publishes `record` live (or counts it left off), chained to its source's last record.
+    fn publish(&mut self, record: &Outgoing) {
+        let digest = log_record::digest(&record.payload);
+        // The source's key is cloned once, when it first publishes.
+        let prev = match self.heads.get_mut(&record.source) {
+            Some(head) => std::mem::replace(head, digest),
+            None => {
+                self.heads.insert(record.source.clone(), digest);
+                0
+            }
+        };
+        let subject =
+            log_record::subject(&self.prefix, &record.source.0, record.source.1.worker_id);
+        if self
+            .tx
+            .try_send((subject, prev, record.payload.clone()))
+            .is_err()
+        {
+            LogStats::bump(&self.stats.live_dropped);
+        }
+    }
+}
 
 /// The handle feeds publish through.
 #[derive(Debug)]
@@ -146,6 +215,9 @@ pub(crate) async fn run_publisher(
     stop: CancellationToken,
     drain_deadline: Duration,
 ) -> u64 {
+    let mut live = log
+        .live
+        .then(|| LivePath::start(js.client(), &log, Arc::clone(&stats)));
     let prefix = log.subject_prefix;
     let mut waiting: HashMap<(IndexKey, Worker), VecDeque<Outgoing>> = HashMap::new();
     let mut busy: HashSet<(IndexKey, Worker)> = HashSet::new();
@@ -198,6 +270,12 @@ pub(crate) async fn run_publisher(
             }
             received = rx.recv(), if room => match received {
                 Some(record) => {
+                    if let Some(published) = record.published {
+                        stats.sent_age.observe(published.elapsed());
+                    }
+                    if let Some(live) = &mut live {
+                        live.publish(&record);
+                    }
                     if busy.contains(&record.source) {
                         queued += 1;
                         waiting.entry(record.source.clone()).or_default().push_back(record);

@@ -101,6 +101,8 @@ pub(crate) struct Outgoing {
     pub(crate) payload: bytes::Bytes,
     /// When the ingest queued it (for `kvatlas_log_publish_seconds`).
     pub(crate) queued_at: std::time::Instant,
+    /// When the engine published the batch, if known (for `kvatlas_log_sent_age_seconds`).
+    pub(crate) published: Option<std::time::Instant>,
 }
 
 /// The record of a unit an ingest applied for `key`, ready to publish (the unit is not copied).
@@ -120,6 +122,7 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
         payload: wire(key, block_size, source, v1::log_record::Body::Batch(batch)).into(),
         source: (key.clone(), source),
         queued_at: std::time::Instant::now(),
+        published: unit.published,
     }
 }
 
@@ -143,6 +146,7 @@ pub(crate) fn encode_unregister(
         payload: wire(key, block_size, source, body).into(),
         source: (key.clone(), source),
         queued_at: std::time::Instant::now(),
+        published: None,
     }
 }
 
@@ -169,6 +173,16 @@ fn wire(
 pub(crate) const MAX_RECORDS_PER_MESSAGE: usize = 64;
 /// Most payload bytes in one NATS message (NATS's default limit is 1 MiB).
 pub(crate) const MAX_MESSAGE_BYTES: usize = 512 << 10;
+
+/// The header of a live record (`NatsLog::live`): the [`digest`] of the record its ingest
+/// published before it for the same source (16 hex digits; `0` for the first).
+pub(crate) const LIVE_PREV_HEADER: &str = "Kvatlas-Prev";
+
+/// A record's identity on the live path: the hash of its wire form. Two ingests fed by the same
+/// engine encode the same batch to the same bytes, so their records have the same digest.
+pub(crate) fn digest(record: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(record)
+}
 
 /// A NATS message's payload: the records, each prefixed with its length (a protobuf varint).
 pub(crate) fn frame(records: &[Outgoing]) -> bytes::Bytes {

@@ -14,7 +14,29 @@
 //! A resync record (the engine restarted, or an ingest lost batches for good) is applied even
 //! when its sequence is not new: it begins by clearing the source's ranks.
 //!
-//! **Snapshots.** A snapshot is a consistent cut: the consumer stops between two records,
+//! **The live path** (`NatsLog::live`). An ingest also publishes each record at once on core
+//! NATS, with the digest of the record it published before it for the same source. A caught-up
+//! replica applies a live record when it continues its source's chain (its predecessor is the
+//! last record the replica holds of that source: the stream's last, or a live one still
+//! pending) and the source's sequencing admits it; the record's digest then waits, pending,
+//! for the stream:
+//! - the stream delivers the same bytes next for that source: confirmed, not applied again;
+//! - the stream delivers a record the stream alone would have dropped (stale, duplicate): dropped
+//!   as before, the pending records wait on;
+//! - the stream delivers anything else the stream alone would have applied: the replica no longer
+//!   holds the stream's state (two ingests disagreed about a source). It counts a divergence,
+//!   reports not ready, empties its indexes, restores the newest snapshot and consumes the stream
+//!   from after it: the stream's state again.
+//!
+//! With one ingest the stream carries a source's records in the order they were published live,
+//! so the third case needs two ingests that publish different records for one source (one of
+//! them lost batches, or joined late). A live record that does not continue the chain (lost on
+//! core NATS, a gap, a resync the replica has not seen) is left to the stream; the chain picks up
+//! again once the stream has delivered its predecessor.
+//!
+//! **Snapshots.** A snapshot is a consistent cut of the stream's state: when one is due the
+//! live path pauses until the stream has confirmed every pending record (milliseconds), then the
+//! cut is taken. A cut: the consumer stops between two records,
 //! every index's writers finish what they hold, and the images are taken before the next
 //! record is read; they are encoded and put while consumption goes on. The object holds [`SNAPSHOT_MAGIC`], the stream sequence it covers (u64 LE)
 //! and the native snapshot (`snapshot.rs`).
@@ -42,6 +64,9 @@ use crate::state::State;
 pub(crate) const SNAPSHOT_MAGIC: &[u8; 8] = b"KVATREPL";
 /// Recent `(sequence, fingerprint)` pairs kept per source.
 const RECENT: usize = 1024;
+/// Live records of one source applied and not yet confirmed by the stream, at most (fewer than
+/// [`RECENT`], so that the pairs before them are still known).
+const LIVE_PENDING: usize = 256;
 
 /// What a replica does with a batch of a source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,7 +117,100 @@ impl SourceState {
         self.recent.push_back((seq, fingerprint));
         Admission::Apply
     }
+
+    /// What [`Self::admit`] would have decided about a batch before the last `pending`
+    /// admissions, given the position before them (`None`: no position; ignored if `pending` is
+    /// 0), without recording anything.
+    fn admit_before(
+        &self,
+        pending: usize,
+        position_before: Option<u64>,
+        seq: Option<u64>,
+        fingerprint: u64,
+        resync: bool,
+    ) -> Admission {
+        let Some(seq) = seq else {
+            return Admission::Apply;
+        };
+        let (position, known) = if pending == 0 {
+            (self.position, self.recent.len())
+        } else {
+            (position_before, self.recent.len().saturating_sub(pending))
+        };
+        if self
+            .recent
+            .iter()
+            .take(known)
+            .any(|&pair| pair == (seq, fingerprint))
+        {
+            return Admission::Duplicate;
+        }
+        if !resync && position.is_some_and(|position| seq <= position) {
+            return Admission::Stale;
+        }
+        Admission::Apply
+    }
 }
+
+/// A source's place on the live path at a replica (see the module docs).
+#[derive(Debug, Default)]
+struct Chain {
+    /// The digest of the last record of the source the stream delivered (`None`: none yet).
+    head: Option<u64>,
+    /// The live records applied and not yet confirmed, oldest first.
+    pending: VecDeque<LiveId>,
+    /// The source's position before the first pending record.
+    position_before: Option<u64>,
+}
+
+impl Chain {
+    /// The stream delivered the oldest pending record: it is the stream's now. The chain goes
+    /// on from it (its ingest's next live record names it).
+    fn confirm_front(&mut self) -> Option<LiveId> {
+        let live = self.pending.pop_front()?;
+        self.head = Some(live.digest);
+        self.position_before = live.seq.or(self.position_before);
+        Some(live)
+    }
+
+    /// The digest a live record must name as its predecessor to continue this chain.
+    fn tip(&self) -> Option<u64> {
+        self.pending.back().map(|id| id.digest).or(self.head)
+    }
+}
+
+/// What identifies a live record when the stream delivers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LiveId {
+    /// Its digest (`log_record::digest`).
+    digest: u64,
+    /// Its batch's sequence number, fingerprint and resync flag.
+    seq: Option<u64>,
+    fingerprint: u64,
+    resync: bool,
+    /// Its batch's engine stamp (Unix µs), if any.
+    published_micros: Option<i64>,
+}
+
+impl LiveId {
+    /// Whether the stream's record `other` is this live record: the same bytes, or, for an
+    /// engine's sequenced batch, the same sequence number, fingerprint (the hash of the
+    /// engine's payload, which fixes the mutations) and resync flag. (Two ingests stamp the
+    /// same batch with publish times that may differ by a microsecond: the bytes differ, the
+    /// state they make does not.)
+    fn is(&self, other: &LiveId) -> bool {
+        self.digest == other.digest
+            || (self.seq.is_some()
+                && self.fingerprint != 0
+                && (self.seq, self.fingerprint, self.resync)
+                    == (other.seq, other.fingerprint, other.resync))
+    }
+}
+
+/// The stream delivered, for a source with live records pending, something else the stream
+/// alone would have applied.
+#[derive(Debug)]
+struct Diverged;
 
 /// The replica's running part.
 #[derive(Debug)]
@@ -113,6 +231,16 @@ pub(crate) async fn start(
     let bucket = crate::nats::snapshot_bucket(&js, &log).await?;
     state.set_bootstrapping(true);
     let covered = restore_newest(&state.registry, &bucket).await?;
+    let live = if log.live {
+        let client = js.client();
+        let live = client
+            .subscribe(log.live_subjects())
+            .await
+            .map_err(|e| format!("subscribing to the live path: {e}"))?;
+        Some(live)
+    } else {
+        None
+    };
     let stop = CancellationToken::new();
     let stats = Arc::clone(state.registry.log_stats());
     let consumer = Consumer {
@@ -122,6 +250,10 @@ pub(crate) async fn start(
         stream,
         bucket,
         sources: HashMap::new(),
+        live,
+        chains: HashMap::new(),
+        live_pending: HashMap::new(),
+        live_paused: false,
         applied: covered.unwrap_or(0),
         caught_up: false,
         last_snapshot: tokio::time::Instant::now(),
@@ -138,6 +270,15 @@ struct Consumer {
     stream: jetstream::stream::Stream,
     bucket: jetstream::object_store::ObjectStore,
     sources: HashMap<(IndexKey, Worker), SourceState>,
+    /// The live path's subscription (`None`: off).
+    live: Option<async_nats::Subscriber>,
+    /// Per source, its place on the live path.
+    chains: HashMap<(IndexKey, Worker), Chain>,
+    /// Live records applied and not yet confirmed, over every source: their digests and
+    /// sources (so that the stream's copy is confirmed without decoding it).
+    live_pending: HashMap<u64, (IndexKey, Worker)>,
+    /// A snapshot waits for the pending records: no live record is applied meanwhile.
+    live_paused: bool,
     /// The last stream sequence applied (or covered by the restored snapshot).
     applied: u64,
     caught_up: bool,
@@ -218,6 +359,10 @@ impl Consumer {
                     self.maybe_snapshot().await;
                     continue;
                 }
+                Some(live) = next_live(&mut self.live) => {
+                    self.apply_live(&live).await;
+                    continue;
+                }
                 message = messages.next() => message,
             };
             let Some(message) = message else {
@@ -235,8 +380,14 @@ impl Consumer {
             if sequence > self.applied + 1 && self.skipped(sequence).await? {
                 return Err("re-bootstrapped from a snapshot".into());
             }
-            self.apply_message(&message.payload, arrived, published_nanos)
-                .await;
+            if self
+                .apply_message(&message.payload, arrived, published_nanos)
+                .await
+                .is_err()
+            {
+                self.diverged().await?;
+                return Err("re-bootstrapped after a live-path divergence".into());
+            }
             self.applied = sequence;
             self.stats
                 .stream_sequence
@@ -246,7 +397,157 @@ impl Consumer {
             if pending == 0 {
                 self.caught_up();
             }
+            if self.live_paused && self.live_pending.is_empty() {
+                self.maybe_snapshot().await;
+            }
         }
+    }
+
+    /// Applies a live record if it continues its source's chain (see the module docs);
+    /// otherwise leaves it to the stream.
+    async fn apply_live(&mut self, message: &async_nats::Message) {
+        if self.try_apply_live(message).await {
+            LogStats::bump(&self.stats.live_applied);
+            LogStats::bump(&self.stats.applied);
+        } else {
+            LogStats::bump(&self.stats.live_skipped);
+        }
+    }
+
+    /// [`Self::apply_live`]: whether the record was applied.
+    async fn try_apply_live(&mut self, message: &async_nats::Message) -> bool {
+        if !self.caught_up || self.live_paused {
+            return false;
+        }
+        let arrived = std::time::Instant::now();
+        let Some(prev) = message
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(crate::log_record::LIVE_PREV_HEADER))
+            .and_then(|v| u64::from_str_radix(v.as_str(), 16).ok())
+        else {
+            return false;
+        };
+        let Ok(record) = Record::decode(&message.payload) else {
+            return false;
+        };
+        let Body::Batch {
+            seq,
+            fingerprint,
+            resync,
+            published_unix_micros,
+            ..
+        } = &record.body
+        else {
+            return false;
+        };
+        if let Some(age) = age_since(*published_unix_micros, time_now_nanos()) {
+            self.stats.live_age.observe(age);
+        }
+        let source_key = (record.key.clone(), record.source);
+        let (Some(chain), Some(source)) = (
+            self.chains.get_mut(&source_key),
+            self.sources.get_mut(&source_key),
+        ) else {
+            return false;
+        };
+        if chain.tip() != Some(prev) || chain.pending.len() >= LIVE_PENDING {
+            return false;
+        }
+        let Ok((entry, _)) = self
+            .state
+            .registry
+            .index_for(&record.key, Some(record.block_size))
+        else {
+            return false;
+        };
+        let position = source.position;
+        if source.admit(*seq, *fingerprint, *resync) != Admission::Apply {
+            return false;
+        }
+        if chain.pending.is_empty() {
+            chain.position_before = position;
+        }
+        let digest = crate::log_record::digest(&message.payload);
+        chain.pending.push_back(LiveId {
+            digest,
+            seq: *seq,
+            fingerprint: *fingerprint,
+            resync: *resync,
+            published_micros: *published_unix_micros,
+        });
+        self.live_pending.insert(digest, source_key);
+        if let Some(unit) = record.into_unit(Some(arrived)) {
+            // Fails only when the writers are gone (shutdown).
+            let _ = crate::grpc::enqueue(&entry.pool, unit).await;
+        }
+        true
+    }
+
+    /// Confirms the live record whose wire form has `digest`, if it is its source's oldest
+    /// pending one (the stream stored it at `stored_nanos`); `false` if it is not pending.
+    fn confirm(&mut self, digest: u64, stored_nanos: i128) -> bool {
+        let Some(source) = self.live_pending.get(&digest) else {
+            return false;
+        };
+        let Some(chain) = self.chains.get_mut(source) else {
+            return false;
+        };
+        if chain
+            .pending
+            .front()
+            .is_none_or(|live| live.digest != digest)
+        {
+            return false;
+        }
+        let live = chain.confirm_front();
+        self.live_pending.remove(&digest);
+        LogStats::bump(&self.stats.live_confirmed);
+        if let Some(age) = live.and_then(|live| age_since(live.published_micros, stored_nanos)) {
+            self.stats.stored_age.observe(age);
+        }
+        true
+    }
+
+    /// Forgets every chain and pending live record (the indexes were replaced).
+    fn forget_live(&mut self) {
+        self.chains.clear();
+        self.live_pending.clear();
+        self.live_paused = false;
+    }
+
+    /// The stream is no longer what the live path applied: count it, report not ready, empty
+    /// every index, restore the newest snapshot and consume again from after it.
+    async fn diverged(&mut self) -> Result<(), String> {
+        LogStats::bump(&self.stats.live_divergences);
+        tracing::warn!(
+            stream_sequence = self.applied,
+            "the event log delivered something else than a record the live path applied: \
+             re-bootstrapping from the newest snapshot"
+        );
+        self.caught_up = false;
+        self.state.set_bootstrapping(true);
+        self.sources.clear();
+        self.forget_live();
+        // From the stream's start until a snapshot is restored: if restoring fails, the next
+        // attempt reads everything the stream holds into the emptied indexes.
+        self.applied = 0;
+        let registry = Arc::clone(&self.state.registry);
+        tokio::task::spawn_blocking(move || {
+            for entry in registry.all() {
+                entry.pool.flush();
+                entry.index().restore_image(
+                    &kvatlas_index::Snapshot::default(),
+                    &std::collections::BTreeMap::new(),
+                );
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        self.applied = restore_newest(&self.state.registry, &self.bucket)
+            .await?
+            .unwrap_or(0);
+        Ok(())
     }
 
     fn caught_up(&mut self) {
@@ -275,6 +576,8 @@ impl Consumer {
                 );
                 if let Some(covered) = restore_newest(&self.state.registry, &self.bucket).await? {
                     self.sources.clear();
+                    // The snapshot replaced what the live path applied: nothing is pending.
+                    self.forget_live();
                     self.applied = covered;
                     return Ok(true);
                 }
@@ -302,11 +605,11 @@ impl Consumer {
         payload: &[u8],
         arrived: std::time::Instant,
         stored_nanos: i128,
-    ) {
+    ) -> Result<(), Diverged> {
         match crate::log_record::unframe(payload) {
             Ok(records) => {
                 for record in records {
-                    self.apply(record, arrived, stored_nanos).await;
+                    self.apply(record, arrived, stored_nanos).await?;
                 }
             }
             Err(why) => {
@@ -314,18 +617,29 @@ impl Consumer {
                 tracing::warn!("dropped an event-log message: {why}");
             }
         }
+        Ok(())
     }
 
     /// Decodes, sequences and applies one record of a message that the stream stored at
-    /// `stored_nanos` and arrived at `arrived` (an invalid one is counted and skipped).
-    async fn apply(&mut self, payload: &[u8], arrived: std::time::Instant, stored_nanos: i128) {
+    /// `stored_nanos` and arrived at `arrived` (an invalid one is counted and skipped), or
+    /// confirms the live record it is.
+    async fn apply(
+        &mut self,
+        payload: &[u8],
+        arrived: std::time::Instant,
+        stored_nanos: i128,
+    ) -> Result<(), Diverged> {
         LogStats::bump(&self.stats.consumed);
+        let digest = crate::log_record::digest(payload);
+        if self.confirm(digest, stored_nanos) {
+            return Ok(());
+        }
         let record = match Record::decode(payload) {
             Ok(record) => record,
             Err(why) => {
                 LogStats::bump(&self.stats.dropped_invalid);
                 tracing::warn!("dropped an event-log record: {why}");
-                return;
+                return Ok(());
             }
         };
         let registry = &self.state.registry;
@@ -334,18 +648,27 @@ impl Consumer {
             Err(error) => {
                 LogStats::bump(&self.stats.dropped_invalid);
                 tracing::warn!("dropped an event-log record for {}: {error}", record.key);
-                return;
+                return Ok(());
             }
         };
         let source_key = (record.key.clone(), record.source);
         match &record.body {
             Body::Unregister { dp_rank } => {
                 let (instance, rank) = (record.source.worker_id, *dp_rank);
-                self.sources.retain(|(key, worker), _| {
+                let kept = |(key, worker): &(IndexKey, Worker)| {
                     *key != record.key
                         || worker.worker_id != instance
                         || rank.is_some_and(|r| r != worker.dp_rank)
-                });
+                };
+                if self
+                    .chains
+                    .iter()
+                    .any(|(source, chain)| !kept(source) && !chain.pending.is_empty())
+                {
+                    return Err(Diverged);
+                }
+                self.sources.retain(|source, _| kept(source));
+                self.chains.retain(|source, _| kept(source));
                 let entry = Arc::clone(&entry);
                 let _ = tokio::task::spawn_blocking(move || {
                     entry.index().forget_marks(instance, rank);
@@ -371,12 +694,8 @@ impl Consumer {
                 published_unix_micros,
                 ..
             } => {
-                if let Some(age) = published_unix_micros.and_then(|micros| {
-                    let nanos = stored_nanos - i128::from(micros) * 1000;
-                    u64::try_from(nanos).ok().map(Duration::from_nanos)
-                }) && age <= kvatlas_events::MAX_EVENT_AGE
-                {
-                    self.stats.stored_age.0.observe(age);
+                if let Some(age) = age_since(*published_unix_micros, stored_nanos) {
+                    self.stats.stored_age.observe(age);
                 }
                 if !self.sources.contains_key(&source_key)
                     && self.sources.len() >= registry.limits().max_registered_ranks
@@ -385,24 +704,58 @@ impl Consumer {
                     tracing::warn!(
                         "dropped an event-log record: more sources than --max-registered-ranks"
                     );
-                    return;
+                    return Ok(());
                 }
-                let source = self.sources.entry(source_key).or_insert_with(|| {
+                let source = self.sources.entry(source_key.clone()).or_insert_with(|| {
                     entry
                         .index()
                         .mark(record.source)
                         .map(|mark| SourceState::from_mark(mark.position, &mark.recent))
                         .unwrap_or_default()
                 });
-                match source.admit(*seq, *fingerprint, *resync) {
+                let chain = self.chains.entry(source_key).or_default();
+                let id = LiveId {
+                    digest,
+                    seq: *seq,
+                    fingerprint: *fingerprint,
+                    resync: *resync,
+                    published_micros: *published_unix_micros,
+                };
+                let admission = if chain.pending.is_empty() {
+                    source.admit(*seq, *fingerprint, *resync)
+                } else if let Some(live) = chain.pending.front().copied()
+                    && live.is(&id)
+                {
+                    // Another ingest's copy of a live record (the same bytes were confirmed
+                    // before decoding): applied already.
+                    chain.confirm_front();
+                    self.live_pending.remove(&live.digest);
+                    LogStats::bump(&self.stats.live_confirmed);
+                    return Ok(());
+                } else {
+                    // What the stream alone would do: drop it (the pending records wait on),
+                    // or apply it, which the live path got ahead of.
+                    match source.admit_before(
+                        chain.pending.len(),
+                        chain.position_before,
+                        *seq,
+                        *fingerprint,
+                        *resync,
+                    ) {
+                        Admission::Apply => return Err(Diverged),
+                        dropped => dropped,
+                    }
+                };
+                chain.head = Some(digest);
+                match admission {
                     Admission::Apply => {}
                     Admission::Duplicate => {
                         LogStats::bump(&self.stats.dropped_duplicate);
-                        return;
+                        return Ok(());
                     }
                     Admission::Stale => {
                         LogStats::bump(&self.stats.dropped_stale);
-                        return;
+                        return Ok(());
                     }
                 }
                 if let Some(unit) = record.into_unit(Some(arrived))
@@ -412,6 +765,7 @@ impl Consumer {
                 }
             }
         }
+        Ok(())
     }
 
     /// Writes a snapshot if it is this replica's turn: its interval passed and no other
@@ -423,6 +777,13 @@ impl Consumer {
         if self.last_snapshot.elapsed() < interval || !self.caught_up {
             return;
         }
+        if !self.live_pending.is_empty() {
+            // The cut is the stream's state: the live path waits until the stream confirmed
+            // what it applied (the consumer calls again when it has).
+            self.live_paused = true;
+            return;
+        }
+        self.live_paused = false;
         self.last_snapshot = tokio::time::Instant::now();
         if let Ok(info) = self.bucket.info(SNAPSHOT_OBJECT).await {
             let age = info.modified.map(|modified| {
@@ -472,6 +833,26 @@ impl Consumer {
             }
         }));
     }
+}
+
+/// The next live record (never, once the live path is off or its subscription ended).
+async fn next_live(live: &mut Option<async_nats::Subscriber>) -> Option<async_nats::Message> {
+    let message = match live {
+        Some(subscription) => subscription.next().await,
+        None => None,
+    };
+    if message.is_none() {
+        *live = None;
+        std::future::pending::<()>().await;
+    }
+    message
+}
+
+/// The age at `at_nanos` (Unix ns) of a batch the engine stamped `published_micros` (Unix µs),
+/// if it has a stamp and the age is not negative.
+fn age_since(published_micros: Option<i64>, at_nanos: i128) -> Option<Duration> {
+    let nanos = at_nanos - i128::from(published_micros?) * 1000;
+    Some(Duration::from_nanos(u64::try_from(nanos).ok()?))
 }
 
 fn time_now_nanos() -> i128 {
@@ -631,6 +1012,122 @@ mod tests {
         );
         assert_eq!(restored_copy.admit(Some(8), 80, false), Admission::Apply);
         assert_eq!(restored.position, Some(7));
+    }
+
+    #[test]
+    fn the_view_before_pending_admissions_is_the_streams() {
+        let mut source = SourceState::default();
+        for seq in 0..5 {
+            assert_eq!(source.admit(Some(seq), seq * 10, false), Admission::Apply);
+        }
+        // Two live records admitted on top (positions 5 and 6).
+        let before = source.position;
+        assert_eq!(source.admit(Some(5), 50, false), Admission::Apply);
+        assert_eq!(source.admit(Some(6), 60, false), Admission::Apply);
+        // The stream alone is at 4: 5 is new to it, whatever its fingerprint.
+        assert_eq!(
+            source.admit_before(2, before, Some(5), 51, false),
+            Admission::Apply
+        );
+        assert_eq!(
+            source.admit_before(2, before, Some(5), 50, false),
+            Admission::Apply
+        );
+        // What it applied or passed is dropped as it would have been.
+        assert_eq!(
+            source.admit_before(2, before, Some(3), 30, false),
+            Admission::Duplicate
+        );
+        assert_eq!(
+            source.admit_before(2, before, Some(3), 31, false),
+            Admission::Stale
+        );
+        // A resync it has not seen, and an unsequenced record, it would apply.
+        assert_eq!(
+            source.admit_before(2, before, Some(3), 31, true),
+            Admission::Apply
+        );
+        assert_eq!(
+            source.admit_before(2, before, None, 0, false),
+            Admission::Apply
+        );
+        // With nothing pending the view is the source's own.
+        assert_eq!(
+            source.admit_before(0, None, Some(6), 60, false),
+            Admission::Duplicate
+        );
+        assert_eq!(
+            source.admit_before(0, None, Some(7), 70, false),
+            Admission::Apply
+        );
+        assert_eq!(source.position, Some(6), "nothing recorded");
+    }
+
+    #[test]
+    fn a_live_record_is_the_streams_copy_by_bytes_or_by_its_engine_batch() {
+        let live = LiveId {
+            digest: 1,
+            seq: Some(5),
+            fingerprint: 77,
+            resync: false,
+            published_micros: None,
+        };
+        // Another ingest's copy: stamped a microsecond apart, the same engine batch.
+        assert!(live.is(&LiveId { digest: 2, ..live }));
+        assert!(!live.is(&LiveId {
+            digest: 2,
+            fingerprint: 78,
+            ..live
+        }));
+        assert!(!live.is(&LiveId {
+            digest: 2,
+            seq: Some(6),
+            ..live
+        }));
+        assert!(!live.is(&LiveId {
+            digest: 2,
+            resync: true,
+            ..live
+        }));
+        // Without an engine fingerprint (PublishEvents) or a sequence, only the same bytes.
+        let pushed = LiveId {
+            fingerprint: 0,
+            ..live
+        };
+        assert!(!pushed.is(&LiveId {
+            digest: 2,
+            ..pushed
+        }));
+        assert!(pushed.is(&pushed));
+        let unsequenced = LiveId { seq: None, ..live };
+        assert!(!unsequenced.is(&LiveId {
+            digest: 2,
+            ..unsequenced
+        }));
+    }
+
+    #[test]
+    fn a_chain_continues_from_its_last_pending_record_or_the_streams() {
+        let mut chain = Chain::default();
+        assert_eq!(
+            chain.tip(),
+            None,
+            "nothing delivered yet: no live record continues it"
+        );
+        chain.head = Some(9);
+        assert_eq!(chain.tip(), Some(9));
+        chain.pending.push_back(LiveId {
+            digest: 11,
+            seq: Some(1),
+            fingerprint: 1,
+            resync: false,
+            published_micros: None,
+        });
+        assert_eq!(chain.tip(), Some(11));
+        // Confirmed, the record is the stream's: the chain goes on from it.
+        assert_eq!(chain.confirm_front().map(|live| live.digest), Some(11));
+        assert_eq!((chain.tip(), chain.position_before), (Some(11), Some(1)));
+        assert_eq!(chain.confirm_front(), None);
     }
 
     #[test]

@@ -47,6 +47,11 @@ pub struct NatsLog {
     pub snapshot_bucket: String,
     /// Time between a replica's snapshots (`None`: it never writes one).
     pub snapshot_interval: Option<Duration>,
+    /// The live path: an ingest also publishes each record at once on core NATS
+    /// (subjects `PREFIX-live.…`, no storage), and a replica applies a live record that
+    /// continues the chain of its source's records before the stream delivers it; the stream
+    /// confirms it (`log_replica`). `false`: the stream alone.
+    pub live: bool,
 }
 
 impl NatsLog {
@@ -62,6 +67,7 @@ impl NatsLog {
             duplicate_window: Duration::from_secs(120),
             snapshot_bucket: DEFAULT_SNAPSHOT_BUCKET.to_owned(),
             snapshot_interval: Some(Duration::from_secs(30)),
+            live: true,
         }
     }
 
@@ -112,6 +118,17 @@ impl NatsLog {
     /// The subjects the stream holds.
     pub(crate) fn subjects(&self) -> String {
         format!("{}.>", self.subject_prefix)
+    }
+
+    /// The live path's subject prefix: the stream's with `-live` on its last token, so that
+    /// the stream (`PREFIX.>`) never stores a live record.
+    pub(crate) fn live_prefix(&self) -> String {
+        format!("{}-live", self.subject_prefix)
+    }
+
+    /// The live path's subjects.
+    pub(crate) fn live_subjects(&self) -> String {
+        format!("{}.>", self.live_prefix())
     }
 }
 
@@ -186,6 +203,17 @@ impl Default for AgeHistogram {
     }
 }
 
+impl AgeHistogram {
+    /// Counts `age`, unless it is longer than an event age can be
+    /// ([`kvatlas_events::MAX_EVENT_AGE`]: a stamp that far back is not a recent wall-clock
+    /// time).
+    pub(crate) fn observe(&self, age: std::time::Duration) {
+        if age <= kvatlas_events::MAX_EVENT_AGE {
+            self.0.observe(age);
+        }
+    }
+}
+
 /// What the event log did in this process (both roles; `/metrics` shows them).
 #[derive(Debug, Default)]
 pub(crate) struct LogStats {
@@ -193,6 +221,13 @@ pub(crate) struct LogStats {
     /// the ingest's and NATS's share of the event age (`kvatlas_event_age_seconds` is the
     /// whole, to visible at the replica).
     pub(crate) stored_age: AgeHistogram,
+    /// At a replica, a stamped batch's engine stamp to its live record reaching the replica's
+    /// consumer: the engine's, the ingest's and core NATS's share of the event age on the live
+    /// path.
+    pub(crate) live_age: AgeHistogram,
+    /// At an ingest, a stamped batch's engine stamp to its publisher taking its record off the
+    /// queue (and sending it live): the engine's and the ingest's share of the event age.
+    pub(crate) sent_age: AgeHistogram,
     /// Records handed to the publisher.
     pub(crate) queued: AtomicU64,
     /// Records the stream acknowledged.
@@ -225,6 +260,17 @@ pub(crate) struct LogStats {
     pub(crate) snapshots_written: AtomicU64,
     pub(crate) snapshots_skipped: AtomicU64,
     pub(crate) snapshots_failed: AtomicU64,
+    /// Live path, at an ingest: records published live, and left out (the live queue full).
+    pub(crate) live_published: AtomicU64,
+    pub(crate) live_dropped: AtomicU64,
+    /// Live path, at a replica: live records applied before the stream delivered them; of
+    /// those, confirmed by the stream; live records not applied (they did not continue their
+    /// source's chain, or the replica was not caught up); divergences (the stream delivered
+    /// something else than a record applied live: the replica re-bootstraps).
+    pub(crate) live_applied: AtomicU64,
+    pub(crate) live_confirmed: AtomicU64,
+    pub(crate) live_skipped: AtomicU64,
+    pub(crate) live_divergences: AtomicU64,
     /// Time from the stream storing a record to the replica applying it.
     pub(crate) lag: Histogram,
     /// Time from the ingest queueing a record to the stream acknowledging it.
@@ -241,7 +287,7 @@ impl LogStats {
     pub(crate) fn render(&self, out: &mut String, role: &str) {
         use std::fmt::Write as _;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 14] = [
+        let counters: [(&str, &str, u64); 20] = [
             (
                 "published_bytes",
                 "bytes of the records stored (subject, headers, payload)",
@@ -312,6 +358,36 @@ impl LogStats {
                 "snapshot turns left to another replica",
                 get(&self.snapshots_skipped),
             ),
+            (
+                "live_published",
+                "records published on the live path",
+                get(&self.live_published),
+            ),
+            (
+                "live_dropped",
+                "records left off the live path (its queue full; the stream carries them)",
+                get(&self.live_dropped),
+            ),
+            (
+                "live_applied",
+                "live records applied before the stream delivered them",
+                get(&self.live_applied),
+            ),
+            (
+                "live_confirmed",
+                "live records the stream then delivered unchanged",
+                get(&self.live_confirmed),
+            ),
+            (
+                "live_skipped",
+                "live records left to the stream (not continuing their source's chain)",
+                get(&self.live_skipped),
+            ),
+            (
+                "live_divergences",
+                "streams that delivered something else than a live record applied (re-bootstraps)",
+                get(&self.live_divergences),
+            ),
         ];
         for (name, help, value) in counters {
             let _ = writeln!(
@@ -351,6 +427,18 @@ impl LogStats {
             out,
             "kvatlas_log_lag_seconds",
             "From the stream storing a record to the replica applying it.",
+            "",
+        );
+        self.sent_age.0.render(
+            out,
+            "kvatlas_log_sent_age_seconds",
+            "At an ingest: from a batch's engine stamp to the publisher taking its record.",
+            "",
+        );
+        self.live_age.0.render(
+            out,
+            "kvatlas_log_live_age_seconds",
+            "At a replica: from a batch's engine stamp to its live record reaching the consumer.",
             "",
         );
         self.stored_age.0.render(

@@ -16,6 +16,20 @@ use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
 
 const MODEL: &str = "m";
 
+/// A query of model `m`'s default tenant by local hashes.
+fn query_of(hashes: Vec<u64>) -> v1::QueryRequest {
+    v1::QueryRequest {
+        index: Some(v1::IndexSelector {
+            model: MODEL.into(),
+            tenant: String::new(),
+        }),
+        input: Some(v1::query_request::Input::LocalHashes(v1::LocalHashes {
+            hashes,
+        })),
+        ..v1::QueryRequest::default()
+    }
+}
+
 /// The answers of both servers to the same prompts, which must be equal.
 fn agree(a: &Served, b: &Served, fleet: &mut Fleet) {
     let prompts: Vec<Vec<u64>> = fleet
@@ -40,16 +54,7 @@ fn agree(a: &Served, b: &Served, fleet: &mut Fleet) {
             let mut all = Vec::new();
             for hashes in &prompts {
                 let answer = client
-                    .query(v1::QueryRequest {
-                        index: Some(v1::IndexSelector {
-                            model: MODEL.into(),
-                            tenant: String::new(),
-                        }),
-                        input: Some(v1::query_request::Input::LocalHashes(v1::LocalHashes {
-                            hashes: hashes.clone(),
-                        })),
-                        ..v1::QueryRequest::default()
-                    })
+                    .query(query_of(hashes.clone()))
                     .await
                     .expect("answered")
                     .into_inner();
@@ -144,7 +149,19 @@ fn replicas_converge_through_a_replica_kill_a_nats_restart_and_a_late_start() {
     for server in [&first, &second] {
         assert_eq!(metric(server, "kvatlas_log_dropped_invalid_total"), 0);
         assert_eq!(metric(server, "kvatlas_log_sequences_lost_total"), 0);
+        // Every record the live path applied, the stream then delivered unchanged.
+        assert_eq!(metric(server, "kvatlas_log_live_divergences_total"), 0);
+        eventually("the stream confirmed every live record", || {
+            metric(server, "kvatlas_log_live_confirmed_total")
+                == metric(server, "kvatlas_log_live_applied_total")
+        });
     }
+    assert!(
+        metric(&first, "kvatlas_log_live_applied_total")
+            + metric(&second, "kvatlas_log_live_applied_total")
+            > 0,
+        "the replicas applied records off the live path"
+    );
     assert_eq!(metric(&ingest, "kvatlas_log_queued_total"), fleet.batches);
     first.kill_9();
     second.kill_9();
@@ -176,16 +193,7 @@ fn a_publish_only_ingest_applies_nothing_and_refuses_queries() {
             .await
             .expect("connects");
         client
-            .query(v1::QueryRequest {
-                index: Some(v1::IndexSelector {
-                    model: MODEL.into(),
-                    tenant: String::new(),
-                }),
-                input: Some(v1::query_request::Input::LocalHashes(v1::LocalHashes {
-                    hashes: vec![1, 2, 3],
-                })),
-                ..v1::QueryRequest::default()
-            })
+            .query(query_of(vec![1, 2, 3]))
             .await
             .expect_err("refused")
     });
@@ -238,6 +246,9 @@ fn two_ingests_deduplicate_and_the_survivor_carries_on() {
         applied, fleet.batches,
         "each engine batch applied exactly once"
     );
+    // Both ingests publish live too; a copy of a batch the replica holds does not continue
+    // its chain, and the stream's copies agree with what the live path applied.
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
     replica.kill_9();
     two.kill_9();
 }
@@ -311,4 +322,160 @@ fn records_lost_to_retention_with_no_snapshot_are_counted_and_the_replica_serves
     assert_eq!(metric(&late, "kvatlas_log_dropped_invalid_total"), 0);
     late.kill_9();
     ingest.kill_9();
+}
+
+/// A hand-made event-log record of worker 7 of model `m`: a batch with sequence number `seq`
+/// and fingerprint `fingerprint` storing one block (`external`, `local`) after `parent`.
+fn record(seq: u64, fingerprint: u64, parent: Option<u64>, external: u64, local: u64) -> Vec<u8> {
+    use prost::Message as _;
+    use v1::log_mutation::Event;
+    v1::LogRecord {
+        index: Some(v1::IndexSelector {
+            model: MODEL.into(),
+            tenant: "default".into(),
+        }),
+        block_size: BLOCK_TOKENS,
+        instance_id: 7,
+        dp_rank: 0,
+        body: Some(v1::log_record::Body::Batch(v1::LogBatch {
+            seq: Some(seq),
+            fingerprint,
+            resync: false,
+            mutations: vec![v1::LogMutation {
+                dp_rank: 0,
+                event: Some(Event::Stored(v1::LogStored {
+                    parent_hash: parent,
+                    block_hashes: vec![external],
+                    local_hashes: vec![local],
+                    tier: v1::StorageTier::Device.into(),
+                })),
+            }],
+            published_unix_micros: None,
+        })),
+    }
+    .encode_to_vec()
+}
+
+/// Worker 7's device blocks matching `prompt` at `server` (0: not listed).
+fn blocks_of_worker_7(server: &Served, prompt: &[u64]) -> u32 {
+    runtime().block_on(async {
+        let mut client = IndexerClient::connect(server.grpc.clone())
+            .await
+            .expect("connects");
+        let answer = client
+            .query(query_of(prompt.to_vec()))
+            .await
+            .map(|response| response.into_inner());
+        answer.map_or(0, |answer| {
+            answer
+                .matches
+                .iter()
+                .find(|m| m.instance_id == 7)
+                .map_or(0, |m| m.device_blocks)
+        })
+    })
+}
+
+/// Waits until `check` holds (panicking with `what` after the convergence bound).
+fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !check() {
+        assert!(started.elapsed() < CONVERGE, "timed out waiting: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn the_live_path_applies_ahead_of_the_stream_and_a_divergence_restores_the_streams_state() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    // No snapshots: a divergence re-reads the stream from its start.
+    let replica = Served::start(&[
+        "--consume-from",
+        &nats.url(),
+        "--nats-snapshot-interval-secs",
+        "0",
+    ]);
+    // The replica created the stream and subscribed to the live path.
+    ready(&replica);
+    // One runtime drives the test's NATS connection (its task runs inside `block_on`).
+    let nats_runtime = runtime();
+    let client = nats_runtime
+        .block_on(async_nats::connect(nats.url()))
+        .expect("connects to NATS");
+    let js = {
+        let _inside = nats_runtime.enter();
+        async_nats::jetstream::new(client.clone())
+    };
+    let subject = format!("kvatlas.events.{MODEL}.default.7");
+    let live_subject = format!("kvatlas.events-live.{MODEL}.default.7");
+    let to_stream = |record: &[u8]| {
+        let mut framed = Vec::new();
+        prost::encoding::encode_varint(record.len() as u64, &mut framed);
+        framed.extend_from_slice(record);
+        nats_runtime.block_on(async {
+            js.publish(subject.clone(), framed.into())
+                .await
+                .expect("published")
+                .await
+                .expect("stored");
+        });
+    };
+    let live = |record: &[u8], prev: &[u8]| {
+        let mut headers = async_nats::HeaderMap::new();
+        let prev = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(prev));
+        headers.insert("Kvatlas-Prev", prev.as_str());
+        nats_runtime.block_on(async {
+            client
+                .publish_with_headers(live_subject.clone(), headers, record.to_vec().into())
+                .await
+                .expect("published live");
+            client.flush().await.expect("flushed");
+        });
+    };
+
+    let first = record(1, 101, None, 1, 1001);
+    to_stream(&first);
+    eventually("the stream's first record applied", || {
+        blocks_of_worker_7(&replica, &[1001, 1002]) == 1
+    });
+
+    // A live record that continues the chain is applied although the stream does not hold it.
+    let second = record(2, 102, Some(1), 2, 1002);
+    live(&second, &first);
+    eventually("the live record applied ahead of the stream", || {
+        blocks_of_worker_7(&replica, &[1001, 1002]) == 2
+    });
+    assert_eq!(metric(&replica, "kvatlas_log_live_applied_total"), 1);
+    // One that does not continue it (its predecessor is unknown) is left to the stream.
+    live(&record(3, 103, Some(2), 3, 1003), &record(9, 9, None, 9, 9));
+    eventually("the broken link skipped", || {
+        metric(&replica, "kvatlas_log_live_skipped_total") == 1
+    });
+    assert_eq!(blocks_of_worker_7(&replica, &[1001, 1002, 1003]), 2);
+
+    // The stream holds another batch at that position (another ingest's): the replica goes
+    // back to the stream's state.
+    let other = record(2, 999, Some(1), 4, 2002);
+    to_stream(&other);
+    eventually("the stream's state restored", || {
+        blocks_of_worker_7(&replica, &[1001, 2002]) == 2
+            && blocks_of_worker_7(&replica, &[1001, 1002]) == 1
+    });
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 1);
+
+    // The chain goes on from the stream's record; the stream then confirms the live record,
+    // which is not applied twice.
+    let third = record(3, 103, Some(4), 5, 2003);
+    live(&third, &other);
+    eventually("the live record after the divergence applied", || {
+        blocks_of_worker_7(&replica, &[1001, 2002, 2003]) == 3
+    });
+    to_stream(&third);
+    eventually("the stream confirmed the live record", || {
+        metric(&replica, "kvatlas_log_live_confirmed_total") == 1
+    });
+    assert_eq!(metric(&replica, "kvatlas_log_live_applied_total"), 2);
+    assert_eq!(metric(&replica, "kvatlas_log_dropped_duplicate_total"), 0);
+    assert_eq!(blocks_of_worker_7(&replica, &[1001, 2002, 2003]), 3);
+    replica.kill_9();
 }
