@@ -10,9 +10,11 @@
 //!   socket connected to every engine on a thread of its own (the ingest's poller), hands it
 //!   to a one-worker tokio runtime (the ingest's runtime) that publishes it unchanged to a
 //!   JetStream stream on file storage with a message id (the ingest's stream and header),
-//!   every publish in flight at once;
+//!   every publish in flight at once, and publishes it on core NATS too (the ingest's live
+//!   path);
 //! - **consumers** (as many as the replicas, each a process of its own) read the stream with
-//!   an ordered pull consumer (the replica's) and take the stamp of each message on arrival.
+//!   an ordered pull consumer (the replica's) and subscribe to the core subjects (the replica's
+//!   live path), and take the stamp of each message on arrival.
 //!
 //! The first consumer's ages are the floor: what the fleet, ZMQ, the relay's hand-off,
 //! nats-server and the consumer's client cost on these cores. What kvatlas adds is the
@@ -42,6 +44,8 @@ pub const CONSUMER_ARG: &str = "log-floor-consumer";
 /// The floor's stream and its subjects (one per engine, as the ingest has one per source).
 const STREAM: &str = "KVATLAS_FLOOR";
 const SUBJECT_PREFIX: &str = "kvatlas-floor";
+/// The core subjects (outside the stream's, as the ingest's live path).
+const LIVE_PREFIX: &str = "kvatlas-floor-live";
 
 /// How long a relay or consumer waits for the next batch before it reports what it has.
 const IDLE: Duration = Duration::from_secs(10);
@@ -199,6 +203,8 @@ fn relay_main(args: &[String]) -> Result<()> {
     let expected: u64 = expected.parse().context("EXPECTED is a count of batches")?;
     let runtime = runtime()?;
     let (js, _) = runtime.block_on(floor_stream(url))?;
+    // The stream's connection, as the ingest's live path.
+    let core = js.client();
     let context = zmq::Context::new();
     let sub = crate::zmq_floor::subscribe_all(&context, endpoints)?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
@@ -234,8 +240,13 @@ fn relay_main(args: &[String]) -> Result<()> {
                     let Some(payload) = payload else { break };
                     sent += 1;
                     let subject = format!("{SUBJECT_PREFIX}.{}", sent % 128);
+                    let payload = bytes::Bytes::from(payload);
+                    let live = format!("{LIVE_PREFIX}.{}", sent % 128);
+                    if let Err(error) = core.publish(live, payload.clone()).await {
+                        eprintln!("{RELAY_ARG}: publishing on core NATS failed: {error}");
+                    }
                     let publish = jetstream::message::PublishMessage::build()
-                        .payload(payload.into())
+                        .payload(payload)
                         .message_id(sent.to_string());
                     match js.send_publish(subject, publish).await {
                         Ok(ack) => {
@@ -251,6 +262,9 @@ fn relay_main(args: &[String]) -> Result<()> {
                 acknowledged += 1;
             }
         }
+        if let Err(error) = core.flush().await {
+            eprintln!("{RELAY_ARG}: flushing core NATS failed: {error}");
+        }
         acknowledged
     });
     receiver
@@ -260,9 +274,11 @@ fn relay_main(args: &[String]) -> Result<()> {
 }
 
 /// A consumer (`… log-floor-consumer URL EXPECTED`): reads the stream from its start with an
-/// ordered pull consumer, takes each message's stamp on arrival, and after `EXPECTED` messages
-/// (or a 10-second silence) prints the zmq floor's report line (received, p50, p99, max (µs),
-/// within 1 ms, CPU seconds) and the p50 and p99 of the stamp to the stream storing the batch.
+/// ordered pull consumer and the core subjects with a subscription, takes each message's stamp
+/// on arrival, and after `EXPECTED` messages of each (or a 10-second silence) prints the zmq
+/// floor's report line of the stream's messages (received, p50, p99, max (µs), within 1 ms, CPU
+/// seconds), the p50 and p99 of the stamp to the stream storing the batch, and the p50 and p99
+/// of the core messages' ages.
 fn consumer_main(args: &[String]) -> Result<()> {
     let [url, expected] = args else {
         bail!("usage: {CONSUMER_ARG} URL EXPECTED");
@@ -270,7 +286,7 @@ fn consumer_main(args: &[String]) -> Result<()> {
     let expected: u64 = expected.parse().context("EXPECTED is a count of batches")?;
     let runtime = runtime()?;
     runtime.block_on(async {
-        let (_, stream) = floor_stream(url).await?;
+        let (js, stream) = floor_stream(url).await?;
         let consumer = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: format!("{SUBJECT_PREFIX}.>"),
@@ -282,17 +298,41 @@ fn consumer_main(args: &[String]) -> Result<()> {
             .messages()
             .await
             .map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
+        // The stream's connection, as the replica's live path.
+        let core = js.client();
+        let mut live = core
+            .subscribe(format!("{LIVE_PREFIX}.>"))
+            .await
+            .map_err(|e| anyhow::anyhow!("subscribing to the core subjects: {e}"))?;
+        core.flush().await?;
         say("ready")?;
         let mut ages = Histogram::<u64>::new(3)?;
         let mut stored_ages = Histogram::<u64>::new(3)?;
-        let mut received = 0u64;
+        let mut live_ages = Histogram::<u64>::new(3)?;
+        let (mut received, mut live_received) = (0u64, 0u64);
         let started = crate::e2e::cpu_seconds(std::process::id())?;
-        while received < expected {
-            let Ok(Some(message)) = tokio::time::timeout(IDLE, messages.next()).await else {
+        while received < expected || live_received < expected {
+            let next = tokio::time::timeout(IDLE, async {
+                tokio::select! {
+                    message = messages.next(), if received < expected => Some((message, None)),
+                    message = live.next(), if live_received < expected => Some((None, message)),
+                }
+            });
+            let Ok(Some((from_stream, from_live))) = next.await else {
                 break;
             };
-            let message = message.map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
             let now = vllm::wall_clock_seconds();
+            if let Some(message) = from_live {
+                live_received += 1;
+                if let Some(age) = age_us(&message.payload, now) {
+                    live_ages.record(age)?;
+                }
+                continue;
+            }
+            let Some(message) = from_stream else {
+                break; // the stream's messages ended
+            };
+            let message = message.map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
             received += 1;
             if let Some(age) = age_us(&message.payload, now) {
                 ages.record(age)?;
@@ -309,10 +349,12 @@ fn consumer_main(args: &[String]) -> Result<()> {
         }
         let cpu = crate::e2e::cpu_seconds(std::process::id())? - started;
         say(&format!(
-            "{} {} {}",
+            "{} {} {} {} {}",
             crate::zmq_floor::report_line(received, &ages, cpu),
             stored_ages.value_at_quantile(0.5),
-            stored_ages.value_at_quantile(0.99)
+            stored_ages.value_at_quantile(0.99),
+            live_ages.value_at_quantile(0.5),
+            live_ages.value_at_quantile(0.99)
         ))
     })
 }

@@ -52,6 +52,11 @@ pub struct Floor {
     pub stored_p50_us: Option<f64>,
     /// Its 99th percentile.
     pub stored_p99_us: Option<f64>,
+    /// Through the log, the same batches published at once on core NATS (the live path's
+    /// floor): the stamp to received, p50 and p99, µs (`None` for the ZMQ floor).
+    pub live_p50_us: Option<f64>,
+    /// Its 99th percentile.
+    pub live_p99_us: Option<f64>,
 }
 
 impl Floor {
@@ -202,10 +207,14 @@ pub(crate) fn parse_report(published: u64, line: &str) -> Result<Floor> {
     else {
         bail!("the receiver reported {line:?}, not six figures");
     };
-    let (stored_p50_us, stored_p99_us) = match *stored {
-        [] => (None, None),
-        [p50, p99] => (Some(p50), Some(p99)),
-        _ => bail!("the receiver reported {line:?}: six figures, or eight with the stored ages"),
+    let (stored_p50_us, stored_p99_us, live_p50_us, live_p99_us) = match *stored {
+        [] => (None, None, None, None),
+        [p50, p99] => (Some(p50), Some(p99), None, None),
+        [p50, p99, live_p50, live_p99] => (Some(p50), Some(p99), Some(live_p50), Some(live_p99)),
+        _ => bail!(
+            "the receiver reported {line:?}: six figures, eight with the stored ages, or ten \
+             with the live ages"
+        ),
     };
     Ok(Floor {
         published,
@@ -217,6 +226,8 @@ pub(crate) fn parse_report(published: u64, line: &str) -> Result<Floor> {
         cpu_seconds: cpu,
         stored_p50_us,
         stored_p99_us,
+        live_p50_us,
+        live_p99_us,
     })
 }
 
@@ -246,7 +257,14 @@ mod tests {
             (through_log.stored_p50_us, through_log.stored_p99_us),
             (Some(80.0), Some(700.0))
         );
+        assert_eq!(through_log.live_p99_us, None);
+        let live = parse_report(10, "9 120 900 1500 0.95 0.25 80 700 60 300").expect("ten");
+        assert_eq!(
+            (live.live_p50_us, live.live_p99_us),
+            (Some(60.0), Some(300.0))
+        );
         assert!(parse_report(10, "9 120 900 1500 0.95 0.25 80").is_err());
+        assert!(parse_report(10, "9 120 900 1500 0.95 0.25 80 700 60").is_err());
         assert!(parse_report(10, "9 120").is_err());
         assert!(parse_report(10, "nine 1 2 3 4 5").is_err());
     }
