@@ -5,7 +5,8 @@
 //! sends a bootstrapping replica goes through the same test: a native snapshot (read and checked)
 //! and a Dynamo `/dump` (parsed and applied). So do the JSON bodies of Dynamo's HTTP routes
 //! (parsed as axum's `Json` does, then handled by the route) and llm-d's `GetPodScores` (with a
-//! small word-level tokenizer for model `m`). Not an API.
+//! small word-level tokenizer for model `m`), and what a replica reads from NATS: an event-log
+//! message's records (unframed, decoded and checked, handed to their index). Not an API.
 //!
 //! The property: no input panics, and none is answered with INTERNAL — a bad request is the
 //! client's error, and says so. A `QueryRequest` is decoded both by the gRPC codec (whose
@@ -176,15 +177,16 @@ fn dynamo_route(route: u8, body: &[u8]) -> Option<Result<(), ServiceError>> {
 
 /// Decodes `data[1..]` as the request `data[0]` selects and handles it; `None` when the bytes
 /// are not that message (tonic answers INVALID_ARGUMENT then), else the handling's outcome.
-/// Selectors (mod 7): 0 `Query`, 1 `RegisterWorker`, 2 `PublishEvents`, 3 a peer's native
+/// Selectors (mod 8): 0 `Query`, 1 `RegisterWorker`, 2 `PublishEvents`, 3 a peer's native
 /// snapshot, 4 a peer's Dynamo `/dump`, 5 a Dynamo route's JSON body (the next byte picks the
-/// route), 6 llm-d's `GetPodScores`.
+/// route), 6 llm-d's `GetPodScores`, 7 a NATS event-log message as a replica reads it.
 pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
     let (&selector, body) = data.split_first()?;
     let state = state();
     let service = IndexerService::new(Arc::clone(&state));
     let caller = Caller::anonymous();
-    Some(match selector % 7 {
+    Some(match selector % 8 {
+        7 => log_message(&log_state(), body),
         5 => {
             let (&route, json) = body.split_first()?;
             return dynamo_route(route, json);
@@ -231,6 +233,36 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             })
         }
     })
+}
+
+/// The state event-log messages go to (a replica's registry is fed by the log alone).
+fn log_state() -> Arc<State> {
+    static STATE: OnceLock<Arc<State>> = OnceLock::new();
+    Arc::clone(STATE.get_or_init(|| {
+        let registry = Registry::new(settings(), limits())
+            .with_log(LogRole::Replica("fuzzing".into()), Arc::default());
+        Arc::new(State::new(Arc::new(registry), limits(), None, 0))
+    }))
+}
+
+/// A NATS event-log message (a stream message's records, or one live record) through what a
+/// replica does with it before its sequencing: unframed, each record decoded and checked, its
+/// index found or created, its unit handed to the index's writers. A record that fails is the
+/// sender's error (a replica counts it in `dropped_invalid` and skips it).
+fn log_message(state: &State, payload: &[u8]) -> Result<(), ServiceError> {
+    let records = crate::log_record::unframe(payload).map_err(ServiceError::InvalidArgument)?;
+    for record in records {
+        let record =
+            crate::log_record::Record::decode(record).map_err(ServiceError::InvalidArgument)?;
+        let (entry, _) = state
+            .registry
+            .index_for(&record.key, Some(record.block_size))?;
+        if let Some(unit) = record.into_unit(Some(std::time::Instant::now())) {
+            // A full lane drops here: the fuzzer must not wait.
+            let _ = entry.pool.try_enqueue_unit(unit);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -508,7 +540,96 @@ mod tests {
                 .map(|()| bytes)
                 .unwrap_or_default()
             });
-        prop_oneof![query, register, publish, peer, http, pod_scores]
+        // A NATS event-log message: one to three framed records with hostile values.
+        let log_mutation = (
+            0..3u32,
+            prop_oneof![
+                Just(None),
+                (
+                    proptest::option::of(0..8u64),
+                    proptest::collection::vec((0..8u64, any::<u64>()), 0..6),
+                    0..6usize,
+                    prop_oneof![4 => 0..4i32, 1 => -1..6i32],
+                )
+                    .prop_map(|(parent_hash, blocks, locals, tier)| {
+                        // Mostly one local hash per block, as kvatlas writes them.
+                        let (block_hashes, mut local_hashes): (Vec<u64>, Vec<u64>) =
+                            blocks.into_iter().unzip();
+                        if locals == 0 {
+                            local_hashes.pop();
+                        }
+                        Some(v1::log_mutation::Event::Stored(v1::LogStored {
+                            parent_hash,
+                            block_hashes,
+                            local_hashes,
+                            tier,
+                        }))
+                    }),
+                (proptest::collection::vec(0..8u64, 0..4), -1..5i32).prop_map(
+                    |(block_hashes, tier)| Some(v1::log_mutation::Event::Removed(v1::LogRemoved {
+                        block_hashes,
+                        tier
+                    }))
+                ),
+                Just(Some(v1::log_mutation::Event::Cleared(
+                    v1::AllBlocksCleared {}
+                ))),
+            ],
+        )
+            .prop_map(|(dp_rank, event)| v1::LogMutation { dp_rank, event });
+        let log_body = prop_oneof![
+            Just(None),
+            (
+                proptest::option::of(0..6u64),
+                any::<u64>(),
+                any::<bool>(),
+                proptest::collection::vec(log_mutation, 0..5),
+                proptest::option::of(any::<i64>()),
+            )
+                .prop_map(
+                    |(seq, fingerprint, resync, mutations, published_unix_micros)| Some(
+                        v1::log_record::Body::Batch(v1::LogBatch {
+                            seq,
+                            fingerprint,
+                            resync,
+                            mutations,
+                            published_unix_micros,
+                        })
+                    )
+                ),
+            proptest::option::of(0..3u32).prop_map(|dp_rank| Some(
+                v1::log_record::Body::Unregister(v1::LogUnregister { dp_rank })
+            )),
+        ];
+        let log_selector = prop_oneof![
+            4 => prop_oneof![Just("m"), Just("m2")].prop_map(|model| Some(v1::IndexSelector {
+                model: model.to_owned(),
+                tenant: "default".to_owned(),
+            })),
+            1 => selector(),
+        ];
+        let log_block_size = prop_oneof![4 => Just(16u32), 1 => 0..40u32];
+        let log_record = (log_selector, log_block_size, 0..4u64, 0..3u32, log_body).prop_map(
+            |(index, block_size, instance_id, dp_rank, body)| {
+                v1::LogRecord {
+                    index,
+                    block_size,
+                    instance_id,
+                    dp_rank,
+                    body,
+                }
+                .encode_to_vec()
+            },
+        );
+        let log = proptest::collection::vec(log_record, 1..4).prop_map(|records| {
+            let mut bytes = vec![7];
+            for record in records {
+                prost::encoding::encode_varint(record.len() as u64, &mut bytes);
+                bytes.extend(record);
+            }
+            bytes
+        });
+        prop_oneof![query, register, publish, peer, http, pod_scores, log]
     }
 
     proptest! {
