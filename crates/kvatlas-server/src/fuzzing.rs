@@ -61,10 +61,10 @@ fn state() -> Arc<State> {
     }))
 }
 
-/// The state `POST /register` bodies go to: a replica's, whose registry refuses a registration
-/// after every check of the request has passed, so that no listener (no socket, no thread)
-/// starts for a fuzzed endpoint.
-fn register_state() -> Arc<State> {
+/// A replica's state, which `POST /register` bodies and event-log messages go to: its registry
+/// refuses a registration after every check of the request has passed, so that no listener (no
+/// socket, no thread) starts for a fuzzed endpoint, and its indexes are the log's alone.
+fn replica_state() -> Arc<State> {
     static STATE: OnceLock<Arc<State>> = OnceLock::new();
     Arc::clone(STATE.get_or_init(|| {
         let registry = Registry::new(settings(), limits())
@@ -133,7 +133,7 @@ fn dynamo_route(route: u8, body: &[u8]) -> Option<Result<(), ServiceError>> {
         let (name, response) = match route % 6 {
             0 => (
                 "/register",
-                dynamo::register(AxumState(register_state()), headers, parse(body)?).await,
+                dynamo::register(AxumState(replica_state()), headers, parse(body)?).await,
             ),
             1 => (
                 "/unregister",
@@ -186,7 +186,7 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
     let service = IndexerService::new(Arc::clone(&state));
     let caller = Caller::anonymous();
     Some(match selector % 8 {
-        7 => log_message(&log_state(), body),
+        7 => log_message(&replica_state(), body),
         5 => {
             let (&route, json) = body.split_first()?;
             return dynamo_route(route, json);
@@ -233,16 +233,6 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             })
         }
     })
-}
-
-/// The state event-log messages go to (a replica's registry is fed by the log alone).
-fn log_state() -> Arc<State> {
-    static STATE: OnceLock<Arc<State>> = OnceLock::new();
-    Arc::clone(STATE.get_or_init(|| {
-        let registry = Registry::new(settings(), limits())
-            .with_log(LogRole::Replica("fuzzing".into()), Arc::default());
-        Arc::new(State::new(Arc::new(registry), limits(), None, 0))
-    }))
 }
 
 /// A NATS event-log message (a stream message's records, or one live record) through what a
