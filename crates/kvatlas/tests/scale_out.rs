@@ -9,7 +9,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Served;
-use common::fleet::{CONVERGE, Fleet, converges, metric, metric_sum, ready, runtime, signal};
+use common::fleet::{
+    CONVERGE, Fleet, converges, eventually, metric, metric_sum, ready, runtime, signal,
+};
 use kvatlas_fleet::nats::NatsServer;
 use kvatlas_fleet::vllm::BLOCK_TOKENS;
 use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
@@ -303,14 +305,9 @@ fn records_lost_to_retention_with_no_snapshot_are_counted_and_the_replica_serves
     // Published before any replica (so before any snapshot), far more than the stream keeps.
     fleet.serve(600);
     converges(&ingest, &fleet, "the ingest");
-    let started = Instant::now();
-    while metric(&ingest, "kvatlas_log_published_total") < fleet.batches {
-        assert!(
-            started.elapsed() < CONVERGE,
-            "the ingest published everything"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually("the ingest published everything", || {
+        metric(&ingest, "kvatlas_log_published_total") >= fleet.batches
+    });
     let late = replica(&nats);
     ready(&late);
     let lost = metric(&late, "kvatlas_log_sequences_lost_total");
@@ -374,15 +371,6 @@ fn blocks_of_worker_7(server: &Served, prompt: &[u64]) -> u32 {
                 .map_or(0, |m| m.device_blocks)
         })
     })
-}
-
-/// Waits until `check` holds (panicking with `what` after the convergence bound).
-fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !check() {
-        assert!(started.elapsed() < CONVERGE, "timed out waiting: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

@@ -207,6 +207,15 @@ pub fn converges(server: &Served, fleet: &Fleet, what: &str) {
     );
 }
 
+/// Waits until `check` holds (panicking with `what` after [`CONVERGE`]).
+pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !check() {
+        assert!(started.elapsed() < CONVERGE, "timed out waiting: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A metric's value from `/metrics` (0 if absent).
 pub fn metric(server: &Served, name: &str) -> u64 {
     let body = http_get(server, "/metrics").expect("GET /metrics");
