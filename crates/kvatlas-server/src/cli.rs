@@ -144,7 +144,8 @@ pub struct ServeArgs {
     #[arg(long, env = "KVATLAS_PORT")]
     pub port: Option<u16>,
     /// Workers to register at start: `ID[:DP_RANK]=ENDPOINT,...` (Dynamo's form), each
-    /// optionally followed by `replay=ENDPOINT`, `topic=PREFIX`, `engine=vllm|sglang`, `bind`.
+    /// optionally followed by `replay=ENDPOINT`, `topic=PREFIX`, `engine=vllm|sglang`, `bind`,
+    /// `pod=NAME` (the pod it answers as in llm-d's `GetPodScores`).
     #[arg(long, env = "KVATLAS_WORKERS")]
     pub workers: Option<String>,
     /// The model of the `--workers` [default: default].
@@ -162,7 +163,8 @@ pub struct ServeArgs {
     /// Index writer threads per index (Dynamo's `--threads`) [default: 2].
     #[arg(long, alias = "threads", env = "KVATLAS_WRITER_THREADS")]
     pub writer_threads: Option<usize>,
-    /// Mutations queued per writer thread before producers wait [default: 16384].
+    /// Units queued per writer thread before producers wait (a unit is one rank's batch from a
+    /// listener or `PublishEvents`, or one mutation of Dynamo's HTTP routes) [default: 16384].
     #[arg(long, env = "KVATLAS_WRITER_QUEUE")]
     pub writer_queue: Option<usize>,
     /// Threads polling the engines' ZMQ sockets, shared by all indexes; each serves many

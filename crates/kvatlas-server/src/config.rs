@@ -80,7 +80,8 @@ pub struct TlsFiles {
 pub struct IndexSettings {
     /// Writer threads per index (sticky per worker rank).
     pub writer_threads: usize,
-    /// Mutations queued per writer thread before producers wait.
+    /// Units queued per writer thread before producers wait (one rank's batch, or one
+    /// mutation of Dynamo's HTTP routes).
     pub writer_queue: usize,
     /// Threads that poll the ZMQ listeners' sockets, shared by every index (each serves many
     /// listeners: a burst of batches from many engines wakes one thread, not one per engine).

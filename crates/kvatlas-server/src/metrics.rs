@@ -22,7 +22,7 @@
 //! | `kvatlas_events_dropped_total` | counter | `model`, `tenant`, `reason` (the decoder's and converter's reasons) |
 //! | `kvatlas_index_anomalies_total` | counter | `model`, `tenant`, `kind` (absorbed by the index; `evicted` for the capacity bound) |
 //! | `kvatlas_batches_total` | counter | `model`, `tenant`, `outcome` (`received`, `applied`, `replayed`, `duplicate`, `decode_error`, `bad_frame`) |
-//! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`, `connect`, `connect_retry`, `disconnect`, `catch_up`, `replay_resync`) |
+//! | `kvatlas_sequence_events_total` | counter | `model`, `tenant`, `kind` (`gap`, `resync`, `restart`, `replay_completed`, `replay_failed`, `connect`, `connect_retry`, `disconnect`, `catch_up`, `probe` (a replay asked because the live stream stayed quiet), `replay_resync`, `held_dropped` (a live batch a held listener's full buffer dropped, replayed after its release)) |
 //! | `kvatlas_listeners` | gauge | `model`, `tenant`, `status` |
 //! | `kvatlas_listener_thread_listeners`, `kvatlas_listener_thread_turns_total` | gauge, counter | `thread` (the poller threads all indexes' listeners share; a turn is one listener served, so batches over turns says how many batches a turn finds) |
 //! | `kvatlas_snapshots_total` | counter | `outcome` (`written`, `failed`: data-directory snapshots) |
