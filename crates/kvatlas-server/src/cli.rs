@@ -1123,7 +1123,8 @@ pub struct RegisterArgs {
     /// The SUB topic prefix.
     #[arg(long, default_value = "")]
     pub topic: String,
-    /// Bind the endpoint (engines connect) instead of connecting.
+    /// Bind the endpoint (engines connect) instead of connecting: `tcp://` only, and only with a
+    /// token limited to no tenant (`ipc://` binds go in `kvatlas serve --workers … bind`).
     #[arg(long)]
     pub bind: bool,
     /// The pod the rank answers as in llm-d's GetPodScores (llm-d's pod identifier, for example

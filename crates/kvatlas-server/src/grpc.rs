@@ -279,6 +279,40 @@ fn mode_of(value: i32) -> Result<SocketMode, ServiceError> {
     }
 }
 
+/// What a registration over the network may bind: a listener the server binds takes the
+/// endpoint's address on this host, so only a caller whose token is limited to no tenant may
+/// ask for one, and only on `tcp://`. Binding an `ipc://` path makes ZeroMQ remove whatever
+/// file is there first (and again at unregistration): a token file, a TLS key, a snapshot.
+/// Such endpoints are for the operator's own `--workers … bind` and config file.
+///
+/// # Errors
+/// PERMISSION_DENIED for a bind by a tenant-limited caller or on anything but `tcp://`.
+pub(crate) fn check_remote_bind(
+    caller: &Caller,
+    registration: &WorkerRegistration,
+) -> Result<(), ServiceError> {
+    if registration.mode != SocketMode::Bind {
+        return Ok(());
+    }
+    if !caller.unrestricted() {
+        return Err(ServiceError::PermissionDenied(
+            "socket_mode BIND makes the server listen on this host; only a token limited to no \
+             tenant may register one"
+                .into(),
+        ));
+    }
+    // The replay endpoint is always connected to, never bound.
+    let endpoint = &registration.endpoint;
+    if !endpoint.starts_with("tcp://") {
+        return Err(ServiceError::PermissionDenied(format!(
+            "socket_mode BIND over the API takes tcp:// endpoints only, not {endpoint:?}: \
+             binding an ipc:// path removes the file there first; bind such endpoints with \
+             `kvatlas serve --workers … bind` or the config file"
+        )));
+    }
+    Ok(())
+}
+
 pub(crate) fn registration_of(
     request: &v1::RegisterWorkerRequest,
 ) -> Result<WorkerRegistration, ServiceError> {
@@ -448,6 +482,7 @@ impl Indexer for IndexerService {
             let caller = caller_of(&request)?;
             let registration = registration_of(request.get_ref())?;
             caller.check(&registration.index.tenant)?;
+            check_remote_bind(&caller, &registration)?;
             let registry = Arc::clone(&self.state.registry);
             let registered = blocking(move || registry.register(registration)).await?;
             self.state.update_gate();

@@ -312,7 +312,9 @@ fn convert_events(
                                     stored.token_ids.len()
                                 )));
                             }
-                            let hasher = entry.hasher_for(&stored.lora_name, &stored.cache_salt);
+                            let hasher = entry
+                                .hasher_for(&stored.lora_name, &stored.cache_salt)
+                                .map_err(|e| invalid(e.to_string()))?;
                             stored
                                 .token_ids
                                 .chunks_exact(block)

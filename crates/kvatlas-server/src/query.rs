@@ -46,8 +46,8 @@ impl IndexEntry {
     /// Scores a prompt (see the module docs).
     ///
     /// # Errors
-    /// INVALID_ARGUMENT for a prompt over `max_query_tokens` or a LoRA name or salt given with
-    /// local hashes (they are already mixed into the hashes); FAILED_PRECONDITION on a
+    /// INVALID_ARGUMENT for a prompt over `max_query_tokens`, a LoRA name or salt over
+    /// `MAX_SEED_BYTES`, or a LoRA name or salt given with local hashes (they are already mixed into the hashes); FAILED_PRECONDITION on a
     /// publish-only ingest (it holds no index).
     pub(crate) fn query(
         &self,
@@ -75,7 +75,7 @@ impl IndexEntry {
                         tokens.len()
                     )));
                 }
-                self.hasher_for(lora_name, cache_salt)
+                self.hasher_for(lora_name, cache_salt)?
                     .local_hashes(tokens)
                     .collect()
             }

@@ -61,6 +61,11 @@ const MAX_ENDPOINT_BYTES: usize = 1024;
 /// Most seeded (LoRA, salt) hashers an index caches before emptying the cache.
 const MAX_SEEDED_HASHERS: usize = 256;
 
+/// Longest LoRA name or cache salt accepted, in bytes. The seeded hashers' cache keeps the
+/// strings it is keyed by, so this with [`MAX_SEEDED_HASHERS`] bounds the cache's memory
+/// (≈ 512 KiB an index at most), whatever the requests carry.
+pub(crate) const MAX_SEED_BYTES: usize = 1024;
+
 /// Which index: a model within a tenant.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct IndexKey {
@@ -467,13 +472,28 @@ impl IndexEntry {
     }
 
     /// The hasher for prompts with this LoRA name and cache salt (empty = none).
-    pub(crate) fn hasher_for(&self, lora_name: &str, cache_salt: &str) -> BlockHasher {
+    ///
+    /// # Errors
+    /// INVALID_ARGUMENT for a LoRA name or salt over [`MAX_SEED_BYTES`].
+    pub(crate) fn hasher_for(
+        &self,
+        lora_name: &str,
+        cache_salt: &str,
+    ) -> Result<BlockHasher, ServiceError> {
         if lora_name.is_empty() && cache_salt.is_empty() {
-            return self.hasher.clone();
+            return Ok(self.hasher.clone());
+        }
+        for (field, value) in [("lora_name", lora_name), ("cache_salt", cache_salt)] {
+            if value.len() > MAX_SEED_BYTES {
+                return Err(ServiceError::InvalidArgument(format!(
+                    "{field} is {} bytes long; at most {MAX_SEED_BYTES} are accepted",
+                    value.len()
+                )));
+            }
         }
         let mut seeded = self.seeded.lock();
         if let Some(hasher) = seeded.get(&(lora_name.to_owned(), cache_salt.to_owned())) {
-            return hasher.clone();
+            return Ok(hasher.clone());
         }
         if seeded.len() >= MAX_SEEDED_HASHERS {
             seeded.clear();
@@ -487,7 +507,7 @@ impl IndexEntry {
             (lora_name.to_owned(), cache_salt.to_owned()),
             hasher.clone(),
         );
-        hasher
+        Ok(hasher)
     }
 
     fn listener_states(&self) -> BTreeMap<ListenerId, ListenerState> {

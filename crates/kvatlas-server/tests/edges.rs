@@ -109,6 +109,10 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
         hashes: vec![1, 2],
     }));
     hashes_with_salt.cache_salt = "s".into();
+    let mut long_salt = token_query(MODEL, "", tokens.clone());
+    long_salt.cache_salt = "s".repeat(1025);
+    let mut long_lora = token_query(MODEL, "", tokens.clone());
+    long_lora.lora_name = "l".repeat(1025);
     let cases: Vec<(v1::QueryRequest, Code, &str)> = vec![
         (
             v1::QueryRequest::default(),
@@ -142,6 +146,16 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
             hashes_with_salt,
             Code::InvalidArgument,
             "apply to token queries only",
+        ),
+        (
+            long_salt,
+            Code::InvalidArgument,
+            "cache_salt is 1025 bytes long; at most 1024",
+        ),
+        (
+            long_lora,
+            Code::InvalidArgument,
+            "lora_name is 1025 bytes long; at most 1024",
         ),
         (
             token_query("unknown-model", "", tokens.clone()),
@@ -295,6 +309,33 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
         .await
         .expect_err("too large");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    // A stored run of token ids with a LoRA name over the limit is refused by name.
+    let long_lora = v1::PublishEventsRequest {
+        index: selector(MODEL, ""),
+        instance_id: 1,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: vec![7_000],
+                token_ids: vec![1; BLOCK as usize],
+                lora_name: "l".repeat(1025),
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    let status = h
+        .client
+        .publish_events(tokio_stream::iter([long_lora]))
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("events[0]: lora_name is 1025 bytes long"),
+        "{status:?}"
+    );
     // None of it changed the index, and good queries are still answered exactly.
     let report_digest = reference.snapshot().digest();
     let mut rng = Rng(3);
@@ -614,6 +655,73 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
     );
     assert_eq!(http_get(http, "/health", None).0, 200);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A registration over the API may bind a listener only with a token limited to no tenant and
+/// only on `tcp://`: binding an `ipc://` path makes ZeroMQ remove the file there first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_registrations_bind_only_tcp_and_only_for_unrestricted_tokens() {
+    let dir = temp_dir("bind");
+    let h = start(ServerConfig {
+        auth_tokens: Some(token_file(&dir)),
+        ..ServerConfig::default()
+    })
+    .await;
+    let precious = dir.join("precious");
+    std::fs::write(&precious, "keep me").expect("write");
+    let bind = |tenant: &str, endpoint: String| v1::RegisterWorkerRequest {
+        index: selector(MODEL, tenant),
+        instance_id: 9,
+        block_size: BLOCK,
+        endpoint,
+        socket_mode: v1::SocketMode::Bind as i32,
+        ..v1::RegisterWorkerRequest::default()
+    };
+    let mut team_a = authed(&h.url, Some("team-a-0123456789abcdef")).await;
+    let status = team_a
+        .raw()
+        .register_worker(bind("a", "tcp://127.0.0.1:*".into()))
+        .await
+        .expect_err("a tenant-limited token may not bind");
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("only a token limited to no tenant"),
+        "{status:?}"
+    );
+    let mut admin = authed(&h.url, Some("admin-0123456789abcdef")).await;
+    let ipc = format!("ipc://{}", precious.display());
+    let status = admin
+        .raw()
+        .register_worker(bind("a", ipc))
+        .await
+        .expect_err("ipc binds are refused");
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(
+        status.message().contains("tcp:// endpoints only"),
+        "{status:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&precious).expect("the file is still there"),
+        "keep me"
+    );
+    // A tcp:// bind by an unrestricted token is registered, and connecting stays open to all.
+    admin
+        .raw()
+        .register_worker(bind("a", "tcp://127.0.0.1:*".into()))
+        .await
+        .expect("an unrestricted token binds tcp://");
+    team_a
+        .raw()
+        .register_worker(v1::RegisterWorkerRequest {
+            instance_id: 10,
+            socket_mode: v1::SocketMode::Connect as i32,
+            ..bind("a", "tcp://127.0.0.1:5557".into())
+        })
+        .await
+        .expect("a tenant-limited token connects");
+    h.server.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
