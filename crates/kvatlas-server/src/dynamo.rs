@@ -990,10 +990,16 @@ pub(crate) async fn dump_route(
         Ok(caller) => caller,
         Err(response) => return *response,
     };
-    if let Err(error) = state.check_snapshot_ready() {
-        state.metrics.http("/dump", error.http_status());
-        return crate::http::error_response(&error);
-    }
+    let admitted = state
+        .admit_dump("/dump")
+        .and_then(|dump| state.check_snapshot_ready().map(|()| dump));
+    let _dump = match admitted {
+        Ok(dump) => dump,
+        Err(error) => {
+            state.metrics.http("/dump", error.http_status());
+            return crate::http::error_response(&error);
+        }
+    };
     let registry = Arc::clone(&state.registry);
     let body = tokio::task::spawn_blocking(move || {
         let images: Vec<IndexImage> = registry

@@ -632,6 +632,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = (|| {
             let permit = self.state.admit(Rpc::Snapshot).map_err(status)?;
+            let dump = self.state.admit_dump("Snapshot").map_err(status)?;
             self.state.check_snapshot_ready().map_err(status)?;
             let caller = caller_of(&request).map_err(status)?;
             let filter = request.into_inner();
@@ -642,6 +643,7 @@ impl Indexer for IndexerService {
             Ok(Response::new(SnapshotChunks {
                 chunks,
                 _permit: permit,
+                _dump: dump,
             }))
         })();
         self.finish(Rpc::Snapshot, started, result)
@@ -653,6 +655,7 @@ impl Indexer for IndexerService {
 pub(crate) struct SnapshotChunks {
     chunks: tokio_stream::wrappers::ReceiverStream<std::io::Result<bytes::Bytes>>,
     _permit: crate::state::Permit,
+    _dump: crate::state::DumpPermit,
 }
 
 impl std::fmt::Debug for SnapshotChunks {

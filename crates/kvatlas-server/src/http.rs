@@ -99,12 +99,25 @@ async fn snapshot(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -
     if let Err(response) = unrestricted(&state, &headers, "/snapshot") {
         return *response;
     }
-    if let Err(error) = state.check_snapshot_ready() {
-        state.metrics.http("/snapshot", error.http_status());
-        return error_response(&error);
-    }
+    let admitted = state
+        .admit_dump("/snapshot")
+        .and_then(|dump| state.check_snapshot_ready().map(|()| dump));
+    let dump = match admitted {
+        Ok(dump) => dump,
+        Err(error) => {
+            state.metrics.http("/snapshot", error.http_status());
+            return error_response(&error);
+        }
+    };
     state.metrics.http("/snapshot", 200);
-    let chunks = crate::snapshot_stream::stream(Arc::clone(&state.registry));
+    // The place is held until the last chunk is sent.
+    let chunks = tokio_stream::StreamExt::map(
+        crate::snapshot_stream::stream(Arc::clone(&state.registry)),
+        move |chunk| {
+            let _held = &dump;
+            chunk
+        },
+    );
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/octet-stream")],

@@ -2,7 +2,7 @@
 //! the startup gate and the shutdown signal.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use tokio_util::sync::CancellationToken;
 
@@ -11,6 +11,11 @@ use crate::config::Limits;
 use crate::error::ServiceError;
 use crate::metrics::{Metrics, Rpc};
 use crate::registry::Registry;
+
+/// Reads of the whole state (`/dump`, `/snapshot`, the `Snapshot` RPC) allowed at once: each
+/// holds images of the indexes it reads (and `/dump` their JSON), so their number, not only
+/// their size, bounds the memory they take.
+pub(crate) const MAX_CONCURRENT_DUMPS: usize = 2;
 
 /// Shared by every handler of one server.
 #[derive(Debug)]
@@ -31,6 +36,8 @@ pub(crate) struct State {
     pub(crate) peers: parking_lot::Mutex<std::collections::BTreeSet<String>>,
     /// While a bootstrap from a peer runs, queries are refused (the state is not complete).
     bootstrapping: AtomicBool,
+    /// Whole-state reads running (at most [`MAX_CONCURRENT_DUMPS`]).
+    dumps: AtomicUsize,
 }
 
 impl State {
@@ -52,7 +59,26 @@ impl State {
             next_stream: AtomicU64::new(1),
             peers: parking_lot::Mutex::new(std::collections::BTreeSet::new()),
             bootstrapping: AtomicBool::new(false),
+            dumps: AtomicUsize::new(0),
         }
+    }
+
+    /// A place among the whole-state reads (`what` names the request for the error).
+    ///
+    /// # Errors
+    /// RESOURCE_EXHAUSTED while [`MAX_CONCURRENT_DUMPS`] of them run.
+    pub(crate) fn admit_dump(self: &Arc<Self>, what: &str) -> Result<DumpPermit, ServiceError> {
+        let before = self.dumps.fetch_add(1, Ordering::AcqRel);
+        if before >= MAX_CONCURRENT_DUMPS {
+            self.dumps.fetch_sub(1, Ordering::AcqRel);
+            return Err(ServiceError::ResourceExhausted(format!(
+                "{what}: {MAX_CONCURRENT_DUMPS} reads of the whole state (/dump, /snapshot, \
+                 Snapshot) are already running; retry when they finish"
+            )));
+        }
+        Ok(DumpPermit {
+            state: Arc::clone(self),
+        })
     }
 
     /// Whether a bootstrap from a peer runs.
@@ -175,6 +201,18 @@ impl State {
     }
 }
 
+/// One admitted whole-state read; dropping it frees its place.
+#[derive(Debug)]
+pub(crate) struct DumpPermit {
+    state: Arc<State>,
+}
+
+impl Drop for DumpPermit {
+    fn drop(&mut self) {
+        self.state.dumps.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// One admitted request; dropping it frees its place.
 #[derive(Debug)]
 pub(crate) struct Permit {
@@ -187,5 +225,34 @@ impl Drop for Permit {
             .metrics
             .in_flight()
             .fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At most [`MAX_CONCURRENT_DUMPS`] whole-state reads hold a place; the next is refused
+    /// with RESOURCE_EXHAUSTED naming the request, and a finished read frees its place.
+    #[test]
+    fn whole_state_reads_are_bounded() {
+        let registry = Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            Limits::default(),
+        ));
+        let state = Arc::new(State::new(registry, Limits::default(), None, 0));
+        let held: Vec<DumpPermit> = (0..MAX_CONCURRENT_DUMPS)
+            .map(|_| state.admit_dump("/dump").expect("a place"))
+            .collect();
+        match state.admit_dump("/snapshot") {
+            Err(ServiceError::ResourceExhausted(message)) => {
+                assert!(message.starts_with("/snapshot: 2 reads"), "{message}");
+            }
+            other => panic!("expected RESOURCE_EXHAUSTED, got {other:?}"),
+        }
+        drop(held);
+        let again = state.admit_dump("Snapshot").expect("a place again");
+        drop(again);
+        assert_eq!(state.dumps.load(Ordering::Acquire), 0);
     }
 }
