@@ -40,6 +40,10 @@ const LIMIT: usize = 4 << 30;
 /// Pieces of a snapshot in flight between the download and the reader.
 const PIECES_IN_FLIGHT: usize = 64;
 
+/// How long a bootstrap waits for a peer busy serving other whole-state reads (429) before it
+/// tries the next peer.
+const BUSY_PATIENCE: Duration = Duration::from_secs(60);
+
 /// What a bootstrap did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Bootstrap {
@@ -314,7 +318,19 @@ async fn try_peer(
     base: &str,
     access: &PeerAccess,
 ) -> Result<Bootstrap, String> {
-    let response = request(access, &format!("{base}/snapshot")).await?;
+    // A peer serving its limit of whole-state reads answers 429: wait for a place (replicas
+    // started together bootstrap from the same peer), up to BUSY_PATIENCE.
+    let mut waited = Duration::ZERO;
+    let response = loop {
+        let response = request(access, &format!("{base}/snapshot")).await?;
+        if response.status().as_u16() != 429 || waited >= BUSY_PATIENCE {
+            break response;
+        }
+        let pause = (waited / 2).clamp(Duration::from_millis(250), Duration::from_secs(2));
+        tracing::info!(peer = %base, "the peer is serving other snapshots; asking again in {pause:?}");
+        tokio::time::sleep(pause).await;
+        waited += pause;
+    };
     let status = response.status().as_u16();
     if status == 200 {
         // The snapshot is read (and checked) as it downloads; it is restored only once whole

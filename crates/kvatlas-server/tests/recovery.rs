@@ -525,6 +525,68 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
     );
 }
 
+/// A peer serving its limit of whole-state reads answers 429: the replica asks again (the
+/// replicas of a fleet started together bootstrap from the same peer) and bootstraps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_peer_is_asked_again() {
+    let workers = [Worker::new(1, 0), Worker::new(2, 0)];
+    let batches = script(26, MODEL, &workers, 300, BLOCK);
+    let mut reference = ReferenceIndex::new();
+    apply_script(&mut reference, &batches);
+    let mut a = start(ServerConfig::default()).await;
+    publish_script(&mut a.client, &batches).await;
+    let a_addr = a.server.http_addr();
+    let (status, whole) =
+        tokio::task::spawn_blocking(move || http_get_bytes(a_addr, "/snapshot", None))
+            .await
+            .expect("fetched");
+    assert_eq!(status, 200);
+
+    // A peer that is busy twice, then serves the snapshot.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let busy_addr = busy.local_addr().expect("addr");
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&asked);
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for answer in 0..3 {
+            let Ok((mut stream, _)) = busy.accept() else {
+                return;
+            };
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if answer < 2 {
+                let _ = stream.write_all(
+                    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy",
+                );
+            } else {
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    whole.len()
+                );
+                let _ = stream.write_all(&whole);
+            }
+        }
+    });
+    let peer = format!("http://{busy_addr}");
+    let b_digest = bootstrapped_replica(
+        ServerConfig {
+            peers: vec![peer.clone()],
+            ..ServerConfig::default()
+        },
+        &peer,
+        &reference,
+        11,
+        "the replica, after the peer was busy twice",
+    )
+    .await;
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 3);
+    let a_report = a.server.shutdown().await;
+    assert_eq!(a_report.indexes[0].digest, b_digest);
+}
+
 /// A peer behind TLS and authentication (as any peer listening beyond loopback is): a replica
 /// with the peer's CA and an every-tenant token bootstraps from it over https; without a token,
 /// or with a token of one tenant, the peer refuses and the replica says why and starts empty.
