@@ -34,6 +34,8 @@ use crate::registry::{Feed, GrpcFeed, IndexEntry, IndexKey, Registry, block_size
 #[derive(Debug)]
 pub(crate) struct Prepared {
     pub(crate) entry: Arc<IndexEntry>,
+    /// Whether this message created the index (removed again if the message is refused).
+    created: bool,
     pub(crate) worker: Worker,
     pub(crate) seq: Option<u64>,
     pub(crate) mutations: Vec<Mutation>,
@@ -86,11 +88,20 @@ impl Publisher {
         let block_size = (message.block_size != 0)
             .then(|| block_size_field(message.block_size, "block_size"))
             .transpose()?;
-        let (entry, _) = self.registry.index_for(&key, block_size)?;
+        let (entry, created) = self.registry.index_for(&key, block_size)?;
         let worker = Worker::new(message.instance_id, message.dp_rank);
-        let mutations = convert_events(&entry, worker, &message.events)?;
+        let mutations = match convert_events(&entry, worker, &message.events) {
+            Ok(mutations) => mutations,
+            Err(error) => {
+                if created {
+                    self.registry.forget_if_unused(&entry);
+                }
+                return Err(error);
+            }
+        };
         Ok(Prepared {
             entry,
+            created,
             worker,
             seq: message.seq,
             mutations,
@@ -103,6 +114,15 @@ impl Publisher {
     /// FAILED_PRECONDITION if a ZMQ listener or another stream feeds the rank,
     /// RESOURCE_EXHAUSTED at the registered-rank limit.
     pub(crate) fn admit(&mut self, prepared: &Prepared) -> Result<Admission, ServiceError> {
+        let admitted = self.admit_feed(prepared);
+        if admitted.is_err() && prepared.created {
+            self.registry.forget_if_unused(&prepared.entry);
+        }
+        admitted
+    }
+
+    /// [`Publisher::admit`] but for the removal of an index the refused message created.
+    fn admit_feed(&mut self, prepared: &Prepared) -> Result<Admission, ServiceError> {
         let entry = &prepared.entry;
         let worker = prepared.worker;
         let mut feeds = entry.feeds.lock();

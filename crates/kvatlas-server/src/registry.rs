@@ -1119,11 +1119,28 @@ impl Registry {
                 })
             }
             Err(error) => {
-                if created_index && entry.unused() {
-                    self.indexes.write().remove(&registration.index);
+                if created_index {
+                    self.forget_if_unused(&entry);
                 }
                 Err(error)
             }
+        }
+    }
+
+    /// Removes `entry`, an index a refused request created, if it is still the registry's and
+    /// still unused (no feed, no event applied): a refused request leaves no index behind to
+    /// count against `max_indexes`.
+    pub(crate) fn forget_if_unused(&self, entry: &Arc<IndexEntry>) {
+        // The feeds' lock is not taken under the registry's (no order between them to keep).
+        if !entry.unused() {
+            return;
+        }
+        let mut indexes = self.indexes.write();
+        if indexes
+            .get(&entry.key)
+            .is_some_and(|held| Arc::ptr_eq(held, entry))
+        {
+            indexes.remove(&entry.key);
         }
     }
 

@@ -657,6 +657,66 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A `PublishEvents` message refused (a bad event, or a rank beyond the registered-rank limit)
+/// leaves no index behind, even when it named a new index with its block size: refused messages
+/// cannot use up `max_indexes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_publishes_leave_no_index_behind() {
+    let mut h = start(ServerConfig {
+        limits: Limits {
+            max_registered_ranks: 1,
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    let stored = |model: &str, instance_id: u64| v1::PublishEventsRequest {
+        index: selector(model, ""),
+        instance_id,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: vec![1],
+                local_hashes: vec![11],
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    h.client
+        .publish_events(tokio_stream::iter([stored(MODEL, 1)]))
+        .await
+        .expect("the first rank is fed");
+    let bad_event = v1::PublishEventsRequest {
+        events: vec![v1::KvEvent { event: None }],
+        ..stored("fresh-a", 2)
+    };
+    let status = h
+        .client
+        .publish_events(tokio_stream::iter([bad_event]))
+        .await
+        .expect_err("a bad event");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let status = h
+        .client
+        .publish_events(tokio_stream::iter([stored("fresh-b", 2)]))
+        .await
+        .expect_err("beyond the rank limit");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    let models: Vec<String> = h
+        .client
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect("listed")
+        .into_inner()
+        .indexes
+        .into_iter()
+        .filter_map(|i| i.index.map(|k| k.model))
+        .collect();
+    assert_eq!(models, [MODEL]);
+    h.server.shutdown().await;
+}
+
 /// A registration over the API may bind a listener only with a token limited to no tenant and
 /// only on `tcp://`: binding an `ipc://` path makes ZeroMQ remove the file there first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
