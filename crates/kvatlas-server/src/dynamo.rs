@@ -990,10 +990,7 @@ pub(crate) async fn dump_route(
         Ok(caller) => caller,
         Err(response) => return *response,
     };
-    let admitted = state
-        .admit_dump("/dump")
-        .and_then(|dump| state.check_snapshot_ready().map(|()| dump));
-    let _dump = match admitted {
+    let _dump = match state.admit_dump("/dump") {
         Ok(dump) => dump,
         Err(error) => {
             state.metrics.http("/dump", error.http_status());

@@ -633,7 +633,6 @@ impl Indexer for IndexerService {
         let result = (|| {
             let permit = self.state.admit(Rpc::Snapshot).map_err(status)?;
             let dump = self.state.admit_dump("Snapshot").map_err(status)?;
-            self.state.check_snapshot_ready().map_err(status)?;
             let caller = caller_of(&request).map_err(status)?;
             let filter = request.into_inner();
             let chunks = crate::snapshot_stream::stream_filtered(

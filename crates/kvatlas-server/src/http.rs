@@ -99,10 +99,7 @@ async fn snapshot(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -
     if let Err(response) = unrestricted(&state, &headers, "/snapshot") {
         return *response;
     }
-    let admitted = state
-        .admit_dump("/snapshot")
-        .and_then(|dump| state.check_snapshot_ready().map(|()| dump));
-    let dump = match admitted {
+    let dump = match state.admit_dump("/snapshot") {
         Ok(dump) => dump,
         Err(error) => {
             state.metrics.http("/snapshot", error.http_status());

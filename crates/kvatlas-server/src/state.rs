@@ -63,10 +63,12 @@ impl State {
         }
     }
 
-    /// A place among the whole-state reads (`what` names the request for the error).
+    /// A place among the whole-state reads (`what` names the request for the error), for a
+    /// state that can be read whole ([`State::check_snapshot_ready`]).
     ///
     /// # Errors
-    /// RESOURCE_EXHAUSTED while [`MAX_CONCURRENT_DUMPS`] of them run.
+    /// RESOURCE_EXHAUSTED while [`MAX_CONCURRENT_DUMPS`] of them run; what
+    /// [`State::check_snapshot_ready`] answers.
     pub(crate) fn admit_dump(self: &Arc<Self>, what: &str) -> Result<DumpPermit, ServiceError> {
         let before = self.dumps.fetch_add(1, Ordering::AcqRel);
         if before >= MAX_CONCURRENT_DUMPS {
@@ -76,9 +78,11 @@ impl State {
                  Snapshot) are already running; retry when they finish"
             )));
         }
-        Ok(DumpPermit {
+        let permit = DumpPermit {
             state: Arc::clone(self),
-        })
+        };
+        self.check_snapshot_ready()?;
+        Ok(permit)
     }
 
     /// Whether a bootstrap from a peer runs.

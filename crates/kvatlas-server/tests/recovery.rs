@@ -445,6 +445,17 @@ async fn a_replica_bootstraps_from_a_peer_snapshot() {
     assert_eq!(a_report.indexes[0].digest, b_report.indexes[0].digest);
 }
 
+/// `GET /snapshot` of `server`, whole.
+async fn fetched_snapshot(server: &Harness) -> Vec<u8> {
+    let addr = server.server.http_addr();
+    let (status, whole) =
+        tokio::task::spawn_blocking(move || http_get_bytes(addr, "/snapshot", None))
+            .await
+            .expect("fetched");
+    assert_eq!(status, 200);
+    whole
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restored() {
     let workers = [Worker::new(1, 0), Worker::new(2, 0)];
@@ -453,12 +464,7 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
     apply_script(&mut reference, &batches);
     let mut a = start(ServerConfig::default()).await;
     publish_script(&mut a.client, &batches).await;
-    let a_addr = a.server.http_addr();
-    let (status, whole) =
-        tokio::task::spawn_blocking(move || http_get_bytes(a_addr, "/snapshot", None))
-            .await
-            .expect("fetched");
-    assert_eq!(status, 200);
+    let whole = fetched_snapshot(&a).await;
     assert!(whole.len() > 100, "{} bytes", whole.len());
 
     // A peer that announces the whole snapshot and sends half of it.
@@ -535,12 +541,7 @@ async fn a_busy_peer_is_asked_again() {
     apply_script(&mut reference, &batches);
     let mut a = start(ServerConfig::default()).await;
     publish_script(&mut a.client, &batches).await;
-    let a_addr = a.server.http_addr();
-    let (status, whole) =
-        tokio::task::spawn_blocking(move || http_get_bytes(a_addr, "/snapshot", None))
-            .await
-            .expect("fetched");
-    assert_eq!(status, 200);
+    let whole = fetched_snapshot(&a).await;
 
     // A peer that is busy twice, then serves the snapshot.
     let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
