@@ -47,8 +47,8 @@ impl IndexEntry {
     ///
     /// # Errors
     /// INVALID_ARGUMENT for a prompt over `max_query_tokens`, a LoRA name or salt over
-    /// `MAX_SEED_BYTES`, or a LoRA name or salt given with local hashes (they are already mixed into the hashes); FAILED_PRECONDITION on a
-    /// publish-only ingest (it holds no index).
+    /// `MAX_SEED_BYTES`, or a LoRA name or salt given with local hashes (they are already mixed
+    /// into the hashes); FAILED_PRECONDITION on a publish-only ingest (it holds no index).
     pub(crate) fn query(
         &self,
         input: QueryInput<'_>,
