@@ -287,7 +287,7 @@ fn mode_of(value: i32) -> Result<SocketMode, ServiceError> {
 ///
 /// # Errors
 /// PERMISSION_DENIED for a bind by a tenant-limited caller or on anything but `tcp://`.
-pub(crate) fn check_remote_bind(
+fn check_remote_bind(
     caller: &Caller,
     registration: &WorkerRegistration,
 ) -> Result<(), ServiceError> {
