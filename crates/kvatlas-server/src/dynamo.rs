@@ -967,7 +967,10 @@ pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
     events
 }
 
-/// `/dump` for `images`: `{"model:tenant": {"block_size": n, "events": [...]}}`.
+/// `/dump` for `images`: `{"model:tenant": {"block_size": n, "model": .., "tenant": .., "events": [...]}}`.
+///
+/// The key is Dynamo's; `model` and `tenant` are kvatlas's additions (Dynamo's reader ignores
+/// them) because the key is ambiguous when a name holds a colon (`llama3:8b`).
 pub(crate) fn dump(images: &[IndexImage]) -> Value {
     let mut out = serde_json::Map::new();
     for image in images {
@@ -975,6 +978,8 @@ pub(crate) fn dump(images: &[IndexImage]) -> Value {
             format!("{}:{}", image.key.model, image.key.tenant),
             json!({
                 "block_size": image.block_size.get(),
+                "model": image.key.model,
+                "tenant": image.key.tenant,
                 "events": dump_events(&image.snapshot),
             }),
         );
@@ -1016,6 +1021,11 @@ pub(crate) async fn dump_route(
 #[derive(Debug, Deserialize)]
 struct DumpEntry {
     block_size: u32,
+    /// kvatlas's dumps name the model and tenant (Dynamo's name them only in the key).
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    tenant: Option<String>,
     events: Vec<RouterEvent>,
 }
 
@@ -1075,9 +1085,19 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
         serde_json::from_slice(body).map_err(|e| format!("the dump is not valid: {e}"))?;
     let mut out = Vec::new();
     for (key, entry) in parsed {
-        let (model, group) = key
-            .split_once(':')
-            .ok_or_else(|| format!("invalid dump key {key:?} (expected model:group)"))?;
+        let index_key = match (entry.model, entry.tenant) {
+            (Some(model), Some(tenant)) => IndexKey::new(model, tenant),
+            // Dynamo's dump: the key alone. Its own reader splits at the first colon, which
+            // misreads a model named `llama3:8b`; model names hold colons far more often than
+            // routing groups do, so the split is at the last one.
+            _ => {
+                let (model, group) = key
+                    .rsplit_once(':')
+                    .ok_or_else(|| format!("invalid dump key {key:?} (expected model:group)"))?;
+                IndexKey::new(model, group)
+            }
+        };
+        index_key.validate().map_err(|e| format!("dump key {key:?}: {e}"))?;
         let mut mutations = Vec::with_capacity(entry.events.len());
         for event in entry.events {
             let tier = tier_of_name(&event.storage_tier)
@@ -1109,7 +1129,7 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
                 EventData::Cleared => Mutation::Cleared { worker },
             });
         }
-        out.push((IndexKey::new(model, group), entry.block_size, mutations));
+        out.push((index_key, entry.block_size, mutations));
     }
     Ok(out)
 }
@@ -1367,7 +1387,8 @@ mod tests {
             ],
         };
         let image = IndexImage {
-            key: IndexKey::new("m", "g"),
+            // A colon in the model name: the key `llama3:8b:g` alone is ambiguous.
+            key: IndexKey::new("llama3:8b", "g"),
             block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
             capacity: None,
             feeds: Vec::new(),
@@ -1377,11 +1398,25 @@ mod tests {
         let body = serde_json::to_vec(&dump(&[image])).expect("json");
         let parsed = parse_dump(&body).expect("parses");
         assert_eq!(parsed.len(), 1);
-        assert_eq!(parsed[0].0, IndexKey::new("m", "g"));
+        assert_eq!(parsed[0].0, IndexKey::new("llama3:8b", "g"));
         let mut rebuilt = ReferenceIndex::new();
         for m in &parsed[0].2 {
             rebuilt.apply(m);
         }
         assert_eq!(rebuilt.snapshot(), snapshot);
+    }
+
+    #[test]
+    fn a_dynamo_dump_key_is_split_at_its_last_colon() {
+        // Dynamo's dumps name the partition only in the key; Dynamo's own reader splits it at
+        // the first colon and would read model `llama3`, group `8b:default`.
+        let body = br#"{"llama3:8b:default": {"block_size": 16, "events": []}, "m:": {"block_size": 16, "events": []}}"#;
+        let parsed = parse_dump(body).expect("parses");
+        let keys: Vec<_> = parsed.iter().map(|(key, _, _)| key.clone()).collect();
+        assert_eq!(keys, vec![IndexKey::new("llama3:8b", "default"), IndexKey::new("m", "default")]);
+        let bad = parse_dump(br#"{":g": {"block_size": 16, "events": []}}"#).expect_err("no model");
+        assert!(bad.contains("model is empty"), "{bad}");
+        let bad = parse_dump(br#"{"nocolon": {"block_size": 16, "events": []}}"#).expect_err("no colon");
+        assert!(bad.contains("expected model:group"), "{bad}");
     }
 }
