@@ -43,11 +43,47 @@ const LIVE_QUEUE: usize = 4096;
 /// A live record: its subject, the digest of its source's record before it, its wire form.
 type LiveRecord = (String, u64, bytes::Bytes);
 
-/// The live path's publishing side: per source, the digest of the last record published.
+/// Per source, the digest of the last record published live: what the next names as its
+/// predecessor.
+///
+/// Invariant: it holds only sources that have published since they were last unregistered, so
+/// it grows with the registered ranks, not with every rank that ever published.
+#[derive(Debug, Default)]
+struct LiveHeads(HashMap<(IndexKey, Worker), u64>);
+
+impl LiveHeads {
+    /// Takes `record` in: `Some(predecessor's digest)` (0 for a source's first record) for a
+    /// batch to publish live; `None` for an unregistration, which is not published live (a
+    /// replica applies only batches live) and ends the chains of the ranks it names, as it ends
+    /// them at a replica (`log_replica`). A source that comes back starts a new chain, and its
+    /// first live record is left to the stream.
+    fn advance(&mut self, record: &Outgoing) -> Option<u64> {
+        let (key, worker) = &record.source;
+        if let Some(ranks) = record.unregisters {
+            self.0.retain(|(k, w), _| {
+                k != key
+                    || w.worker_id != worker.worker_id
+                    || ranks.is_some_and(|rank| rank != w.dp_rank)
+            });
+            return None;
+        }
+        let digest = log_record::digest(&record.payload);
+        // The source's key is cloned once, when it first publishes.
+        Some(match self.0.get_mut(&record.source) {
+            Some(head) => std::mem::replace(head, digest),
+            None => {
+                self.0.insert(record.source.clone(), digest);
+                0
+            }
+        })
+    }
+}
+
+/// The live path's publishing side.
 struct LivePath {
     tx: mpsc::Sender<LiveRecord>,
     prefix: String,
-    heads: HashMap<(IndexKey, Worker), u64>,
+    heads: LiveHeads,
     stats: Arc<LogStats>,
 }
 
@@ -74,21 +110,16 @@ impl LivePath {
         Self {
             tx,
             prefix: log.live_prefix(),
-            heads: HashMap::new(),
+            heads: LiveHeads::default(),
             stats,
         }
     }
 
-    /// Publishes `record` live (or counts it left off), chained to its source's last record.
+    /// Publishes a batch's `record` live (or counts it left off), chained to its source's last
+    /// record; an unregistration only ends chains ([`LiveHeads::advance`]).
     fn publish(&mut self, record: &Outgoing) {
-        let digest = log_record::digest(&record.payload);
-        // The source's key is cloned once, when it first publishes.
-        let prev = match self.heads.get_mut(&record.source) {
-            Some(head) => std::mem::replace(head, digest),
-            None => {
-                self.heads.insert(record.source.clone(), digest);
-                0
-            }
+        let Some(prev) = self.heads.advance(record) else {
+            return;
         };
         let subject =
             log_record::subject(&self.prefix, &record.source.0, record.source.1.worker_id);
@@ -368,4 +399,58 @@ fn spawn_publish(
         };
         (records, outcome)
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvatlas_index::Mutation;
+
+    fn batch(key: &IndexKey, worker: Worker, tag: u64) -> Outgoing {
+        let size = BlockSize::new(16).expect("16");
+        let unit = Unit {
+            worker_id: worker.worker_id,
+            mutations: vec![Mutation::Removed {
+                worker,
+                tier: kvatlas_index::Tier::Device,
+                blocks: vec![kvatlas_index::ExternalBlockHash::new(tag)],
+            }],
+            checkpoint: None,
+            resync: false,
+            received: None,
+            published: None,
+        };
+        log_record::encode_unit(key, size, &unit)
+    }
+
+    #[test]
+    fn live_heads_chain_each_source_and_forget_unregistered_ones() {
+        let size = BlockSize::new(16).expect("16");
+        let (a, b) = (IndexKey::new("m", "t"), IndexKey::new("n", "t"));
+        let mut heads = LiveHeads::default();
+        let first = batch(&a, Worker::new(1, 0), 1);
+        assert_eq!(heads.advance(&first), Some(0), "a source's first record");
+        assert_eq!(
+            heads.advance(&batch(&a, Worker::new(1, 0), 2)),
+            Some(log_record::digest(&first.payload)),
+            "the next names its predecessor"
+        );
+        for worker in [Worker::new(1, 1), Worker::new(1, 2), Worker::new(2, 0)] {
+            heads.advance(&batch(&a, worker, 3));
+        }
+        heads.advance(&batch(&b, Worker::new(1, 0), 4));
+        assert_eq!(heads.0.len(), 5);
+
+        // One rank: only it is forgotten, and the unregistration is not published live.
+        assert_eq!(heads.advance(&log_record::encode_unregister(&a, size, 1, Some(1))), None);
+        assert_eq!(heads.0.len(), 4);
+        assert!(!heads.0.contains_key(&(a.clone(), Worker::new(1, 1))));
+        // The whole instance in one index: the other instance and the other index stay.
+        assert_eq!(heads.advance(&log_record::encode_unregister(&a, size, 1, None)), None);
+        let mut left: Vec<_> = heads.0.keys().cloned().collect();
+        left.sort();
+        assert_eq!(left, vec![(a.clone(), Worker::new(2, 0)), (b, Worker::new(1, 0))]);
+        // A source that comes back starts a new chain.
+        assert_eq!(heads.advance(&batch(&a, Worker::new(1, 0), 5)), Some(0));
+    }
 }

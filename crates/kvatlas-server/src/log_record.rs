@@ -103,6 +103,9 @@ pub(crate) struct Outgoing {
     pub(crate) queued_at: std::time::Instant,
     /// When the engine published the batch, if known (for `kvatlas_log_sent_age_seconds`).
     pub(crate) published: Option<std::time::Instant>,
+    /// An unregistration's record: the ranks it ends (`Some(None)`: every rank of the
+    /// source's instance); `None` for a batch.
+    pub(crate) unregisters: Option<Option<u32>>,
 }
 
 /// The record of a unit an ingest applied for `key`, ready to publish (the unit is not copied).
@@ -123,6 +126,7 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
         source: (key.clone(), source),
         queued_at: std::time::Instant::now(),
         published: unit.published,
+        unregisters: None,
     }
 }
 
@@ -147,6 +151,7 @@ pub(crate) fn encode_unregister(
         source: (key.clone(), source),
         queued_at: std::time::Instant::now(),
         published: None,
+        unregisters: Some(dp_rank),
     }
 }
 
