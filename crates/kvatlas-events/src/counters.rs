@@ -49,11 +49,15 @@ pub enum Reason {
     /// A store whose `extra_keys` carry multimodal or prompt-embedding content: its tokens do
     /// not determine the block.
     NonTokenContent,
+    /// The batch carried a data-parallel rank that would be more than its source's
+    /// `MAX_RANKS_PER_SOURCE`th distinct one (a listener clears every rank its source fed on a
+    /// resync, so it must remember them all): the whole batch is dropped.
+    TooManyDpRanks,
 }
 
 impl Reason {
     /// Every reason, in declaration order ([`Reason::index`] is the position here).
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::MalformedBatch,
         Reason::NegativeDpRank,
         Reason::DpRankOutOfRange,
@@ -71,6 +75,7 @@ impl Reason {
         Reason::PartialPage,
         Reason::UnnamedLora,
         Reason::NonTokenContent,
+        Reason::TooManyDpRanks,
     ];
 
     /// Number of reasons.
@@ -101,6 +106,7 @@ impl Reason {
             Reason::PartialPage => "partial_page",
             Reason::UnnamedLora => "unnamed_lora",
             Reason::NonTokenContent => "non_token_content",
+            Reason::TooManyDpRanks => "too_many_dp_ranks",
         }
     }
 
@@ -108,7 +114,10 @@ impl Reason {
     pub const fn is_batch_level(self) -> bool {
         matches!(
             self,
-            Reason::MalformedBatch | Reason::NegativeDpRank | Reason::DpRankOutOfRange
+            Reason::MalformedBatch
+                | Reason::NegativeDpRank
+                | Reason::DpRankOutOfRange
+                | Reason::TooManyDpRanks
         )
     }
 }

@@ -63,7 +63,7 @@ pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, deco
 #[cfg(feature = "listener")]
 pub use listener::{
     ApplyInline, Listener, ListenerConfig, ListenerCounters, ListenerError, ListenerId,
-    ListenerOptions, ListenerState, ListenerStatus, ListenerThreads, Listeners, MutationSink,
-    Resume, SinkError, SocketMode,
+    ListenerOptions, ListenerState, ListenerStatus, ListenerThreads, Listeners,
+    MAX_RANKS_PER_SOURCE, MutationSink, Resume, SinkError, SocketMode,
 };
 pub use sequence::{Action, ReplayId, ResyncReason, SequenceCounters, Sequencer, SequencerConfig};

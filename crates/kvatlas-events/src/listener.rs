@@ -26,7 +26,9 @@
 //!   endpoint at all → the replay fails → resync. Live batches keep arriving meanwhile and are
 //!   buffered by the sequencer (bounded).
 //! - **Resync** ([`Action::Resync`]) → a [`Mutation::Cleared`] for every rank the source has fed,
-//!   counted and logged (`tracing`, target `kvatlas_events::listener`).
+//!   counted and logged (`tracing`, target `kvatlas_events::listener`). A source feeds at most
+//!   [`MAX_RANKS_PER_SOURCE`] ranks, so every one is remembered; a batch of a further rank is
+//!   dropped and counted.
 //! - **Units and checkpoints**: each applied batch goes to the sink as one [`Unit`] — its
 //!   mutations and a [`Checkpoint`] (the source's rank, the batch's sequence number and
 //!   fingerprint) — so an index that records checkpoints pairs its snapshots exactly with the
@@ -70,6 +72,7 @@ mod status;
 
 pub use config::{ListenerConfig, ListenerOptions, Resume, SocketMode};
 pub use error::ListenerError;
+pub use event_loop::MAX_RANKS_PER_SOURCE;
 pub use lifecycle::Listener;
 pub use poller::ListenerThreads;
 pub use registry::Listeners;

@@ -20,7 +20,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, unbounded};
 use kvatlas_events::{
     Converter, DropCounters, EngineKind, ListenerConfig, ListenerCounters, ListenerError,
     ListenerId, ListenerOptions, ListenerState, ListenerStatus, ListenerThreads, Listeners,
-    MutationSink, Reason, SinkError, SocketMode, Source,
+    MAX_RANKS_PER_SOURCE, MutationSink, Reason, SinkError, SocketMode, Source,
 };
 use kvatlas_hash::BlockSize;
 use kvatlas_index::{
@@ -80,6 +80,11 @@ fn tokens_for(hash: u64) -> impl Iterator<Item = u32> {
 
 /// A map-layout (vLLM ≥ 0.24) batch storing a chain of blocks under `parent`.
 fn store_batch(ts: f64, hashes: &[u64], parent: Option<u64>) -> Vec<u8> {
+    store_batch_on_rank(ts, hashes, parent, 0)
+}
+
+/// [`store_batch`] with the batch's data-parallel rank `dp_rank`.
+fn store_batch_on_rank(ts: f64, hashes: &[u64], parent: Option<u64>, dp_rank: u64) -> Vec<u8> {
     let mut w = W::new();
     w.arr(3).f(ts).arr(1);
     w.map(8)
@@ -102,7 +107,7 @@ fn store_batch(ts: f64, hashes: &[u64], parent: Option<u64>) -> Vec<u8> {
         .s("GPU")
         .s("lora_name")
         .nil();
-    w.u(0);
+    w.u(dp_rank);
     w.bytes()
 }
 
@@ -1059,6 +1064,57 @@ fn a_held_listener_released_at_a_snapshot_position_applies_every_batch_once() {
         "every batch after the snapshot's position applied once: {s:?}"
     );
     h.reference_apply(&sent);
+    h.assert_index_matches_reference();
+}
+
+/// A source whose batches carry many dp ranks: a resync clears every one of them (each is
+/// remembered), and a batch of a rank beyond [`MAX_RANKS_PER_SOURCE`] is dropped and counted
+/// rather than applied to a rank a resync would not clear.
+#[test]
+fn a_resync_clears_every_rank_a_source_fed_and_a_rank_beyond_the_limit_is_dropped() {
+    let mut h = Harness::new();
+    let mut a = Publisher::loopback(&h.ctx);
+    let id = h.listen(&a, b"kv-events");
+    let warm_a = a.warm_up(&h.listeners, id);
+    let limit = MAX_RANKS_PER_SOURCE as u64;
+    let ranked: Vec<Vec<u8>> = (0..=limit)
+        .map(|rank| {
+            let ts = 1_700_000_000.0 + rank as f64;
+            store_batch_on_rank(ts, &[(1 << 40) | (rank * 10 + 1)], None, rank)
+        })
+        .collect();
+    publish_all(&mut a, &ranked, |_| true);
+    let tail_a = a.pump(&h.listeners, id);
+    let s = state(&h.listeners, id);
+    assert_eq!(s.counters.drops.get(Reason::TooManyDpRanks), 1, "{s:?}");
+    assert!(
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(&format!("dp rank {limit}"))),
+        "{s:?}"
+    );
+
+    let mut b = a.restart(&h.ctx);
+    let events_b = event_stream(2, 12);
+    publish_all(&mut b, &events_b, |_| true);
+    let tail_b = b.pump(&h.listeners, id);
+    let s = state(&h.listeners, id);
+    assert_eq!((s.counters.restarts, s.counters.resyncs), (1, 1), "{s:?}");
+    assert_eq!(
+        s.counters.resync_clears, limit,
+        "every rank fed is cleared: {s:?}"
+    );
+
+    h.reference_apply(&warm_a);
+    h.reference_apply(&ranked[..MAX_RANKS_PER_SOURCE]);
+    h.reference_apply(&tail_a);
+    for rank in 0..limit {
+        h.reference.apply(&Mutation::Cleared {
+            worker: Worker::new(WORKER, u32::try_from(rank).expect("a small rank")),
+        });
+    }
+    h.reference_apply(&events_b);
+    h.reference_apply(&tail_b);
     h.assert_index_matches_reference();
 }
 

@@ -1097,7 +1097,9 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
                 IndexKey::new(model, group)
             }
         };
-        index_key.validate().map_err(|e| format!("dump key {key:?}: {e}"))?;
+        index_key
+            .validate()
+            .map_err(|e| format!("dump key {key:?}: {e}"))?;
         let mut mutations = Vec::with_capacity(entry.events.len());
         for event in entry.events {
             let tier = tier_of_name(&event.storage_tier)
@@ -1413,10 +1415,17 @@ mod tests {
         let body = br#"{"llama3:8b:default": {"block_size": 16, "events": []}, "m:": {"block_size": 16, "events": []}}"#;
         let parsed = parse_dump(body).expect("parses");
         let keys: Vec<_> = parsed.iter().map(|(key, _, _)| key.clone()).collect();
-        assert_eq!(keys, vec![IndexKey::new("llama3:8b", "default"), IndexKey::new("m", "default")]);
+        assert_eq!(
+            keys,
+            vec![
+                IndexKey::new("llama3:8b", "default"),
+                IndexKey::new("m", "default")
+            ]
+        );
         let bad = parse_dump(br#"{":g": {"block_size": 16, "events": []}}"#).expect_err("no model");
         assert!(bad.contains("model is empty"), "{bad}");
-        let bad = parse_dump(br#"{"nocolon": {"block_size": 16, "events": []}}"#).expect_err("no colon");
+        let bad =
+            parse_dump(br#"{"nocolon": {"block_size": 16, "events": []}}"#).expect_err("no colon");
         assert!(bad.contains("expected model:group"), "{bad}");
     }
 }

@@ -442,14 +442,23 @@ mod tests {
         assert_eq!(heads.0.len(), 5);
 
         // One rank: only it is forgotten, and the unregistration is not published live.
-        assert_eq!(heads.advance(&log_record::encode_unregister(&a, size, 1, Some(1))), None);
+        assert_eq!(
+            heads.advance(&log_record::encode_unregister(&a, size, 1, Some(1))),
+            None
+        );
         assert_eq!(heads.0.len(), 4);
         assert!(!heads.0.contains_key(&(a.clone(), Worker::new(1, 1))));
         // The whole instance in one index: the other instance and the other index stay.
-        assert_eq!(heads.advance(&log_record::encode_unregister(&a, size, 1, None)), None);
+        assert_eq!(
+            heads.advance(&log_record::encode_unregister(&a, size, 1, None)),
+            None
+        );
         let mut left: Vec<_> = heads.0.keys().cloned().collect();
         left.sort();
-        assert_eq!(left, vec![(a.clone(), Worker::new(2, 0)), (b, Worker::new(1, 0))]);
+        assert_eq!(
+            left,
+            vec![(a.clone(), Worker::new(2, 0)), (b, Worker::new(1, 0))]
+        );
         // A source that comes back starts a new chain.
         assert_eq!(heads.advance(&batch(&a, Worker::new(1, 0), 5)), Some(0));
     }

@@ -15,7 +15,7 @@ use super::config::{MAX_PROBE_BACKOFF, millis_i32};
 use super::status::{Shared, bump};
 use super::{ListenerConfig, ListenerStatus, MutationSink, Resume, SinkError};
 use crate::convert::Converter;
-use crate::counters::DropCounters;
+use crate::counters::{DropCounters, Reason};
 use crate::decode::decode_batch;
 use crate::frames::{ReplayReply, decode_live_message, decode_replay_reply, replay_request};
 use crate::sequence::{Action, ReplayId, ResyncReason, Sequencer};
@@ -24,9 +24,11 @@ use crate::sequence::{Action, ReplayId, ResyncReason, Sequencer};
 /// frames are received and discarded, so a hostile peer cannot make a message grow unbounded.
 const MAX_KEPT_FRAMES: usize = 4;
 
-/// At most this many distinct ranks are remembered per source for resync clears (a source is
-/// one engine rank; batches normally all carry the same rank).
-const MAX_TRACKED_RANKS: usize = 64;
+/// At most this many distinct ranks are fed by one source (a source is one engine rank and its
+/// batches normally all carry that rank; one publisher of a whole wide-EP deployment carries a
+/// few hundred). A resync clears every rank the source fed, so each is remembered; a batch of a
+/// further rank is dropped and counted ([`Reason::TooManyDpRanks`]), never applied unremembered.
+pub const MAX_RANKS_PER_SOURCE: usize = 1024;
 
 /// When a quiet stream is probed next ([`Sequencer::probe`]).
 #[derive(Debug, Clone, Copy)]
@@ -232,7 +234,7 @@ pub(super) struct ListenerCore {
     probe: Option<ProbeSchedule>,
     sequencer: Sequencer<Payload>,
     converter: Converter,
-    /// Ranks this source has fed (cleared on resync), capped at [`MAX_TRACKED_RANKS`].
+    /// Ranks this source has fed (each cleared on a resync), at most [`MAX_RANKS_PER_SOURCE`].
     ranks: BTreeSet<Worker>,
     /// Reused conversion buffer.
     mutations: Vec<Mutation>,
@@ -809,11 +811,19 @@ impl ListenerCore {
                     published = batch.published_at(Instant::now(), std::time::SystemTime::now());
                 }
                 let worker = self.converter.worker_for(batch.dp_rank);
-                if self.ranks.len() < MAX_TRACKED_RANKS {
+                if self.ranks.contains(&worker) || self.ranks.len() < MAX_RANKS_PER_SOURCE {
                     self.ranks.insert(worker);
+                    self.converter
+                        .convert_batch(&batch, &mut self.mutations, &mut drops);
+                } else {
+                    drops.record(Reason::TooManyDpRanks);
+                    self.shared.set_error(format!(
+                        "batch {seq} dropped: its dp rank {} would be a rank beyond the \
+                         {MAX_RANKS_PER_SOURCE} this source already fed, the most one source \
+                         may feed",
+                        worker.dp_rank
+                    ));
                 }
-                self.converter
-                    .convert_batch(&batch, &mut self.mutations, &mut drops);
             }
             Err(error) => {
                 drops.record(error.reason());
