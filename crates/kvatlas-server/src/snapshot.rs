@@ -38,8 +38,11 @@
 //! still read.
 //!
 //! A reader refuses a stream whose magic is wrong, whose version is newer than
-//! [`FORMAT_VERSION`], whose records are malformed or truncated, or whose checksum does not
-//! match — before anything is restored.
+//! [`FORMAT_VERSION`], whose records are malformed or truncated, whose checksum or counts do not
+//! match, or that writes a rank of an index twice — before anything is restored. While reading it
+//! holds the block tables and each rank as runs of entries (memory in proportion to the bytes
+//! read); the ranks' blocks, which a few bytes can multiply (a rank naming a whole table), are
+//! materialised only from a verified stream.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
@@ -619,7 +622,13 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
     reader.take(2, "in the header")?;
     let created = reader.fixed_u64("in the header")? as i64;
     let mut images: Vec<IndexImage> = Vec::new();
-    let mut table: Vec<Entry> = Vec::new();
+    // Every block table read (a rank names entries of its index's latest one) and the ranks as
+    // runs of their entries: the ranks' blocks are materialised only once the whole stream is
+    // verified, because a rank of a few bytes can name a table of millions of entries (and a
+    // damaged count or run could name it again and again).
+    let mut tables: Vec<Vec<Entry>> = Vec::new();
+    let mut current_table: Option<usize> = None;
+    let mut ranks: Vec<RankRuns> = Vec::new();
     let mut memberships = 0u64;
     loop {
         let kind = reader.byte("before its trailer")?;
@@ -640,7 +649,7 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                     marks: BTreeMap::new(),
                     snapshot: Snapshot::default(),
                 });
-                table.clear();
+                current_table = None;
             }
             REGISTRATION => {
                 let instance_id = reader.varint("a registration")?;
@@ -714,8 +723,7 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
             }
             BLOCKS => {
                 let n = reader.varint("a block table")?;
-                table.clear();
-                table.reserve((n as usize).min(PREALLOC));
+                let mut table = Vec::with_capacity((n as usize).min(PREALLOC));
                 if version >= 3 {
                     read_chains(&mut reader, n, &mut table)?;
                 } else {
@@ -729,13 +737,21 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                         });
                     }
                 }
+                current_table = Some(tables.len());
+                tables.push(table);
             }
             RANK => {
                 let worker = Worker::new(reader.varint("a rank")?, reader.small("a rank")?);
+                let image = images
+                    .len()
+                    .checked_sub(1)
+                    .ok_or_else(|| SnapshotError::Corrupt("a rank before any index".into()))?;
+                let table_len = current_table.map_or(0, |t| tables[t].len());
                 let n = reader.varint("a rank")?;
-                let mut blocks = Vec::with_capacity((n as usize).min(PREALLOC));
+                let mut runs = Vec::new();
+                let mut read = 0u64;
                 let mut entry = 0u64;
-                while (blocks.len() as u64) < n {
+                while read < n {
                     let packed = reader.varint("a rank's blocks")?;
                     // Versions before 3: every membership is a run of one.
                     let further = if version >= 3 {
@@ -743,7 +759,7 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                     } else {
                         0
                     };
-                    if further >= n - blocks.len() as u64 {
+                    if further >= n - read {
                         return Err(SnapshotError::Corrupt(format!(
                             "a rank's run of {} blocks passes its count of {n}",
                             further.saturating_add(1)
@@ -759,33 +775,23 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                     let last = entry
                         .checked_add(further)
                         .ok_or_else(|| SnapshotError::Corrupt("a rank's entry overflows".into()))?;
-                    let run = usize::try_from(entry)
-                        .ok()
-                        .zip(usize::try_from(last).ok())
-                        .and_then(|(first, last)| table.get(first..=last))
-                        .ok_or_else(|| {
-                            SnapshotError::Corrupt(format!(
-                                "a rank names block {last} of a table of {}",
-                                table.len()
-                            ))
-                        })?;
+                    if last >= table_len as u64 {
+                        return Err(SnapshotError::Corrupt(format!(
+                            "a rank names block {last} of a table of {table_len}"
+                        )));
+                    }
+                    // Both below the table's length, so they fit a usize.
+                    runs.push((entry as usize, last as usize, tiers));
                     memberships += u64::from(tiers.bits().count_ones()) * (further + 1);
-                    blocks.extend(run.iter().map(|e| SnapshotBlock {
-                        external: e.external,
-                        local: e.local,
-                        parent: e.parent,
-                        tiers,
-                    }));
+                    read += further + 1;
                     entry = last;
                 }
-                blocks.sort_unstable_by_key(|b| b.external);
-                let image = images
-                    .last_mut()
-                    .ok_or_else(|| SnapshotError::Corrupt("a rank before any index".into()))?;
-                image
-                    .snapshot
-                    .workers
-                    .push(WorkerSnapshot { worker, blocks });
+                ranks.push(RankRuns {
+                    image,
+                    table: current_table,
+                    worker,
+                    runs,
+                });
             }
             TRAILER => {
                 let indexes = reader.varint("in the trailer")?;
@@ -801,9 +807,7 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                         images.len()
                     )));
                 }
-                for image in &mut images {
-                    image.snapshot.workers.sort_unstable_by_key(|w| w.worker);
-                }
+                materialise(&mut images, &tables, ranks)?;
                 return Ok((created, images));
             }
             other => {
@@ -813,6 +817,60 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
             }
         }
     }
+}
+
+/// A rank as read: runs of entries of one of the stream's block tables, not yet materialised.
+struct RankRuns {
+    /// Its index: a position in the images read.
+    image: usize,
+    /// The block table its runs name (`None`: its index had none, and it names no entry).
+    table: Option<usize>,
+    worker: Worker,
+    /// Runs of table entries (first, last, both included) with their tiers, each checked to lie
+    /// in the table.
+    runs: Vec<(usize, usize, TierSet)>,
+}
+
+/// Gives each index its ranks' blocks, once the stream is verified (checksum and counts): the
+/// memberships made are the trailer's count. A rank written twice in one index is refused.
+fn materialise(
+    images: &mut [IndexImage],
+    tables: &[Vec<Entry>],
+    mut ranks: Vec<RankRuns>,
+) -> Result<(), SnapshotError> {
+    ranks.sort_by_key(|rank| (rank.image, rank.worker));
+    if let Some(pair) = ranks
+        .windows(2)
+        .find(|pair| (pair[0].image, pair[0].worker) == (pair[1].image, pair[1].worker))
+    {
+        return Err(SnapshotError::Corrupt(format!(
+            "worker {} rank {} is written twice in index {}",
+            pair[0].worker.worker_id, pair[0].worker.dp_rank, images[pair[0].image].key
+        )));
+    }
+    for rank in ranks {
+        let table = rank.table.map_or(&[][..], |t| &tables[t][..]);
+        let count = rank
+            .runs
+            .iter()
+            .map(|(first, last, _)| last - first + 1)
+            .sum();
+        let mut blocks = Vec::with_capacity(count);
+        for (first, last, tiers) in rank.runs {
+            blocks.extend(table[first..=last].iter().map(|e| SnapshotBlock {
+                external: e.external,
+                local: e.local,
+                parent: e.parent,
+                tiers,
+            }));
+        }
+        blocks.sort_unstable_by_key(|b| b.external);
+        images[rank.image].snapshot.workers.push(WorkerSnapshot {
+            worker: rank.worker,
+            blocks,
+        });
+    }
+    Ok(())
 }
 
 /// A block table entry's two hashes.
@@ -1124,6 +1182,84 @@ mod tests {
         put_varint(&mut bytes, ((u64::MAX >> 4) << 4) | 1);
         put_varint(&mut bytes, u64::MAX - 1);
         assert!(matches!(read(&bytes[..]), Err(SnapshotError::Corrupt(_))));
+    }
+
+    /// A stream of one index whose block table has `entries` entries (one chain) and `ranks`
+    /// ranks of worker `worker_of(i)`, each holding the whole table; its trailer counts
+    /// `counted` memberships and carries a checksum that is right when `sound`.
+    fn whole_table_ranks(
+        entries: u64,
+        ranks: u64,
+        worker_of: impl Fn(u64) -> u64,
+        counted: u64,
+        sound: bool,
+    ) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        bytes.extend_from_slice(&[0, 0]);
+        bytes.extend_from_slice(&7i64.to_le_bytes());
+        bytes.push(INDEX);
+        put_str(&mut bytes, "m");
+        put_str(&mut bytes, "t");
+        put_varint(&mut bytes, 16);
+        put_varint(&mut bytes, 0);
+        bytes.push(BLOCKS);
+        put_varint(&mut bytes, entries);
+        put_varint(&mut bytes, entries);
+        put_varint(&mut bytes, 0);
+        for e in 0..entries {
+            bytes.extend_from_slice(&(e + 1).to_le_bytes());
+            bytes.extend_from_slice(&(e + 1).to_le_bytes());
+        }
+        for i in 0..ranks {
+            bytes.push(RANK);
+            put_varint(&mut bytes, worker_of(i));
+            put_varint(&mut bytes, 0);
+            put_varint(&mut bytes, entries);
+            put_varint(&mut bytes, 1);
+            put_varint(&mut bytes, entries - 1);
+        }
+        bytes.push(TRAILER);
+        put_varint(&mut bytes, 1);
+        put_varint(&mut bytes, counted);
+        let digest = xxhash_rust::xxh3::xxh3_64(&bytes) ^ u64::from(!sound);
+        bytes.extend_from_slice(&digest.to_le_bytes());
+        bytes
+    }
+
+    /// A rank of a few bytes names a whole block table: 2^16 of them over a table of 2^16
+    /// entries would be 2^32 blocks (≈ 160 GiB) if materialised as read. They are materialised
+    /// only once the stream is verified, so a damaged stream is refused first.
+    #[test]
+    fn ranks_are_materialised_only_from_a_verified_stream() {
+        let (entries, ranks) = (1 << 16, 1 << 16);
+        let bad = whole_table_ranks(entries, ranks, |i| i, entries * ranks, false);
+        assert!(bad.len() < 2 << 20, "a small stream: {} bytes", bad.len());
+        assert!(matches!(
+            read(&bad[..]),
+            Err(SnapshotError::Checksum { .. })
+        ));
+        // A sound stream with the same shape, small: every rank holds the whole table.
+        let good = whole_table_ranks(4, 3, |i| i, 12, true);
+        let (_, images) = read(&good[..]).expect("reads");
+        let held: Vec<usize> = images[0]
+            .snapshot
+            .workers
+            .iter()
+            .map(|w| w.blocks.len())
+            .collect();
+        assert_eq!(held, vec![4, 4, 4]);
+    }
+
+    /// A writer writes each rank of an index once; a stream naming one twice is refused.
+    #[test]
+    fn a_rank_written_twice_is_refused() {
+        let twice = whole_table_ranks(4, 2, |_| 9, 8, true);
+        let Err(SnapshotError::Corrupt(why)) = read(&twice[..]) else {
+            panic!("a rank written twice is corrupt");
+        };
+        assert!(why.contains("worker 9 rank 0 is written twice"), "{why}");
     }
 
     #[test]
