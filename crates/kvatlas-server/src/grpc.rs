@@ -766,13 +766,13 @@ impl IndexerService {
         // with it (a restarted server continues the rank's numbering).
         let unit = Unit {
             worker_id: prepared.worker.worker_id,
-            mutations,
-            resync,
             checkpoint: prepared.seq.map(|seq| Checkpoint {
                 source: prepared.worker,
                 position: seq,
-                fingerprint: 0,
+                fingerprint: crate::publish::fingerprint(&mutations),
             }),
+            mutations,
+            resync,
             received: Some(received),
             published: None,
         };

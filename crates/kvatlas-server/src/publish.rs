@@ -41,6 +41,48 @@ pub(crate) struct Prepared {
     pub(crate) mutations: Vec<Mutation>,
 }
 
+/// The fingerprint a `PublishEvents` batch's checkpoint records: a hash of its mutations (the
+/// resync's clear included), as a listener's is the hash of the engine's payload. A replica and
+/// the event log's duplicate window tell two batches of a rank at one sequence number apart by
+/// it: a producer that restarted at 0 is not taken for a retry of its first incarnation's batch.
+pub(crate) fn fingerprint(mutations: &[Mutation]) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let tier_byte = |tier: Tier| tier.index() as u8;
+    for mutation in mutations {
+        let worker = mutation.worker();
+        let (kind, tier) = match mutation {
+            Mutation::Stored { tier, .. } => (1u8, tier_byte(*tier)),
+            Mutation::Removed { tier, .. } => (2, tier_byte(*tier)),
+            Mutation::Cleared { .. } => (3, 0),
+        };
+        hasher.update(&[kind, tier]);
+        hasher.update(&worker.worker_id.to_le_bytes());
+        hasher.update(&worker.dp_rank.to_le_bytes());
+        match mutation {
+            Mutation::Stored { parent, blocks, .. } => {
+                hasher.update(&parent.map_or([0; 9], |p| {
+                    let mut bytes = [1; 9];
+                    bytes[1..].copy_from_slice(&p.get().to_le_bytes());
+                    bytes
+                }));
+                hasher.update(&(blocks.len() as u64).to_le_bytes());
+                for block in blocks {
+                    hasher.update(&block.external.get().to_le_bytes());
+                    hasher.update(&block.local.get().to_le_bytes());
+                }
+            }
+            Mutation::Removed { blocks, .. } => {
+                hasher.update(&(blocks.len() as u64).to_le_bytes());
+                for block in blocks {
+                    hasher.update(&block.get().to_le_bytes());
+                }
+            }
+            Mutation::Cleared { .. } => {}
+        }
+    }
+    hasher.digest()
+}
+
 /// What to do with a prepared message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Admission {

@@ -467,3 +467,74 @@ fn the_live_path_applies_ahead_of_the_stream_and_a_divergence_restores_the_strea
     assert_eq!(blocks_of_worker_7(&replica, &[1001, 2002, 2003]), 3);
     replica.kill_9();
 }
+
+/// A `PublishEvents` batch of worker 7 of model `m` with sequence number `seq`, storing one
+/// block (`external`, `local`) after `parent`.
+fn published(seq: u64, parent: Option<u64>, external: u64, local: u64) -> v1::PublishEventsRequest {
+    v1::PublishEventsRequest {
+        index: Some(v1::IndexSelector {
+            model: MODEL.into(),
+            tenant: String::new(),
+        }),
+        instance_id: 7,
+        block_size: BLOCK_TOKENS,
+        seq: Some(seq),
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                parent_hash: parent,
+                block_hashes: vec![external],
+                local_hashes: vec![local],
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    }
+}
+
+/// A `PublishEvents` producer that restarts at sequence number 0 (its first incarnation's
+/// numbers reused, within the stream's duplicate window): the ingest clears the rank and
+/// applies the new batches, and so does every replica — the batches are told apart by their
+/// content, not taken for retries of the first incarnation's.
+#[test]
+fn a_publish_events_producer_restarting_at_zero_is_resynced_at_the_replicas() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let ingest = Served::start(&["--publish-to", &nats.url()]);
+    let replica = replica(&nats);
+    ready(&ingest);
+    ready(&replica);
+    let publish = |messages: Vec<v1::PublishEventsRequest>| {
+        runtime().block_on(async {
+            let mut client = IndexerClient::connect(ingest.grpc.clone())
+                .await
+                .expect("connects");
+            client
+                .publish_events(tokio_stream::iter(messages))
+                .await
+                .expect("published");
+        });
+    };
+    let (first, second) = ([1001, 1002, 1003], [2001, 2002]);
+    publish(vec![
+        published(0, None, 1, 1001),
+        published(1, Some(1), 2, 1002),
+        published(2, Some(2), 3, 1003),
+    ]);
+    for server in [&ingest, &replica] {
+        eventually("the first incarnation's blocks", || {
+            blocks_of_worker_7(server, &first) == 3
+        });
+    }
+    // The producer restarts: 0 and 1 again, other blocks.
+    publish(vec![
+        published(0, None, 11, 2001),
+        published(1, Some(11), 12, 2002),
+    ]);
+    for (name, server) in [("the ingest", &ingest), ("the replica", &replica)] {
+        eventually(&format!("{name} holds the second incarnation only"), || {
+            blocks_of_worker_7(server, &second) == 2 && blocks_of_worker_7(server, &first) == 0
+        });
+    }
+    assert_eq!(metric(&replica, "kvatlas_log_dropped_duplicate_total"), 0);
+    replica.kill_9();
+    ingest.kill_9();
+}
