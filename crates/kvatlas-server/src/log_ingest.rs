@@ -4,10 +4,12 @@
 //! - [`LoggedSink`] sits between the ZMQ listeners and an index's writers: a unit is accepted
 //!   only if both the log's queue and the writers have room (a listener waits otherwise), so
 //!   the log never misses a unit the index applied and memory stays bounded.
-//! - [`run_publisher`] publishes the queue. One message of a source is in flight at a time
-//!   (the next after the stream acknowledged the previous one), so a retry after a failure
-//!   never reorders a source; the records that queued behind it go together in the next
-//!   message (up to 64 records, 512 KiB); different sources are in flight together.
+//! - [`run_publisher`] publishes the queue. One message of a worker instance (every rank of it,
+//!   in one index) is in flight at a time (the next after the stream acknowledged the previous
+//!   one), so a retry after a failure never reorders an instance's records, and an
+//!   unregistration of every rank follows each rank's earlier batches; the records that queued
+//!   behind it go together in the next message (up to 64 records, 512 KiB); different instances
+//!   are in flight together.
 //!   A failed publish is retried with the same message id until the stream takes it: a record
 //!   stored twice (an acknowledgement lost) is dropped by the stream's duplicate window.
 //! - The **live path** (`NatsLog::live`, on by default): as the publisher takes each record off
@@ -167,26 +169,17 @@ impl LogHandle {
         let _ = self.tx.send(record).await;
     }
 
-    /// Queues `record` from synchronous code (an unregistration): at once if there is room,
-    /// otherwise by a task that waits for room (or, outside a runtime, by waiting here).
+    /// Queues `record` from blocking code (an unregistration, which runs on a blocking thread),
+    /// waiting for room if the queue is full: it is queued before anything the caller does
+    /// next (a task sending it later could let a re-registered rank's batches overtake it, and
+    /// a replica would then remove them).
+    ///
+    /// # Panics
+    /// Called from an async task (it blocks its thread).
     pub(crate) fn send_now(&self, record: Outgoing) {
         LogStats::bump(&self.stats.queued);
-        match self.tx.try_send(record) {
-            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
-            Err(mpsc::error::TrySendError::Full(record)) => {
-                let tx = self.tx.clone();
-                match tokio::runtime::Handle::try_current() {
-                    Ok(handle) => {
-                        handle.spawn(async move {
-                            let _ = tx.send(record).await;
-                        });
-                    }
-                    Err(_) => {
-                        let _ = tx.blocking_send(record);
-                    }
-                }
-            }
-        }
+        // Fails only once the publisher is gone (shutdown): nothing is left to publish to.
+        let _ = self.tx.blocking_send(record);
     }
 }
 
@@ -236,6 +229,61 @@ fn next_group(backlog: &mut VecDeque<Outgoing>) -> Vec<Outgoing> {
     group
 }
 
+/// What orders publishing: an index's worker instance. A record goes out only after every
+/// earlier record of its instance was stored, so an unregistration of every rank of an instance
+/// is stored after every batch of any of its ranks that was queued before it (with a lane per
+/// rank, one queued behind another message of its rank was stored after the unregistration: a
+/// replica then held the batch's blocks of a removed worker).
+type Lane = (IndexKey, u64);
+
+fn lane_of(record: &Outgoing) -> Lane {
+    (record.source.0.clone(), record.source.1.worker_id)
+}
+
+/// The publisher's lanes: at most one message in flight per lane, the lane's later records
+/// waiting behind it in order.
+#[derive(Debug, Default)]
+struct Lanes {
+    /// Lanes with a message in flight.
+    busy: HashSet<Lane>,
+    waiting: HashMap<Lane, VecDeque<Outgoing>>,
+    /// Records waiting, over every lane.
+    queued: usize,
+}
+
+impl Lanes {
+    /// Takes a record off the queue: `Some` to publish it now (its lane was idle and is now
+    /// busy), `None` if it waits behind its lane's message in flight.
+    fn take(&mut self, record: Outgoing) -> Option<Outgoing> {
+        let lane = lane_of(&record);
+        if self.busy.contains(&lane) {
+            self.queued += 1;
+            self.waiting.entry(lane).or_default().push_back(record);
+            None
+        } else {
+            self.busy.insert(lane);
+            Some(record)
+        }
+    }
+
+    /// The stream stored the message of `lane` in flight: the lane's next message (as many of
+    /// its waiting records as fit one), or nothing, and the lane is idle.
+    fn stored(&mut self, lane: &Lane) -> Vec<Outgoing> {
+        let group = self
+            .waiting
+            .get_mut(lane)
+            .map(next_group)
+            .unwrap_or_default();
+        if group.is_empty() {
+            self.busy.remove(lane);
+            self.waiting.remove(lane);
+        } else {
+            self.queued -= group.len();
+        }
+        group
+    }
+}
+
 /// Publishes the queue until `stop` is cancelled and the queue is drained (see the module
 /// docs); returns the records it could not publish before `drain_deadline` after `stop`.
 pub(crate) async fn run_publisher(
@@ -250,15 +298,13 @@ pub(crate) async fn run_publisher(
         .live
         .then(|| LivePath::start(js.client(), &log, Arc::clone(&stats)));
     let prefix = log.subject_prefix;
-    let mut waiting: HashMap<(IndexKey, Worker), VecDeque<Outgoing>> = HashMap::new();
-    let mut busy: HashSet<(IndexKey, Worker)> = HashSet::new();
-    let mut queued = 0usize;
+    let mut lanes = Lanes::default();
     let mut flights: JoinSet<Published> = JoinSet::new();
     let mut retry_backoff = Duration::from_millis(10);
     let mut stopping = false;
     let mut deadline = None;
     loop {
-        let room = queued < QUEUE && flights.len() < IN_FLIGHT;
+        let room = lanes.queued < QUEUE && flights.len() < IN_FLIGHT;
         tokio::select! {
             biased;
             Some(done) = flights.join_next(), if !flights.is_empty() => {
@@ -277,15 +323,11 @@ pub(crate) async fn run_publisher(
                         } else {
                             stats.published_bytes.fetch_add(wire_bytes(&prefix, &records), Relaxed);
                         }
-                        let Some(source) = records.into_iter().next().map(|r| r.source) else {
+                        let Some(lane) = records.first().map(lane_of) else {
                             continue;
                         };
-                        let group = waiting.get_mut(&source).map(next_group).unwrap_or_default();
-                        if group.is_empty() {
-                            busy.remove(&source);
-                            waiting.remove(&source);
-                        } else {
-                            queued -= group.len();
+                        let group = lanes.stored(&lane);
+                        if !group.is_empty() {
                             spawn_publish(&mut flights, &js, &prefix, group, Duration::ZERO);
                         }
                     }
@@ -307,11 +349,7 @@ pub(crate) async fn run_publisher(
                     if let Some(live) = &mut live {
                         live.publish(&record);
                     }
-                    if busy.contains(&record.source) {
-                        queued += 1;
-                        waiting.entry(record.source.clone()).or_default().push_back(record);
-                    } else {
-                        busy.insert(record.source.clone());
+                    if let Some(record) = lanes.take(record) {
                         spawn_publish(&mut flights, &js, &prefix, vec![record], Duration::ZERO);
                     }
                 }
@@ -329,7 +367,7 @@ pub(crate) async fn run_publisher(
                 }
             } => break,
         }
-        if stopping && flights.is_empty() && queued == 0 && rx.is_empty() {
+        if stopping && flights.is_empty() && lanes.queued == 0 && rx.is_empty() {
             break;
         }
     }
@@ -344,7 +382,7 @@ pub(crate) async fn run_publisher(
         n + flights.len()
     };
     flights.abort_all();
-    let left = queued + in_flight + rx.len();
+    let left = lanes.queued + in_flight + rx.len();
     u64::try_from(left).unwrap_or(u64::MAX)
 }
 
@@ -368,7 +406,7 @@ fn varint_len(n: usize) -> usize {
     prost::encoding::encoded_len_varint(n as u64)
 }
 
-/// Publishes `records` (one source's, in order) as one message after `delay`.
+/// Publishes `records` (one lane's, in order) as one message after `delay`.
 fn spawn_publish(
     flights: &mut JoinSet<Published>,
     js: &jetstream::Context,
@@ -461,5 +499,42 @@ mod tests {
         );
         // A source that comes back starts a new chain.
         assert_eq!(heads.advance(&batch(&a, Worker::new(1, 0), 5)), Some(0));
+    }
+
+    /// Every rank of an instance shares a lane: an unregistration of the whole instance waits
+    /// behind a batch of rank 3 queued before it (with a lane per rank it went out at once and
+    /// was stored before the batch).
+    #[test]
+    fn an_instance_unregistration_waits_for_every_rank_queued_before_it() {
+        let size = BlockSize::new(16).expect("16");
+        let (a, b) = (IndexKey::new("m", "t"), IndexKey::new("n", "t"));
+        let mut lanes = Lanes::default();
+        let in_flight = lanes.take(batch(&a, Worker::new(1, 3), 1));
+        assert!(in_flight.is_some(), "an idle lane publishes at once");
+        assert!(
+            lanes.take(batch(&a, Worker::new(1, 3), 2)).is_none(),
+            "behind it"
+        );
+        assert!(
+            lanes
+                .take(log_record::encode_unregister(&a, size, 1, None))
+                .is_none(),
+            "the unregistration waits behind rank 3's batches"
+        );
+        // Other instances and other indexes are not held up.
+        assert!(lanes.take(batch(&a, Worker::new(2, 3), 3)).is_some());
+        assert!(lanes.take(batch(&b, Worker::new(1, 3), 4)).is_some());
+        assert_eq!(lanes.queued, 2);
+        // Once rank 3's message is stored, the rest goes out in order, in one message.
+        let next = lanes.stored(&(a.clone(), 1));
+        assert_eq!(next.len(), 2);
+        assert_eq!(next[0].source.1, Worker::new(1, 3));
+        assert_eq!(next[1].unregisters, Some(None));
+        assert_eq!(lanes.queued, 0);
+        assert!(
+            lanes.stored(&(a.clone(), 1)).is_empty(),
+            "the lane is idle again"
+        );
+        assert!(lanes.take(batch(&a, Worker::new(1, 0), 5)).is_some());
     }
 }
