@@ -285,6 +285,11 @@ pub struct ServeArgs {
     /// on core NATS and replicas apply it before the stream confirms it: docs/server.md).
     #[arg(long, env = "KVATLAS_NATS_NO_LIVE")]
     pub nats_no_live: bool,
+    /// Seconds a replica waits for the stream's copy of a live record it applied; past them it
+    /// takes the record for one its ingest never stored (the ingest died first) and goes back
+    /// to the stream's state [default: 30].
+    #[arg(long, env = "KVATLAS_NATS_LIVE_CONFIRM_SECS")]
+    pub nats_live_confirm_secs: Option<u64>,
 }
 
 /// The TOML file of `--config`: the same settings.
@@ -334,6 +339,7 @@ struct ServeFile {
     nats_snapshot_bucket: Option<String>,
     nats_snapshot_interval_secs: Option<u64>,
     nats_no_live: Option<bool>,
+    nats_live_confirm_secs: Option<u64>,
 }
 
 impl ServeArgs {
@@ -515,6 +521,10 @@ impl ServeArgs {
                     None => defaults.snapshot_interval,
                 },
                 live: !(self.nats_no_live || file.nats_no_live.unwrap_or(false)),
+                live_confirm_timeout: self
+                    .nats_live_confirm_secs
+                    .or(file.nats_live_confirm_secs)
+                    .map_or(defaults.live_confirm_timeout, Duration::from_secs),
                 ..defaults
             }
         };

@@ -274,9 +274,9 @@ struct Consumer {
     live: Option<async_nats::Subscriber>,
     /// Per source, its place on the live path.
     chains: HashMap<(IndexKey, Worker), Chain>,
-    /// Live records applied and not yet confirmed, over every source: their digests and
-    /// sources (so that the stream's copy is confirmed without decoding it).
-    live_pending: HashMap<u64, (IndexKey, Worker)>,
+    /// Live records applied and not yet confirmed, over every source: their digests, sources
+    /// (so that the stream's copy is confirmed without decoding it) and when they were applied.
+    live_pending: HashMap<u64, ((IndexKey, Worker), tokio::time::Instant)>,
     /// A snapshot waits for the pending records: no live record is applied meanwhile.
     live_paused: bool,
     /// The last stream sequence applied (or covered by the restored snapshot).
@@ -356,6 +356,10 @@ impl Consumer {
             let message = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
                 _ = tick.tick() => {
+                    if self.live_overdue() {
+                        self.diverged().await?;
+                        return Err("re-bootstrapped: a live record was never stored".into());
+                    }
                     self.maybe_snapshot().await;
                     continue;
                 }
@@ -476,7 +480,8 @@ impl Consumer {
             resync: *resync,
             published_micros: *published_unix_micros,
         });
-        self.live_pending.insert(digest, source_key);
+        self.live_pending
+            .insert(digest, (source_key, tokio::time::Instant::now()));
         if let Some(unit) = record.into_unit(Some(arrived)) {
             // Fails only when the writers are gone (shutdown).
             let _ = crate::grpc::enqueue(&entry.pool, unit).await;
@@ -487,7 +492,7 @@ impl Consumer {
     /// Confirms the live record whose wire form has `digest`, if it is its source's oldest
     /// pending one (the stream stored it at `stored_nanos`); `false` if it is not pending.
     fn confirm(&mut self, digest: u64, stored_nanos: i128) -> bool {
-        let Some(source) = self.live_pending.get(&digest) else {
+        let Some((source, _)) = self.live_pending.get(&digest) else {
             return false;
         };
         let Some(chain) = self.chains.get_mut(source) else {
@@ -507,6 +512,18 @@ impl Consumer {
             self.stats.stored_age.observe(age);
         }
         true
+    }
+
+    /// Whether a live record applied here has waited longer than `--nats-live-confirm-secs`
+    /// for the stream's copy. Its ingest published it live and then never stored it (the
+    /// ingest died first, or ran out of time at shutdown): the replica holds a record the
+    /// stream does not, and, while a snapshot is due, the live path stays paused for it. Such a
+    /// replica goes back to the stream's state (counted as a divergence).
+    fn live_overdue(&self) -> bool {
+        let deadline = self.log.live_confirm_timeout;
+        self.live_pending
+            .values()
+            .any(|(_, applied)| applied.elapsed() > deadline)
     }
 
     /// Forgets every chain and pending live record (the indexes were replaced).

@@ -52,6 +52,9 @@ pub struct NatsLog {
     /// continues the chain of its source's records before the stream delivers it; the stream
     /// confirms it (`log_replica`). `false`: the stream alone.
     pub live: bool,
+    /// How long a replica waits for the stream's copy of a live record it applied before it
+    /// takes the record for one its ingest never stored and goes back to the stream's state.
+    pub live_confirm_timeout: Duration,
 }
 
 impl NatsLog {
@@ -68,6 +71,7 @@ impl NatsLog {
             snapshot_bucket: DEFAULT_SNAPSHOT_BUCKET.to_owned(),
             snapshot_interval: Some(Duration::from_secs(30)),
             live: true,
+            live_confirm_timeout: Duration::from_secs(30),
         }
     }
 
@@ -108,6 +112,9 @@ impl NatsLog {
             return Err(
                 "NATS retention (max age, max bytes) and duplicate window must be positive".into(),
             );
+        }
+        if self.live_confirm_timeout.is_zero() {
+            return Err("the live path's confirmation wait must be at least a second".into());
         }
         if self.duplicate_window > self.max_age {
             return Err("the NATS duplicate window cannot exceed the stream's max age".into());

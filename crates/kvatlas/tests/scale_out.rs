@@ -373,6 +373,97 @@ fn blocks_of_worker_7(server: &Served, prompt: &[u64]) -> u32 {
     })
 }
 
+/// Hand-made records of worker 7, put into the stream or published live as an ingest does.
+struct HandFeed {
+    /// Drives the test's NATS connection (its task runs inside `block_on`).
+    runtime: tokio::runtime::Runtime,
+    client: async_nats::Client,
+    js: async_nats::jetstream::Context,
+}
+
+impl HandFeed {
+    fn connect(nats: &NatsServer) -> Self {
+        let runtime = runtime();
+        let client = runtime
+            .block_on(async_nats::connect(nats.url()))
+            .expect("connects to NATS");
+        let js = {
+            let _inside = runtime.enter();
+            async_nats::jetstream::new(client.clone())
+        };
+        Self {
+            runtime,
+            client,
+            js,
+        }
+    }
+
+    /// Stores `record` in the stream, framed as an ingest frames it.
+    fn to_stream(&self, record: &[u8]) {
+        let mut framed = Vec::new();
+        prost::encoding::encode_varint(record.len() as u64, &mut framed);
+        framed.extend_from_slice(record);
+        self.runtime.block_on(async {
+            self.js
+                .publish(format!("kvatlas.events.{MODEL}.default.7"), framed.into())
+                .await
+                .expect("published")
+                .await
+                .expect("stored");
+        });
+    }
+
+    /// Publishes `record` on the live path, naming `prev` as its predecessor.
+    fn live(&self, record: &[u8], prev: &[u8]) {
+        let mut headers = async_nats::HeaderMap::new();
+        let prev = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(prev));
+        headers.insert("Kvatlas-Prev", prev.as_str());
+        self.runtime.block_on(async {
+            self.client
+                .publish_with_headers(
+                    format!("kvatlas.events-live.{MODEL}.default.7"),
+                    headers,
+                    record.to_vec().into(),
+                )
+                .await
+                .expect("published live");
+            self.client.flush().await.expect("flushed");
+        });
+    }
+}
+
+/// A live record whose ingest died before the stream stored it is undone once the
+/// confirmation wait has passed: the replica goes back to the stream's state.
+#[test]
+fn an_orphaned_live_record_is_undone() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let replica = Served::start(&[
+        "--consume-from",
+        &nats.url(),
+        "--nats-snapshot-interval-secs",
+        "0",
+        "--nats-live-confirm-secs",
+        "1",
+    ]);
+    ready(&replica);
+    let feed = HandFeed::connect(&nats);
+    let first = record(1, 101, None, 1, 1001);
+    feed.to_stream(&first);
+    eventually("the stream's record applied", || {
+        blocks_of_worker_7(&replica, &[1001, 1002]) == 1
+    });
+    feed.live(&record(2, 102, Some(1), 2, 1002), &first);
+    eventually("the live record applied", || {
+        metric(&replica, "kvatlas_log_live_applied_total") == 1
+    });
+    eventually("the orphaned live record undone", || {
+        metric(&replica, "kvatlas_log_live_divergences_total") == 1
+            && blocks_of_worker_7(&replica, &[1001, 1002]) == 1
+    });
+    ready(&replica);
+    replica.kill_9();
+}
+
 #[test]
 fn the_live_path_applies_ahead_of_the_stream_and_a_divergence_restores_the_streams_state() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
@@ -385,41 +476,9 @@ fn the_live_path_applies_ahead_of_the_stream_and_a_divergence_restores_the_strea
     ]);
     // The replica created the stream and subscribed to the live path.
     ready(&replica);
-    // One runtime drives the test's NATS connection (its task runs inside `block_on`).
-    let nats_runtime = runtime();
-    let client = nats_runtime
-        .block_on(async_nats::connect(nats.url()))
-        .expect("connects to NATS");
-    let js = {
-        let _inside = nats_runtime.enter();
-        async_nats::jetstream::new(client.clone())
-    };
-    let subject = format!("kvatlas.events.{MODEL}.default.7");
-    let live_subject = format!("kvatlas.events-live.{MODEL}.default.7");
-    let to_stream = |record: &[u8]| {
-        let mut framed = Vec::new();
-        prost::encoding::encode_varint(record.len() as u64, &mut framed);
-        framed.extend_from_slice(record);
-        nats_runtime.block_on(async {
-            js.publish(subject.clone(), framed.into())
-                .await
-                .expect("published")
-                .await
-                .expect("stored");
-        });
-    };
-    let live = |record: &[u8], prev: &[u8]| {
-        let mut headers = async_nats::HeaderMap::new();
-        let prev = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(prev));
-        headers.insert("Kvatlas-Prev", prev.as_str());
-        nats_runtime.block_on(async {
-            client
-                .publish_with_headers(live_subject.clone(), headers, record.to_vec().into())
-                .await
-                .expect("published live");
-            client.flush().await.expect("flushed");
-        });
-    };
+    let feed = HandFeed::connect(&nats);
+    let to_stream = |record: &[u8]| feed.to_stream(record);
+    let live = |record: &[u8], prev: &[u8]| feed.live(record, prev);
 
     let first = record(1, 101, None, 1, 1001);
     to_stream(&first);
