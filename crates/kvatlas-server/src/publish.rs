@@ -160,7 +160,24 @@ impl Publisher {
         if admitted.is_err() && prepared.created {
             self.registry.forget_if_unused(&prepared.entry);
         }
+        if self.fed.len() > self.registry.limits().max_registered_ranks {
+            self.forget_gone_ranks();
+        }
         admitted
+    }
+
+    /// Forgets the ranks this stream no longer feeds (unregistered since, or fed by another
+    /// stream now). A long-lived stream of a churning fleet feeds ever new instances; the
+    /// ranks it feeds at once are at most `--max-registered-ranks`, and so, pruned past it, is
+    /// what it remembers. (Their index is held no longer either.)
+    fn forget_gone_ranks(&mut self) {
+        let stream = self.stream;
+        self.fed.retain(|(_, worker), entry| {
+            matches!(
+                entry.feeds.lock().get(worker),
+                Some(Feed::Grpc(grpc)) if grpc.stream == Some(stream)
+            )
+        });
     }
 
     /// [`Publisher::admit`] but for the removal of an index the refused message created.
@@ -244,7 +261,8 @@ impl Publisher {
         seen.into_values().collect()
     }
 
-    /// The response: the counts and every fed rank's last applied sequence number.
+    /// The response: the counts and the last applied sequence number of every rank this stream
+    /// fed (of those it still feeds, once it fed more than `--max-registered-ranks`).
     pub(crate) fn response(&self) -> v1::PublishEventsResponse {
         let mut response = self.counts.clone();
         response.ranks = self
@@ -474,5 +492,50 @@ mod tests {
         assert_eq!(feed.counters.restarts, 1);
         assert_eq!(sequence(&mut feed, Some(1)), InOrder);
         assert_eq!(feed.last_seq, Some(1));
+    }
+
+    /// A long-lived stream that feeds instance after instance, each unregistered in turn,
+    /// remembers at most the limit of registered ranks (plus the one it just fed).
+    #[test]
+    fn a_stream_forgets_the_ranks_it_no_longer_feeds() {
+        let limits = crate::config::Limits {
+            max_registered_ranks: 4,
+            ..crate::config::Limits::default()
+        };
+        let registry = Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            limits,
+        ));
+        let mut publisher = Publisher::new(1, Arc::clone(&registry));
+        let message = |instance_id: u64| v1::PublishEventsRequest {
+            index: Some(v1::IndexSelector {
+                model: "m".into(),
+                tenant: String::new(),
+            }),
+            instance_id,
+            block_size: 16,
+            ..v1::PublishEventsRequest::default()
+        };
+        for instance in 0..40 {
+            let prepared = publisher.prepare(&message(instance)).expect("prepared");
+            publisher.admit(&prepared).expect("admitted");
+            registry
+                .unregister("m", None, instance, None, |_| true)
+                .expect("unregistered");
+            assert!(
+                publisher.fed.len() <= 5,
+                "{} remembered",
+                publisher.fed.len()
+            );
+        }
+        // Ranks it still feeds are kept.
+        for instance in 100..104 {
+            let prepared = publisher.prepare(&message(instance)).expect("prepared");
+            publisher.admit(&prepared).expect("admitted");
+        }
+        let prepared = publisher.prepare(&message(100)).expect("prepared");
+        publisher.admit(&prepared).expect("admitted");
+        let fed: Vec<u64> = publisher.fed.keys().map(|(_, w)| w.worker_id).collect();
+        assert!(fed.ends_with(&[100, 101, 102, 103]), "{fed:?}");
     }
 }
