@@ -455,7 +455,13 @@ impl Consumer {
         ) else {
             return false;
         };
-        if chain.tip() != Some(prev) || chain.pending.len() >= LIVE_PENDING {
+        let digest = crate::log_record::digest(&message.payload);
+        // A record equal to one still pending (an unsequenced batch sent twice) is left to the
+        // stream: pending records are found by their digest, so each must be distinct.
+        if chain.tip() != Some(prev)
+            || chain.pending.len() >= LIVE_PENDING
+            || self.live_pending.contains_key(&digest)
+        {
             return false;
         }
         let Ok((entry, _)) = self
@@ -472,7 +478,6 @@ impl Consumer {
         if chain.pending.is_empty() {
             chain.position_before = position;
         }
-        let digest = crate::log_record::digest(&message.payload);
         chain.pending.push_back(LiveId {
             digest,
             seq: *seq,

@@ -139,6 +139,9 @@ impl NatsLog {
     }
 }
 
+/// Messages a subscription buffers (the ingest's live queue holds as many).
+const SUBSCRIPTION_CAPACITY: usize = 4096;
+
 /// Connects to NATS (failing within `timeout`, with the URL in the message).
 pub(crate) async fn connect(
     log: &NatsLog,
@@ -147,6 +150,10 @@ pub(crate) async fn connect(
     let options = async_nats::ConnectOptions::new()
         .name("kvatlas")
         .connection_timeout(timeout)
+        // Messages buffered per subscription before NATS drops them (async-nats's default is
+        // 65,536): a replica does not read its live subscription while it restores a snapshot,
+        // and a live record left off costs only its early application (the stream carries it).
+        .subscription_capacity(SUBSCRIPTION_CAPACITY)
         // Reconnect forever: a restarted nats-server is waited for, never given up on.
         .max_reconnects(None);
     let client = tokio::time::timeout(timeout, options.connect(log.url.as_str()))

@@ -464,6 +464,51 @@ fn an_orphaned_live_record_is_undone() {
     replica.kill_9();
 }
 
+/// An unsequenced batch published twice: the second live copy, equal to the first still
+/// pending, is left to the stream (pending records are found by their digest).
+#[test]
+fn a_live_record_equal_to_a_pending_one_is_left_to_the_stream() {
+    use prost::Message as _;
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let replica = Served::start(&[
+        "--consume-from",
+        &nats.url(),
+        "--nats-snapshot-interval-secs",
+        "0",
+    ]);
+    ready(&replica);
+    let feed = HandFeed::connect(&nats);
+    let first = record(1, 101, None, 1, 1001);
+    feed.to_stream(&first);
+    eventually("the stream's record applied", || {
+        blocks_of_worker_7(&replica, &[1001, 1002]) == 1
+    });
+    let mut unsequenced =
+        v1::LogRecord::decode(&record(0, 0, Some(1), 2, 1002)[..]).expect("a record");
+    if let Some(v1::log_record::Body::Batch(batch)) = &mut unsequenced.body {
+        batch.seq = None;
+    }
+    let unsequenced = unsequenced.encode_to_vec();
+    feed.live(&unsequenced, &first);
+    eventually("the first copy applied live", || {
+        metric(&replica, "kvatlas_log_live_applied_total") == 1
+    });
+    feed.live(&unsequenced, &unsequenced);
+    eventually("the second copy left to the stream", || {
+        metric(&replica, "kvatlas_log_live_skipped_total") == 1
+    });
+    feed.to_stream(&unsequenced);
+    feed.to_stream(&unsequenced);
+    eventually("both stream copies consumed", || {
+        metric(&replica, "kvatlas_log_consumed_total") == 3
+    });
+    assert_eq!(metric(&replica, "kvatlas_log_live_applied_total"), 1);
+    assert_eq!(metric(&replica, "kvatlas_log_live_confirmed_total"), 1);
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
+    assert_eq!(blocks_of_worker_7(&replica, &[1001, 1002]), 2);
+    replica.kill_9();
+}
+
 #[test]
 fn the_live_path_applies_ahead_of_the_stream_and_a_divergence_restores_the_streams_state() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
