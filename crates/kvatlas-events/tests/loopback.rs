@@ -1118,6 +1118,73 @@ fn a_resync_clears_every_rank_a_source_fed_and_a_rank_beyond_the_limit_is_droppe
     h.assert_index_matches_reference();
 }
 
+/// Records every unit it is handed.
+#[derive(Default)]
+struct Recording(parking_lot::Mutex<Vec<Unit>>);
+
+impl MutationSink for Recording {
+    fn try_push(&self, unit: Unit) -> Result<(), SinkError> {
+        self.0.lock().push(unit);
+        Ok(())
+    }
+}
+
+/// A resync clears the source's registered rank first, then the other ranks its batches
+/// carried: a unit of clears alone is named by its first rank (the event log files it under
+/// that source).
+#[test]
+fn a_resync_clears_the_registered_rank_first() {
+    let ctx = zmq::Context::new();
+    let sink = Arc::new(Recording::default());
+    let listeners = Listeners::with_context(ctx.clone(), sink.clone()).expect("listener thread");
+    let mut a = Publisher::loopback(&ctx);
+    let own = Source {
+        dp_rank: 5,
+        ..source()
+    };
+    let config = ListenerConfig::new(own, a.endpoint.clone())
+        .with_replay_endpoint(a.replay_endpoint.clone())
+        .with_topic(b"kv-events".to_vec())
+        .with_options(fast_options());
+    let id = listeners.start(config).expect("listener starts");
+    a.warm_up(&listeners, id);
+    // Batches of rank 2, below the registered rank 5; more than the next incarnation sends,
+    // so that its numbers are below these (a restart, not a gap).
+    let ranked: Vec<Vec<u8>> = (0..10)
+        .map(|k| store_batch_on_rank(1_700_000_000.0 + k as f64, &[(1 << 40) | k], None, 2))
+        .collect();
+    publish_all(&mut a, &ranked, |_| true);
+    a.pump(&listeners, id);
+    let last_a = a.next_seq - 1;
+    let mut b = a.restart(&ctx);
+    publish_all(&mut b, &event_stream(2, 3), |_| true);
+    b.pump(&listeners, id);
+    assert!(
+        b.next_seq - 1 < last_a,
+        "the new incarnation stays below the old seq"
+    );
+    assert_eq!(state(&listeners, id).counters.restarts, 1);
+    let units = sink.0.lock();
+    let resync = units.iter().find(|u| u.resync).expect("a resync unit");
+    let cleared: Vec<Worker> = resync
+        .mutations
+        .iter()
+        .filter_map(|m| match m {
+            Mutation::Cleared { worker } => Some(*worker),
+            _ => None,
+        })
+        .collect();
+    // (The warm-up's empty batches carry rank 0.)
+    assert_eq!(
+        cleared,
+        vec![
+            Worker::new(WORKER, 5),
+            Worker::new(WORKER, 0),
+            Worker::new(WORKER, 2)
+        ]
+    );
+}
+
 #[test]
 fn a_publisher_restart_resyncs_the_worker() {
     let mut h = Harness::new();

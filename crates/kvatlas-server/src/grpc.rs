@@ -776,8 +776,11 @@ impl IndexerService {
             received: Some(received),
             published: None,
         };
-        // An ingest logs what it applies (encoded first: the unit moves to the writers).
-        let logged = prepared.entry.log.as_ref().map(|log| {
+        // An ingest logs what it applies (encoded first: the unit moves to the writers); an
+        // unsequenced message without events changes nothing and is not logged (nor could its
+        // record name its rank).
+        let changes = unit.checkpoint.is_some() || !unit.mutations.is_empty();
+        let logged = prepared.entry.log.as_ref().filter(|_| changes).map(|log| {
             let record = crate::log_record::encode_unit(
                 &prepared.entry.key,
                 prepared.entry.block_size,

@@ -57,7 +57,8 @@ pub(crate) enum Body {
     },
 }
 
-/// The source of a unit: its checkpoint's; for a resync's clears alone, the first rank cleared.
+/// The source of a unit: its checkpoint's; for a resync's clears alone, the first rank cleared
+/// (a listener clears its registered rank first).
 fn source_of(unit: &Unit) -> Worker {
     unit.checkpoint.map_or_else(
         || {

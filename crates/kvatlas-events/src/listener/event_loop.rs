@@ -876,10 +876,12 @@ impl ListenerCore {
         if reason == ResyncReason::Restart {
             self.shared.last_seq.store(u64::MAX, Ordering::Release);
         }
-        let mutations: Vec<Mutation> = self
-            .ranks
-            .iter()
-            .map(|&worker| Mutation::Cleared { worker })
+        // The registered rank first (it is always among the ranks): a unit of clears alone is
+        // then filed under the source's own rank (the event log names a unit's source by it).
+        let own = Worker::new(source.worker_id, source.dp_rank);
+        let mutations: Vec<Mutation> = std::iter::once(own)
+            .chain(self.ranks.iter().copied().filter(|&worker| worker != own))
+            .map(|worker| Mutation::Cleared { worker })
             .collect();
         let clears = mutations.len() as u64;
         // Handed over with the next batch, or alone at the end of this drive.
