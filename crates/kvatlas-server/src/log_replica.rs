@@ -119,8 +119,9 @@ impl SourceState {
     }
 
     /// What [`Self::admit`] would have decided about a batch before the last `pending`
-    /// admissions, given the position before them (`None`: no position; ignored if `pending` is
-    /// 0), without recording anything.
+    /// admissions that recorded a batch (sequenced ones: an unsequenced batch leaves no pair),
+    /// given the position before them (`None`: no position; ignored if `pending` is 0), without
+    /// recording anything.
     fn admit_before(
         &self,
         pending: usize,
@@ -171,6 +172,15 @@ impl Chain {
         self.head = Some(live.digest);
         self.position_before = live.seq.or(self.position_before);
         Some(live)
+    }
+
+    /// The pending records whose admission recorded a `(sequence, fingerprint)` pair: the
+    /// sequenced ones (an unsequenced batch is applied without one).
+    fn recorded_pending(&self) -> usize {
+        self.pending
+            .iter()
+            .filter(|live| live.seq.is_some())
+            .count()
     }
 
     /// The digest a live record must name as its predecessor to continue this chain.
@@ -758,7 +768,7 @@ impl Consumer {
                     // What the stream alone would do: drop it (the pending records wait on),
                     // or apply it, which the live path got ahead of.
                     match source.admit_before(
-                        chain.pending.len(),
+                        chain.recorded_pending(),
                         chain.position_before,
                         *seq,
                         *fingerprint,
@@ -1083,6 +1093,38 @@ mod tests {
             Admission::Apply
         );
         assert_eq!(source.position, Some(6), "nothing recorded");
+    }
+
+    /// Pending unsequenced records left no pair: the pairs before the pending sequenced ones
+    /// are still the stream's, so a second ingest's copy of a resync the stream delivered is a
+    /// duplicate (counting every pending record hid it, and the replica took it for a
+    /// divergence).
+    #[test]
+    fn only_sequenced_pending_records_hide_pairs() {
+        let mut source = SourceState::default();
+        assert_eq!(source.admit(Some(4), 40, true), Admission::Apply);
+        let before = source.position;
+        let mut chain = Chain::default();
+        for (digest, seq) in [(1, Some(5)), (2, None)] {
+            assert_eq!(source.admit(seq, digest * 10, false), Admission::Apply);
+            chain.pending.push_back(LiveId {
+                digest,
+                seq,
+                fingerprint: digest * 10,
+                resync: false,
+                published_micros: None,
+            });
+        }
+        assert_eq!(chain.recorded_pending(), 1);
+        assert_eq!(
+            source.admit_before(chain.recorded_pending(), before, Some(4), 40, true),
+            Admission::Duplicate
+        );
+        assert_eq!(
+            source.admit_before(chain.pending.len(), before, Some(4), 40, true),
+            Admission::Apply,
+            "what counting every pending record decided"
+        );
     }
 
     #[test]

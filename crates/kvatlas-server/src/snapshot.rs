@@ -1161,9 +1161,8 @@ mod tests {
         assert_eq!(reread[0].feeds, images[0].feeds);
     }
 
-    /// A run reaching past the largest entry number is refused, not overflowed.
-    #[test]
-    fn a_run_past_the_largest_entry_is_refused() {
+    /// A stream's header and an INDEX record (model `m`, tenant `t`, block size 16, unbounded).
+    fn header_and_index() -> Vec<u8> {
         let mut bytes = Vec::new();
         bytes.extend_from_slice(MAGIC);
         bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -1174,6 +1173,13 @@ mod tests {
         put_str(&mut bytes, "t");
         put_varint(&mut bytes, 16);
         put_varint(&mut bytes, 0);
+        bytes
+    }
+
+    /// A run reaching past the largest entry number is refused, not overflowed.
+    #[test]
+    fn a_run_past_the_largest_entry_is_refused() {
+        let mut bytes = header_and_index();
         bytes.push(RANK);
         put_varint(&mut bytes, 1);
         put_varint(&mut bytes, 0);
@@ -1194,16 +1200,7 @@ mod tests {
         counted: u64,
         sound: bool,
     ) -> Vec<u8> {
-        let mut bytes = Vec::new();
-        bytes.extend_from_slice(MAGIC);
-        bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        bytes.extend_from_slice(&[0, 0]);
-        bytes.extend_from_slice(&7i64.to_le_bytes());
-        bytes.push(INDEX);
-        put_str(&mut bytes, "m");
-        put_str(&mut bytes, "t");
-        put_varint(&mut bytes, 16);
-        put_varint(&mut bytes, 0);
+        let mut bytes = header_and_index();
         bytes.push(BLOCKS);
         put_varint(&mut bytes, entries);
         put_varint(&mut bytes, entries);

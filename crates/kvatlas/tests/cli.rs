@@ -7,13 +7,13 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
-use common::{BIN, Served};
+use common::{BIN, Served, publish};
 
 use kvatlas_hash::BlockHasher;
 use kvatlas_index::{
     ExternalBlockHash, KvIndex, Mutation, ReferenceIndex, StoredBlock, Tier, Worker,
 };
-use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
+use kvatlas_proto::v1;
 
 const BLOCK: u32 = 4;
 
@@ -87,22 +87,6 @@ fn store(worker: u64, symbols: &[u32]) -> (v1::PublishEventsRequest, Mutation) {
             .collect(),
     };
     (message, mutation)
-}
-
-fn publish(url: &str, messages: Vec<v1::PublishEventsRequest>) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async {
-        let mut client = IndexerClient::connect(url.to_owned())
-            .await
-            .expect("connects");
-        client
-            .publish_events(tokio_stream::iter(messages))
-            .await
-            .expect("published");
-    });
 }
 
 #[test]

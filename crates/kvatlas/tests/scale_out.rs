@@ -432,26 +432,31 @@ impl HandFeed {
     }
 }
 
+/// A replica of `nats` without snapshots (and with `extra` flags), fed by hand: the stream's
+/// first record of worker 7 (block 1, local 1001) is applied. Returns the replica, the feed
+/// and that record.
+fn hand_fed_replica(nats: &NatsServer, extra: &[&str]) -> (Served, HandFeed, Vec<u8>) {
+    let url = nats.url();
+    let mut args = vec!["--consume-from", &url, "--nats-snapshot-interval-secs", "0"];
+    args.extend_from_slice(extra);
+    let replica = Served::start(&args);
+    // The replica created the stream and subscribed to the live path.
+    ready(&replica);
+    let feed = HandFeed::connect(nats);
+    let first = record(1, 101, None, 1, 1001);
+    feed.to_stream(&first);
+    eventually("the stream's first record applied", || {
+        blocks_of_worker_7(&replica, &[1001, 1002]) == 1
+    });
+    (replica, feed, first)
+}
+
 /// A live record whose ingest died before the stream stored it is undone once the
 /// confirmation wait has passed: the replica goes back to the stream's state.
 #[test]
 fn an_orphaned_live_record_is_undone() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
-    let replica = Served::start(&[
-        "--consume-from",
-        &nats.url(),
-        "--nats-snapshot-interval-secs",
-        "0",
-        "--nats-live-confirm-secs",
-        "1",
-    ]);
-    ready(&replica);
-    let feed = HandFeed::connect(&nats);
-    let first = record(1, 101, None, 1, 1001);
-    feed.to_stream(&first);
-    eventually("the stream's record applied", || {
-        blocks_of_worker_7(&replica, &[1001, 1002]) == 1
-    });
+    let (replica, feed, first) = hand_fed_replica(&nats, &["--nats-live-confirm-secs", "1"]);
     feed.live(&record(2, 102, Some(1), 2, 1002), &first);
     eventually("the live record applied", || {
         metric(&replica, "kvatlas_log_live_applied_total") == 1
@@ -470,19 +475,7 @@ fn an_orphaned_live_record_is_undone() {
 fn a_live_record_equal_to_a_pending_one_is_left_to_the_stream() {
     use prost::Message as _;
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
-    let replica = Served::start(&[
-        "--consume-from",
-        &nats.url(),
-        "--nats-snapshot-interval-secs",
-        "0",
-    ]);
-    ready(&replica);
-    let feed = HandFeed::connect(&nats);
-    let first = record(1, 101, None, 1, 1001);
-    feed.to_stream(&first);
-    eventually("the stream's record applied", || {
-        blocks_of_worker_7(&replica, &[1001, 1002]) == 1
-    });
+    let (replica, feed, first) = hand_fed_replica(&nats, &[]);
     let mut unsequenced =
         v1::LogRecord::decode(&record(0, 0, Some(1), 2, 1002)[..]).expect("a record");
     if let Some(v1::log_record::Body::Batch(batch)) = &mut unsequenced.body {
@@ -513,23 +506,9 @@ fn a_live_record_equal_to_a_pending_one_is_left_to_the_stream() {
 fn the_live_path_applies_ahead_of_the_stream_and_a_divergence_restores_the_streams_state() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
     // No snapshots: a divergence re-reads the stream from its start.
-    let replica = Served::start(&[
-        "--consume-from",
-        &nats.url(),
-        "--nats-snapshot-interval-secs",
-        "0",
-    ]);
-    // The replica created the stream and subscribed to the live path.
-    ready(&replica);
-    let feed = HandFeed::connect(&nats);
+    let (replica, feed, first) = hand_fed_replica(&nats, &[]);
     let to_stream = |record: &[u8]| feed.to_stream(record);
     let live = |record: &[u8], prev: &[u8]| feed.live(record, prev);
-
-    let first = record(1, 101, None, 1, 1001);
-    to_stream(&first);
-    eventually("the stream's first record applied", || {
-        blocks_of_worker_7(&replica, &[1001, 1002]) == 1
-    });
 
     // A live record that continues the chain is applied although the stream does not hold it.
     let second = record(2, 102, Some(1), 2, 1002);
@@ -606,17 +585,7 @@ fn a_publish_events_producer_restarting_at_zero_is_resynced_at_the_replicas() {
     let replica = replica(&nats);
     ready(&ingest);
     ready(&replica);
-    let publish = |messages: Vec<v1::PublishEventsRequest>| {
-        runtime().block_on(async {
-            let mut client = IndexerClient::connect(ingest.grpc.clone())
-                .await
-                .expect("connects");
-            client
-                .publish_events(tokio_stream::iter(messages))
-                .await
-                .expect("published");
-        });
-    };
+    let publish = |messages| common::publish(&ingest.grpc, messages);
     let (first, second) = ([1001, 1002, 1003], [2001, 2002]);
     publish(vec![
         published(0, None, 1, 1001),

@@ -109,3 +109,21 @@ impl Served {
         self.stderr.try_iter().collect()
     }
 }
+
+/// Sends `messages` on one `PublishEvents` stream to the server at `grpc` and waits for its
+/// answer.
+pub fn publish(grpc: &str, messages: Vec<kvatlas_proto::v1::PublishEventsRequest>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut client = kvatlas_proto::v1::indexer_client::IndexerClient::connect(grpc.to_owned())
+            .await
+            .expect("connects");
+        client
+            .publish_events(tokio_stream::iter(messages))
+            .await
+            .expect("published");
+    });
+}
