@@ -598,36 +598,35 @@ impl Consumer {
     async fn skipped(&mut self, sequence: u64) -> Result<bool, String> {
         LogStats::bump(&self.stats.rebootstraps);
         let lost = sequence - self.applied - 1;
-        match newest_covered(&self.bucket).await {
-            Some(covered) if covered + 1 >= sequence => {
-                tracing::warn!(
-                    from = self.applied + 1,
-                    to = sequence,
-                    covered,
-                    "the stream no longer holds the next records: re-bootstrapping from the newest snapshot"
-                );
-                if let Some(covered) = restore_newest(&self.state.registry, &self.bucket).await? {
-                    self.sources.clear();
-                    // The snapshot replaced what the live path applied: nothing is pending.
-                    self.forget_live();
-                    self.applied = covered;
-                    return Ok(true);
-                }
-                Ok(false)
+        if let Some(covered) = newest_covered(&self.bucket).await
+            && covered + 1 >= sequence
+        {
+            tracing::warn!(
+                from = self.applied + 1,
+                to = sequence,
+                covered,
+                "the stream no longer holds the next records: re-bootstrapping from the newest snapshot"
+            );
+            if let Some(covered) = restore_newest(&self.state.registry, &self.bucket).await? {
+                self.sources.clear();
+                // The snapshot replaced what the live path applied: nothing is pending.
+                self.forget_live();
+                self.applied = covered;
+                return Ok(true);
             }
-            _ => {
-                self.stats
-                    .sequences_lost
-                    .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
-                tracing::error!(
-                    from = self.applied + 1,
-                    to = sequence,
-                    "the stream no longer holds {lost} record(s) and no snapshot covers them: \
-                     the state may miss their events"
-                );
-                Ok(false)
-            }
+            // The snapshot was gone by the time it was read (a bucket emptied meanwhile): the
+            // records are lost as if none had covered them.
         }
+        self.stats
+            .sequences_lost
+            .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
+        tracing::error!(
+            from = self.applied + 1,
+            to = sequence,
+            "the stream no longer holds {lost} record(s) and no snapshot covers them: \
+             the state may miss their events"
+        );
+        Ok(false)
     }
 
     /// Applies the records of one message, which the stream stored at `stored_nanos` (Unix
