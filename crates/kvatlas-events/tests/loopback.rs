@@ -433,6 +433,14 @@ fn state(listeners: &Listeners, id: ListenerId) -> ListenerState {
     listeners.state(id).expect("listener registered")
 }
 
+/// A listener of `source` on `publisher`'s sockets and `topic`, with the tests' fast options.
+fn listener_config(source: Source, publisher: &Publisher, topic: &[u8]) -> ListenerConfig {
+    ListenerConfig::new(source, publisher.endpoint.clone())
+        .with_replay_endpoint(publisher.replay_endpoint.clone())
+        .with_topic(topic.to_vec())
+        .with_options(fast_options())
+}
+
 /// The index behind the listeners, and the reference model fed the same logical batches.
 struct Harness {
     ctx: zmq::Context,
@@ -462,10 +470,7 @@ impl Harness {
     }
 
     fn listen(&self, publisher: &Publisher, topic: &[u8]) -> ListenerId {
-        let config = ListenerConfig::new(source(), publisher.endpoint.clone())
-            .with_replay_endpoint(publisher.replay_endpoint.clone())
-            .with_topic(topic.to_vec())
-            .with_options(fast_options());
+        let config = listener_config(source(), publisher, topic);
         self.listeners.start(config).expect("listener starts")
     }
 
@@ -1142,11 +1147,9 @@ fn a_resync_clears_the_registered_rank_first() {
         dp_rank: 5,
         ..source()
     };
-    let config = ListenerConfig::new(own, a.endpoint.clone())
-        .with_replay_endpoint(a.replay_endpoint.clone())
-        .with_topic(b"kv-events".to_vec())
-        .with_options(fast_options());
-    let id = listeners.start(config).expect("listener starts");
+    let id = listeners
+        .start(listener_config(own, &a, b"kv-events"))
+        .expect("listener starts");
     a.warm_up(&listeners, id);
     // Batches of rank 2, below the registered rank 5; more than the next incarnation sends,
     // so that its numbers are below these (a restart, not a gap).

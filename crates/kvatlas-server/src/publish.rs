@@ -47,12 +47,11 @@ pub(crate) struct Prepared {
 /// it: a producer that restarted at 0 is not taken for a retry of its first incarnation's batch.
 pub(crate) fn fingerprint(mutations: &[Mutation]) -> u64 {
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    let tier_byte = |tier: Tier| tier.index() as u8;
     for mutation in mutations {
         let worker = mutation.worker();
         let (kind, tier) = match mutation {
-            Mutation::Stored { tier, .. } => (1u8, tier_byte(*tier)),
-            Mutation::Removed { tier, .. } => (2, tier_byte(*tier)),
+            Mutation::Stored { tier, .. } => (1u8, tier.index() as u8),
+            Mutation::Removed { tier, .. } => (2, tier.index() as u8),
             Mutation::Cleared { .. } => (3, 0),
         };
         hasher.update(&[kind, tier]);
@@ -60,11 +59,8 @@ pub(crate) fn fingerprint(mutations: &[Mutation]) -> u64 {
         hasher.update(&worker.dp_rank.to_le_bytes());
         match mutation {
             Mutation::Stored { parent, blocks, .. } => {
-                hasher.update(&parent.map_or([0; 9], |p| {
-                    let mut bytes = [1; 9];
-                    bytes[1..].copy_from_slice(&p.get().to_le_bytes());
-                    bytes
-                }));
+                hasher.update(&[u8::from(parent.is_some())]);
+                hasher.update(&parent.map_or(0, ExternalBlockHash::get).to_le_bytes());
                 hasher.update(&(blocks.len() as u64).to_le_bytes());
                 for block in blocks {
                     hasher.update(&block.external.get().to_le_bytes());
