@@ -236,7 +236,8 @@ pub(crate) async fn start(
     log: NatsLog,
     connect_timeout: Duration,
 ) -> Result<Replica, String> {
-    let js = crate::nats::connect(&log, connect_timeout).await?;
+    let stats = Arc::clone(state.registry.log_stats());
+    let js = crate::nats::connect(&log, connect_timeout, Arc::clone(&stats)).await?;
     let stream = crate::nats::stream(&js, &log).await?;
     let bucket = crate::nats::snapshot_bucket(&js, &log).await?;
     state.set_bootstrapping(true);
@@ -252,7 +253,6 @@ pub(crate) async fn start(
         None
     };
     let stop = CancellationToken::new();
-    let stats = Arc::clone(state.registry.log_stats());
     let consumer = Consumer {
         state,
         stats,

@@ -11,6 +11,7 @@
 //! Debian's nats-server is 2.9: only streams, ordered consumers, message-id deduplication and
 //! object stores are used (no 2.10 features).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -142,13 +143,20 @@ impl NatsLog {
 /// Messages a subscription buffers (the ingest's live queue holds as many).
 const SUBSCRIPTION_CAPACITY: usize = 4096;
 
-/// Connects to NATS (failing within `timeout`, with the URL in the message).
+/// Connects to NATS (failing within `timeout`, with the URL in the message); what the client
+/// reports about the connection later (a disconnection, a message it dropped) is counted in
+/// `stats` ([`count_client_event`]).
 pub(crate) async fn connect(
     log: &NatsLog,
     timeout: Duration,
+    stats: Arc<LogStats>,
 ) -> Result<jetstream::Context, String> {
     let options = async_nats::ConnectOptions::new()
         .name("kvatlas")
+        .event_callback(move |event| {
+            count_client_event(&stats, &event);
+            std::future::ready(())
+        })
         .connection_timeout(timeout)
         // Messages buffered per subscription before NATS drops them (async-nats's default is
         // 65,536): a replica does not read its live subscription while it restores a snapshot,
@@ -166,6 +174,37 @@ pub(crate) async fn connect(
         })?
         .map_err(|e| format!("cannot reach NATS at {}: {e}", log.url))?;
     Ok(jetstream::new(client))
+}
+
+/// Counts and logs one event the NATS client reports.
+///
+/// A `SlowConsumer` event is one message the client dropped because its subscription's buffer
+/// (`SUBSCRIPTION_CAPACITY`) was full — on a replica, a live record (the stream carries it
+/// later) or a message of the stream's ordered consumer (which notices the gap and re-creates
+/// itself). The client queues at most 128 events and drops further ones, so under a burst the
+/// count is a lower bound of the messages dropped.
+pub(crate) fn count_client_event(stats: &LogStats, event: &async_nats::Event) {
+    match event {
+        async_nats::Event::SlowConsumer(subscription) => {
+            let dropped = stats.nats_slow_consumer.fetch_add(1, Ordering::Relaxed) + 1;
+            // One line per power of two: a burst of drops does not flood the log.
+            if dropped.is_power_of_two() {
+                tracing::warn!(
+                    subscription,
+                    dropped,
+                    "NATS: a subscription's buffer was full and the client dropped a message \
+                     (the stream carries live records; counted in \
+                     kvatlas_log_nats_slow_consumer_total)"
+                );
+            }
+        }
+        async_nats::Event::Disconnected => {
+            LogStats::bump(&stats.nats_disconnects);
+            tracing::warn!("NATS: disconnected; reconnecting");
+        }
+        async_nats::Event::Connected => tracing::info!("NATS: connected"),
+        other => tracing::warn!("NATS: {other}"),
+    }
 }
 
 /// The event-log stream, created with `log`'s retention if absent (an existing stream keeps
@@ -285,6 +324,11 @@ pub(crate) struct LogStats {
     pub(crate) live_confirmed: AtomicU64,
     pub(crate) live_skipped: AtomicU64,
     pub(crate) live_divergences: AtomicU64,
+    /// Messages the NATS client dropped because a subscription's buffer was full (a lower
+    /// bound: [`count_client_event`]).
+    pub(crate) nats_slow_consumer: AtomicU64,
+    /// Times the NATS connection was lost (the client reconnects).
+    pub(crate) nats_disconnects: AtomicU64,
     /// Time from the stream storing a record to the replica applying it.
     pub(crate) lag: Histogram,
     /// Time from the ingest queueing a record to the stream acknowledging it.
@@ -301,7 +345,7 @@ impl LogStats {
     pub(crate) fn render(&self, out: &mut String, role: &str) {
         use std::fmt::Write as _;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 20] = [
+        let counters: [(&str, &str, u64); 22] = [
             (
                 "published_bytes",
                 "bytes of the records stored (subject, headers, payload)",
@@ -402,6 +446,16 @@ impl LogStats {
                 "streams that delivered something else than a live record applied (re-bootstraps)",
                 get(&self.live_divergences),
             ),
+            (
+                "nats_slow_consumer",
+                "messages the NATS client dropped, a subscription's buffer full (a lower bound)",
+                get(&self.nats_slow_consumer),
+            ),
+            (
+                "nats_disconnects",
+                "NATS connections lost (the client reconnects)",
+                get(&self.nats_disconnects),
+            ),
         ];
         for (name, help, value) in counters {
             let _ = writeln!(
@@ -460,6 +514,32 @@ impl LogStats {
             "kvatlas_log_stored_age_seconds",
             "At a replica: from a batch's engine stamp to the stream storing its record.",
             "",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clients_dropped_messages_and_lost_connections_are_counted_and_shown() {
+        let stats = LogStats::default();
+        for _ in 0..3 {
+            count_client_event(&stats, &async_nats::Event::SlowConsumer(7));
+        }
+        count_client_event(&stats, &async_nats::Event::Disconnected);
+        count_client_event(&stats, &async_nats::Event::Connected);
+        count_client_event(&stats, &async_nats::Event::LameDuckMode);
+        let mut out = String::new();
+        stats.render(&mut out, "replica");
+        assert!(
+            out.contains("\nkvatlas_log_nats_slow_consumer_total 3\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("\nkvatlas_log_nats_disconnects_total 1\n"),
+            "{out}"
         );
     }
 }

@@ -206,13 +206,13 @@ impl RunningServer {
         let mut registry = Registry::new(config.index, config.limits);
         let mut log_publisher = None;
         if let Some(log) = &config.publish_to {
-            let js = crate::nats::connect(log, nats_timeout)
+            let stats = Arc::new(crate::nats::LogStats::default());
+            let js = crate::nats::connect(log, nats_timeout, Arc::clone(&stats))
                 .await
                 .map_err(StartError::Nats)?;
             crate::nats::stream(&js, log)
                 .await
                 .map_err(StartError::Nats)?;
-            let stats = Arc::new(crate::nats::LogStats::default());
             let (handle, queue) =
                 crate::log_ingest::LogHandle::new(Arc::clone(&stats), config.publish_only);
             registry =

@@ -136,6 +136,12 @@ fn replicas_converge_through_a_replica_kill_a_nats_restart_and_a_late_start() {
     nats.restart().expect("nats-server restarts");
     fleet.serve(300);
     converges(&first, &fleet, "replica 1 after the nats-server restart");
+    for (server, name) in [(&ingest, "the ingest"), (&first, "replica 1")] {
+        assert!(
+            metric(server, "kvatlas_log_nats_disconnects_total") >= 1,
+            "{name} counted the connection the restart took"
+        );
+    }
 
     // A replica started while the ingest is busy.
     let feeder = std::thread::spawn(move || {
