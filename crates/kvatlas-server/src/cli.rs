@@ -171,8 +171,9 @@ pub struct ServeArgs {
     /// engines [default: 1].
     #[arg(long, env = "KVATLAS_LISTENER_THREADS")]
     pub listener_threads: Option<usize>,
-    /// Most (rank, block, tier) memberships per index; beyond it the least recently used are
-    /// evicted [default: unbounded].
+    /// Most (rank, block) pairs per index; beyond it the least recently stored leaf blocks are
+    /// evicted, and a peer's or the NATS bucket's snapshot holding more is refused
+    /// [default: unbounded].
     #[arg(long, env = "KVATLAS_CAPACITY")]
     pub capacity: Option<u64>,
     /// Refuse queries (health NOT_SERVING) until this many worker ranks are registered; Dynamo's

@@ -86,8 +86,8 @@ pub struct IndexSettings {
     /// Threads that poll the ZMQ listeners' sockets, shared by every index (each serves many
     /// listeners: a burst of batches from many engines wakes one thread, not one per engine).
     pub listener_threads: usize,
-    /// Most (rank, block, tier) memberships per index before the least recently used are
-    /// evicted (`None` = unbounded).
+    /// Most (rank, block) pairs per index before the least recently stored leaves are
+    /// evicted (`None` = unbounded); a peer's or the bucket's snapshot holding more is refused.
     pub capacity: Option<u64>,
     /// The ZMQ listeners' timeouts and buffers.
     pub listener: ListenerOptions,

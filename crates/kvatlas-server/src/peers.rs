@@ -344,7 +344,8 @@ async fn try_peer(
                     receiver,
                     current: Bytes::new(),
                 };
-                let (_, images) = snapshot::read(pieces).map_err(|e| e.to_string())?;
+                let (_, images) = snapshot::read_within(pieces, registry.capacity())
+                    .map_err(|e| e.to_string())?;
                 let memberships = images.iter().map(snapshot::IndexImage::memberships).sum();
                 registry
                     .restore_images(&images, false)

@@ -921,6 +921,12 @@ impl Registry {
         })
     }
 
+    /// Every index's capacity bound (`--capacity`): a snapshot from a peer or the bucket
+    /// beyond it is refused ([`crate::snapshot::read_within`]).
+    pub(crate) fn capacity(&self) -> Option<u64> {
+        self.settings.capacity
+    }
+
     /// The event log's counters.
     pub(crate) fn log_stats(&self) -> &Arc<LogStats> {
         &self.log_stats

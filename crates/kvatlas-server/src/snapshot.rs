@@ -110,6 +110,20 @@ pub enum SnapshotError {
         /// The checksum of the bytes read.
         computed: u64,
     },
+    /// An index holds more blocks than this server's capacity bound ([`read_within`]).
+    #[error(
+        "index {index} of the snapshot holds {held} (rank, block) pairs, more than this \
+         server's capacity of {capacity} (--capacity): refusing to load it; give this server \
+         the capacity of the server that wrote it"
+    )]
+    OverCapacity {
+        /// The index (its model and tenant).
+        index: String,
+        /// The (rank, block) pairs it holds.
+        held: u64,
+        /// This server's bound.
+        capacity: u64,
+    },
 }
 
 /// A source's checkpoint: the last batch applied and the fingerprints before it.
@@ -609,6 +623,21 @@ impl<R: Read> Reader<R> {
 /// # Errors
 /// [`SnapshotError`] naming what is wrong.
 pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
+    read_within(input, None)
+}
+
+/// [`read`], refusing a stream in which an index holds more than `capacity` (rank, block)
+/// pairs (this server's `--capacity`), before any block is materialised: a peer's or the
+/// bucket's snapshot is sound by its checksum, but the blocks it claims would be held here
+/// (memory in proportion to them) and then evicted down to the bound.
+///
+/// # Errors
+/// [`SnapshotError`] naming what is wrong; [`SnapshotError::OverCapacity`] for an index
+/// beyond `capacity`.
+pub fn read_within(
+    input: impl Read,
+    capacity: Option<u64>,
+) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
     let mut reader = Reader::new(input);
     let magic = reader.take(8, "in the header")?;
     if magic != MAGIC {
@@ -630,6 +659,8 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
     let mut current_table: Option<usize> = None;
     let mut ranks: Vec<RankRuns> = Vec::new();
     let mut memberships = 0u64;
+    // (rank, block) pairs per index, as `images`.
+    let mut pairs: Vec<u64> = Vec::new();
     loop {
         let kind = reader.byte("before its trailer")?;
         match kind {
@@ -649,6 +680,7 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                     marks: BTreeMap::new(),
                     snapshot: Snapshot::default(),
                 });
+                pairs.push(0);
                 current_table = None;
             }
             REGISTRATION => {
@@ -783,6 +815,7 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                     // Both below the table's length, so they fit a usize.
                     runs.push((entry as usize, last as usize, tiers));
                     memberships += u64::from(tiers.bits().count_ones()) * (further + 1);
+                    pairs[image] += further + 1;
                     read += further + 1;
                     entry = last;
                 }
@@ -806,6 +839,16 @@ pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
                          stream holds {} and {memberships}",
                         images.len()
                     )));
+                }
+                if let Some(capacity) = capacity
+                    && let Some((image, &held)) =
+                        pairs.iter().enumerate().find(|(_, held)| **held > capacity)
+                {
+                    return Err(SnapshotError::OverCapacity {
+                        index: images[image].key.to_string(),
+                        held,
+                        capacity,
+                    });
                 }
                 materialise(&mut images, &tables, ranks)?;
                 return Ok((created, images));
@@ -1247,6 +1290,30 @@ mod tests {
             .map(|w| w.blocks.len())
             .collect();
         assert_eq!(held, vec![4, 4, 4]);
+    }
+
+    /// A server with a capacity bound refuses a sound stream whose index holds more (rank,
+    /// block) pairs than it, and reads one at the bound.
+    #[test]
+    fn a_snapshot_beyond_the_capacity_is_refused_before_it_is_materialised() {
+        let stream = whole_table_ranks(4, 3, |i| i, 12, true);
+        let (_, images) = read_within(&stream[..], Some(12)).expect("at the bound");
+        assert_eq!(images[0].memberships(), 12);
+        let Err(error) = read_within(&stream[..], Some(11)) else {
+            panic!("12 pairs exceed a capacity of 11");
+        };
+        assert!(
+            matches!(
+                error,
+                SnapshotError::OverCapacity {
+                    held: 12,
+                    capacity: 11,
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert!(error.to_string().contains("--capacity"), "{error}");
     }
 
     /// A writer writes each rank of an index once; a stream naming one twice is refused.
