@@ -39,7 +39,8 @@
 //! cut is taken. A cut: the consumer stops between two records,
 //! every index's writers finish what they hold, and the images are taken before the next
 //! record is read; they are encoded and put while consumption goes on. The object holds [`SNAPSHOT_MAGIC`], the stream sequence it covers (u64 LE)
-//! and the native snapshot (`snapshot.rs`).
+//! and the native snapshot (`snapshot.rs`). Each cut is an object of its own, named by the
+//! sequence it covers; readers take the highest, and a put deletes all but the two newest.
 //!
 //! **Retention.** If the stream no longer holds the next sequence (the replica fell behind
 //! the retention window), the replica restores the newest snapshot if it covers the hole and
@@ -816,14 +817,18 @@ impl Consumer {
         }
         self.live_paused = false;
         self.last_snapshot = tokio::time::Instant::now();
-        if let Ok(info) = self.bucket.info(SNAPSHOT_OBJECT).await {
+        if let Some((covered, info)) = snapshots(&self.bucket)
+            .await
+            .ok()
+            .and_then(|found| found.into_iter().next())
+        {
             let age = info.modified.map(|modified| {
                 let now = time_now_nanos();
                 Duration::from_nanos(
                     u64::try_from(now - modified.unix_timestamp_nanos()).unwrap_or(0),
                 )
             });
-            let newer = covered_of(info.description.as_deref()).is_some_and(|c| c >= self.applied);
+            let newer = covered >= self.applied;
             if newer || age.is_some_and(|age| age < interval * 3 / 4) {
                 LogStats::bump(&self.stats.snapshots_skipped);
                 return;
@@ -897,10 +902,53 @@ fn covered_of(description: Option<&str>) -> Option<u64> {
     description?.strip_prefix("stream_sequence=")?.parse().ok()
 }
 
+/// The name of the snapshot object covering `covered`: one object per cut, so that a put that
+/// finishes late (its replica paused, or cut off from NATS, mid-put) never hides a newer
+/// snapshot: readers take the highest sequence in the bucket, whatever the order of puts.
+fn snapshot_name(covered: u64) -> String {
+    format!("{SNAPSHOT_OBJECT}-{covered:020}")
+}
+
+/// The stream sequence a snapshot object of the bucket covers, by its name (or, for the single
+/// `snapshot` object of kvatlas before per-cut names, by its description); `None`: not a
+/// replica snapshot.
+fn covered_by(name: &str, description: Option<&str>) -> Option<u64> {
+    if name == SNAPSHOT_OBJECT {
+        return covered_of(description);
+    }
+    let digits = name.strip_prefix(SNAPSHOT_OBJECT)?.strip_prefix('-')?;
+    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The bucket's snapshot objects, the highest covered sequence first.
+async fn snapshots(
+    bucket: &jetstream::object_store::ObjectStore,
+) -> Result<Vec<(u64, jetstream::object_store::ObjectInfo)>, String> {
+    let mut list = bucket
+        .list()
+        .await
+        .map_err(|e| format!("listing the snapshot bucket: {e}"))?;
+    let mut found = Vec::new();
+    while let Some(info) = list.next().await {
+        let info = info.map_err(|e| format!("listing the snapshot bucket: {e}"))?;
+        if let Some(covered) = covered_by(&info.name, info.description.as_deref()) {
+            found.push((covered, info));
+        }
+    }
+    found.sort_unstable_by_key(|(covered, _)| std::cmp::Reverse(*covered));
+    Ok(found)
+}
+
 /// The stream sequence the newest snapshot covers, if there is one.
 async fn newest_covered(bucket: &jetstream::object_store::ObjectStore) -> Option<u64> {
-    let info = bucket.info(SNAPSHOT_OBJECT).await.ok()?;
-    covered_of(info.description.as_deref())
+    snapshots(bucket)
+        .await
+        .ok()?
+        .first()
+        .map(|(covered, _)| *covered)
 }
 
 /// Restores the newest snapshot of the bucket, if any: the stream sequence it covers.
@@ -908,12 +956,26 @@ pub(crate) async fn restore_newest(
     registry: &Arc<Registry>,
     bucket: &jetstream::object_store::ObjectStore,
 ) -> Result<Option<u64>, String> {
-    let mut object = match bucket.get(SNAPSHOT_OBJECT).await {
-        Ok(object) => object,
-        Err(error) if error.kind() == jetstream::object_store::GetErrorKind::NotFound => {
+    // A newer put prunes older objects: the one listed may be gone when it is read, and the
+    // list is read again (a few times: each prune needs a newer snapshot).
+    let mut attempts = 0;
+    let mut object = loop {
+        let Some((_, newest)) = snapshots(bucket).await?.into_iter().next() else {
             return Ok(None);
+        };
+        match bucket.get(&newest.name).await {
+            Ok(object) => break object,
+            Err(error)
+                if error.kind() == jetstream::object_store::GetErrorKind::NotFound
+                    && attempts < 3 =>
+            {
+                attempts += 1;
+            }
+            Err(error) if error.kind() == jetstream::object_store::GetErrorKind::NotFound => {
+                return Ok(None);
+            }
+            Err(error) => return Err(format!("reading the snapshot object: {error}")),
         }
-        Err(error) => return Err(format!("reading the snapshot object: {error}")),
     };
     let mut bytes = Vec::new();
     object
@@ -991,7 +1053,7 @@ async fn put_snapshot(
     .map_err(|e| e.to_string())??;
     let size = bytes.len();
     let meta = jetstream::object_store::ObjectMetadata {
-        name: SNAPSHOT_OBJECT.to_owned(),
+        name: snapshot_name(covered),
         description: Some(format!("stream_sequence={covered}")),
         ..Default::default()
     };
@@ -999,7 +1061,29 @@ async fn put_snapshot(
         .put(meta, &mut bytes.as_slice())
         .await
         .map_err(|e| format!("putting the snapshot object: {e}"))?;
+    prune_snapshots(bucket).await;
     Ok(size)
+}
+
+/// Snapshot objects kept in the bucket: the newest, and the one before it for a replica that
+/// listed the bucket just before the newest was put and is still reading.
+const SNAPSHOTS_KEPT: usize = 2;
+
+/// Deletes the bucket's snapshot objects beyond the newest [`SNAPSHOTS_KEPT`] (a failure is
+/// logged: the next put prunes again).
+async fn prune_snapshots(bucket: &jetstream::object_store::ObjectStore) {
+    let stale = match snapshots(bucket).await {
+        Ok(found) => found.into_iter().skip(SNAPSHOTS_KEPT),
+        Err(error) => {
+            tracing::warn!("pruning old replica snapshots: {error}");
+            return;
+        }
+    };
+    for (_, info) in stale {
+        if let Err(error) = bucket.delete(&info.name).await {
+            tracing::warn!(object = %info.name, "pruning an old replica snapshot: {error}");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1199,5 +1283,22 @@ mod tests {
         assert_eq!(covered_of(Some("stream_sequence=42")), Some(42));
         assert_eq!(covered_of(Some("something else")), None);
         assert_eq!(covered_of(None), None);
+        assert_eq!(covered_by(&snapshot_name(42), None), Some(42));
+        assert_eq!(covered_by(&snapshot_name(u64::MAX), None), Some(u64::MAX));
+        assert_eq!(
+            covered_by(SNAPSHOT_OBJECT, Some("stream_sequence=7")),
+            Some(7),
+            "the single object of kvatlas before per-cut names"
+        );
+        for other in [
+            "snapshot-42",
+            "snapshot-0000000000000000004x",
+            "notes",
+            "snapshot",
+        ] {
+            assert_eq!(covered_by(other, None), None, "{other}");
+        }
+        // Names sort as the sequences they cover.
+        assert!(snapshot_name(9) < snapshot_name(10));
     }
 }

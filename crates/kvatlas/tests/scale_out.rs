@@ -438,6 +438,105 @@ impl HandFeed {
     }
 }
 
+impl HandFeed {
+    /// Every object of the replicas' snapshot bucket: name, description and bytes.
+    fn snapshot_objects(&self) -> Vec<(String, Option<String>, Vec<u8>)> {
+        use tokio::io::AsyncReadExt as _;
+        use tokio_stream::StreamExt as _;
+        self.runtime.block_on(async {
+            let bucket = self
+                .js
+                .get_object_store("KVATLAS_SNAPSHOTS")
+                .await
+                .expect("the bucket exists");
+            let mut infos = Vec::new();
+            let mut list = bucket.list().await.expect("lists");
+            while let Some(info) = list.next().await {
+                infos.push(info.expect("an object's info"));
+            }
+            let mut objects = Vec::new();
+            for info in infos {
+                let mut bytes = Vec::new();
+                let mut object = bucket.get(&info.name).await.expect("gets");
+                object.read_to_end(&mut bytes).await.expect("reads");
+                objects.push((info.name, info.description, bytes));
+            }
+            objects
+        })
+    }
+
+    /// Puts an object into the snapshot bucket, as a replica does.
+    fn put_snapshot_object(&self, name: &str, description: Option<String>, bytes: &[u8]) {
+        self.runtime.block_on(async {
+            let bucket = self
+                .js
+                .get_object_store("KVATLAS_SNAPSHOTS")
+                .await
+                .expect("the bucket exists");
+            let meta = async_nats::jetstream::object_store::ObjectMetadata {
+                name: name.to_owned(),
+                description,
+                ..Default::default()
+            };
+            bucket.put(meta, &mut &bytes[..]).await.expect("put");
+        });
+    }
+}
+
+/// A replica's put that finishes after a newer snapshot's (the replica was paused, or cut off
+/// from NATS, mid-put) does not hide the newer one: a replica bootstrapping after retention
+/// dropped the stream's first records restores the newest state and loses nothing.
+#[test]
+fn a_late_put_of_an_older_snapshot_does_not_hide_the_newest() {
+    const RECORDS: u64 = 60;
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let url = nats.url();
+    // The first replica creates a stream that keeps about 2 kB of records, and writes a
+    // snapshot each second.
+    let writer = Served::start(&[
+        "--consume-from",
+        &url,
+        "--nats-snapshot-interval-secs",
+        "1",
+        "--nats-max-bytes",
+        "2000",
+    ]);
+    ready(&writer);
+    let feed = HandFeed::connect(&nats);
+    let chain = |seq: u64| record(seq, 100 + seq, (seq > 1).then(|| seq - 1), seq, 1000 + seq);
+    feed.to_stream(&chain(1));
+    eventually("a snapshot covering the first record", || {
+        metric(&writer, "kvatlas_log_snapshots_written_total") >= 1
+    });
+    let older = feed.snapshot_objects();
+    assert_eq!(older.len(), 1, "one snapshot so far");
+    for seq in 2..=RECORDS {
+        feed.to_stream(&chain(seq));
+    }
+    let prompt: Vec<u64> = (1..=RECORDS).map(|seq| 1000 + seq).collect();
+    eventually("every record applied", || {
+        blocks_of_worker_7(&writer, &prompt) == RECORDS as u32
+    });
+    let written = metric(&writer, "kvatlas_log_snapshots_written_total");
+    eventually("a snapshot covering every record", || {
+        metric(&writer, "kvatlas_log_snapshots_written_total") > written
+    });
+    writer.kill_9();
+    assert!(
+        feed.snapshot_objects().len() <= 2,
+        "a put deletes all but the two newest snapshots"
+    );
+    // The first snapshot is put again, as a replica paused mid-put would finish it.
+    let (name, description, bytes) = &older[0];
+    feed.put_snapshot_object(name, description.clone(), bytes);
+
+    let late = Served::start(&["--consume-from", &url, "--nats-snapshot-interval-secs", "0"]);
+    ready(&late);
+    assert_eq!(blocks_of_worker_7(&late, &prompt), RECORDS as u32);
+    assert_eq!(metric(&late, "kvatlas_log_sequences_lost_total"), 0);
+    late.kill_9();
+}
+
 /// A replica of `nats` without snapshots (and with `extra` flags), fed by hand: the stream's
 /// first record of worker 7 (block 1, local 1001) is applied. Returns the replica, the feed
 /// and that record.
