@@ -997,7 +997,7 @@ pub(crate) async fn restore_newest(
             entry.pool.flush();
         }
         registry
-            .restore_images(&images, false)
+            .restore_images(&images, None)
             .map_err(|e| e.to_string())?;
         let memberships: u64 = images
             .iter()

@@ -348,7 +348,7 @@ async fn try_peer(
                     .map_err(|e| e.to_string())?;
                 let memberships = images.iter().map(snapshot::IndexImage::memberships).sum();
                 registry
-                    .restore_images(&images, false)
+                    .restore_images(&images, None)
                     .map_err(|e| e.to_string())?;
                 Ok::<_, String>(Bootstrap::Snapshot { peer, memberships })
             })

@@ -25,7 +25,7 @@
 //! Queries do not go through any of this: they take the index's `Arc` and read the
 //! `ConcurrentAtlas` inline (see `query`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1153,25 +1153,40 @@ impl Registry {
     /// Restores snapshot images: each index is created (or must have the same block size), its
     /// blocks and checkpoints replaced; with `adopt_feeds`, its recorded feeds are registered
     /// again (ZMQ listeners continue from their checkpoints, `PublishEvents` ranks keep their
-    /// sequence numbers) — a restart; without, they are left to this server's own configuration
-    /// (a replica bootstrapping from a peer). Returns the feeds that could not be registered.
+    /// sequence numbers) — a restart — except the ranks this server's configuration registers
+    /// (the slice: its `--workers`), whose configured registration replaces the recorded one
+    /// (an engine that moved to another address) and continues from the same checkpoint;
+    /// without, they are left to this server's own configuration (a replica bootstrapping from
+    /// a peer). Returns the feeds that could not be registered.
     ///
     /// # Errors
-    /// What [`Registry::check_images`] finds, before anything is changed.
+    /// What [`Registry::check_images`] finds (also against the configured registrations),
+    /// before anything is changed.
     pub(crate) fn restore_images(
         &self,
         images: &[IndexImage],
-        adopt_feeds: bool,
+        adopt_feeds: Option<&[WorkerRegistration]>,
     ) -> Result<Vec<(WorkerRegistration, ServiceError)>, ServiceError> {
-        self.check_images(images)?;
+        let configured = adopt_feeds.unwrap_or_default();
+        self.check_images(images, configured)?;
         let mut failed = Vec::new();
         for image in images {
             let (entry, _) = self.index_for(&image.key, Some(image.block_size))?;
             entry.index().restore_image(&image.snapshot, &image.marks);
-            if !adopt_feeds {
+            if adopt_feeds.is_none() {
                 continue;
             }
             for feed in &image.feeds {
+                let worker = match feed {
+                    RecordedFeed::Zmq(registration) => registration.worker(),
+                    RecordedFeed::Grpc { worker } => *worker,
+                };
+                if configured
+                    .iter()
+                    .any(|c| c.index == image.key && c.worker() == worker)
+                {
+                    continue; // the configuration registers it
+                }
                 match feed {
                     RecordedFeed::Zmq(registration) => {
                         if let Err(error) = self.register(registration.clone()) {
@@ -1180,7 +1195,18 @@ impl Registry {
                     }
                     RecordedFeed::Grpc { worker } => {
                         let mut feeds = entry.feeds.lock();
-                        if !feeds.contains_key(worker) && self.reserve_rank().is_ok() {
+                        if feeds.contains_key(worker) {
+                            continue;
+                        }
+                        if let Err(error) = self.reserve_rank() {
+                            tracing::warn!(
+                                worker = worker.worker_id,
+                                dp_rank = worker.dp_rank,
+                                index = %image.key,
+                                "a PublishEvents rank recorded in the snapshot is not fed again: \
+                                 {error}; its blocks stay until it is unregistered"
+                            );
+                        } else {
                             let last_seq = image.marks.get(worker).map(|m| m.position);
                             feeds.insert(
                                 *worker,
@@ -1197,9 +1223,9 @@ impl Registry {
         Ok(failed)
     }
 
-    /// Whether every index of `images` can be restored here: its key is valid, an index that
-    /// exists already has the image's block size, the images agree with each other, and the new
-    /// indexes fit the index limit. [`Registry::restore_images`] checks this before it changes
+    /// Whether every index of `images` can be restored here: its key is valid and appears once,
+    /// an index that exists already or that a `configured` registration names has the image's
+    /// block size, and the new indexes fit the index limit. [`Registry::restore_images`] checks this before it changes
     /// anything, so a snapshot is restored whole or not at all (no partial state for a later
     /// bootstrap to land on).
     ///
@@ -1207,30 +1233,47 @@ impl Registry {
     /// INVALID_ARGUMENT (a bad key), FAILED_PRECONDITION (a block size that differs from the
     /// server's index or from another image of the same index), RESOURCE_EXHAUSTED (the index
     /// limit).
-    pub(crate) fn check_images(&self, images: &[IndexImage]) -> Result<(), ServiceError> {
+    pub(crate) fn check_images(
+        &self,
+        images: &[IndexImage],
+        configured: &[WorkerRegistration],
+    ) -> Result<(), ServiceError> {
         let indexes = self.indexes.read();
-        let mut created: HashMap<&IndexKey, BlockSize> = HashMap::new();
+        let mut created = 0usize;
+        let mut seen: HashSet<&IndexKey> = HashSet::new();
         for image in images {
             image.key.validate()?;
-            if let Some(entry) = indexes.get(&image.key) {
-                check_block_size(entry, Some(image.block_size))?;
-                continue;
-            }
-            let size = *created.entry(&image.key).or_insert(image.block_size);
-            if size != image.block_size {
+            if !seen.insert(&image.key) {
+                // The second would replace the first: a partial restore.
                 return Err(ServiceError::FailedPrecondition(format!(
-                    "the snapshot holds the index for {} twice, with block sizes {} and {}",
-                    image.key,
-                    size.get(),
-                    image.block_size.get()
+                    "the snapshot holds the index for {} twice",
+                    image.key
                 )));
             }
+            if let Some(c) = configured
+                .iter()
+                .find(|c| c.index == image.key && c.block_size != image.block_size)
+            {
+                return Err(ServiceError::FailedPrecondition(format!(
+                    "the snapshot's index for {} has block size {}, and this server's \
+                     configuration registers worker {} rank {} in it with block size {}",
+                    image.key,
+                    image.block_size.get(),
+                    c.instance_id,
+                    c.dp_rank,
+                    c.block_size.get()
+                )));
+            }
+            match indexes.get(&image.key) {
+                Some(entry) => check_block_size(entry, Some(image.block_size))?,
+                None => created += 1,
+            }
         }
-        if indexes.len() + created.len() > self.limits.max_indexes {
+        if indexes.len() + created > self.limits.max_indexes {
             return Err(ServiceError::ResourceExhausted(format!(
                 "the snapshot holds {} indexes this server does not have and it has {} of its \
                  limit of {} (--max-indexes)",
-                created.len(),
+                created,
                 indexes.len(),
                 self.limits.max_indexes
             )));

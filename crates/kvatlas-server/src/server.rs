@@ -47,7 +47,7 @@ use crate::error::ServiceError;
 use crate::grpc::{IndexerService, OversizeStatus, authenticate};
 use crate::llmd::{PodScoresService, TokenizerError, Tokenizers};
 use crate::peers::Bootstrap;
-use crate::registry::{Feed, IndexKey, Registry};
+use crate::registry::{Feed, IndexKey, Registry, WorkerRegistration};
 use crate::served_index::unix_micros_now;
 use crate::state::State;
 use crate::store::{DataDir, Written};
@@ -247,7 +247,7 @@ impl RunningServer {
             None => None,
         };
         let restored = match &data_dir {
-            Some(dir) => restore_local(dir, &registry, &state).await?,
+            Some(dir) => restore_local(dir, &registry, &state, &config.workers).await?,
             None => Restored::Nothing,
         };
         // A replica of the event log is not ready before it restored the bucket's snapshot and
@@ -534,13 +534,16 @@ async fn open_data_dir(persistence: &Persistence) -> Result<DataDir, StartError>
 
 /// Restores the data directory's newest usable snapshot, logging every file refused: one that
 /// cannot be read, or one that reads but cannot be restored whole here (checked before anything
-/// is applied), is moved aside and the next older one is tried.
+/// is applied, also against the `configured` registrations, registered after it), is moved
+/// aside and the next older one is tried. A configured registration replaces the snapshot's
+/// for the same rank.
 async fn restore_local(
     dir: &DataDir,
     registry: &Arc<Registry>,
     state: &Arc<State>,
+    configured: &[WorkerRegistration],
 ) -> Result<Restored, StartError> {
-    let (dir, registry) = (dir.clone(), Arc::clone(registry));
+    let (dir, registry, configured) = (dir.clone(), Arc::clone(registry), configured.to_vec());
     let path = dir.path().to_owned();
     let loaded = tokio::task::spawn_blocking(move || {
         let mut refused: Vec<(std::path::PathBuf, String)> = Vec::new();
@@ -556,7 +559,7 @@ async fn restore_local(
                 return Ok::<_, std::io::Error>((None, refused));
             };
             let memberships: u64 = images.iter().map(crate::snapshot::IndexImage::memberships).sum();
-            match registry.restore_images(&images, true) {
+            match registry.restore_images(&images, Some(&configured)) {
                 Ok(failed) => {
                     for (registration, error) in failed {
                         tracing::warn!(

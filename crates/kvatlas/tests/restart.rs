@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::Served;
 use common::fleet::{
-    CONVERGE, Fleet, converges, http_get, metric_sum, runtime, signal, state_memberships,
+    CONVERGE, Fleet, converges, http_get, metric, metric_sum, runtime, signal, state_memberships,
 };
 use kvatlas_fleet::vllm::BLOCK_TOKENS;
 use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
@@ -202,6 +202,79 @@ fn a_hole_the_replay_ring_no_longer_holds_is_resynced_counted_and_shown() {
         .map(|(_, l)| l["sequence"]["replay_resyncs"].as_u64().unwrap_or(0))
         .sum();
     assert!(shown > 0, "/workers shows the replay resyncs: {listed}");
+    stop(served);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A restart whose `--workers` name a rank's engine at another address (here the same engine
+/// as `localhost` instead of `127.0.0.1`, as after a pod moved) starts, registers the
+/// configured address and continues from the rank's watermark; one whose `--block-size`
+/// contradicts the snapshot's index sets the snapshot aside and starts empty. Neither is a
+/// crash loop.
+#[test]
+fn a_restart_with_changed_workers_starts_and_the_configuration_wins() {
+    let dir = temp_dir("changed");
+    let mut fleet = Fleet::new();
+    let args = serve_args(&fleet, &dir);
+    let served = serve(&args);
+    fleet.wait_subscribed(1);
+    fleet.serve(100);
+    converges(&served, &fleet, "before the stop");
+    stop(served);
+
+    let moved: Vec<String> = args
+        .iter()
+        .map(|a| a.replace("127.0.0.1", "localhost"))
+        .collect();
+    assert_ne!(moved, args, "the endpoints changed");
+    let served = serve(&moved);
+    assert!(served.restored_memberships() > 0, "the snapshot restored");
+    fleet.serve(50);
+    converges(&served, &fleet, "after the restart at the new addresses");
+    let endpoints: Vec<String> = runtime().block_on(async {
+        let mut client = IndexerClient::connect(served.grpc.clone())
+            .await
+            .expect("connects");
+        client
+            .list_workers(v1::ListWorkersRequest::default())
+            .await
+            .expect("ListWorkers")
+            .into_inner()
+            .workers
+            .into_iter()
+            .map(|w| w.endpoint)
+            .collect()
+    });
+    assert_eq!(endpoints.len(), fleet.engines.caches().len());
+    assert!(
+        endpoints.iter().all(|e| e.contains("localhost")),
+        "the configured addresses: {endpoints:?}"
+    );
+    for c in counters(&served) {
+        assert_eq!(c.resyncs, 0, "continued from the watermark: {c:?}");
+    }
+    stop(served);
+
+    let mut resized = moved.clone();
+    let at = resized
+        .iter()
+        .position(|a| a == "--block-size")
+        .expect("a block size flag");
+    resized[at + 1] = (BLOCK_TOKENS * 2).to_string();
+    let served = serve(&resized);
+    assert!(
+        !served
+            .startup_log
+            .iter()
+            .any(|l| l.contains("restored the data directory's snapshot")),
+        "the snapshot set aside: {:?}",
+        served.startup_log
+    );
+    assert_eq!(
+        metric(&served, "kvatlas_snapshot_files_rejected_total"),
+        2,
+        "the snapshots of both stops"
+    );
     stop(served);
     let _ = std::fs::remove_dir_all(&dir);
 }
