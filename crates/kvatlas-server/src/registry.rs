@@ -1368,3 +1368,59 @@ pub(crate) fn block_size_field(value: u32, field: &str) -> Result<BlockSize, Ser
         ))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(model: &str, block_size: u32) -> IndexImage {
+        IndexImage {
+            key: IndexKey::new(model, DEFAULT_TENANT),
+            block_size: BlockSize::new(block_size).expect("a block size"),
+            capacity: None,
+            feeds: Vec::new(),
+            marks: BTreeMap::new(),
+            snapshot: kvatlas_index::Snapshot::default(),
+        }
+    }
+
+    /// A snapshot is restored whole or not at all: an index written twice (the second would
+    /// replace the first) and an index whose block size the configured workers contradict are
+    /// refused before anything is changed.
+    #[test]
+    fn images_are_checked_against_each_other_and_the_configuration() {
+        let registry = Registry::new(IndexSettings::default(), Limits::default());
+        let twice = [image("a", 16), image("b", 16), image("a", 16)];
+        let Err(ServiceError::FailedPrecondition(why)) = registry.restore_images(&twice, None)
+        else {
+            panic!("an index written twice is refused");
+        };
+        assert!(why.contains("twice"), "{why}");
+        assert!(registry.all().is_empty(), "nothing was restored");
+
+        let configured = WorkerRegistration {
+            index: IndexKey::new("a", DEFAULT_TENANT),
+            instance_id: 1,
+            dp_rank: 0,
+            block_size: BlockSize::new(32).expect("32"),
+            engine: EngineKind::Vllm,
+            endpoint: "tcp://127.0.0.1:1".into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            pod_name: None,
+            mode: SocketMode::Connect,
+        };
+        let images = [image("a", 16)];
+        let Err(ServiceError::FailedPrecondition(why)) =
+            registry.restore_images(&images, Some(std::slice::from_ref(&configured)))
+        else {
+            panic!("a block size the configuration contradicts is refused");
+        };
+        assert!(why.contains("block size 16") && why.contains("32"), "{why}");
+        assert!(registry.all().is_empty(), "nothing was restored");
+        registry
+            .restore_images(&images, None)
+            .expect("restored where nothing contradicts it");
+        assert_eq!(registry.all().len(), 1);
+    }
+}
