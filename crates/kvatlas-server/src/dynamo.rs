@@ -261,6 +261,9 @@ pub(crate) async fn register(
         pod_name: None,
     };
     let (instance, rank) = (registration.instance_id, registration.dp_rank);
+    if let Err(e) = state.check_writable() {
+        return service_error(&e);
+    }
     let registry = Arc::clone(&state.registry);
     let registered = tokio::task::spawn_blocking(move || registry.register(registration)).await;
     state.update_gate();
@@ -310,6 +313,9 @@ pub(crate) async fn unregister(
     if let Some(tenant) = &tenant
         && let Err(e) = caller.check(tenant)
     {
+        return service_error(&e);
+    }
+    if let Err(e) = state.check_writable() {
         return service_error(&e);
     }
     let registry = Arc::clone(&state.registry);

@@ -483,6 +483,7 @@ impl Indexer for IndexerService {
             let registration = registration_of(request.get_ref())?;
             caller.check(&registration.index.tenant)?;
             check_remote_bind(&caller, &registration)?;
+            self.state.check_writable()?;
             let registry = Arc::clone(&self.state.registry);
             let registered = blocking(move || registry.register(registration)).await?;
             self.state.update_gate();
@@ -521,6 +522,7 @@ impl Indexer for IndexerService {
                 Some(key.tenant.clone())
             };
             let (instance, rank) = (message.instance_id, message.dp_rank);
+            self.state.check_writable()?;
             let registry = Arc::clone(&self.state.registry);
             let done = blocking(move || {
                 registry.unregister(&key.model, tenant.as_deref(), instance, rank, |t| {
@@ -742,7 +744,7 @@ impl IndexerService {
         message: &v1::PublishEventsRequest,
     ) -> Result<(), ServiceError> {
         let received = std::time::Instant::now();
-        self.state.registry.check_feeds_allowed()?;
+        self.state.check_writable()?;
         let tenant = message.index.as_ref().map_or("", |s| s.tenant.as_str());
         caller.check(if tenant.is_empty() {
             crate::registry::DEFAULT_TENANT

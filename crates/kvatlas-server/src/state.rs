@@ -95,6 +95,24 @@ impl State {
         self.bootstrapping.store(on, Ordering::Release);
     }
 
+    /// UNAVAILABLE while the server restores a peer's or the event log's snapshot: a
+    /// registration, an unregistration or a published batch applied now would be overwritten by
+    /// the restore (and a new listener's position would have moved past what it applied), so it
+    /// is refused, to retry once the server is ready. A replica's refusal of feeds
+    /// (FAILED_PRECONDITION) comes first.
+    pub(crate) fn check_writable(&self) -> Result<(), ServiceError> {
+        self.registry.check_feeds_allowed()?;
+        if self.bootstrapping.load(Ordering::Acquire) {
+            return Err(ServiceError::Unavailable(
+                "not ready: restoring the index from a snapshot; registrations, \
+                 unregistrations and published events are refused until it is restored (they \
+                 would be overwritten): retry"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// UNAVAILABLE while a snapshot would be incomplete or cut short: during a bootstrap from a
     /// peer and once a shutdown started (the startup gate does not matter: the state is whole);
     /// FAILED_PRECONDITION on a publish-only ingest, which holds no index.

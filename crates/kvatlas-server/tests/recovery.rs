@@ -678,3 +678,112 @@ async fn a_replica_bootstraps_from_a_tls_peer_with_a_token() {
     .await;
     peer.shutdown().await;
 }
+
+/// While a replica restores a peer's snapshot, writes are refused with UNAVAILABLE / 503 (to
+/// retry): applied then, the restore would overwrite them, and a listener registered then would
+/// have moved past what it applied. Once restored, the replica holds the peer's state exactly
+/// and takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_during_a_peer_bootstrap_are_refused_and_the_restore_is_exact() {
+    let workers = [Worker::new(1, 0), Worker::new(2, 0)];
+    let batches = script(27, MODEL, &workers, 200, BLOCK);
+    let mut reference = ReferenceIndex::new();
+    apply_script(&mut reference, &batches);
+    let mut a = start(ServerConfig::default()).await;
+    publish_script(&mut a.client, &batches).await;
+    let whole = fetched_snapshot(&a).await;
+
+    // A peer that is busy once, then serves the snapshot when the test says so.
+    let peer_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let peer = format!("http://{}", peer_listener.local_addr().expect("addr"));
+    let (go, go_ahead) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for answer in 0..2 {
+            let Ok((mut stream, _)) = peer_listener.accept() else {
+                return;
+            };
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            if answer == 0 {
+                let _ = stream.write_all(
+                    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy",
+                );
+            } else {
+                let _ = go_ahead.recv();
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    whole.len()
+                );
+                let _ = stream.write_all(&whole);
+            }
+        }
+    });
+    let mut b = start(ServerConfig {
+        peers: vec![peer.clone()],
+        ..ServerConfig::default()
+    })
+    .await;
+    // A batch of a third worker, a registration and an unregistration, over gRPC and HTTP.
+    let extra = script(28, MODEL, &[Worker::new(3, 0)], 5, BLOCK);
+    let published = b
+        .client
+        .publish_events(tokio_stream::iter(
+            extra.iter().map(|b| b.message.clone()).collect::<Vec<_>>(),
+        ))
+        .await;
+    let refused = published.expect_err("publishing is refused while bootstrapping");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("retry"), "{refused:?}");
+    let registered = b
+        .client
+        .register_worker(v1::RegisterWorkerRequest {
+            index: selector(MODEL, ""),
+            instance_id: 4,
+            block_size: BLOCK,
+            endpoint: "tcp://127.0.0.1:9".into(),
+            ..v1::RegisterWorkerRequest::default()
+        })
+        .await
+        .expect_err("registering is refused while bootstrapping");
+    assert_eq!(registered.code(), tonic::Code::Unavailable);
+    let unregistered = b
+        .client
+        .unregister_worker(v1::UnregisterWorkerRequest {
+            index: selector(MODEL, ""),
+            instance_id: 1,
+            ..v1::UnregisterWorkerRequest::default()
+        })
+        .await
+        .expect_err("unregistering is refused while bootstrapping");
+    assert_eq!(unregistered.code(), tonic::Code::Unavailable);
+    let http = b.server.http_addr();
+    let (status, body) = tokio::task::spawn_blocking(move || {
+        http_post_json(
+            http,
+            "/register",
+            &format!(
+                r#"{{"instance_id": 5, "endpoint": "tcp://127.0.0.1:9", "model_name": "{MODEL}", "block_size": {BLOCK}}}"#
+            ),
+        )
+    })
+    .await
+    .expect("posted");
+    assert_eq!(status, 503, "{body}");
+
+    go.send(()).expect("the peer waits");
+    let outcome = b.server.bootstrap().await.expect("a bootstrap ran");
+    assert!(
+        matches!(&outcome, Bootstrap::Snapshot { peer: used, .. } if *used == peer),
+        "{outcome:?}"
+    );
+    assert_answers(&mut b, &reference, 12, "the replica after refused writes").await;
+    // Ready: writes are taken again.
+    publish_script(&mut b.client, &extra).await;
+    apply_script(&mut reference, &extra);
+    assert_answers(&mut b, &reference, 13, "the replica after a write").await;
+    let report = b.server.shutdown().await;
+    assert_eq!(report.indexes[0].digest, reference.snapshot().digest());
+    a.server.shutdown().await;
+}
