@@ -991,7 +991,7 @@ pub(crate) async fn restore_newest(
             .split_first_chunk::<8>()
             .ok_or("the snapshot object is truncated")?;
         let covered = u64::from_le_bytes(*covered);
-        let (_, images) = crate::snapshot::read_within(snapshot, registry.capacity())
+        let (_, images) = crate::snapshot::read_within(snapshot, registry.read_limits())
             .map_err(|e| e.to_string())?;
         for entry in registry.all() {
             entry.pool.flush();

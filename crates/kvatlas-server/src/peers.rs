@@ -344,7 +344,7 @@ async fn try_peer(
                     receiver,
                     current: Bytes::new(),
                 };
-                let (_, images) = snapshot::read_within(pieces, registry.capacity())
+                let (_, images) = snapshot::read_within(pieces, registry.read_limits())
                     .map_err(|e| e.to_string())?;
                 let memberships = images.iter().map(snapshot::IndexImage::memberships).sum();
                 registry

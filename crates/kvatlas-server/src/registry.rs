@@ -921,10 +921,13 @@ impl Registry {
         })
     }
 
-    /// Every index's capacity bound (`--capacity`): a snapshot from a peer or the bucket
-    /// beyond it is refused ([`crate::snapshot::read_within`]).
-    pub(crate) fn capacity(&self) -> Option<u64> {
-        self.settings.capacity
+    /// What a snapshot from a peer or the bucket may hold here: at most `--capacity` pairs per
+    /// index and `--max-registered-ranks` registrations ([`crate::snapshot::read_within`]).
+    pub(crate) fn read_limits(&self) -> crate::snapshot::ReadLimits {
+        crate::snapshot::ReadLimits {
+            capacity: self.settings.capacity,
+            registrations: Some(self.limits.max_registered_ranks),
+        }
     }
 
     /// The event log's counters.

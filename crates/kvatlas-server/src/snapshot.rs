@@ -110,7 +110,7 @@ pub enum SnapshotError {
         /// The checksum of the bytes read.
         computed: u64,
     },
-    /// An index holds more blocks than this server's capacity bound ([`read_within`]).
+    /// An index holds more blocks than this server's capacity bound ([`ReadLimits`]).
     #[error(
         "index {index} of the snapshot holds {held} (rank, block) pairs, more than this \
          server's capacity of {capacity} (--capacity): refusing to load it; give this server \
@@ -623,21 +623,33 @@ impl<R: Read> Reader<R> {
 /// # Errors
 /// [`SnapshotError`] naming what is wrong.
 pub fn read(input: impl Read) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
-    read_within(input, None)
+    read_within(input, ReadLimits::default())
 }
 
-/// [`read`], refusing a stream in which an index holds more than `capacity` (rank, block)
-/// pairs (this server's `--capacity`), before any block is materialised: a peer's or the
-/// bucket's snapshot is sound by its checksum, but the blocks it claims would be held here
-/// (memory in proportion to them) and then evicted down to the bound.
+/// Bounds a reader holds a snapshot from elsewhere (a peer, the NATS bucket) to: a sound
+/// stream, by its checksum, can still claim more than this server would ever hold.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReadLimits {
+    /// Most (rank, block) pairs an index may hold (this server's `--capacity`): checked before
+    /// any block is materialised (the blocks would be held here, then evicted to the bound).
+    pub capacity: Option<u64>,
+    /// Most registrations the whole stream may record (this server's
+    /// `--max-registered-ranks`): each is a few bytes that name a copy of its index's key.
+    pub registrations: Option<usize>,
+}
+
+/// [`read`] within `limits`.
 ///
 /// # Errors
 /// [`SnapshotError`] naming what is wrong; [`SnapshotError::OverCapacity`] for an index
-/// beyond `capacity`.
+/// beyond `limits.capacity`, [`SnapshotError::Corrupt`] for more registrations than
+/// `limits.registrations`.
 pub fn read_within(
     input: impl Read,
-    capacity: Option<u64>,
+    limits: ReadLimits,
 ) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
+    let capacity = limits.capacity;
+    let mut registrations = 0usize;
     let mut reader = Reader::new(input);
     let magic = reader.take(8, "in the header")?;
     if magic != MAGIC {
@@ -672,8 +684,13 @@ pub fn read_within(
                     SnapshotError::Corrupt(format!("block size {block_size} is invalid"))
                 })?;
                 let capacity = reader.varint("a capacity")?;
+                let key = IndexKey::new(model, tenant);
+                // Names a server accepts (at most 256 bytes each), so that the copies of the key
+                // the registrations hold stay small.
+                key.validate()
+                    .map_err(|e| SnapshotError::Corrupt(format!("an index's name: {e}")))?;
                 images.push(IndexImage {
-                    key: IndexKey::new(model, tenant),
+                    key,
                     block_size,
                     capacity: (capacity > 0).then_some(capacity),
                     feeds: Vec::new(),
@@ -684,6 +701,15 @@ pub fn read_within(
                 current_table = None;
             }
             REGISTRATION => {
+                registrations += 1;
+                if let Some(most) = limits.registrations
+                    && registrations > most
+                {
+                    return Err(SnapshotError::Corrupt(format!(
+                        "more than {most} registrations, this server's limit of registered \
+                         ranks (--max-registered-ranks)"
+                    )));
+                }
                 let instance_id = reader.varint("a registration")?;
                 let dp_rank = reader.small("a registration")?;
                 let source = reader.byte("a registration")?;
@@ -1296,10 +1322,14 @@ mod tests {
     /// block) pairs than it, and reads one at the bound.
     #[test]
     fn a_snapshot_beyond_the_capacity_is_refused_before_it_is_materialised() {
+        let within = |capacity| ReadLimits {
+            capacity: Some(capacity),
+            registrations: None,
+        };
         let stream = whole_table_ranks(4, 3, |i| i, 12, true);
-        let (_, images) = read_within(&stream[..], Some(12)).expect("at the bound");
+        let (_, images) = read_within(&stream[..], within(12)).expect("at the bound");
         assert_eq!(images[0].memberships(), 12);
-        let Err(error) = read_within(&stream[..], Some(11)) else {
+        let Err(error) = read_within(&stream[..], within(11)) else {
             panic!("12 pairs exceed a capacity of 11");
         };
         assert!(
@@ -1314,6 +1344,23 @@ mod tests {
             "{error}"
         );
         assert!(error.to_string().contains("--capacity"), "{error}");
+    }
+
+    /// A stream recording more registrations than the reader's limit is refused (each names a
+    /// copy of its index's key); at the limit it reads.
+    #[test]
+    fn registrations_beyond_the_limit_are_refused() {
+        let stream = encode(&[image(Vec::new())]); // two recorded feeds
+        let within = |most| ReadLimits {
+            capacity: None,
+            registrations: Some(most),
+        };
+        let (_, images) = read_within(&stream[..], within(2)).expect("at the limit");
+        assert_eq!(images[0].feeds.len(), 2);
+        let Err(SnapshotError::Corrupt(why)) = read_within(&stream[..], within(1)) else {
+            panic!("two registrations exceed a limit of one");
+        };
+        assert!(why.contains("--max-registered-ranks"), "{why}");
     }
 
     /// A writer writes each rank of an index once; a stream naming one twice is refused.
