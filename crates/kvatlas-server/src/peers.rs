@@ -338,19 +338,14 @@ async fn try_peer(
         let (sender, receiver) = tokio::sync::mpsc::channel(PIECES_IN_FLIGHT);
         let reader = {
             let registry = Arc::clone(registry);
-            let peer = base.to_owned();
             tokio::task::spawn_blocking(move || {
                 let pieces = Pieces {
                     receiver,
                     current: Bytes::new(),
                 };
-                let (_, images) = snapshot::read_within(pieces, registry.read_limits())
-                    .map_err(|e| e.to_string())?;
-                let memberships = images.iter().map(snapshot::IndexImage::memberships).sum();
-                registry
-                    .restore_images(&images, None)
-                    .map_err(|e| e.to_string())?;
-                Ok::<_, String>(Bootstrap::Snapshot { peer, memberships })
+                snapshot::read_within(pieces, registry.read_limits())
+                    .map(|(_, images)| images)
+                    .map_err(|e| e.to_string())
             })
         };
         let mut body = response.into_body();
@@ -371,9 +366,22 @@ async fn try_peer(
             }
         }
         drop(sender);
-        let restored = reader.await.map_err(|e| e.to_string())?;
+        let images = reader.await.map_err(|e| e.to_string())?;
+        // Restored only if the download also ended well: a body cut off after its last byte
+        // reads as a whole snapshot, but the peer is then reported failed.
         download?;
-        return restored;
+        let images = images?;
+        let registry = Arc::clone(registry);
+        let peer = base.to_owned();
+        return tokio::task::spawn_blocking(move || {
+            let memberships = images.iter().map(snapshot::IndexImage::memberships).sum();
+            registry
+                .restore_images(&images, None)
+                .map_err(|e| e.to_string())?;
+            Ok(Bootstrap::Snapshot { peer, memberships })
+        })
+        .await
+        .map_err(|e| e.to_string())?;
     }
     if status != 404 && status != 405 {
         let mut body = response.into_body();
