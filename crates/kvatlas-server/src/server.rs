@@ -56,6 +56,10 @@ use crate::tls::TlsMaterial;
 /// HTTP/2 flow-control windows (per connection and per stream): large enough that busy
 /// connections rarely stop to send WINDOW_UPDATE frames.
 const WINDOW_BYTES: u32 = 8 << 20;
+/// Idle time before the gRPC server pings a connection (HTTP/2) and probes it (TCP keepalive).
+const GRPC_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// A ping not answered within this closes the connection.
+const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How often the health service's status is brought in line with readiness.
 const HEALTH_POLL: Duration = Duration::from_millis(50);
@@ -862,8 +866,14 @@ fn serve_grpc(
         .map_err(|e| StartError::Grpc(format!("reflection: {e}")))?;
     // The concurrency limit is enforced per request (shedding with RESOURCE_EXHAUSTED), not as
     // HTTP/2's per-connection stream limit, which makes clients queue silently instead.
+    // A client that vanished without closing its connection (a host that lost power, a
+    // partition) is found by HTTP/2 pings and the connection closed, releasing what its
+    // streams held: request permits, and a PublishEvents rank its restarted sidecar would
+    // otherwise find still "fed by another stream".
     let mut builder = tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(GRPC_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
         .initial_connection_window_size(Some(WINDOW_BYTES))
         .initial_stream_window_size(Some(WINDOW_BYTES));
     if let Some(tls) = tls {
@@ -879,7 +889,9 @@ fn serve_grpc(
         .add_service(reflection_v1alpha)
         .add_service(service)
         .add_service(llmd);
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(GRPC_KEEPALIVE_INTERVAL));
     Ok(tokio::spawn(router.serve_with_incoming_shutdown(
         incoming,
         stop.cancelled_owned(),
