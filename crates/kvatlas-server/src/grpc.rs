@@ -177,6 +177,9 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .map_err(|e| ServiceError::Internal(format!("the operation failed: {e}")))?
 }
 
+/// Most instance ids a query's filter may name (each answer row is checked against the list).
+pub(crate) const MAX_INSTANCE_FILTER: usize = 4096;
+
 impl IndexerService {
     /// Records a finished request's latency and code, passing the result through.
     fn finish<T>(
@@ -213,6 +216,15 @@ impl IndexerService {
                 ));
             }
         };
+        if let Some(o) = &request.options
+            && o.instance_ids.len() > MAX_INSTANCE_FILTER
+        {
+            return Err(ServiceError::InvalidArgument(format!(
+                "options.instance_ids names {} instances; at most {MAX_INSTANCE_FILTER} are \
+                 accepted (leave it empty for every instance)",
+                o.instance_ids.len()
+            )));
+        }
         let options = request
             .options
             .as_ref()
@@ -223,7 +235,7 @@ impl IndexerService {
                 instances: o.instance_ids.clone(),
                 device_only: o.device_only,
             });
-        let entry = self.state.registry.require(&key)?;
+        let entry = self.state.registry.require(&key, |t| caller.may_use(t))?;
         let answer = entry.query(
             input,
             &request.lora_name,

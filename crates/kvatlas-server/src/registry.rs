@@ -968,22 +968,28 @@ impl Registry {
         self.indexes.read().get(key).cloned()
     }
 
-    /// The index of `key`, or NOT_FOUND naming what exists.
-    pub(crate) fn require(&self, key: &IndexKey) -> Result<Arc<IndexEntry>, ServiceError> {
-        self.get(key).ok_or_else(|| self.not_found(key))
+    /// The index of `key`, or NOT_FOUND naming what exists of the tenants `may_use` accepts
+    /// (a caller limited to some tenants never learns the others' names).
+    pub(crate) fn require(
+        &self,
+        key: &IndexKey,
+        may_use: impl Fn(&str) -> bool,
+    ) -> Result<Arc<IndexEntry>, ServiceError> {
+        self.get(key).ok_or_else(|| self.not_found(key, may_use))
     }
 
-    fn not_found(&self, key: &IndexKey) -> ServiceError {
+    fn not_found(&self, key: &IndexKey, may_use: impl Fn(&str) -> bool) -> ServiceError {
         let indexes = self.indexes.read();
-        let tenants: Vec<&str> = indexes
-            .keys()
+        let visible = || indexes.keys().filter(|k| may_use(&k.tenant));
+        let tenants: Vec<&str> = visible()
             .filter(|k| k.model == key.model)
             .map(|k| k.tenant.as_str())
             .collect();
         let hint = if tenants.is_empty() {
             format!(
-                "the server has {} index(es), none for this model; register a worker for it first",
-                indexes.len()
+                "the server has {} index(es) you may use, none for this model; register a \
+                 worker for it first",
+                visible().count()
             )
         } else {
             format!("this model's tenants are {tenants:?}")
@@ -1012,7 +1018,8 @@ impl Registry {
             return Ok((entry, false));
         }
         let Some(block_size) = block_size else {
-            return Err(self.not_found(key));
+            // The caller was checked for this tenant only.
+            return Err(self.not_found(key, |tenant| tenant == key.tenant));
         };
         let mut indexes = self.indexes.write();
         if let Some(entry) = indexes.get(key) {
@@ -1310,7 +1317,7 @@ impl Registry {
             .collect();
         if entries.is_empty() {
             return Err(match tenant {
-                Some(tenant) => self.not_found(&IndexKey::new(model, tenant)),
+                Some(tenant) => self.not_found(&IndexKey::new(model, tenant), &may_use),
                 None => ServiceError::NotFound(format!("no index for model {model:?}")),
             });
         }

@@ -360,7 +360,7 @@ fn token_file(dir: &std::path::Path) -> PathBuf {
     let path = dir.join("tokens");
     std::fs::write(
         &path,
-        "# admin\nadmin-0123456789abcdef name=admin\nteam-a-0123456789abcdef tenants=a name=team-a\n",
+        "# admin\nadmin-0123456789abcdef name=admin\nteam-a-0123456789abcdef tenants=a,c name=team-a\n",
     )
     .expect("write tokens");
     path
@@ -590,6 +590,17 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
         .expect_err("another tenant");
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(status.message().contains("\"team-a\""), "{status:?}");
+    // A tenant it may use that has no index: the hint names only the tenants it may use.
+    let status = team
+        .raw()
+        .query(token_query(MODEL, "c", tokens.clone()))
+        .await
+        .expect_err("no index in tenant c");
+    assert_eq!(status.code(), Code::NotFound);
+    assert!(
+        status.message().contains("tenants are [\"a\"]"),
+        "not tenant b: {status:?}"
+    );
     let listed = team
         .raw()
         .list_indexes(v1::ListIndexesRequest::default())
@@ -1115,4 +1126,33 @@ async fn a_busy_polling_server_answers_and_stops() {
         .await
         .expect("the shutdown ends");
     assert_eq!(report.indexes.len(), 1);
+}
+
+/// A query's instance filter is bounded: each answer row is checked against it, so a filter of
+/// millions of ids (a 16 MiB message) would stall a runtime thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_filter_beyond_its_bound_is_refused() {
+    let mut h = start(ServerConfig::default()).await;
+    let batches = script(2, MODEL, &[Worker::new(1, 0), Worker::new(2, 0)], 20, BLOCK);
+    publish_script(&mut h.client, &batches).await;
+    let query = |ids: Vec<u64>| {
+        let mut request = token_query(MODEL, "", prompt_tokens(&[0, 1, 2], BLOCK));
+        request.options = Some(v1::QueryOptions {
+            instance_ids: ids,
+            ..v1::QueryOptions::default()
+        });
+        request
+    };
+    let refused = h
+        .client
+        .query(query(vec![1; 4097]))
+        .await
+        .expect_err("4,097 ids are refused");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.message().contains("at most 4096"), "{refused:?}");
+    h.client
+        .query(query(vec![1; 4096]))
+        .await
+        .expect("4,096 ids are answered");
+    h.server.shutdown().await;
 }
