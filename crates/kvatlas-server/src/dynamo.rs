@@ -83,6 +83,22 @@ fn caller(state: &State, headers: &HeaderMap) -> Result<Caller, Box<Response>> {
         .map_err(|e| Box::new(service_error(&e)))
 }
 
+/// [`caller`], refusing (403) a token limited to some tenants: the peer list is the whole
+/// server's, not a tenant's.
+fn server_wide_caller(state: &State, headers: &HeaderMap) -> Result<Caller, Box<Response>> {
+    let caller = caller(state, headers)?;
+    if !caller.unrestricted() {
+        return Err(Box::new(service_error(&ServiceError::PermissionDenied(
+            format!(
+                "the token {:?} is limited to some tenants; the peer list is the whole \
+                 server's: use a token limited to no tenant",
+                caller.name
+            ),
+        ))));
+    }
+    Ok(caller)
+}
+
 /// The kvatlas tenant of a request: its `routing_group`, else its `tenant_id`, else default.
 fn tenant_of(routing_group: Option<&str>, tenant_id: Option<&str>) -> String {
     routing_group
@@ -1184,7 +1200,7 @@ pub(crate) async fn register_peer(
     headers: HeaderMap,
     Json(request): Json<PeerRequest>,
 ) -> Response {
-    if let Err(response) = caller(&state, &headers) {
+    if let Err(response) = server_wide_caller(&state, &headers) {
         return *response;
     }
     if request.url.len() > MAX_PEER_URL_BYTES {
@@ -1215,7 +1231,7 @@ pub(crate) async fn deregister_peer(
     headers: HeaderMap,
     Json(request): Json<PeerRequest>,
 ) -> Response {
-    if let Err(response) = caller(&state, &headers) {
+    if let Err(response) = server_wide_caller(&state, &headers) {
         return *response;
     }
     if state.peers.lock().remove(&request.url) {
@@ -1226,7 +1242,7 @@ pub(crate) async fn deregister_peer(
 }
 
 pub(crate) async fn peers(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -> Response {
-    if let Err(response) = caller(&state, &headers) {
+    if let Err(response) = server_wide_caller(&state, &headers) {
         return *response;
     }
     let peers: Vec<String> = state.peers.lock().iter().cloned().collect();

@@ -665,6 +665,15 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
         "{body}"
     );
     assert_eq!(http_get(http, "/health", None).0, 200);
+    // The peer list is the whole server's: a tenant-limited token may not read or change it.
+    assert_eq!(
+        http_get(http, "/peers", Some("team-a-0123456789abcdef")).0,
+        403
+    );
+    assert_eq!(
+        http_get(http, "/peers", Some("admin-0123456789abcdef")).0,
+        200
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
