@@ -156,7 +156,9 @@ impl DataDir {
     /// Loads the newest readable snapshot (see the module docs).
     ///
     /// # Errors
-    /// The I/O error listing the directory (a bad file is not an error: it is moved aside).
+    /// The I/O error listing the directory, or opening or reading a snapshot file (permissions,
+    /// a failing disk: the file may be sound, so it is not moved aside and the start fails with
+    /// the file named). A file that reads but is bad is not an error: it is moved aside.
     pub fn load(&self) -> std::io::Result<Loaded> {
         let mut rejected = Vec::new();
         for path in self.snapshots()? {
@@ -169,6 +171,12 @@ impl DataDir {
                         snapshot: Some((path, created, images)),
                         rejected,
                     });
+                }
+                Err(SnapshotError::Io(error)) => {
+                    return Err(std::io::Error::new(
+                        error.kind(),
+                        format!("reading the snapshot {}: {error}", path.display()),
+                    ));
                 }
                 Err(error) => {
                     set_aside(&path);
@@ -298,6 +306,31 @@ mod tests {
         // The next load uses the same file and does not retry the rejected ones.
         let again = dir.load().expect("load");
         assert!(again.rejected.is_empty());
+        let _ = fs::remove_dir_all(dir.path());
+    }
+
+    /// A snapshot that cannot be read for a reason of the machine's (here a directory where the
+    /// file should be: EISDIR; permissions and a failing disk alike) is not moved aside: the
+    /// load fails naming it, and nothing is renamed.
+    #[test]
+    fn a_snapshot_the_machine_cannot_read_fails_the_load_and_is_kept() {
+        let dir = DataDir::open(temp("io")).expect("dir");
+        dir.write([image(1)], 10).expect("write");
+        let unreadable = dir.path().join("snapshot-99999999999999999999.kvs");
+        fs::create_dir(&unreadable).expect("a directory in its place");
+        let error = dir.load().expect_err("an I/O error fails the load");
+        assert!(
+            error
+                .to_string()
+                .contains("snapshot-99999999999999999999.kvs"),
+            "{error}"
+        );
+        assert!(unreadable.is_dir(), "kept where it was");
+        assert_eq!(
+            dir.snapshots().expect("list").len(),
+            2,
+            "nothing moved aside"
+        );
         let _ = fs::remove_dir_all(dir.path());
     }
 
