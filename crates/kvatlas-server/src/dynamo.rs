@@ -1034,9 +1034,18 @@ pub(crate) async fn dump_route(
             .collect();
         dump(&images)
     })
-    .await
-    .unwrap_or_else(|_| json!({}));
-    (StatusCode::OK, Json(body)).into_response()
+    .await;
+    match body {
+        Ok(body) => (StatusCode::OK, Json(body)).into_response(),
+        // An empty 200 would tell a Dynamo replica the server holds nothing.
+        Err(failed) => {
+            tracing::error!("GET /dump failed: {failed}");
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the dump could not be built: {failed}"),
+            )
+        }
+    }
 }
 
 /// One partition of a peer's `/dump`.
