@@ -60,8 +60,8 @@ fn stop(mut served: Served) {
     assert!(status.success(), "a graceful stop exits 0: {status}");
 }
 
-/// Every rank's counters, from `ListWorkers`.
-fn counters(served: &Served) -> Vec<v1::WorkerCounters> {
+/// Every rank, from `ListWorkers`.
+fn workers(served: &Served) -> Vec<v1::WorkerInfo> {
     runtime().block_on(async {
         let mut client = IndexerClient::connect(served.grpc.clone())
             .await
@@ -72,10 +72,15 @@ fn counters(served: &Served) -> Vec<v1::WorkerCounters> {
             .expect("ListWorkers")
             .into_inner()
             .workers
-            .into_iter()
-            .map(|w| w.counters.unwrap_or_default())
-            .collect()
     })
+}
+
+/// Every rank's counters, from `ListWorkers`.
+fn counters(served: &Served) -> Vec<v1::WorkerCounters> {
+    workers(served)
+        .into_iter()
+        .map(|w| w.counters.unwrap_or_default())
+        .collect()
 }
 
 #[test]
@@ -231,20 +236,7 @@ fn a_restart_with_changed_workers_starts_and_the_configuration_wins() {
     assert!(served.restored_memberships() > 0, "the snapshot restored");
     fleet.serve(50);
     converges(&served, &fleet, "after the restart at the new addresses");
-    let endpoints: Vec<String> = runtime().block_on(async {
-        let mut client = IndexerClient::connect(served.grpc.clone())
-            .await
-            .expect("connects");
-        client
-            .list_workers(v1::ListWorkersRequest::default())
-            .await
-            .expect("ListWorkers")
-            .into_inner()
-            .workers
-            .into_iter()
-            .map(|w| w.endpoint)
-            .collect()
-    });
+    let endpoints: Vec<String> = workers(&served).into_iter().map(|w| w.endpoint).collect();
     assert_eq!(endpoints.len(), fleet.engines.caches().len());
     assert!(
         endpoints.iter().all(|e| e.contains("localhost")),

@@ -439,16 +439,20 @@ impl HandFeed {
 }
 
 impl HandFeed {
+    /// The replicas' snapshot bucket.
+    async fn bucket(&self) -> async_nats::jetstream::object_store::ObjectStore {
+        self.js
+            .get_object_store("KVATLAS_SNAPSHOTS")
+            .await
+            .expect("the bucket exists")
+    }
+
     /// Every object of the replicas' snapshot bucket: name, description and bytes.
     fn snapshot_objects(&self) -> Vec<(String, Option<String>, Vec<u8>)> {
         use tokio::io::AsyncReadExt as _;
         use tokio_stream::StreamExt as _;
         self.runtime.block_on(async {
-            let bucket = self
-                .js
-                .get_object_store("KVATLAS_SNAPSHOTS")
-                .await
-                .expect("the bucket exists");
+            let bucket = self.bucket().await;
             let mut infos = Vec::new();
             let mut list = bucket.list().await.expect("lists");
             while let Some(info) = list.next().await {
@@ -468,11 +472,7 @@ impl HandFeed {
     /// Puts an object into the snapshot bucket, as a replica does.
     fn put_snapshot_object(&self, name: &str, description: Option<String>, bytes: &[u8]) {
         self.runtime.block_on(async {
-            let bucket = self
-                .js
-                .get_object_store("KVATLAS_SNAPSHOTS")
-                .await
-                .expect("the bucket exists");
+            let bucket = self.bucket().await;
             let meta = async_nats::jetstream::object_store::ObjectMetadata {
                 name: name.to_owned(),
                 description,
