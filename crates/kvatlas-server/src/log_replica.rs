@@ -241,6 +241,10 @@ pub(crate) async fn start(
     let js = crate::nats::connect(&log, connect_timeout, Arc::clone(&stats)).await?;
     let stream = crate::nats::stream(&js, &log).await?;
     let bucket = crate::nats::snapshot_bucket(&js, &log).await?;
+    let bucket_stream = js
+        .get_stream(format!("OBJ_{}", log.snapshot_bucket))
+        .await
+        .map_err(|e| format!("the snapshot bucket's stream: {e}"))?;
     state.set_bootstrapping(true);
     let covered = restore_newest(&state.registry, &bucket).await?;
     let live = if log.live {
@@ -260,6 +264,7 @@ pub(crate) async fn start(
         log,
         stream,
         bucket,
+        bucket_stream,
         sources: HashMap::new(),
         live,
         chains: HashMap::new(),
@@ -280,6 +285,8 @@ struct Consumer {
     log: NatsLog,
     stream: jetstream::stream::Stream,
     bucket: jetstream::object_store::ObjectStore,
+    /// The stream holding the bucket's objects (to purge the markers of deleted ones).
+    bucket_stream: jetstream::stream::Stream,
     sources: HashMap<(IndexKey, Worker), SourceState>,
     /// The live path's subscription (`None`: off).
     live: Option<async_nats::Subscriber>,
@@ -852,8 +859,14 @@ impl Consumer {
             }
         };
         let (bucket, stats) = (self.bucket.clone(), Arc::clone(&self.stats));
+        let (bucket_stream, bucket_name) =
+            (self.bucket_stream.clone(), self.log.snapshot_bucket.clone());
         self.snapshot_put = Some(tokio::spawn(async move {
-            match put_snapshot(&bucket, images, covered).await {
+            let put = put_snapshot(&bucket, images, covered).await;
+            if put.is_ok() {
+                prune_snapshots(&bucket, &bucket_stream, &bucket_name).await;
+            }
+            match put {
                 Ok(bytes) => {
                     LogStats::bump(&stats.snapshots_written);
                     tracing::info!(
@@ -1061,7 +1074,6 @@ async fn put_snapshot(
         .put(meta, &mut bytes.as_slice())
         .await
         .map_err(|e| format!("putting the snapshot object: {e}"))?;
-    prune_snapshots(bucket).await;
     Ok(size)
 }
 
@@ -1070,8 +1082,15 @@ async fn put_snapshot(
 const SNAPSHOTS_KEPT: usize = 2;
 
 /// Deletes the bucket's snapshot objects beyond the newest [`SNAPSHOTS_KEPT`] (a failure is
-/// logged: the next put prunes again).
-async fn prune_snapshots(bucket: &jetstream::object_store::ObjectStore) {
+/// logged: the next put prunes again). A deleted object leaves a marker in the bucket's stream
+/// (`bucket_stream`), one per name, and every cut has a name of its own: the marker is purged
+/// too, or the bucket would keep one per snapshot ever pruned and every listing read them all.
+async fn prune_snapshots(
+    bucket: &jetstream::object_store::ObjectStore,
+    bucket_stream: &jetstream::stream::Stream,
+    bucket_name: &str,
+) {
+    use base64::Engine as _;
     let stale = match snapshots(bucket).await {
         Ok(found) => found.into_iter().skip(SNAPSHOTS_KEPT),
         Err(error) => {
@@ -1082,6 +1101,15 @@ async fn prune_snapshots(bucket: &jetstream::object_store::ObjectStore) {
     for (_, info) in stale {
         if let Err(error) = bucket.delete(&info.name).await {
             tracing::warn!(object = %info.name, "pruning an old replica snapshot: {error}");
+            continue;
+        }
+        // The subject async-nats keeps an object's metadata on.
+        let marker = format!(
+            "$O.{bucket_name}.M.{}",
+            base64::engine::general_purpose::URL_SAFE.encode(&info.name)
+        );
+        if let Err(error) = bucket_stream.purge().filter(marker).await {
+            tracing::warn!(object = %info.name, "purging a pruned snapshot's marker: {error}");
         }
     }
 }

@@ -469,6 +469,18 @@ impl HandFeed {
         })
     }
 
+    /// Messages in the stream that holds the snapshot bucket's objects.
+    fn bucket_messages(&self) -> u64 {
+        self.runtime.block_on(async {
+            let mut stream = self
+                .js
+                .get_stream("OBJ_KVATLAS_SNAPSHOTS")
+                .await
+                .expect("the bucket's stream");
+            stream.info().await.expect("its info").state.messages
+        })
+    }
+
     /// Puts an object into the snapshot bucket, as a replica does.
     fn put_snapshot_object(&self, name: &str, description: Option<String>, bytes: &[u8]) {
         self.runtime.block_on(async {
@@ -510,22 +522,32 @@ fn a_late_put_of_an_older_snapshot_does_not_hide_the_newest() {
     });
     let older = feed.snapshot_objects();
     assert_eq!(older.len(), 1, "one snapshot so far");
-    for seq in 2..=RECORDS {
-        feed.to_stream(&chain(seq));
+    // Three more snapshots, the last covering every record.
+    for (from, to) in [(2, 40), (41, 50), (51, RECORDS)] {
+        for seq in from..=to {
+            feed.to_stream(&chain(seq));
+        }
+        let prompt: Vec<u64> = (1..=to).map(|seq| 1000 + seq).collect();
+        eventually("the records applied", || {
+            blocks_of_worker_7(&writer, &prompt) == to as u32
+        });
+        let written = metric(&writer, "kvatlas_log_snapshots_written_total");
+        eventually("a snapshot covering them", || {
+            metric(&writer, "kvatlas_log_snapshots_written_total") > written
+        });
     }
-    let prompt: Vec<u64> = (1..=RECORDS).map(|seq| 1000 + seq).collect();
-    eventually("every record applied", || {
-        blocks_of_worker_7(&writer, &prompt) == RECORDS as u32
-    });
-    let written = metric(&writer, "kvatlas_log_snapshots_written_total");
-    eventually("a snapshot covering every record", || {
-        metric(&writer, "kvatlas_log_snapshots_written_total") > written
-    });
     writer.kill_9();
-    assert!(
-        feed.snapshot_objects().len() <= 2,
+    assert_eq!(
+        feed.snapshot_objects().len(),
+        2,
         "a put deletes all but the two newest snapshots"
     );
+    assert_eq!(
+        feed.bucket_messages(),
+        4,
+        "the two objects' metadata and chunk each: no marker of a pruned one is left"
+    );
+    let prompt: Vec<u64> = (1..=RECORDS).map(|seq| 1000 + seq).collect();
     // The first snapshot is put again, as a replica paused mid-put would finish it.
     let (name, description, bytes) = &older[0];
     feed.put_snapshot_object(name, description.clone(), bytes);
