@@ -824,11 +824,7 @@ impl Consumer {
         }
         self.live_paused = false;
         self.last_snapshot = tokio::time::Instant::now();
-        if let Some((covered, info)) = snapshots(&self.bucket)
-            .await
-            .ok()
-            .and_then(|found| found.into_iter().next())
-        {
+        if let Ok(Some((covered, info))) = newest_snapshot(&self.bucket).await {
             let age = info.modified.map(|modified| {
                 let now = time_now_nanos();
                 Duration::from_nanos(
@@ -955,13 +951,19 @@ async fn snapshots(
     Ok(found)
 }
 
+/// The bucket's newest snapshot object, with the stream sequence it covers.
+async fn newest_snapshot(
+    bucket: &jetstream::object_store::ObjectStore,
+) -> Result<Option<(u64, jetstream::object_store::ObjectInfo)>, String> {
+    Ok(snapshots(bucket).await?.into_iter().next())
+}
+
 /// The stream sequence the newest snapshot covers, if there is one.
 async fn newest_covered(bucket: &jetstream::object_store::ObjectStore) -> Option<u64> {
-    snapshots(bucket)
+    newest_snapshot(bucket)
         .await
         .ok()?
-        .first()
-        .map(|(covered, _)| *covered)
+        .map(|(covered, _)| covered)
 }
 
 /// Restores the newest snapshot of the bucket, if any: the stream sequence it covers.
@@ -973,7 +975,7 @@ pub(crate) async fn restore_newest(
     // list is read again (a few times: each prune needs a newer snapshot).
     let mut attempts = 0;
     let mut object = loop {
-        let Some((_, newest)) = snapshots(bucket).await?.into_iter().next() else {
+        let Some((_, newest)) = newest_snapshot(bucket).await? else {
             return Ok(None);
         };
         match bucket.get(&newest.name).await {

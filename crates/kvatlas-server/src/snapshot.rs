@@ -648,7 +648,6 @@ pub fn read_within(
     input: impl Read,
     limits: ReadLimits,
 ) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
-    let capacity = limits.capacity;
     let mut registrations = 0usize;
     let mut reader = Reader::new(input);
     let magic = reader.take(8, "in the header")?;
@@ -866,7 +865,7 @@ pub fn read_within(
                         images.len()
                     )));
                 }
-                if let Some(capacity) = capacity
+                if let Some(capacity) = limits.capacity
                     && let Some((image, &held)) =
                         pairs.iter().enumerate().find(|(_, held)| **held > capacity)
                 {
