@@ -531,6 +531,47 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
     );
 }
 
+/// A peer on a loopback port that answers its first `busy` requests 429, then the next with
+/// `whole` as its snapshot (once `gate`, if any, lets it); returns its URL and the count of
+/// requests it read.
+fn busy_peer(
+    busy: usize,
+    whole: Vec<u8>,
+    gate: Option<std::sync::mpsc::Receiver<()>>,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&asked);
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for answer in 0..=busy {
+            let Ok((mut stream, _)) = listener.accept() else {
+                return;
+            };
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if answer < busy {
+                let _ = stream.write_all(
+                    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy",
+                );
+            } else {
+                if let Some(gate) = &gate {
+                    let _ = gate.recv();
+                }
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    whole.len()
+                );
+                let _ = stream.write_all(&whole);
+            }
+        }
+    });
+    (url, asked)
+}
+
 /// A peer serving its limit of whole-state reads answers 429: the replica asks again (the
 /// replicas of a fleet started together bootstrap from the same peer) and bootstraps.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -544,34 +585,7 @@ async fn a_busy_peer_is_asked_again() {
     let whole = fetched_snapshot(&a).await;
 
     // A peer that is busy twice, then serves the snapshot.
-    let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let busy_addr = busy.local_addr().expect("addr");
-    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = std::sync::Arc::clone(&asked);
-    std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        for answer in 0..3 {
-            let Ok((mut stream, _)) = busy.accept() else {
-                return;
-            };
-            let mut request = [0u8; 1024];
-            let _ = stream.read(&mut request);
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            if answer < 2 {
-                let _ = stream.write_all(
-                    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy",
-                );
-            } else {
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                    whole.len()
-                );
-                let _ = stream.write_all(&whole);
-            }
-        }
-    });
-    let peer = format!("http://{busy_addr}");
+    let (peer, asked) = busy_peer(2, whole, None);
     let b_digest = bootstrapped_replica(
         ServerConfig {
             peers: vec![peer.clone()],
@@ -694,32 +708,8 @@ async fn writes_during_a_peer_bootstrap_are_refused_and_the_restore_is_exact() {
     let whole = fetched_snapshot(&a).await;
 
     // A peer that is busy once, then serves the snapshot when the test says so.
-    let peer_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let peer = format!("http://{}", peer_listener.local_addr().expect("addr"));
     let (go, go_ahead) = std::sync::mpsc::channel::<()>();
-    std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        for answer in 0..2 {
-            let Ok((mut stream, _)) = peer_listener.accept() else {
-                return;
-            };
-            let mut request = [0u8; 1024];
-            let _ = stream.read(&mut request);
-            if answer == 0 {
-                let _ = stream.write_all(
-                    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy",
-                );
-            } else {
-                let _ = go_ahead.recv();
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                    whole.len()
-                );
-                let _ = stream.write_all(&whole);
-            }
-        }
-    });
+    let (peer, _) = busy_peer(1, whole, Some(go_ahead));
     let mut b = start(ServerConfig {
         peers: vec![peer.clone()],
         ..ServerConfig::default()
