@@ -224,6 +224,11 @@ pub struct ServeArgs {
     /// Most registered worker ranks [default: 4096].
     #[arg(long, env = "KVATLAS_MAX_REGISTERED_RANKS")]
     pub max_registered_ranks: Option<usize>,
+    /// Seconds a whole-state read (`/snapshot`, `Snapshot`) waits for its reader to take the
+    /// next 1 MiB chunk before it is abandoned, freeing its place (two run at once)
+    /// [default: 30].
+    #[arg(long, env = "KVATLAS_STALL_TIMEOUT_SECS")]
+    pub stall_timeout_secs: Option<u64>,
     /// Bearer-token file: one token per line, optionally `tenants=A,B` and `name=LABEL`.
     #[arg(long, env = "KVATLAS_AUTH_TOKENS")]
     pub auth_tokens: Option<PathBuf>,
@@ -321,6 +326,7 @@ struct ServeFile {
     max_concurrent_requests: Option<usize>,
     max_indexes: Option<usize>,
     max_registered_ranks: Option<usize>,
+    stall_timeout_secs: Option<u64>,
     auth_tokens: Option<PathBuf>,
     allow_unauthenticated: Option<bool>,
     tls_cert: Option<PathBuf>,
@@ -444,6 +450,10 @@ impl ServeArgs {
                     .max_registered_ranks
                     .or(file.max_registered_ranks)
                     .unwrap_or(limits.max_registered_ranks),
+                stall_timeout: self
+                    .stall_timeout_secs
+                    .or(file.stall_timeout_secs)
+                    .map_or(limits.stall_timeout, Duration::from_secs),
             },
             auth_tokens: self.auth_tokens.clone().or(file.auth_tokens),
             allow_unauthenticated: self.allow_unauthenticated

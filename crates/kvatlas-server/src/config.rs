@@ -52,6 +52,10 @@ pub struct Limits {
     pub max_indexes: usize,
     /// Most registered worker ranks over all indexes (each ZMQ listener is a thread).
     pub max_registered_ranks: usize,
+    /// How long a whole-state read (`/snapshot`, the `Snapshot` RPC) waits for its reader to
+    /// take the next chunk before it is abandoned and its place among the whole-state reads
+    /// freed.
+    pub stall_timeout: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -62,6 +66,7 @@ impl Default for Limits {
             max_concurrent_requests: 1024,
             max_indexes: 1024,
             max_registered_ranks: 4096,
+            stall_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -268,6 +273,11 @@ impl ServerConfig {
         )?;
         positive(self.limits.max_indexes, "max indexes")?;
         positive(self.limits.max_registered_ranks, "max registered ranks")?;
+        if self.limits.stall_timeout.is_zero() {
+            return Err(ConfigError::Invalid(
+                "the stall timeout must be at least 1 second".into(),
+            ));
+        }
         if self.index.capacity == Some(0) {
             return Err(ConfigError::Invalid(
                 "the index capacity must be at least 1 membership (leave it unset for no bound)"

@@ -652,11 +652,12 @@ impl Indexer for IndexerService {
             let chunks = crate::snapshot_stream::stream_filtered(
                 Arc::clone(&self.state.registry),
                 move |key| listed(&caller, &filter.model, &filter.tenant, key),
+                dump,
+                self.state.limits.stall_timeout,
             );
             Ok(Response::new(SnapshotChunks {
                 chunks,
                 _permit: permit,
-                _dump: dump,
             }))
         })();
         self.finish(Rpc::Snapshot, started, result)
@@ -664,11 +665,10 @@ impl Indexer for IndexerService {
 }
 
 /// The chunks of a `Snapshot` answer; holds its place among the concurrent requests until the
-/// last chunk is sent.
+/// last chunk is sent (its place among the whole-state reads is held by the writing task).
 pub(crate) struct SnapshotChunks {
-    chunks: tokio_stream::wrappers::ReceiverStream<std::io::Result<bytes::Bytes>>,
+    chunks: crate::snapshot_stream::SnapshotStream,
     _permit: crate::state::Permit,
-    _dump: crate::state::DumpPermit,
 }
 
 impl std::fmt::Debug for SnapshotChunks {

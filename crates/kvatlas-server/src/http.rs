@@ -107,13 +107,10 @@ async fn snapshot(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -
         }
     };
     state.metrics.http("/snapshot", 200);
-    // The place is held until the last chunk is sent.
-    let chunks = tokio_stream::StreamExt::map(
-        crate::snapshot_stream::stream(Arc::clone(&state.registry)),
-        move |chunk| {
-            let _held = &dump;
-            chunk
-        },
+    let chunks = crate::snapshot_stream::stream(
+        Arc::clone(&state.registry),
+        dump,
+        state.limits.stall_timeout,
     );
     (
         StatusCode::OK,

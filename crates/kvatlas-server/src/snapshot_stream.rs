@@ -2,27 +2,45 @@
 //! `GET /snapshot` and the gRPC `Snapshot` RPC: a blocking task takes one index's image at a
 //! time and encodes it into a bounded channel of 1 MiB chunks, so at most one index's cut and a
 //! few chunks are in memory, whatever the size of the whole.
+//!
+//! The task holds the read's place among the whole-state reads (`DumpPermit`) until it ends: it
+//! ends when the snapshot is written, when the reader goes away, or when the reader takes no
+//! chunk for the stall timeout (`Limits::stall_timeout`). A reader that stalls therefore cannot
+//! hold a place for ever; what it later reads ends with an error, never as a clean but cut
+//! snapshot.
 
 use std::io::{self, Write};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
+use parking_lot::Mutex;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
 
 use crate::registry::{IndexKey, Registry};
 use crate::served_index::unix_micros_now;
 use crate::snapshot::Writer;
+use crate::state::DumpPermit;
 
 /// Bytes per chunk.
 const CHUNK: usize = 1 << 20;
 /// Chunks buffered between the encoder and the network.
 const IN_FLIGHT: usize = 4;
 
-/// Writes into the channel in [`CHUNK`]-sized pieces; fails once the receiver is gone.
+/// How a snapshot's writing ended: `None` until it ended; then `Ok` or the reason it stopped.
+type Outcome = Arc<Mutex<Option<Result<(), String>>>>;
+
+/// Writes into the channel in pieces of at most `chunk` bytes; fails once the receiver is gone or has
+/// taken nothing for `stall`.
 struct ChannelWriter {
-    tx: mpsc::Sender<io::Result<Bytes>>,
+    tx: mpsc::Sender<Bytes>,
     buf: Vec<u8>,
+    chunk: usize,
+    stall: Duration,
+    runtime: tokio::runtime::Handle,
 }
 
 impl ChannelWriter {
@@ -30,20 +48,42 @@ impl ChannelWriter {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
-        self.tx
-            .blocking_send(Ok(chunk))
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the reader went away"))
+        let chunk = Bytes::from(std::mem::replace(
+            &mut self.buf,
+            Vec::with_capacity(self.chunk),
+        ));
+        let sent = self
+            .runtime
+            .block_on(tokio::time::timeout(self.stall, self.tx.send(chunk)));
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the reader went away",
+            )),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the reader took nothing for {} s (the stall timeout): the snapshot was \
+                     abandoned and its place among the whole-state reads freed; read faster or \
+                     raise --stall-timeout-secs",
+                    self.stall.as_secs_f64()
+                ),
+            )),
+        }
     }
 }
 
 impl Write for ChannelWriter {
+    /// Takes what fits in the current chunk (`write_all` comes back for the rest), so every
+    /// chunk is at most `chunk` bytes. Between calls, `buf` holds less than a chunk.
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        self.buf.extend_from_slice(data);
-        if self.buf.len() >= CHUNK {
+        let taken = (self.chunk - self.buf.len()).min(data.len());
+        self.buf.extend_from_slice(&data[..taken]);
+        if self.buf.len() >= self.chunk {
             self.send()?;
         }
-        Ok(data.len())
+        Ok(taken)
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -51,22 +91,89 @@ impl Write for ChannelWriter {
     }
 }
 
-/// The snapshot of the indexes `include` accepts, as a stream of chunks.
-pub(crate) fn stream(registry: Arc<Registry>) -> ReceiverStream<io::Result<Bytes>> {
-    stream_filtered(registry, |_| true)
+/// The chunks of one snapshot. Ends cleanly only after the last chunk of a snapshot written
+/// whole; otherwise its last item is the error that stopped the writing.
+pub(crate) struct SnapshotStream {
+    chunks: mpsc::Receiver<Bytes>,
+    outcome: Outcome,
+    ended: bool,
+}
+
+impl std::fmt::Debug for SnapshotStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotStream")
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream for SnapshotStream {
+    type Item = io::Result<Bytes>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        match self.chunks.poll_recv(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(chunk)) => Poll::Ready(Some(Ok(chunk))),
+            Poll::Ready(None) => {
+                self.ended = true;
+                // Every sender is gone, and the writer sets the outcome before its last one
+                // goes: `None` here means the task died without setting it (a panic).
+                let outcome = self.outcome.lock().take();
+                Poll::Ready(match outcome {
+                    Some(Ok(())) => None,
+                    Some(Err(reason)) => Some(Err(io::Error::other(reason))),
+                    None => Some(Err(io::Error::other(
+                        "the snapshot task ended without finishing the snapshot",
+                    ))),
+                })
+            }
+        }
+    }
+}
+
+/// The snapshot of every index, as a stream of chunks; `dump` is held until the writing ends.
+pub(crate) fn stream(
+    registry: Arc<Registry>,
+    dump: DumpPermit,
+    stall: Duration,
+) -> SnapshotStream {
+    stream_filtered(registry, |_| true, dump, stall)
 }
 
 /// [`stream`] of the indexes `include` accepts.
 pub(crate) fn stream_filtered(
     registry: Arc<Registry>,
     include: impl Fn(&IndexKey) -> bool + Send + 'static,
-) -> ReceiverStream<io::Result<Bytes>> {
+    dump: DumpPermit,
+    stall: Duration,
+) -> SnapshotStream {
+    stream_in_chunks(registry, include, dump, stall, CHUNK)
+}
+
+/// [`stream_filtered`] in chunks of `chunk` bytes (tests use small ones).
+fn stream_in_chunks(
+    registry: Arc<Registry>,
+    include: impl Fn(&IndexKey) -> bool + Send + 'static,
+    dump: DumpPermit,
+    stall: Duration,
+    chunk: usize,
+) -> SnapshotStream {
     let (tx, rx) = mpsc::channel(IN_FLIGHT);
-    let errors = tx.clone();
+    let outcome: Outcome = Arc::default();
+    let written_outcome = Arc::clone(&outcome);
+    let runtime = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
+        // Dropped last, after the outcome is set: the reader sees the end only then.
+        let last_sender = tx.clone();
         let sink = ChannelWriter {
             tx,
-            buf: Vec::with_capacity(CHUNK),
+            buf: Vec::with_capacity(chunk),
+            chunk,
+            stall,
+            runtime,
         };
         let written = (|| {
             let mut writer = Writer::new(sink, unix_micros_now())?;
@@ -78,9 +185,130 @@ pub(crate) fn stream_filtered(
             writer.finish()?.flush()?;
             Ok::<_, crate::snapshot::SnapshotError>(())
         })();
-        if let Err(error) = written {
-            let _ = errors.blocking_send(Err(io::Error::other(error.to_string())));
+        if let Err(error) = &written {
+            tracing::warn!("a snapshot read stopped: {error}");
         }
+        *written_outcome.lock() = Some(written.map_err(|error| error.to_string()));
+        // The place among the whole-state reads is freed here, whether or not the reader
+        // ever takes what is buffered.
+        drop(dump);
+        drop(last_sender);
     });
-    ReceiverStream::new(rx)
+    SnapshotStream {
+        chunks: rx,
+        outcome,
+        ended: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Instant;
+
+    use kvatlas_hash::{BlockSize, LocalBlockHash};
+    use kvatlas_index::{
+        ExternalBlockHash, Snapshot, SnapshotBlock, Tier, TierSet, Worker, WorkerSnapshot,
+    };
+    use tokio_stream::StreamExt as _;
+
+    use super::*;
+    use crate::config::{IndexSettings, Limits};
+    use crate::registry::DEFAULT_TENANT;
+    use crate::snapshot::IndexImage;
+    use crate::state::State;
+
+    /// A server state whose one index holds `blocks` blocks of one rank.
+    fn state_holding(blocks: u64) -> Arc<State> {
+        let registry = Arc::new(Registry::new(IndexSettings::default(), Limits::default()));
+        let image = IndexImage {
+            key: IndexKey::new("m", DEFAULT_TENANT),
+            block_size: BlockSize::new(16).expect("16"),
+            capacity: None,
+            feeds: Vec::new(),
+            marks: BTreeMap::new(),
+            snapshot: Snapshot {
+                workers: vec![WorkerSnapshot {
+                    worker: Worker::new(7, 0),
+                    blocks: (1..=blocks)
+                        .map(|i| SnapshotBlock {
+                            external: ExternalBlockHash::new(i),
+                            local: LocalBlockHash::new(i * 31),
+                            parent: (i > 1).then(|| ExternalBlockHash::new(i - 1)),
+                            tiers: TierSet::only(Tier::Device),
+                        })
+                        .collect(),
+                }],
+            },
+        };
+        registry
+            .restore_images(&[image], None)
+            .expect("the image is restored");
+        Arc::new(State::new(registry, Limits::default(), None, 0))
+    }
+
+    /// Every item of a stream: the bytes before the first error, and that error.
+    async fn drain(mut stream: SnapshotStream) -> (Vec<u8>, Option<io::Error>) {
+        let mut bytes = Vec::new();
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(chunk) => bytes.extend_from_slice(&chunk),
+                Err(error) => return (bytes, Some(error)),
+            }
+        }
+        (bytes, None)
+    }
+
+    /// Two snapshot streams nobody reads hold both places among the whole-state reads only
+    /// until the stall timeout: then their places are freed, and what they still yield ends
+    /// with the error naming the stall, not with a clean end (a reader must not take a cut
+    /// snapshot for a whole one). A stream that is read is written whole and reads back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_reader_loses_its_place_and_its_snapshot_ends_in_an_error() {
+        let state = state_holding(5_000);
+        let stall = Duration::from_millis(300);
+        // 256-byte chunks: the snapshot is far more than the channel buffers.
+        let stalled: Vec<SnapshotStream> = (0..crate::state::MAX_CONCURRENT_DUMPS)
+            .map(|_| {
+                let dump = state.admit_dump("Snapshot").expect("a place");
+                stream_in_chunks(Arc::clone(&state.registry), |_| true, dump, stall, 256)
+            })
+            .collect();
+        assert!(
+            state.admit_dump("/snapshot").is_err(),
+            "both places are held while the readers have not stalled for long"
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let dump = loop {
+            if let Ok(dump) = state.admit_dump("/snapshot") {
+                break dump;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the stalled reads still hold their places"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        for stream in stalled {
+            let (bytes, error) = drain(stream).await;
+            let error = error.expect("a stalled read ends in an error");
+            assert!(error.to_string().contains("stall timeout"), "{error}");
+            assert!(
+                crate::snapshot::read(bytes.as_slice()).is_err(),
+                "what was buffered is not a whole snapshot"
+            );
+        }
+
+        let read = stream_in_chunks(Arc::clone(&state.registry), |_| true, dump, stall, 256);
+        let (bytes, error) = drain(read).await;
+        assert!(error.is_none(), "{error:?}");
+        let (_, images) = crate::snapshot::read(bytes.as_slice()).expect("a whole snapshot");
+        assert_eq!(images.len(), 1);
+        assert_eq!(images[0].snapshot.blocks(), 5_000);
+        assert_eq!(
+            images[0].snapshot,
+            state.registry.all()[0].image().snapshot,
+            "the snapshot read back is the index's"
+        );
+    }
 }
