@@ -8,21 +8,21 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{DefaultBodyLimit, State as AxumState};
+use axum::extract::{DefaultBodyLimit, Request, State as AxumState};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use axum::middleware::{self, Next};
 use axum::routing::{get, post};
 
 use crate::dynamo;
 use crate::error::ServiceError;
 use crate::state::State;
 
-/// The HTTP routes.
+/// The HTTP routes. Every route but `/health`, `/ready` and `/metrics` (which must answer
+/// under overload) counts against `--max-concurrent-requests` with the gRPC requests, until its
+/// response body is sent: beyond it, 429.
 pub(crate) fn router(state: Arc<State>) -> Router {
-    Router::new()
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
+    let limited = Router::new()
         .route("/snapshot", get(snapshot))
         .route("/register", post(dynamo::register))
         .route("/unregister", post(dynamo::unregister))
@@ -39,8 +39,59 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/register_peer", post(dynamo::register_peer))
         .route("/deregister_peer", post(dynamo::deregister_peer))
         .route("/peers", get(dynamo::peers))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            admit_within_limit,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .merge(limited)
         .layer(DefaultBodyLimit::max(dynamo::BODY_LIMIT))
         .with_state(state)
+}
+
+/// The routes `router` limits, by path (for the metrics' `route` label).
+const LIMITED_ROUTES: [&str; 10] = [
+    "/snapshot",
+    "/register",
+    "/unregister",
+    "/workers",
+    "/query",
+    "/query_by_hash",
+    "/dump",
+    "/register_peer",
+    "/deregister_peer",
+    "/peers",
+];
+
+/// Admits a request within `--max-concurrent-requests` and holds its place until its response
+/// body is dropped (sent, or the client went away); beyond the limit, 429 with the reason,
+/// counted in `kvatlas_http_requests_total` under the route.
+async fn admit_within_limit(
+    AxumState(state): AxumState<Arc<State>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let permit = match state.admit_request() {
+        Ok(permit) => permit,
+        Err(error) => {
+            if let Some(route) = LIMITED_ROUTES
+                .into_iter()
+                .find(|route| *route == request.uri().path())
+            {
+                state.metrics.http(route, error.http_status());
+            }
+            return error_response(&error);
+        }
+    };
+    next.run(request).await.map(|body| {
+        Body::new(http_body_util::BodyExt::map_frame(body, move |frame| {
+            let _held = &permit;
+            frame
+        }))
+    })
 }
 
 /// A plain-text error response.

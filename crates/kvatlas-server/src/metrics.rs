@@ -9,8 +9,8 @@
 //! |---|---|---|
 //! | `kvatlas_request_duration_seconds` | histogram | `rpc` (each `QueryStream` message counts as one request) |
 //! | `kvatlas_requests_total` | counter | `rpc`, `code` (gRPC status name; errors are `code!="OK"`) |
-//! | `kvatlas_requests_shed_total` | counter | `rpc` (refused at the concurrency limit) |
-//! | `kvatlas_requests_in_flight` | gauge | |
+//! | `kvatlas_requests_shed_total` | counter | `rpc` (gRPC requests refused at the concurrency limit; HTTP ones are `kvatlas_http_requests_total{status="429"}`) |
+//! | `kvatlas_requests_in_flight` | gauge | (gRPC requests and open streams, and HTTP requests but `/health`, `/ready`, `/metrics`) |
 //! | `kvatlas_auth_failures_total` | counter | (missing or unknown credentials) |
 //! | `kvatlas_http_requests_total` | counter | `route`, `status` |
 //! | `kvatlas_ready` | gauge | (1 once the startup gate is open) |

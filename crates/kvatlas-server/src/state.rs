@@ -205,13 +205,19 @@ impl State {
         self.next_stream.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Admits one request within the concurrency limit, or sheds it.
+    /// Admits one gRPC request within the concurrency limit, or sheds it (counted by `rpc`).
     pub(crate) fn admit(self: &Arc<Self>, rpc: Rpc) -> Result<Permit, ServiceError> {
+        self.admit_request()
+            .inspect_err(|_| self.metrics.shed(rpc))
+    }
+
+    /// Admits one request (gRPC or HTTP) within the concurrency limit, or refuses it with
+    /// RESOURCE_EXHAUSTED; the caller counts the refusal.
+    pub(crate) fn admit_request(self: &Arc<Self>) -> Result<Permit, ServiceError> {
         let in_flight = self.metrics.in_flight();
         let before = in_flight.fetch_add(1, Ordering::AcqRel);
         if before >= self.limits.max_concurrent_requests as u64 {
             in_flight.fetch_sub(1, Ordering::AcqRel);
-            self.metrics.shed(rpc);
             return Err(ServiceError::ResourceExhausted(format!(
                 "the server is at its limit of {} concurrent requests; retry with backoff",
                 self.limits.max_concurrent_requests

@@ -853,6 +853,16 @@ async fn requests_beyond_the_concurrency_limit_are_shed() {
         status.message().contains("limit of 1 concurrent"),
         "{status:?}"
     );
+    // The HTTP routes share the limit; liveness, readiness and metrics still answer.
+    let http = h.server.http_addr();
+    let query = r#"{"token_ids":[1,2,3,4],"model_name":"m"}"#;
+    let (code, text) = http_post_json(http, "/query", query);
+    assert_eq!(code, 429, "{text}");
+    assert!(text.contains("limit of 1 concurrent"), "{text}");
+    assert_eq!(http_get(http, "/workers", None).0, 429);
+    for open in ["/health", "/ready", "/metrics"] {
+        assert_eq!(http_get(http, open, None).0, 200, "{open}");
+    }
     drop(tx);
     assert!(stream.message().await.expect("ends cleanly").is_none());
     let mut client = h.client.clone();
@@ -872,6 +882,20 @@ async fn requests_beyond_the_concurrency_limit_are_shed() {
         Some(1.0),
         "{body}"
     );
+    for route in ["/query", "/workers"] {
+        assert_eq!(
+            metric(
+                &body,
+                &format!("kvatlas_http_requests_total{{route=\"{route}\",status=\"429\"}}")
+            ),
+            Some(1.0),
+            "{route}: {body}"
+        );
+    }
+    // Once the place is free, HTTP requests are served again (and give it back).
+    for _ in 0..3 {
+        assert_eq!(http_get(http, "/workers", None).0, 200);
+    }
     let _ = client.list_indexes(v1::ListIndexesRequest::default()).await;
 }
 
