@@ -62,7 +62,8 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({ "error": message.into() }))).into_response()
 }
 
-fn service_error(e: &ServiceError) -> Response {
+/// The JSON error body and status of a service error.
+pub(crate) fn service_error(e: &ServiceError) -> Response {
     error(
         StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
         e.to_string(),

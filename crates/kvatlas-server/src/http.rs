@@ -19,8 +19,8 @@ use crate::error::ServiceError;
 use crate::state::State;
 
 /// The HTTP routes. Every route but `/health`, `/ready` and `/metrics` (which must answer
-/// under overload) counts against `--max-concurrent-requests` with the gRPC requests, until its
-/// response body is sent: beyond it, 429.
+/// under overload) is authenticated first (`authenticate_and_admit`) and counts against
+/// `--max-concurrent-requests` with the gRPC requests, until its response body is sent.
 pub(crate) fn router(state: Arc<State>) -> Router {
     let limited = Router::new()
         .route("/snapshot", get(snapshot))
@@ -41,7 +41,7 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/peers", get(dynamo::peers))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
-            admit_within_limit,
+            authenticate_and_admit,
         ));
     Router::new()
         .route("/health", get(health))
@@ -66,25 +66,36 @@ const LIMITED_ROUTES: [&str; 10] = [
     "/peers",
 ];
 
-/// Admits a request within `--max-concurrent-requests` and holds its place until its response
-/// body is dropped (sent, or the client went away); beyond the limit, 429 with the reason,
-/// counted in `kvatlas_http_requests_total` under the route.
-async fn admit_within_limit(
+/// Authenticates a request before anything else looks at it (an unauthenticated caller gets
+/// 401, whatever its body: it learns nothing of what the server accepts), then admits it
+/// within `--max-concurrent-requests` and holds its place until its response body is dropped
+/// (sent, or the client went away); beyond the limit, 429 with the reason. Refusals are
+/// counted in `kvatlas_http_requests_total` under the route. Whether the caller may use the
+/// tenant it names is the route's to check.
+async fn authenticate_and_admit(
     AxumState(state): AxumState<Arc<State>>,
     request: Request,
     next: Next,
 ) -> Response {
+    let refuse = |error: ServiceError| {
+        if let Some(route) = LIMITED_ROUTES
+            .into_iter()
+            .find(|route| *route == request.uri().path())
+        {
+            state.metrics.http(route, error.http_status());
+        }
+        dynamo::service_error(&error)
+    };
+    let credentials = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok());
+    if let Err(error) = state.authenticate(credentials) {
+        return refuse(error);
+    }
     let permit = match state.admit_request() {
         Ok(permit) => permit,
-        Err(error) => {
-            if let Some(route) = LIMITED_ROUTES
-                .into_iter()
-                .find(|route| *route == request.uri().path())
-            {
-                state.metrics.http(route, error.http_status());
-            }
-            return error_response(&error);
-        }
+        Err(error) => return refuse(error),
     };
     next.run(request).await.map(|body| {
         Body::new(http_body_util::BodyExt::map_frame(body, move |frame| {

@@ -654,6 +654,22 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
 
     let http = h.server.http_addr();
     assert_eq!(http_get(http, "/metrics", None).0, 401);
+    // Without credentials, a request is refused before its body is looked at: 401, not what
+    // the body would have earned (400 for bad JSON or fields the server refuses).
+    for body in [
+        "not json",
+        r#"{"token_ids":[1],"model_name":"m","lora_id":7}"#,
+    ] {
+        let (status, text) = http_post_json(http, "/query", body);
+        assert_eq!(status, 401, "{body}: {text}");
+        assert!(text.contains("missing credentials"), "{text}");
+    }
+    let (status, _) = http_post_json(
+        http,
+        "/query_by_hash",
+        r#"{"block_hashes":[1],"model_name":"m","cache_salt":"s"}"#,
+    );
+    assert_eq!(status, 401);
     assert_eq!(
         http_get(http, "/metrics", Some("team-a-0123456789abcdef")).0,
         403
