@@ -475,6 +475,12 @@ pub(crate) async fn workers(
         .as_deref()
         .or(params.tenant_id.as_deref())
         .map(str::to_owned);
+    // A tenant the caller may not use is refused, not answered with an empty list.
+    if let Some(tenant) = &tenant
+        && let Err(e) = caller.check(tenant)
+    {
+        return service_error(&e);
+    }
     let entries: Vec<_> = state
         .registry
         .all()

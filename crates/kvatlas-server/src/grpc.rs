@@ -425,20 +425,35 @@ fn listed(caller: &Caller, model: &str, tenant: &str, key: &IndexKey) -> bool {
         && caller.may_use(&key.tenant)
 }
 
+/// PERMISSION_DENIED when a list or snapshot request names a tenant (empty = any) the caller
+/// may not use: an empty answer would read as "nothing there".
+fn check_named_tenant(caller: &Caller, tenant: &str) -> Result<(), ServiceError> {
+    if tenant.is_empty() {
+        Ok(())
+    } else {
+        caller.check(tenant)
+    }
+}
+
 impl IndexerService {
     /// The indexes a list request names (empty model or tenant = any) that the caller may see.
+    ///
+    /// # Errors
+    /// What [`check_named_tenant`] answers.
     fn listed_entries(
         &self,
         caller: &Caller,
         model: &str,
         tenant: &str,
-    ) -> Vec<Arc<crate::registry::IndexEntry>> {
-        self.state
+    ) -> Result<Vec<Arc<crate::registry::IndexEntry>>, ServiceError> {
+        check_named_tenant(caller, tenant)?;
+        Ok(self
+            .state
             .registry
             .all()
             .into_iter()
             .filter(|e| listed(caller, model, tenant, &e.key))
-            .collect()
+            .collect())
     }
 }
 
@@ -563,7 +578,7 @@ impl Indexer for IndexerService {
             let _permit = self.state.admit(Rpc::ListWorkers)?;
             let caller = caller_of(&request)?;
             let filter = request.into_inner();
-            let entries = self.listed_entries(&caller, &filter.model, &filter.tenant);
+            let entries = self.listed_entries(&caller, &filter.model, &filter.tenant)?;
             let workers = blocking(move || {
                 Ok(entries
                     .iter()
@@ -588,7 +603,7 @@ impl Indexer for IndexerService {
             let _permit = self.state.admit(Rpc::ListIndexes)?;
             let caller = caller_of(&request)?;
             let filter = request.into_inner();
-            let entries = self.listed_entries(&caller, &filter.model, &filter.tenant);
+            let entries = self.listed_entries(&caller, &filter.model, &filter.tenant)?;
             let indexes = blocking(move || {
                 Ok(entries
                     .iter()
@@ -646,9 +661,10 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = (|| {
             let permit = self.state.admit(Rpc::Snapshot).map_err(status)?;
-            let dump = self.state.admit_dump("Snapshot").map_err(status)?;
             let caller = caller_of(&request).map_err(status)?;
             let filter = request.into_inner();
+            check_named_tenant(&caller, &filter.tenant).map_err(status)?;
+            let dump = self.state.admit_dump("Snapshot").map_err(status)?;
             let chunks = crate::snapshot_stream::stream_filtered(
                 Arc::clone(&self.state.registry),
                 move |key| listed(&caller, &filter.model, &filter.tenant, key),

@@ -613,6 +613,30 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
         .map(|i| i.index.clone().unwrap_or_default().tenant)
         .collect();
     assert_eq!(tenants, ["a"], "only its tenants are listed");
+    // Naming a tenant it may not use is refused, not answered with nothing.
+    let other = |model: &str| v1::ListWorkersRequest {
+        model: model.into(),
+        tenant: "b".into(),
+    };
+    for status in [
+        team.raw().list_workers(other(MODEL)).await.expect_err("b"),
+        team.raw()
+            .list_indexes(v1::ListIndexesRequest {
+                model: String::new(),
+                tenant: "b".into(),
+            })
+            .await
+            .expect_err("b"),
+        team.raw()
+            .snapshot(v1::SnapshotRequest {
+                model: MODEL.into(),
+                tenant: "b".into(),
+            })
+            .await
+            .expect_err("b"),
+    ] {
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    }
     let everywhere = v1::UnregisterWorkerRequest {
         index: selector(MODEL, ""),
         instance_id: 1,
@@ -681,6 +705,24 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
         "{body}"
     );
     assert_eq!(http_get(http, "/health", None).0, 200);
+    assert_eq!(
+        http_get(
+            http,
+            "/workers?routing_group=b",
+            Some("team-a-0123456789abcdef")
+        )
+        .0,
+        403
+    );
+    assert_eq!(
+        http_get(
+            http,
+            "/workers?routing_group=a",
+            Some("team-a-0123456789abcdef")
+        )
+        .0,
+        200
+    );
     // The peer list is the whole server's: a tenant-limited token may not read or change it.
     assert_eq!(
         http_get(http, "/peers", Some("team-a-0123456789abcdef")).0,
