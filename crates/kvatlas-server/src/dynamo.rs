@@ -27,7 +27,7 @@
 //! - the dump of a rank lists its own engine hashes (1.6.1 lists the first writer's), one event
 //!   per run of blocks on each tier, parents first.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use axum::Json;
@@ -943,23 +943,43 @@ pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
                     None => roots.push(external),
                 }
             }
-            // Depth first from each root; a run continues while a block has one child.
+            // Depth first from each root; a run continues while a block has one child not yet
+            // written. Blocks no root reaches lie on a cycle of parent links (an engine can
+            // report one) or below one: once the roots are done, the first of them not
+            // written starts a run of its own, with its recorded parent, and so on until every
+            // held block is written once.
+            let mut written: BTreeSet<ExternalBlockHash> = BTreeSet::new();
+            let mut unreached = held.keys();
             let mut stack: Vec<(ExternalBlockHash, Option<ExternalBlockHash>)> = roots
                 .iter()
                 .rev()
                 .map(|&r| (r, held.get(&r).and_then(|h| h.1)))
                 .collect();
-            while let Some((start, parent)) = stack.pop() {
+            while let Some((start, parent)) = stack.pop().or_else(|| {
+                unreached
+                    .by_ref()
+                    .find(|h| !written.contains(*h))
+                    .map(|&h| (h, held.get(&h).and_then(|b| b.1)))
+            }) {
+                if !written.insert(start) {
+                    continue;
+                }
                 let mut run = vec![start];
                 let mut at = start;
                 loop {
                     match children.get(&at).map(Vec::as_slice) {
-                        Some([only]) => {
+                        Some([only]) if !written.contains(only) => {
+                            written.insert(*only);
                             run.push(*only);
                             at = *only;
                         }
                         Some(many) => {
-                            stack.extend(many.iter().rev().map(|&c| (c, Some(at))));
+                            stack.extend(
+                                many.iter()
+                                    .rev()
+                                    .filter(|c| !written.contains(*c))
+                                    .map(|&c| (c, Some(at))),
+                            );
                             break;
                         }
                         None => break,
@@ -1174,25 +1194,45 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
     Ok(out)
 }
 
-/// Applies a parsed dump: creates each index (with the dump's block size) and applies its
-/// events in order through its writers.
+/// Applies a parsed dump whole or not at all: each index's events are applied in order to an
+/// index of its own, and the results are restored together (`Registry::restore_images`: a key
+/// twice, a block size that contradicts the server's index, the index limit are refused before
+/// anything changes; a restored index's contents are replaced). Returns the events applied.
 ///
 /// # Errors
-/// A block size the index cannot take, or a mismatch with an existing index.
+/// A block size the index cannot take; an index holding more (rank, block) pairs than
+/// `--capacity`; what `Registry::restore_images` refuses.
 pub(crate) fn apply_dump(registry: &Registry, dump: DumpImport) -> Result<u64, ServiceError> {
+    let capacity = registry.read_limits().capacity;
     let mut applied = 0u64;
+    let mut images = Vec::with_capacity(dump.len());
     for (key, block_size, mutations) in dump {
-        let size = block_size_field(block_size, "the dump's block_size")?;
-        let (entry, _) = registry.index_for(&key, Some(size))?;
-        for mutation in mutations {
-            entry
-                .pool
-                .enqueue(mutation)
-                .map_err(|_| ServiceError::Internal("the index writers stopped".into()))?;
-            applied += 1;
+        let block_size = block_size_field(block_size, "the dump's block_size")?;
+        let mut index = kvatlas_index::Atlas::new();
+        for mutation in &mutations {
+            kvatlas_index::KvIndex::apply(&mut index, mutation);
         }
-        entry.pool.flush();
+        applied += mutations.len() as u64;
+        let snapshot = kvatlas_index::KvIndex::snapshot(&index);
+        if let Some(capacity) = capacity
+            && snapshot.blocks() as u64 > capacity
+        {
+            return Err(ServiceError::FailedPrecondition(format!(
+                "the dump's index for {key} holds {} (rank, block) pairs, more than this \
+                 server's --capacity of {capacity}",
+                snapshot.blocks()
+            )));
+        }
+        images.push(IndexImage {
+            key,
+            block_size,
+            capacity: None,
+            feeds: Vec::new(),
+            marks: BTreeMap::new(),
+            snapshot,
+        });
     }
+    registry.restore_images(&images, None)?;
     Ok(applied)
 }
 
@@ -1418,6 +1458,11 @@ mod tests {
                         block(12, Some(11), 3),
                         block(13, Some(11), 1),
                         block(20, Some(99), 1),
+                        // A cycle of parent links, with a block below it: no root reaches them.
+                        block(40, Some(42), 1),
+                        block(41, Some(40), 1),
+                        block(42, Some(41), 1),
+                        block(43, Some(41), 1),
                     ],
                 },
                 WorkerSnapshot {
@@ -1444,6 +1489,46 @@ mod tests {
             rebuilt.apply(m);
         }
         assert_eq!(rebuilt.snapshot(), snapshot);
+        // Through a server's registry.
+        let registry = Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits::default(),
+        );
+        apply_dump(&registry, parsed).expect("applied");
+        let restored = registry
+            .get(&IndexKey::new("llama3:8b", "g"))
+            .expect("the index");
+        assert_eq!(restored.image().snapshot, snapshot);
+    }
+
+    /// A dump is applied whole or not at all: one index whose block size contradicts the
+    /// server's, or one index named twice, and nothing of the dump is applied.
+    #[test]
+    fn a_dump_is_applied_whole_or_not_at_all() {
+        let registry = Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits::default(),
+        );
+        let stored = r#"{"worker_id": 1, "event": {"data": {"stored": {"parent_hash": null,
+            "blocks": [{"block_hash": 5, "tokens_hash": 50}]}}}}"#;
+        let existing = format!(r#"{{"m:g": {{"block_size": 32, "events": [{stored}]}}}}"#);
+        apply_dump(&registry, parse_dump(existing.as_bytes()).expect("parses")).expect("applied");
+        let before = registry.all().len();
+        let contradicting = format!(
+            r#"{{"a:g": {{"block_size": 16, "events": [{stored}]}},
+                "m:g": {{"block_size": 16, "events": [{stored}]}}}}"#
+        );
+        let twice = format!(
+            r#"{{"b:g": {{"block_size": 16, "events": [{stored}]}},
+                "x": {{"block_size": 16, "model": "b", "tenant": "g", "events": []}}}}"#
+        );
+        for body in [contradicting, twice] {
+            let parsed = parse_dump(body.as_bytes()).expect("parses");
+            assert!(apply_dump(&registry, parsed).is_err(), "{body}");
+            assert_eq!(registry.all().len(), before, "no index created: {body}");
+        }
+        let kept = registry.get(&IndexKey::new("m", "g")).expect("m");
+        assert_eq!(kept.image().snapshot.blocks(), 1);
     }
 
     #[test]
