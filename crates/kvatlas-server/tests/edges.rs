@@ -675,6 +675,33 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
         .expect("list")
         .into_inner();
     assert!(left.workers.iter().all(|w| w.instance_id != 1), "{left:?}");
+    // Dynamo's /unregister without a routing group means every group: with a limited token,
+    // every group it may use, and no other.
+    admin
+        .raw()
+        .publish_events(tokio_stream::iter([store("a"), store("b")]))
+        .await
+        .expect("fed again");
+    let (status, text) = http_post_json_as(
+        h.server.http_addr(),
+        "/unregister",
+        &format!(r#"{{"instance_id":1,"model_name":"{MODEL}"}}"#),
+        Some("team-a-0123456789abcdef"),
+    );
+    assert_eq!(status, 200, "{text}");
+    let left = admin
+        .raw()
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    let tenants: Vec<_> = left
+        .workers
+        .iter()
+        .filter(|w| w.instance_id == 1)
+        .map(|w| w.index.clone().unwrap_or_default().tenant)
+        .collect();
+    assert_eq!(tenants, ["b"], "{left:?}");
 
     let http = h.server.http_addr();
     assert_eq!(http_get(http, "/metrics", None).0, 401);

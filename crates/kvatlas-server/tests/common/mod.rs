@@ -441,12 +441,23 @@ pub fn http_get_bytes(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16
 
 /// `POST path` with a JSON body over HTTP/1.1; returns (status, body).
 pub fn http_post_json(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+    http_post_json_as(addr, path, body, None)
+}
+
+/// [`http_post_json`] with a bearer token.
+pub fn http_post_json_as(
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+    token: Option<&str>,
+) -> (u16, String) {
     let mut stream = std::net::TcpStream::connect(addr).expect("connect HTTP");
     stream.set_read_timeout(Some(WAIT)).expect("read timeout");
+    let auth = token.map_or_else(String::new, |t| format!("authorization: Bearer {t}\r\n"));
     write!(
         stream,
         "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+         {auth}content-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     )
     .expect("send");
