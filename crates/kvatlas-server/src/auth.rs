@@ -1,13 +1,15 @@
 //! Bearer-token authentication and per-tenant authorization.
 //!
 //! The token file has one token per line, optionally followed by `tenants=a,b` (the token may
-//! only use those tenants; without it, every tenant) and `name=LABEL` (how logs name the
-//! caller); `#` starts a comment:
+//! only use those tenants; without it, every tenant), `name=LABEL` (how logs name the caller)
+//! and `max_requests=N` (the most requests and open streams the token holds at once, of the
+//! server's `--max-concurrent-requests`; without it, `--max-requests-per-token` if set);
+//! `#` starts a comment:
 //!
 //! ```text
 //! # kvatlas tokens
 //! 7f3c9a51e2d84b06a1c5f0e9d2b47a38                       name=router
-//! 0c8e41f7a29b5d36e4a1f8c07b92d5e3 tenants=team-a,team-b  name=team-a-router
+//! 0c8e41f7a29b5d36e4a1f8c07b92d5e3 tenants=team-a,team-b  name=team-a-router max_requests=64
 //! ```
 //!
 //! Tokens are compared in constant time: the SHA-256 of the presented token against the SHA-256
@@ -22,6 +24,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ring::digest::{SHA256, digest};
 use subtle::ConstantTimeEq;
@@ -67,6 +70,45 @@ pub enum TokenFileError {
     },
 }
 
+/// One token's share of the server's concurrency: at most `limit` requests (and open streams)
+/// in flight at once, so one client cannot hold every place of `--max-concurrent-requests`.
+#[derive(Debug)]
+pub struct RequestQuota {
+    limit: usize,
+    /// Requests of the token in flight. Invariant: at most `limit` once `take` returned.
+    in_flight: AtomicUsize,
+}
+
+impl RequestQuota {
+    /// A quota of `limit` requests at once.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            in_flight: AtomicUsize::new(0),
+        }
+    }
+
+    /// The most requests at once.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Takes a place; `false` (nothing taken) when all `limit` are held.
+    pub(crate) fn take(&self) -> bool {
+        let before = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        if before >= self.limit {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    /// Gives back a place [`RequestQuota::take`] took.
+    pub(crate) fn give_back(&self) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Who is calling, as far as authorization is concerned.
 #[derive(Debug, Clone)]
 pub struct Caller {
@@ -74,6 +116,9 @@ pub struct Caller {
     pub name: Arc<str>,
     /// The tenants it may use (`None` = every tenant).
     pub tenants: Option<Arc<BTreeSet<String>>>,
+    /// Its share of the server's concurrency (`None` = only the server's limit), shared by
+    /// every request that presents the same token.
+    pub quota: Option<Arc<RequestQuota>>,
 }
 
 impl Caller {
@@ -82,6 +127,7 @@ impl Caller {
         Self {
             name: Arc::from("anonymous"),
             tenants: None,
+            quota: None,
         }
     }
 
@@ -170,6 +216,7 @@ impl Tokens {
             let mut caller = Caller {
                 name: Arc::from(format!("line {}", number + 1)),
                 tenants: None,
+                quota: None,
             };
             for word in words {
                 match word.split_once('=') {
@@ -186,9 +233,20 @@ impl Tokens {
                         caller.tenants = Some(Arc::new(tenants));
                     }
                     Some(("name", label)) if !label.is_empty() => caller.name = Arc::from(label),
+                    Some(("max_requests", limit)) => match limit.parse::<usize>() {
+                        Ok(limit) if limit > 0 => {
+                            caller.quota = Some(Arc::new(RequestQuota::new(limit)));
+                        }
+                        _ => {
+                            return Err(bad(format!(
+                                "max_requests={limit} is not a number of requests of at least 1"
+                            )));
+                        }
+                    },
                     _ => {
                         return Err(bad(format!(
-                            "unknown field {word:?} (expected tenants=A,B or name=LABEL)"
+                            "unknown field {word:?} (expected tenants=A,B, name=LABEL or \
+                             max_requests=N)"
                         )));
                     }
                 }
@@ -204,6 +262,21 @@ impl Tokens {
             });
         }
         Ok(Self { tokens })
+    }
+
+    /// Gives every token without `max_requests=` a quota of `limit` requests at once (each
+    /// token its own).
+    #[must_use]
+    pub fn with_default_quota(mut self, limit: Option<usize>) -> Self {
+        if let Some(limit) = limit {
+            for token in &mut self.tokens {
+                token
+                    .caller
+                    .quota
+                    .get_or_insert_with(|| Arc::new(RequestQuota::new(limit)));
+            }
+        }
+        self
     }
 
     /// The caller a bearer token authenticates, comparing against every token in constant time.
@@ -271,6 +344,45 @@ mod tests {
         assert!(tokens.authenticate("").is_none());
     }
 
+    /// `max_requests=` gives a token its own quota; the server-wide default fills in only the
+    /// tokens without one, each with a quota of its own; a quota's places are taken and given
+    /// back.
+    #[test]
+    fn quotas_come_from_the_line_or_the_default() {
+        let text =
+            "0123456789abcdef-one max_requests=1\n0123456789abcdef-two\n0123456789abcdef-three\n";
+        let bare = Tokens::parse(text, "t").expect("parses");
+        assert!(
+            bare.authenticate("0123456789abcdef-two")
+                .expect("two")
+                .quota
+                .is_none()
+        );
+        let tokens = Tokens::parse(text, "t")
+            .expect("parses")
+            .with_default_quota(Some(5));
+        let quota = |token: &str| {
+            tokens
+                .authenticate(token)
+                .and_then(|caller| caller.quota)
+                .expect("a quota")
+        };
+        assert_eq!(quota("0123456789abcdef-one").limit(), 1);
+        assert_eq!(quota("0123456789abcdef-two").limit(), 5);
+        assert!(!Arc::ptr_eq(
+            &quota("0123456789abcdef-two"),
+            &quota("0123456789abcdef-three")
+        ));
+        let one = quota("0123456789abcdef-one");
+        assert!(one.take());
+        assert!(
+            !quota("0123456789abcdef-one").take(),
+            "shared by the token's requests"
+        );
+        one.give_back();
+        assert!(one.take());
+    }
+
     #[test]
     fn headers_must_be_bearer_tokens() {
         let tokens = Tokens::parse(FILE, "tokens").expect("parses");
@@ -297,6 +409,8 @@ mod tests {
             ("short", "at least 16"),
             ("0123456789abcdef tenants=", "no tenant"),
             ("0123456789abcdef role=admin", "unknown field"),
+            ("0123456789abcdef max_requests=0", "at least 1"),
+            ("0123456789abcdef max_requests=many", "at least 1"),
             ("# nothing\n", "holds no token"),
         ] {
             let error = Tokens::parse(text, "f").expect_err(text).to_string();

@@ -218,6 +218,10 @@ pub struct ServeArgs {
     /// RESOURCE_EXHAUSTED [default: 1024].
     #[arg(long, env = "KVATLAS_MAX_CONCURRENT_REQUESTS")]
     pub max_concurrent_requests: Option<usize>,
+    /// With --auth-tokens: most requests and open streams one token holds at once, for tokens
+    /// whose line sets no `max_requests=` [default: no bound but the server's].
+    #[arg(long, env = "KVATLAS_MAX_REQUESTS_PER_TOKEN")]
+    pub max_requests_per_token: Option<usize>,
     /// Most indexes [default: 1024].
     #[arg(long, env = "KVATLAS_MAX_INDEXES")]
     pub max_indexes: Option<usize>,
@@ -324,6 +328,7 @@ struct ServeFile {
     max_query_tokens: Option<usize>,
     max_message_bytes: Option<usize>,
     max_concurrent_requests: Option<usize>,
+    max_requests_per_token: Option<usize>,
     max_indexes: Option<usize>,
     max_registered_ranks: Option<usize>,
     stall_timeout_secs: Option<u64>,
@@ -442,6 +447,10 @@ impl ServeArgs {
                     .max_concurrent_requests
                     .or(file.max_concurrent_requests)
                     .unwrap_or(limits.max_concurrent_requests),
+                max_requests_per_token: self
+                    .max_requests_per_token
+                    .or(file.max_requests_per_token)
+                    .or(limits.max_requests_per_token),
                 max_indexes: self
                     .max_indexes
                     .or(file.max_indexes)

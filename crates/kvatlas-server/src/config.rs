@@ -48,6 +48,9 @@ pub struct Limits {
     /// Most requests (unary calls and open streams) served at once; beyond it requests are shed
     /// with RESOURCE_EXHAUSTED.
     pub max_concurrent_requests: usize,
+    /// Most requests and open streams one bearer token holds at once, for tokens whose line
+    /// in the token file sets no `max_requests=` (`None` = only `max_concurrent_requests`).
+    pub max_requests_per_token: Option<usize>,
     /// Most indexes (model, tenant pairs).
     pub max_indexes: usize,
     /// Most registered worker ranks over all indexes (each ZMQ listener is a thread).
@@ -64,6 +67,7 @@ impl Default for Limits {
             max_query_tokens: 1 << 20,
             max_message_bytes: 16 << 20,
             max_concurrent_requests: 1024,
+            max_requests_per_token: None,
             max_indexes: 1024,
             max_registered_ranks: 4096,
             stall_timeout: std::time::Duration::from_secs(30),
@@ -271,6 +275,11 @@ impl ServerConfig {
             self.limits.max_concurrent_requests,
             "max concurrent requests",
         )?;
+        if self.limits.max_requests_per_token == Some(0) {
+            return Err(ConfigError::Invalid(
+                "max requests per token must be at least 1 (leave it unset for no bound)".into(),
+            ));
+        }
         positive(self.limits.max_indexes, "max indexes")?;
         positive(self.limits.max_registered_ranks, "max registered ranks")?;
         if self.limits.stall_timeout.is_zero() {

@@ -465,8 +465,8 @@ impl Indexer for IndexerService {
     ) -> Result<Response<v1::QueryResponse>, Status> {
         let started = Instant::now();
         let result = (|| {
-            let _permit = self.state.admit(Rpc::Query).map_err(status)?;
             let caller = caller_of(&request).map_err(status)?;
+            let _permit = self.state.admit(Rpc::Query, &caller).map_err(status)?;
             self.answer(&caller, request.get_ref())
                 .map(Response::new)
                 .map_err(status)
@@ -482,8 +482,11 @@ impl Indexer for IndexerService {
     ) -> Result<Response<Self::QueryStreamStream>, Status> {
         let started = Instant::now();
         let result = (|| {
-            let permit = self.state.admit(Rpc::QueryStream).map_err(status)?;
             let caller = caller_of(&request).map_err(status)?;
+            let permit = self
+                .state
+                .admit(Rpc::QueryStream, &caller)
+                .map_err(status)?;
             Ok(Response::new(QueryAnswers {
                 service: self.clone(),
                 caller,
@@ -505,8 +508,8 @@ impl Indexer for IndexerService {
     ) -> Result<Response<v1::RegisterWorkerResponse>, Status> {
         let started = Instant::now();
         let result = async {
-            let _permit = self.state.admit(Rpc::RegisterWorker)?;
             let caller = caller_of(&request)?;
+            let _permit = self.state.admit(Rpc::RegisterWorker, &caller)?;
             let registration = registration_of(request.get_ref())?;
             caller.check(&registration.index.tenant)?;
             check_remote_bind(&caller, &registration)?;
@@ -531,8 +534,8 @@ impl Indexer for IndexerService {
     ) -> Result<Response<v1::UnregisterWorkerResponse>, Status> {
         let started = Instant::now();
         let result = async {
-            let _permit = self.state.admit(Rpc::UnregisterWorker)?;
             let caller = caller_of(&request)?;
+            let _permit = self.state.admit(Rpc::UnregisterWorker, &caller)?;
             let message = request.get_ref();
             let key = key_of(message.index.as_ref())?;
             let tenant = if message.all_tenants {
@@ -575,8 +578,8 @@ impl Indexer for IndexerService {
     ) -> Result<Response<v1::ListWorkersResponse>, Status> {
         let started = Instant::now();
         let result = async {
-            let _permit = self.state.admit(Rpc::ListWorkers)?;
             let caller = caller_of(&request)?;
+            let _permit = self.state.admit(Rpc::ListWorkers, &caller)?;
             let filter = request.into_inner();
             let entries = self.listed_entries(&caller, &filter.model, &filter.tenant)?;
             let workers = blocking(move || {
@@ -600,8 +603,8 @@ impl Indexer for IndexerService {
     ) -> Result<Response<v1::ListIndexesResponse>, Status> {
         let started = Instant::now();
         let result = async {
-            let _permit = self.state.admit(Rpc::ListIndexes)?;
             let caller = caller_of(&request)?;
+            let _permit = self.state.admit(Rpc::ListIndexes, &caller)?;
             let filter = request.into_inner();
             let entries = self.listed_entries(&caller, &filter.model, &filter.tenant)?;
             let indexes = blocking(move || {
@@ -660,8 +663,8 @@ impl Indexer for IndexerService {
     ) -> Result<Response<Self::SnapshotStream>, Status> {
         let started = Instant::now();
         let result = (|| {
-            let permit = self.state.admit(Rpc::Snapshot).map_err(status)?;
             let caller = caller_of(&request).map_err(status)?;
+            let permit = self.state.admit(Rpc::Snapshot, &caller).map_err(status)?;
             let filter = request.into_inner();
             check_named_tenant(&caller, &filter.tenant).map_err(status)?;
             let dump = self.state.admit_dump("Snapshot").map_err(status)?;
@@ -715,8 +718,11 @@ impl IndexerService {
         &self,
         request: Request<Streaming<v1::PublishEventsRequest>>,
     ) -> Result<Response<v1::PublishEventsResponse>, Status> {
-        let _permit = self.state.admit(Rpc::PublishEvents).map_err(status)?;
         let caller = caller_of(&request).map_err(status)?;
+        let _permit = self
+            .state
+            .admit(Rpc::PublishEvents, &caller)
+            .map_err(status)?;
         let mut inbound = request.into_inner();
         let mut publisher = Publisher::new(
             self.state.next_stream_id(),

@@ -10,8 +10,8 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State as AxumState};
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::{IntoResponse, Response};
 use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
 use crate::dynamo;
@@ -90,10 +90,11 @@ async fn authenticate_and_admit(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok());
-    if let Err(error) = state.authenticate(credentials) {
-        return refuse(error);
-    }
-    let permit = match state.admit_request() {
+    let caller = match state.authenticate(credentials) {
+        Ok(caller) => caller,
+        Err(error) => return refuse(error),
+    };
+    let permit = match state.admit_request(&caller) {
         Ok(permit) => permit,
         Err(error) => return refuse(error),
     };

@@ -290,8 +290,8 @@ impl PodScoresService {
         &self,
         request: Request<GetPodScoresRequest>,
     ) -> Result<GetPodScoresResponse, ServiceError> {
-        let _permit = self.state.admit(Rpc::GetPodScores)?;
         let caller = caller_of(&request)?;
+        let _permit = self.state.admit(Rpc::GetPodScores, &caller)?;
         caller.check(DEFAULT_TENANT)?;
         self.state.check_ready()?;
         let GetPodScoresRequest {

@@ -194,7 +194,10 @@ impl RunningServer {
         let tokens = config
             .auth_tokens
             .as_deref()
-            .map(Tokens::from_file)
+            .map(|path| {
+                Tokens::from_file(path)
+                    .map(|tokens| tokens.with_default_quota(config.limits.max_requests_per_token))
+            })
             .transpose()?;
         let tls = config
             .tls

@@ -135,11 +135,7 @@ impl Stream for SnapshotStream {
 }
 
 /// The snapshot of every index, as a stream of chunks; `dump` is held until the writing ends.
-pub(crate) fn stream(
-    registry: Arc<Registry>,
-    dump: DumpPermit,
-    stall: Duration,
-) -> SnapshotStream {
+pub(crate) fn stream(registry: Arc<Registry>, dump: DumpPermit, stall: Duration) -> SnapshotStream {
     stream_filtered(registry, |_| true, dump, stall)
 }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::{Caller, Tokens};
+use crate::auth::{Caller, RequestQuota, Tokens};
 use crate::config::Limits;
 use crate::error::ServiceError;
 use crate::metrics::{Metrics, Rpc};
@@ -205,15 +205,38 @@ impl State {
         self.next_stream.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Admits one gRPC request within the concurrency limit, or sheds it (counted by `rpc`).
-    pub(crate) fn admit(self: &Arc<Self>, rpc: Rpc) -> Result<Permit, ServiceError> {
-        self.admit_request()
+    /// Admits one gRPC request of `caller` within the limits, or sheds it (counted by `rpc`).
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        rpc: Rpc,
+        caller: &Caller,
+    ) -> Result<Permit, ServiceError> {
+        self.admit_request(caller)
             .inspect_err(|_| self.metrics.shed(rpc))
     }
 
-    /// Admits one request (gRPC or HTTP) within the concurrency limit, or refuses it with
-    /// RESOURCE_EXHAUSTED; the caller counts the refusal.
-    pub(crate) fn admit_request(self: &Arc<Self>) -> Result<Permit, ServiceError> {
+    /// Admits one request (gRPC or HTTP) of `caller` within the server's concurrency limit and
+    /// the caller's token quota, or refuses it with RESOURCE_EXHAUSTED; the caller counts the
+    /// refusal.
+    pub(crate) fn admit_request(self: &Arc<Self>, caller: &Caller) -> Result<Permit, ServiceError> {
+        let quota = match &caller.quota {
+            Some(quota) if !quota.take() => {
+                return Err(ServiceError::ResourceExhausted(format!(
+                    "the token {:?} holds its limit of {} concurrent requests and open \
+                     streams (max_requests in the token file, or --max-requests-per-token); \
+                     retry with backoff",
+                    caller.name,
+                    quota.limit()
+                )));
+            }
+            quota => quota.clone(),
+        };
+        // From here the quota's place is held by the permit (and given back with it).
+        let mut permit = Permit {
+            state: Arc::clone(self),
+            quota,
+            counted: false,
+        };
         let in_flight = self.metrics.in_flight();
         let before = in_flight.fetch_add(1, Ordering::AcqRel);
         if before >= self.limits.max_concurrent_requests as u64 {
@@ -223,9 +246,8 @@ impl State {
                 self.limits.max_concurrent_requests
             )));
         }
-        Ok(Permit {
-            state: Arc::clone(self),
-        })
+        permit.counted = true;
+        Ok(permit)
     }
 }
 
@@ -241,18 +263,27 @@ impl Drop for DumpPermit {
     }
 }
 
-/// One admitted request; dropping it frees its place.
+/// One admitted request; dropping it frees its place and its token's.
 #[derive(Debug)]
 pub(crate) struct Permit {
     state: Arc<State>,
+    /// The token's quota whose place this holds.
+    quota: Option<Arc<RequestQuota>>,
+    /// Whether it holds a place among the server's requests in flight.
+    counted: bool,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.state
-            .metrics
-            .in_flight()
-            .fetch_sub(1, Ordering::AcqRel);
+        if self.counted {
+            self.state
+                .metrics
+                .in_flight()
+                .fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some(quota) = &self.quota {
+            quota.give_back();
+        }
     }
 }
 

@@ -984,6 +984,98 @@ async fn requests_beyond_the_concurrency_limit_are_shed() {
     let _ = client.list_indexes(v1::ListIndexesRequest::default()).await;
 }
 
+/// A token's share of the concurrency: a token with `max_requests=1` that holds an open stream
+/// is refused its next request (gRPC and HTTP), while another token is served; tokens without
+/// a line of their own get `--max-requests-per-token` each; a freed place is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_holds_at_most_its_share_of_the_requests() {
+    let dir = temp_dir("quota");
+    let tokens = dir.join("tokens");
+    std::fs::write(
+        &tokens,
+        "router-0123456789abcdef name=router max_requests=1
+         team-a-0123456789abcdef name=team-a tenants=a
+         team-b-0123456789abcdef name=team-b tenants=b
+",
+    )
+    .expect("write tokens");
+    let h = start(ServerConfig {
+        auth_tokens: Some(tokens),
+        limits: Limits {
+            max_requests_per_token: Some(2),
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    let http = h.server.http_addr();
+    let list = v1::ListIndexesRequest::default;
+    async fn open_stream(
+        client: &mut Client,
+    ) -> (
+        tokio::sync::mpsc::Sender<v1::QueryRequest>,
+        tonic::Streaming<v1::QueryStreamResponse>,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::channel::<v1::QueryRequest>(1);
+        let stream = client
+            .raw()
+            .query_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("stream opens")
+            .into_inner();
+        (tx, stream)
+    }
+
+    let mut router = authed(&h.url, Some("router-0123456789abcdef")).await;
+    let held = open_stream(&mut router).await;
+    let status = router
+        .raw()
+        .list_indexes(list())
+        .await
+        .expect_err("its share is held");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(
+        status.message().contains("\"router\" holds its limit of 1"),
+        "{status:?}"
+    );
+    let (code, text) = http_get(http, "/workers", Some("router-0123456789abcdef"));
+    assert_eq!(code, 429, "{text}");
+    // Other tokens are served: team-a has two places of its own (the server-wide default).
+    let mut team_a = authed(&h.url, Some("team-a-0123456789abcdef")).await;
+    let second = open_stream(&mut team_a).await;
+    team_a
+        .raw()
+        .list_indexes(list())
+        .await
+        .expect("its second place");
+    let third = open_stream(&mut team_a).await;
+    let status = team_a
+        .raw()
+        .list_indexes(list())
+        .await
+        .expect_err("two held");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    let mut team_b = authed(&h.url, Some("team-b-0123456789abcdef")).await;
+    team_b
+        .raw()
+        .list_indexes(list())
+        .await
+        .expect("team-b has its own two");
+
+    // Closing the router's stream gives its place back.
+    let (tx, mut stream) = held;
+    drop(tx);
+    assert!(stream.message().await.expect("ends cleanly").is_none());
+    let router_raw = router.raw().clone();
+    wait_until("the router's place to be free", || {
+        let mut raw = router_raw.clone();
+        async move { raw.list_indexes(list()).await.is_ok() }
+    })
+    .await;
+    drop((second, third));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_tell_what_happened() {
     let mut h = start(ServerConfig::default()).await;
