@@ -99,11 +99,39 @@ async fn authenticate_and_admit(
         Err(error) => return refuse(error),
     };
     next.run(request).await.map(|body| {
-        Body::new(http_body_util::BodyExt::map_frame(body, move |frame| {
-            let _held = &permit;
-            frame
-        }))
+        Body::new(HeldBody {
+            body,
+            _permit: permit,
+        })
     })
+}
+
+/// A response body that holds its request's place until it is dropped. It reports the inner
+/// body's size, so a response of known length keeps its `content-length` (a wrapper that
+/// hid it would turn every answer into a chunked one).
+struct HeldBody {
+    body: Body,
+    _permit: crate::state::Permit,
+}
+
+impl axum::body::HttpBody for HeldBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// A plain-text error response.

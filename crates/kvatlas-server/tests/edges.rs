@@ -977,9 +977,25 @@ async fn requests_beyond_the_concurrency_limit_are_shed() {
             "{route}: {body}"
         );
     }
-    // Once the place is free, HTTP requests are served again (and give it back).
+    // Once the place is free, HTTP requests are served again (and give it back), and an answer
+    // of known length keeps its content-length (holding the place does not make it chunked).
     for _ in 0..3 {
-        assert_eq!(http_get(http, "/workers", None).0, 200);
+        let mut stream = std::net::TcpStream::connect(http).expect("connect");
+        std::io::Write::write_fmt(
+            &mut stream,
+            format_args!("GET /workers HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n"),
+        )
+        .expect("send");
+        let mut response = String::new();
+        std::io::Read::read_to_string(&mut stream, &mut response).expect("read");
+        let head = response
+            .split("\r\n\r\n")
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("content-length:"), "{head}");
+        assert!(!head.contains("chunked"), "{head}");
     }
     let _ = client.list_indexes(v1::ListIndexesRequest::default()).await;
 }
