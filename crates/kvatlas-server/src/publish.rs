@@ -191,15 +191,7 @@ impl Publisher {
                     dp_rank = worker.dp_rank,
                     "worker rank fed over PublishEvents"
                 );
-                // A rank whose state the index holds with a checkpoint (restored from a
-                // snapshot whose feed could not be registered again: the rank limit) continues
-                // from it: a batch the client sends again is a duplicate, not applied twice.
-                // Unregistering a rank forgets its checkpoint, so a new source starts fresh.
-                let last_seq = entry.index().mark(worker).map(|mark| mark.position);
-                vacant.insert(Feed::Grpc(GrpcFeed {
-                    last_seq,
-                    ..GrpcFeed::default()
-                }))
+                vacant.insert(Feed::Grpc(GrpcFeed::default()))
             }
             Entry::Occupied(occupied) => occupied.into_mut(),
         };
@@ -496,70 +488,6 @@ mod tests {
         assert_eq!(feed.counters.restarts, 1);
         assert_eq!(sequence(&mut feed, Some(1)), InOrder);
         assert_eq!(feed.last_seq, Some(1));
-    }
-
-    /// A rank restored from a snapshot without its feed (the registered-rank limit was
-    /// reached) keeps its checkpoint: once a place is free, a stream that feeds it again has a
-    /// batch at or below the checkpoint dropped as a duplicate, and the next one applied.
-    #[test]
-    fn a_rank_restored_without_its_feed_continues_from_its_checkpoint() {
-        use std::collections::BTreeMap;
-
-        use crate::snapshot::{IndexImage, RecordedFeed, SourceMark};
-
-        let limits = crate::config::Limits {
-            max_registered_ranks: 1,
-            ..crate::config::Limits::default()
-        };
-        let registry = Arc::new(Registry::new(
-            crate::config::IndexSettings::default(),
-            limits,
-        ));
-        let (first, second) = (Worker::new(1, 0), Worker::new(2, 0));
-        let mark = |position| SourceMark {
-            position,
-            recent: Vec::new(),
-        };
-        let image = IndexImage {
-            key: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
-            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
-            capacity: None,
-            feeds: vec![
-                RecordedFeed::Grpc { worker: first },
-                RecordedFeed::Grpc { worker: second },
-            ],
-            marks: BTreeMap::from([(first, mark(5)), (second, mark(7))]),
-            snapshot: kvatlas_index::Snapshot::default(),
-        };
-        registry
-            .restore_images(&[image], Some(&[]))
-            .expect("restored");
-        assert_eq!(registry.registered_ranks(), 1, "one rank fits the limit");
-        registry
-            .unregister("m", None, 1, None, |_| true)
-            .expect("unregistered");
-
-        let mut publisher = Publisher::new(1, Arc::clone(&registry));
-        let message = |seq| v1::PublishEventsRequest {
-            index: Some(v1::IndexSelector {
-                model: "m".into(),
-                tenant: String::new(),
-            }),
-            instance_id: 2,
-            seq: Some(seq),
-            block_size: 16,
-            ..v1::PublishEventsRequest::default()
-        };
-        let again = publisher.prepare(&message(7)).expect("prepared");
-        assert_eq!(
-            publisher.admit(&again).expect("admitted"),
-            Admission::Duplicate
-        );
-        let next = publisher.prepare(&message(8)).expect("prepared");
-        assert_eq!(
-            publisher.admit(&next).expect("admitted"),
-            Admission::Apply { resync: false }
-        );
     }
 
     /// A long-lived stream that feeds instance after instance, each unregistered in turn,
