@@ -475,8 +475,9 @@ pub(crate) async fn workers(
         .as_deref()
         .or(params.tenant_id.as_deref())
         .map(str::to_owned);
-    // A tenant the caller may not use is refused, not answered with an empty list.
-    if let Some(tenant) = &tenant
+    // A tenant the caller may not use is refused, not answered with an empty list (an empty
+    // group names no tenant: it lists nothing, as before).
+    if let Some(tenant) = tenant.as_deref().filter(|t| !t.is_empty())
         && let Err(e) = caller.check(tenant)
     {
         return service_error(&e);
