@@ -141,6 +141,19 @@ impl Caller {
         self.tenants.is_none()
     }
 
+    /// For a request that filters by tenant (empty = every tenant it may use): PERMISSION_DENIED
+    /// when it names one it may not use, which an empty answer would hide.
+    ///
+    /// # Errors
+    /// What [`Caller::check`] answers for a named tenant.
+    pub fn check_named(&self, tenant: &str) -> Result<(), ServiceError> {
+        if tenant.is_empty() {
+            Ok(())
+        } else {
+            self.check(tenant)
+        }
+    }
+
     /// PERMISSION_DENIED unless it may use `tenant`.
     ///
     /// # Errors

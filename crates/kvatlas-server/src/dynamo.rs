@@ -477,8 +477,8 @@ pub(crate) async fn workers(
         .map(str::to_owned);
     // A tenant the caller may not use is refused, not answered with an empty list (an empty
     // group names no tenant: it lists nothing, as before).
-    if let Some(tenant) = tenant.as_deref().filter(|t| !t.is_empty())
-        && let Err(e) = caller.check(tenant)
+    if let Some(tenant) = &tenant
+        && let Err(e) = caller.check_named(tenant)
     {
         return service_error(&e);
     }

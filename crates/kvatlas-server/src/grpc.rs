@@ -425,28 +425,18 @@ fn listed(caller: &Caller, model: &str, tenant: &str, key: &IndexKey) -> bool {
         && caller.may_use(&key.tenant)
 }
 
-/// PERMISSION_DENIED when a list or snapshot request names a tenant (empty = any) the caller
-/// may not use: an empty answer would read as "nothing there".
-fn check_named_tenant(caller: &Caller, tenant: &str) -> Result<(), ServiceError> {
-    if tenant.is_empty() {
-        Ok(())
-    } else {
-        caller.check(tenant)
-    }
-}
-
 impl IndexerService {
     /// The indexes a list request names (empty model or tenant = any) that the caller may see.
     ///
     /// # Errors
-    /// What [`check_named_tenant`] answers.
+    /// What `Caller::check_named` answers.
     fn listed_entries(
         &self,
         caller: &Caller,
         model: &str,
         tenant: &str,
     ) -> Result<Vec<Arc<crate::registry::IndexEntry>>, ServiceError> {
-        check_named_tenant(caller, tenant)?;
+        caller.check_named(tenant)?;
         Ok(self
             .state
             .registry
@@ -666,7 +656,7 @@ impl Indexer for IndexerService {
             let caller = caller_of(&request).map_err(status)?;
             let permit = self.state.admit(Rpc::Snapshot, &caller).map_err(status)?;
             let filter = request.into_inner();
-            check_named_tenant(&caller, &filter.tenant).map_err(status)?;
+            caller.check_named(&filter.tenant).map_err(status)?;
             let dump = self.state.admit_dump("Snapshot").map_err(status)?;
             let chunks = crate::snapshot_stream::stream_filtered(
                 Arc::clone(&self.state.registry),
