@@ -228,9 +228,9 @@ pub struct ServeArgs {
     /// Most registered worker ranks [default: 4096].
     #[arg(long, env = "KVATLAS_MAX_REGISTERED_RANKS")]
     pub max_registered_ranks: Option<usize>,
-    /// Seconds a whole-state read (`/snapshot`, `Snapshot`) waits for its reader to take the
-    /// next 1 MiB chunk before it is abandoned, freeing its place (two run at once)
-    /// [default: 30].
+    /// Seconds a whole-state read (`/snapshot`, `Snapshot`, `/dump`) waits for its reader to
+    /// take the next 1 MiB chunk before it is abandoned, freeing its places (among the two
+    /// whole-state reads, the concurrent requests and its token's) [default: 30].
     #[arg(long, env = "KVATLAS_STALL_TIMEOUT_SECS")]
     pub stall_timeout_secs: Option<u64>,
     /// Bearer-token file: one token per line, optionally `tenants=A,B` and `name=LABEL`.

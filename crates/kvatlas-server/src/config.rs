@@ -55,9 +55,9 @@ pub struct Limits {
     pub max_indexes: usize,
     /// Most registered worker ranks over all indexes (each ZMQ listener is a thread).
     pub max_registered_ranks: usize,
-    /// How long a whole-state read (`/snapshot`, the `Snapshot` RPC) waits for its reader to
-    /// take the next chunk before it is abandoned and its place among the whole-state reads
-    /// freed.
+    /// How long a whole-state read (`/snapshot`, the `Snapshot` RPC, `/dump`) waits for its
+    /// reader to take the next chunk before it is abandoned and its places (among the
+    /// whole-state reads, the concurrent requests and its token's) freed.
     pub stall_timeout: std::time::Duration,
 }
 

@@ -30,10 +30,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use axum::Json;
 use axum::extract::{Query as QueryParams, State as AxumState};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use kvatlas_events::{EngineKind, ListenerStatus, SocketMode};
 use kvatlas_hash::LocalBlockHash;
 use kvatlas_index::{ExternalBlockHash, Matches, Mutation, Snapshot, StoredBlock, Tier, Worker};
@@ -1037,15 +1037,19 @@ pub(crate) fn dump(images: &[IndexImage]) -> Value {
     Value::Object(out)
 }
 
+/// `GET /dump`: built under a place among the whole-state reads, then streamed by a task that
+/// holds that place and the request's (`crate::snapshot_stream`), so a reader that stalls loses
+/// them with the stall timeout.
 pub(crate) async fn dump_route(
     AxumState(state): AxumState<Arc<State>>,
+    Extension(place): Extension<crate::http::HandedPlace>,
     headers: HeaderMap,
 ) -> Response {
     let caller = match caller(&state, &headers) {
         Ok(caller) => caller,
         Err(response) => return *response,
     };
-    let _dump = match state.admit_dump("/dump") {
+    let dump_place = match state.admit_dump("/dump") {
         Ok(dump) => dump,
         Err(error) => {
             state.metrics.http("/dump", error.http_status());
@@ -1064,7 +1068,27 @@ pub(crate) async fn dump_route(
     })
     .await;
     match body {
-        Ok(body) => (StatusCode::OK, Json(body)).into_response(),
+        Ok(body) => {
+            let held = crate::snapshot_stream::Held {
+                dump: dump_place,
+                request: place.take(),
+            };
+            let chunks = crate::snapshot_stream::stream_written(
+                move |sink| {
+                    serde_json::to_writer(sink, &body)
+                        .map_err(|e| format!("the dump could not be written: {e}"))
+                },
+                held,
+                state.limits.stall_timeout,
+                crate::snapshot_stream::CHUNK,
+            );
+            (
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, "application/json")],
+                axum::body::Body::from_stream(chunks),
+            )
+                .into_response()
+        }
         // An empty 200 would tell a Dynamo replica the server holds nothing.
         Err(failed) => {
             tracing::error!("GET /dump failed: {failed}");

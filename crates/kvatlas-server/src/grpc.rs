@@ -658,26 +658,27 @@ impl Indexer for IndexerService {
             let filter = request.into_inner();
             caller.check_named(&filter.tenant).map_err(status)?;
             let dump = self.state.admit_dump("Snapshot").map_err(status)?;
+            let held = crate::snapshot_stream::Held {
+                dump,
+                request: Some(permit),
+            };
             let chunks = crate::snapshot_stream::stream_filtered(
                 Arc::clone(&self.state.registry),
                 move |key| listed(&caller, &filter.model, &filter.tenant, key),
-                dump,
+                held,
                 self.state.limits.stall_timeout,
             );
-            Ok(Response::new(SnapshotChunks {
-                chunks,
-                _permit: permit,
-            }))
+            Ok(Response::new(SnapshotChunks { chunks }))
         })();
         self.finish(Rpc::Snapshot, started, result)
     }
 }
 
-/// The chunks of a `Snapshot` answer; holds its place among the concurrent requests until the
-/// last chunk is sent (its place among the whole-state reads is held by the writing task).
+/// The chunks of a `Snapshot` answer. Its places among the concurrent requests and the
+/// whole-state reads are held by the task writing it, until the last chunk is buffered (or the
+/// reader stalls for the stall timeout).
 pub(crate) struct SnapshotChunks {
     chunks: crate::snapshot_stream::SnapshotStream,
-    _permit: crate::state::Permit,
 }
 
 impl std::fmt::Debug for SnapshotChunks {

@@ -6,13 +6,13 @@
 
 use std::sync::Arc;
 
-use axum::Router;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State as AxumState};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 
 use crate::dynamo;
 use crate::error::ServiceError;
@@ -66,10 +66,30 @@ const LIMITED_ROUTES: [&str; 10] = [
     "/peers",
 ];
 
+/// The routes whose answer is written by a task of its own (the whole-state reads): their
+/// request's place is handed to the route (`HandedPlace`), which gives it to that task, so a
+/// reader that stalls loses it with the stall timeout (`snapshot_stream`) rather than holding
+/// it, and its token's, for as long as its connection lives.
+const HANDED_ROUTES: [&str; 2] = ["/snapshot", "/dump"];
+
+/// A request's place, handed by `authenticate_and_admit` to a route of `HANDED_ROUTES` in the
+/// request's extensions. The route takes it; if it does not, the place is freed when the
+/// request is dropped.
+#[derive(Clone, Debug)]
+pub(crate) struct HandedPlace(Arc<parking_lot::Mutex<Option<crate::state::Permit>>>);
+
+impl HandedPlace {
+    /// The place, once (`None` after it was taken).
+    pub(crate) fn take(&self) -> Option<crate::state::Permit> {
+        self.0.lock().take()
+    }
+}
+
 /// Authenticates a request before anything else looks at it (an unauthenticated caller gets
 /// 401, whatever its body: it learns nothing of what the server accepts), then admits it
 /// within `--max-concurrent-requests` and holds its place until its response body is dropped
-/// (sent, or the client went away); beyond the limit, 429 with the reason. Refusals are
+/// (sent, or the client went away) — or hands it to the route (`HANDED_ROUTES`); beyond the
+/// limit, 429 with the reason. Refusals are
 /// counted in `kvatlas_http_requests_total` under the route. Whether the caller may use the
 /// tenant it names is the route's to check.
 async fn authenticate_and_admit(
@@ -98,6 +118,13 @@ async fn authenticate_and_admit(
         Ok(permit) => permit,
         Err(error) => return refuse(error),
     };
+    let mut request = request;
+    if HANDED_ROUTES.contains(&request.uri().path()) {
+        request
+            .extensions_mut()
+            .insert(HandedPlace(Arc::new(parking_lot::Mutex::new(Some(permit)))));
+        return next.run(request).await;
+    }
     next.run(request).await.map(|body| {
         Body::new(HeldBody {
             body,
@@ -186,7 +213,11 @@ fn unrestricted(
 }
 
 /// The native snapshot of every index, streamed (`application/octet-stream`).
-async fn snapshot(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -> Response {
+async fn snapshot(
+    AxumState(state): AxumState<Arc<State>>,
+    Extension(place): Extension<HandedPlace>,
+    headers: HeaderMap,
+) -> Response {
     if let Err(response) = unrestricted(&state, &headers, "/snapshot") {
         return *response;
     }
@@ -198,9 +229,13 @@ async fn snapshot(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) -
         }
     };
     state.metrics.http("/snapshot", 200);
+    let held = crate::snapshot_stream::Held {
+        dump,
+        request: place.take(),
+    };
     let chunks = crate::snapshot_stream::stream(
         Arc::clone(&state.registry),
-        dump,
+        held,
         state.limits.stall_timeout,
     );
     (

@@ -1,13 +1,14 @@
-//! Streaming a native snapshot (`snapshot`) of a server's indexes as chunks of bytes, for
-//! `GET /snapshot` and the gRPC `Snapshot` RPC: a blocking task takes one index's image at a
-//! time and encodes it into a bounded channel of 1 MiB chunks, so at most one index's cut and a
-//! few chunks are in memory, whatever the size of the whole.
+//! Streaming a whole-state read's answer as chunks of bytes: the native snapshot (`snapshot`)
+//! of a server's indexes for `GET /snapshot` and the gRPC `Snapshot` RPC, and Dynamo's `/dump`.
+//! A blocking task writes the answer into a bounded channel of 1 MiB chunks; for a snapshot it
+//! takes one index's image at a time, so at most one index's cut and a few chunks are in
+//! memory, whatever the size of the whole.
 //!
-//! The task holds the read's place among the whole-state reads (`DumpPermit`) until it ends: it
-//! ends when the snapshot is written, when the reader goes away, or when the reader takes no
-//! chunk for the stall timeout (`Limits::stall_timeout`). A reader that stalls therefore cannot
-//! hold a place for ever; what it later reads ends with an error, never as a clean but cut
-//! snapshot.
+//! The task holds the answer's places (`Held`: its place among the whole-state reads, its
+//! request's place among the concurrent requests and its token's) until it ends: it ends when
+//! the answer is written, when the reader goes away, or when the reader takes no chunk for the
+//! stall timeout (`Limits::stall_timeout`). A reader that stalls therefore cannot hold a place
+//! for ever; what it later reads ends with an error, never as a clean but cut answer.
 
 use std::io::{self, Write};
 use std::pin::Pin;
@@ -23,19 +24,29 @@ use tokio_stream::Stream;
 use crate::registry::{IndexKey, Registry};
 use crate::served_index::unix_micros_now;
 use crate::snapshot::Writer;
-use crate::state::DumpPermit;
+use crate::state::{DumpPermit, Permit};
 
 /// Bytes per chunk.
-const CHUNK: usize = 1 << 20;
+pub(crate) const CHUNK: usize = 1 << 20;
 /// Chunks buffered between the encoder and the network.
 const IN_FLIGHT: usize = 4;
 
 /// How a snapshot's writing ended: `None` until it ended; then `Ok` or the reason it stopped.
 type Outcome = Arc<Mutex<Option<Result<(), String>>>>;
 
+/// The places a streamed answer holds until its writing ends.
+#[derive(Debug)]
+pub(crate) struct Held {
+    /// Its place among the whole-state reads.
+    pub(crate) dump: DumpPermit,
+    /// Its request's place among the concurrent requests, and its token's (`None`: the
+    /// request holds none, or another owner keeps it).
+    pub(crate) request: Option<Permit>,
+}
+
 /// Writes into the channel in pieces of at most `chunk` bytes; fails once the receiver is gone or has
 /// taken nothing for `stall`.
-struct ChannelWriter {
+pub(crate) struct ChannelWriter {
     tx: mpsc::Sender<Bytes>,
     buf: Vec<u8>,
     chunk: usize,
@@ -64,9 +75,9 @@ impl ChannelWriter {
             Err(_) => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!(
-                    "the reader took nothing for {} s (the stall timeout): the snapshot was \
-                     abandoned and its place among the whole-state reads freed; read faster or \
-                     raise --stall-timeout-secs",
+                    "the reader took nothing for {} s (the stall timeout): the answer was \
+                     abandoned and its places (among the whole-state reads and the concurrent \
+                     requests) freed; read faster or raise --stall-timeout-secs",
                     self.stall.as_secs_f64()
                 ),
             )),
@@ -91,7 +102,7 @@ impl Write for ChannelWriter {
     }
 }
 
-/// The chunks of one snapshot. Ends cleanly only after the last chunk of a snapshot written
+/// The chunks of one answer. Ends cleanly only after the last chunk of an answer written
 /// whole; otherwise its last item is the error that stopped the writing.
 pub(crate) struct SnapshotStream {
     chunks: mpsc::Receiver<Bytes>,
@@ -126,7 +137,7 @@ impl Stream for SnapshotStream {
                     Some(Ok(())) => None,
                     Some(Err(reason)) => Some(Err(io::Error::other(reason))),
                     None => Some(Err(io::Error::other(
-                        "the snapshot task ended without finishing the snapshot",
+                        "the task writing the answer ended without finishing it",
                     ))),
                 })
             }
@@ -134,26 +145,53 @@ impl Stream for SnapshotStream {
     }
 }
 
-/// The snapshot of every index, as a stream of chunks; `dump` is held until the writing ends.
-pub(crate) fn stream(registry: Arc<Registry>, dump: DumpPermit, stall: Duration) -> SnapshotStream {
-    stream_filtered(registry, |_| true, dump, stall)
+/// The snapshot of every index, as a stream of chunks; `held` is held until the writing ends.
+pub(crate) fn stream(registry: Arc<Registry>, held: Held, stall: Duration) -> SnapshotStream {
+    stream_filtered(registry, |_| true, held, stall)
 }
 
 /// [`stream`] of the indexes `include` accepts.
 pub(crate) fn stream_filtered(
     registry: Arc<Registry>,
     include: impl Fn(&IndexKey) -> bool + Send + 'static,
-    dump: DumpPermit,
+    held: Held,
     stall: Duration,
 ) -> SnapshotStream {
-    stream_in_chunks(registry, include, dump, stall, CHUNK)
+    stream_in_chunks(registry, include, held, stall, CHUNK)
 }
 
 /// [`stream_filtered`] in chunks of `chunk` bytes (tests use small ones).
 fn stream_in_chunks(
     registry: Arc<Registry>,
     include: impl Fn(&IndexKey) -> bool + Send + 'static,
-    dump: DumpPermit,
+    held: Held,
+    stall: Duration,
+    chunk: usize,
+) -> SnapshotStream {
+    let write = move |sink: &mut ChannelWriter| {
+        let mut writer = Writer::new(sink, unix_micros_now())?;
+        for entry in registry.all() {
+            if include(&entry.key) {
+                writer.index(&entry.image())?;
+            }
+        }
+        writer.finish()?;
+        Ok::<_, crate::snapshot::SnapshotError>(())
+    };
+    stream_written(
+        move |sink| write(sink).map_err(|error| error.to_string()),
+        held,
+        stall,
+        chunk,
+    )
+}
+
+/// The answer `write` writes, as a stream of chunks of at most `chunk` bytes, written by a
+/// blocking task that holds `held` until the writing ends (written whole, failed, the reader
+/// gone, or stalled for `stall`).
+pub(crate) fn stream_written(
+    write: impl FnOnce(&mut ChannelWriter) -> Result<(), String> + Send + 'static,
+    held: Held,
     stall: Duration,
     chunk: usize,
 ) -> SnapshotStream {
@@ -164,29 +202,23 @@ fn stream_in_chunks(
     tokio::task::spawn_blocking(move || {
         // Dropped last, after the outcome is set: the reader sees the end only then.
         let last_sender = tx.clone();
-        let sink = ChannelWriter {
+        let mut sink = ChannelWriter {
             tx,
             buf: Vec::with_capacity(chunk),
             chunk,
             stall,
             runtime,
         };
-        let written = (|| {
-            let mut writer = Writer::new(sink, unix_micros_now())?;
-            for entry in registry.all() {
-                if include(&entry.key) {
-                    writer.index(&entry.image())?;
-                }
-            }
-            writer.finish()?.flush()?;
-            Ok::<_, crate::snapshot::SnapshotError>(())
-        })();
+        let written =
+            write(&mut sink).and_then(|()| sink.flush().map_err(|error| error.to_string()));
         if let Err(error) = &written {
-            tracing::warn!("a snapshot read stopped: {error}");
+            tracing::warn!("a whole-state read stopped: {error}");
         }
-        *written_outcome.lock() = Some(written.map_err(|error| error.to_string()));
-        // The place among the whole-state reads is freed here, whether or not the reader
-        // ever takes what is buffered.
+        *written_outcome.lock() = Some(written);
+        // The places are freed here, whether or not the reader ever takes what is buffered:
+        // the request's first, so whoever finds the whole-state place free finds it free too.
+        let Held { dump, request } = held;
+        drop(request);
         drop(dump);
         drop(last_sender);
     });
@@ -258,22 +290,42 @@ mod tests {
     /// Two snapshot streams nobody reads hold both places among the whole-state reads only
     /// until the stall timeout: then their places are freed, and what they still yield ends
     /// with the error naming the stall, not with a clean end (a reader must not take a cut
-    /// snapshot for a whole one). A stream that is read is written whole and reads back.
+    /// snapshot for a whole one). Their requests' places, and their token's, are freed with
+    /// them. A stream that is read is written whole and reads back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_reader_loses_its_place_and_its_snapshot_ends_in_an_error() {
         let state = state_holding(5_000);
         let stall = Duration::from_millis(300);
+        let mut caller = crate::auth::Caller::anonymous();
+        let quota = Arc::new(crate::auth::RequestQuota::new(
+            crate::state::MAX_CONCURRENT_DUMPS,
+        ));
+        caller.quota = Some(Arc::clone(&quota));
+        let in_flight = || {
+            state
+                .metrics
+                .in_flight()
+                .load(std::sync::atomic::Ordering::Acquire)
+        };
         // 256-byte chunks: the snapshot is far more than the channel buffers.
         let stalled: Vec<SnapshotStream> = (0..crate::state::MAX_CONCURRENT_DUMPS)
             .map(|_| {
-                let dump = state.admit_dump("Snapshot").expect("a place");
-                stream_in_chunks(Arc::clone(&state.registry), |_| true, dump, stall, 256)
+                let held = Held {
+                    dump: state.admit_dump("Snapshot").expect("a place"),
+                    request: Some(state.admit_request(&caller).expect("a request's place")),
+                };
+                stream_in_chunks(Arc::clone(&state.registry), |_| true, held, stall, 256)
             })
             .collect();
         assert!(
             state.admit_dump("/snapshot").is_err(),
             "both places are held while the readers have not stalled for long"
         );
+        assert!(
+            state.admit_request(&caller).is_err(),
+            "the token's quota is held while the readers have not stalled for long"
+        );
+        assert_eq!(in_flight(), crate::state::MAX_CONCURRENT_DUMPS as u64);
         let deadline = Instant::now() + Duration::from_secs(20);
         let dump = loop {
             if let Ok(dump) = state.admit_dump("/snapshot") {
@@ -285,6 +337,21 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
+        while in_flight() > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the stalled reads still hold their requests' places"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let permits: Vec<_> = (0..crate::state::MAX_CONCURRENT_DUMPS)
+            .map(|_| {
+                state
+                    .admit_request(&caller)
+                    .expect("the token's places are free again")
+            })
+            .collect();
+        drop(permits);
         for stream in stalled {
             let (bytes, error) = drain(stream).await;
             let error = error.expect("a stalled read ends in an error");
@@ -295,7 +362,11 @@ mod tests {
             );
         }
 
-        let read = stream_in_chunks(Arc::clone(&state.registry), |_| true, dump, stall, 256);
+        let held = Held {
+            dump,
+            request: None,
+        };
+        let read = stream_in_chunks(Arc::clone(&state.registry), |_| true, held, stall, 256);
         let (bytes, error) = drain(read).await;
         assert!(error.is_none(), "{error:?}");
         let (_, images) = crate::snapshot::read(bytes.as_slice()).expect("a whole snapshot");

@@ -1092,6 +1092,86 @@ async fn a_token_holds_at_most_its_share_of_the_requests() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A client that asks for `/dump` and stops reading loses its request's place, and its
+/// token's, with the stall timeout: with `max_requests=1`, its token is refused (429) while
+/// the dump is being written and served again once the writing is abandoned, though the stalled
+/// connection stays open; what the stalled client reads afterwards is a cut answer (no chunked
+/// end), never a whole one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_dump_reader_gives_back_its_tokens_place() {
+    use std::io::{Read as _, Write as _};
+
+    let dir = temp_dir("stalled-dump");
+    let tokens = dir.join("tokens");
+    let token = "peer-0123456789abcdef";
+    std::fs::write(&tokens, format!("{token} name=peer max_requests=1\n")).expect("write tokens");
+    let h = start(ServerConfig {
+        auth_tokens: Some(tokens),
+        limits: Limits {
+            stall_timeout: std::time::Duration::from_secs(2),
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    // 300,000 blocks: their dump (tens of MiB of JSON) is far more than the answer's channel
+    // and the sockets' buffers hold.
+    let batch = |b: u64| v1::PublishEventsRequest {
+        index: selector(MODEL, ""),
+        instance_id: 1,
+        block_size: BLOCK,
+        seq: Some(b + 1),
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: (0..10_000).map(|i| b * 10_000 + i + 1).collect(),
+                local_hashes: (0..10_000).map(|i| (b * 10_000 + i) * 7 + 3).collect(),
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    let mut client = authed(&h.url, Some(token)).await;
+    client
+        .raw()
+        .publish_events(tokio_stream::iter((0..30).map(batch)))
+        .await
+        .expect("published");
+    let http = h.server.http_addr();
+
+    let mut stalled = std::net::TcpStream::connect(http).expect("connect HTTP");
+    stalled
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("read timeout");
+    write!(
+        stalled,
+        "GET /dump HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {token}\r\n\
+         connection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut head = [0u8; 12];
+    stalled.read_exact(&mut head).expect("the answer starts");
+    assert_eq!(&head, b"HTTP/1.1 200", "{}", String::from_utf8_lossy(&head));
+    let (code, text) = http_get(http, "/workers", Some(token));
+    assert_eq!(
+        code, 429,
+        "the dump being written holds the token's place: {text}"
+    );
+
+    wait_until(
+        "the stalled dump to give back the token's place",
+        || async { http_get(http, "/workers", Some(token)).0 == 200 },
+    )
+    .await;
+    let mut rest = Vec::new();
+    // The server closes the connection once it finds the answer abandoned (a reset is as good).
+    let _ = stalled.read_to_end(&mut rest);
+    assert!(
+        !rest.ends_with(b"\r\n0\r\n\r\n"),
+        "a stalled dump must not end as a whole answer"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_tell_what_happened() {
     let mut h = start(ServerConfig::default()).await;
