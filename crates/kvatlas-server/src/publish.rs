@@ -17,7 +17,9 @@
 //!
 //! A rank fed over gRPC is registered by its first message (source `GRPC` in `ListWorkers`); it
 //! cannot also have a ZMQ listener, and one stream at a time feeds it, so its events reach its
-//! writer lane in order.
+//! writer lane in order. A rank restored from the data directory's snapshot keeps its last
+//! sequence number, also one the restore could not feed again at once (the rank limit): fed
+//! again later, it continues from it.
 
 use std::collections::BTreeMap;
 use std::collections::btree_map::Entry;
@@ -28,7 +30,8 @@ use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier, Worker};
 use kvatlas_proto::v1::{self, kv_event};
 
 use crate::error::ServiceError;
-use crate::registry::{Feed, GrpcFeed, IndexEntry, IndexKey, Registry, block_size_field};
+use crate::registry::{Feed, GrpcFeed, IndexEntry, IndexKey, Registry, Unfed, block_size_field};
+use crate::snapshot::RecordedFeed;
 
 /// A checked message, ready to apply.
 #[derive(Debug)]
@@ -191,7 +194,22 @@ impl Publisher {
                     dp_rank = worker.dp_rank,
                     "worker rank fed over PublishEvents"
                 );
-                vacant.insert(Feed::Grpc(GrpcFeed::default()))
+                // A rank a restore recorded as fed over PublishEvents, and could not feed
+                // again, continues its sequence numbers from its checkpoint: a batch re-sent
+                // at or below it is a duplicate. (Any other checkpoint — a ZMQ listener's
+                // position — numbers another source's batches: a new feed starts afresh.)
+                let was_unfed = entry.unfed.lock().remove(&worker);
+                let last_seq = match was_unfed {
+                    Some(Unfed {
+                        recorded: RecordedFeed::Grpc { .. },
+                        ..
+                    }) => entry.index().mark(worker).map(|mark| mark.position),
+                    _ => None,
+                };
+                vacant.insert(Feed::Grpc(GrpcFeed {
+                    last_seq,
+                    ..GrpcFeed::default()
+                }))
             }
             Entry::Occupied(occupied) => occupied.into_mut(),
         };
@@ -488,6 +506,158 @@ mod tests {
         assert_eq!(feed.counters.restarts, 1);
         assert_eq!(sequence(&mut feed, Some(1)), InOrder);
         assert_eq!(feed.last_seq, Some(1));
+    }
+
+    /// The index image of the unfed-rank tests: ranks 1 and 2 of model `m` recorded as fed over
+    /// `PublishEvents`, with checkpoints 5 and 7 and one block each.
+    fn two_grpc_ranks() -> crate::snapshot::IndexImage {
+        use crate::snapshot::{IndexImage, RecordedFeed, SourceMark};
+        use kvatlas_index::{Snapshot, SnapshotBlock, TierSet, WorkerSnapshot};
+
+        let (first, second) = (Worker::new(1, 0), Worker::new(2, 0));
+        let mark = |position| SourceMark {
+            position,
+            recent: Vec::new(),
+        };
+        let holding = |worker: Worker| WorkerSnapshot {
+            worker,
+            blocks: vec![SnapshotBlock {
+                external: ExternalBlockHash::new(worker.worker_id * 10),
+                local: kvatlas_hash::LocalBlockHash::new(worker.worker_id * 100),
+                parent: None,
+                tiers: TierSet::only(Tier::Device),
+            }],
+        };
+        IndexImage {
+            key: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
+            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
+            capacity: None,
+            feeds: vec![
+                RecordedFeed::Grpc { worker: first },
+                RecordedFeed::Grpc { worker: second },
+            ],
+            marks: std::collections::BTreeMap::from([(first, mark(5)), (second, mark(7))]),
+            snapshot: Snapshot {
+                workers: vec![holding(first), holding(second)],
+            },
+        }
+    }
+
+    /// A registry of at most one registered rank, with [`two_grpc_ranks`] restored as after a
+    /// restart: rank 1 is fed again, rank 2 does not fit and is unfed.
+    fn restored_with_one_unfed() -> Arc<Registry> {
+        let limits = crate::config::Limits {
+            max_registered_ranks: 1,
+            ..crate::config::Limits::default()
+        };
+        let registry = Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            limits,
+        ));
+        registry
+            .restore_images(&[two_grpc_ranks()], Some(&[]))
+            .expect("restored");
+        assert_eq!(registry.registered_ranks(), 1, "one rank fits the limit");
+        registry
+    }
+
+    fn message(instance_id: u64, seq: u64) -> v1::PublishEventsRequest {
+        v1::PublishEventsRequest {
+            index: Some(v1::IndexSelector {
+                model: "m".into(),
+                tenant: String::new(),
+            }),
+            instance_id,
+            seq: Some(seq),
+            block_size: 16,
+            ..v1::PublishEventsRequest::default()
+        }
+    }
+
+    /// A `PublishEvents` rank a restart could not feed again (the rank limit) is listed with
+    /// its reason, still recorded in the next snapshot, and — fed again once a place is free —
+    /// continues from its checkpoint: a batch the client re-sends at or below it is a
+    /// duplicate (it was applied again: the new feed had no last sequence number).
+    #[test]
+    fn a_rank_restored_without_its_feed_continues_from_its_checkpoint() {
+        let registry = restored_with_one_unfed();
+        let entry = registry.all().pop().expect("the index");
+        let views = entry.rank_views(&entry.blocks_per_rank());
+        let unfed = views
+            .iter()
+            .find(|v| v.worker == Worker::new(2, 0))
+            .expect("the unfed rank is listed");
+        assert!(matches!(unfed.source, crate::registry::RankSource::Grpc));
+        assert_eq!(unfed.last_seq, Some(7));
+        assert!(
+            unfed
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("not fed since the snapshot was restored")),
+            "{:?}",
+            unfed.last_error
+        );
+        assert_eq!(
+            entry.image().feeds,
+            two_grpc_ranks().feeds,
+            "the next snapshot records both feeds"
+        );
+
+        registry
+            .unregister("m", None, 1, None, |_| true)
+            .expect("unregistered");
+        let mut publisher = Publisher::new(1, Arc::clone(&registry));
+        let again = publisher.prepare(&message(2, 7)).expect("prepared");
+        assert_eq!(
+            publisher.admit(&again).expect("admitted"),
+            Admission::Duplicate
+        );
+        let next = publisher.prepare(&message(2, 8)).expect("prepared");
+        assert_eq!(
+            publisher.admit(&next).expect("admitted"),
+            Admission::Apply { resync: false }
+        );
+        assert!(entry.unfed.lock().is_empty(), "the rank is fed again");
+    }
+
+    /// Unregistering a rank nobody feeds (not fed since the restore) removes its blocks and
+    /// its checkpoint, without giving back a registered rank's place it never held (it was
+    /// NOT_FOUND and kept both); a later feed of the same id starts afresh.
+    #[test]
+    fn an_unfed_rank_is_unregistered_with_its_blocks_and_checkpoint() {
+        let registry = restored_with_one_unfed();
+        let entry = registry.all().pop().expect("the index");
+        let removed = registry
+            .unregister("m", None, 2, Some(0), |_| true)
+            .expect("the unfed rank is unregistered");
+        assert_eq!((removed.ranks_removed, removed.blocks_removed), (1, 1));
+        assert_eq!(registry.registered_ranks(), 1, "rank 1 keeps its place");
+        assert!(entry.index().mark(Worker::new(2, 0)).is_none());
+        assert!(!entry.blocks_per_rank().contains_key(&Worker::new(2, 0)));
+        assert_eq!(entry.image().feeds.len(), 1, "only rank 1 is recorded");
+        assert!(
+            registry.unregister("m", None, 2, None, |_| true).is_err(),
+            "nothing of it is left"
+        );
+    }
+
+    /// A checkpoint a new feed did not record itself — after a peer bootstrap, a ZMQ
+    /// listener's position — does not number a `PublishEvents` client's batches.
+    #[test]
+    fn a_new_feed_does_not_take_a_checkpoint_it_did_not_record() {
+        let registry = Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits::default(),
+        ));
+        registry
+            .restore_images(&[two_grpc_ranks()], None)
+            .expect("bootstrapped as from a peer");
+        let mut publisher = Publisher::new(1, Arc::clone(&registry));
+        let first = publisher.prepare(&message(2, 1)).expect("prepared");
+        assert_eq!(
+            publisher.admit(&first).expect("admitted"),
+            Admission::Apply { resync: false }
+        );
     }
 
     /// A long-lived stream that feeds instance after instance, each unregistered in turn,

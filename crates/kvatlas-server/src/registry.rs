@@ -6,7 +6,9 @@
 //!                                   ├─ pool: ThreadPool<ServedIndex>   writer threads, sticky per rank
 //!                                   ├─ listeners: Listeners            one per ZMQ source, on the
 //!                                   │                                  registry's ListenerThreads
-//!                                   └─ feeds: Worker → Feed            who feeds each rank
+//!                                   ├─ feeds: Worker → Feed            who feeds each rank
+//!                                   └─ unfed: Worker → Unfed           ranks a restore could
+//!                                                                      not feed again
 //! ```
 //!
 //! The listeners of every index run on one set of poller threads (`--listener-threads`,
@@ -19,6 +21,8 @@
 //!   time — so its mutations reach its writer lane in the order the engine produced them;
 //! - unregistering stops the rank's listener, waits until the writers applied everything it
 //!   queued, then removes the rank's blocks: nothing it sent arrives afterwards;
+//! - a rank is in `feeds` or in `unfed`, never both; `unfed` is only changed with `feeds`
+//!   locked (lock order: `feeds`, then `unfed`), so a rank moves between them atomically;
 //! - counters never go backwards: a stopped feed's counters are kept in the index's retired
 //!   totals.
 //!
@@ -359,6 +363,30 @@ pub(crate) enum RankSource {
     BatchRank,
 }
 
+/// A rank a restored snapshot recorded as fed that could not be fed again (the registered-rank
+/// limit, a ZMQ listener that would not start). Its blocks and checkpoint stay; the next
+/// snapshot records its feed as the restored one did; registering or feeding it again
+/// continues from its checkpoint (a `PublishEvents` rank keeps its sequence numbers); and
+/// unregistering it removes its blocks and checkpoint.
+#[derive(Debug, Clone)]
+pub(crate) struct Unfed {
+    /// The feed the snapshot recorded.
+    pub(crate) recorded: RecordedFeed,
+    /// Why it is not fed.
+    pub(crate) reason: String,
+}
+
+/// What one index's unregistration removed.
+#[derive(Debug, Clone, Copy, Default)]
+struct RanksRemoved {
+    /// Ranks that had a feed (each held a place of `--max-registered-ranks`).
+    registered: u32,
+    /// Ranks without one: not fed since a restore, or holding blocks or a checkpoint only.
+    unfed: u32,
+    listeners_stopped: u32,
+    blocks: u64,
+}
+
 /// The result of a registration.
 #[derive(Debug, Clone)]
 pub(crate) struct Registered {
@@ -395,6 +423,8 @@ pub(crate) struct IndexEntry {
     pub(crate) log: Option<Arc<LogHandle>>,
     listeners: Listeners,
     pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
+    /// Ranks a restore could not feed again (see [`Unfed`]); locked after `feeds`.
+    pub(crate) unfed: Mutex<BTreeMap<Worker, Unfed>>,
     /// Counters of feeds that were stopped.
     retired: Mutex<FeedCounters>,
 }
@@ -456,6 +486,7 @@ impl IndexEntry {
             log: log.cloned(),
             listeners: Listeners::with_threads(zmq.clone(), sink, listener_threads),
             feeds: Mutex::new(BTreeMap::new()),
+            unfed: Mutex::new(BTreeMap::new()),
             retired: Mutex::new(FeedCounters::default()),
         })
     }
@@ -545,12 +576,33 @@ impl IndexEntry {
     pub(crate) fn rank_views(&self, blocks: &BTreeMap<Worker, [u64; 4]>) -> Vec<RankView> {
         let states = self.listener_states();
         let feeds = self.feeds.lock();
+        let unfed = self.unfed.lock();
         let mut views: Vec<RankView> = feeds
             .iter()
             .map(|(worker, feed)| self.view_of(*worker, feed, &states, blocks))
             .collect();
+        for (worker, rank) in unfed.iter() {
+            views.push(RankView {
+                index: self.key.clone(),
+                worker: *worker,
+                source: match &rank.recorded {
+                    RecordedFeed::Zmq(registration) => RankSource::Zmq(registration.clone()),
+                    RecordedFeed::Grpc { .. } => RankSource::Grpc,
+                },
+                status: ListenerStatus::Stopped,
+                last_error: Some(format!(
+                    "not fed since the snapshot was restored: {}; its blocks stay until it is \
+                     registered (or fed) again, or unregistered",
+                    rank.reason
+                )),
+                last_seq: self.index().mark(*worker).map(|m| m.position),
+                micros_since_last_batch: None,
+                counters: FeedCounters::default(),
+                blocks: blocks.get(worker).copied().unwrap_or_default(),
+            });
+        }
         for (worker, held) in blocks {
-            if !feeds.contains_key(worker) {
+            if !feeds.contains_key(worker) && !unfed.contains_key(worker) {
                 views.push(RankView {
                     index: self.key.clone(),
                     worker: *worker,
@@ -703,26 +755,43 @@ impl IndexEntry {
                 registration,
             },
         );
+        self.unfed.lock().remove(&worker);
         Ok(false)
     }
 
     /// Removes the feeds of `instance_id` (one rank, or all), stops their listeners and removes
-    /// their blocks once everything they queued was applied. Returns (ranks, listeners, blocks).
-    fn unregister(&self, instance_id: u64, dp_rank: Option<u32>) -> (u32, u32, u64) {
-        let removed: Vec<(Worker, Feed)> = {
+    /// their blocks once everything they queued was applied; ranks of it that no feed holds
+    /// (not fed since a restore, or holding blocks under a batch's rank) lose their blocks and
+    /// checkpoints too.
+    fn unregister(&self, instance_id: u64, dp_rank: Option<u32>) -> RanksRemoved {
+        let matches =
+            |w: &Worker| w.worker_id == instance_id && dp_rank.is_none_or(|r| r == w.dp_rank);
+        let (removed, unfed): (Vec<(Worker, Feed)>, Vec<Worker>) = {
             let mut feeds = self.feeds.lock();
-            let ranks: Vec<Worker> = feeds
-                .keys()
-                .filter(|w| w.worker_id == instance_id && dp_rank.is_none_or(|r| r == w.dp_rank))
-                .copied()
-                .collect();
-            ranks
+            let ranks: Vec<Worker> = feeds.keys().filter(|w| matches(w)).copied().collect();
+            let removed = ranks
                 .into_iter()
                 .filter_map(|w| feeds.remove(&w).map(|f| (w, f)))
-                .collect()
+                .collect();
+            let mut unfed = self.unfed.lock();
+            let unfed_ranks: Vec<Worker> = unfed.keys().filter(|w| matches(w)).copied().collect();
+            for worker in &unfed_ranks {
+                unfed.remove(worker);
+            }
+            (removed, unfed_ranks)
         };
-        if removed.is_empty() {
-            return (0, 0, 0);
+        // Ranks holding blocks or a checkpoint with no feed and no record of one.
+        let mut unlisted: Vec<Worker> = self
+            .blocks_per_rank()
+            .into_keys()
+            .chain(self.index().marked_workers())
+            .filter(|w| matches(w))
+            .filter(|w| !unfed.contains(w) && removed.iter().all(|(fed, _)| fed != w))
+            .collect();
+        unlisted.sort_unstable();
+        unlisted.dedup();
+        if removed.is_empty() && unfed.is_empty() && unlisted.is_empty() {
+            return RanksRemoved::default();
         }
         let mut listeners_stopped = 0;
         for (_, feed) in &removed {
@@ -760,25 +829,30 @@ impl IndexEntry {
                 dp_rank,
             ));
         }
-        (
-            u32::try_from(removed.len()).unwrap_or(u32::MAX),
+        RanksRemoved {
+            registered: u32::try_from(removed.len()).unwrap_or(u32::MAX),
+            unfed: u32::try_from(unfed.len() + unlisted.len()).unwrap_or(u32::MAX),
             listeners_stopped,
-            report.cleared,
-        )
+            blocks: report.cleared,
+        }
     }
 
     /// The index as a snapshot records it: its feeds, and its blocks with the checkpoints they
     /// reflect (a consistent cut; writers wait while it is taken).
     pub(crate) fn image(&self) -> IndexImage {
-        let feeds = self
-            .feeds
-            .lock()
-            .iter()
-            .map(|(worker, feed)| match feed {
-                Feed::Zmq { registration, .. } => RecordedFeed::Zmq(registration.clone()),
-                Feed::Grpc(_) => RecordedFeed::Grpc { worker: *worker },
-            })
-            .collect();
+        let feeds = {
+            let feeds = self.feeds.lock();
+            let unfed = self.unfed.lock();
+            feeds
+                .iter()
+                .map(|(worker, feed)| match feed {
+                    Feed::Zmq { registration, .. } => RecordedFeed::Zmq(registration.clone()),
+                    Feed::Grpc(_) => RecordedFeed::Grpc { worker: *worker },
+                })
+                // Still recorded: a later restore with room feeds them again.
+                .chain(unfed.values().map(|rank| rank.recorded.clone()))
+                .collect()
+        };
         let (snapshot, marks) = self.index().image();
         IndexImage {
             key: self.key.clone(),
@@ -812,7 +886,8 @@ impl IndexEntry {
 
     /// Whether nothing is registered and nothing held (an index a failed registration created).
     fn unused(&self) -> bool {
-        self.feeds.lock().is_empty() && self.index().events_applied() == 0
+        let feeds = self.feeds.lock();
+        feeds.is_empty() && self.unfed.lock().is_empty() && self.index().events_applied() == 0
     }
 }
 
@@ -1183,6 +1258,11 @@ impl Registry {
         for image in images {
             let (entry, _) = self.index_for(&image.key, Some(image.block_size))?;
             entry.index().restore_image(&image.snapshot, &image.marks);
+            {
+                // What was not fed refers to the state the image replaces.
+                let _feeds = entry.feeds.lock();
+                entry.unfed.lock().clear();
+            }
             if adopt_feeds.is_none() {
                 continue;
             }
@@ -1200,6 +1280,16 @@ impl Registry {
                 match feed {
                     RecordedFeed::Zmq(registration) => {
                         if let Err(error) = self.register(registration.clone()) {
+                            let feeds = entry.feeds.lock();
+                            if !feeds.contains_key(&worker) {
+                                entry.unfed.lock().insert(
+                                    worker,
+                                    Unfed {
+                                        recorded: feed.clone(),
+                                        reason: error.to_string(),
+                                    },
+                                );
+                            }
                             failed.push((registration.clone(), error));
                         }
                     }
@@ -1214,7 +1304,14 @@ impl Registry {
                                 dp_rank = worker.dp_rank,
                                 index = %image.key,
                                 "a PublishEvents rank recorded in the snapshot is not fed again: \
-                                 {error}; its blocks stay until it is unregistered"
+                                 {error}; its blocks stay until it is fed again or unregistered"
+                            );
+                            entry.unfed.lock().insert(
+                                *worker,
+                                Unfed {
+                                    recorded: feed.clone(),
+                                    reason: error.to_string(),
+                                },
                             );
                         } else {
                             let last_seq = image.marks.get(worker).map(|m| m.position);
@@ -1323,8 +1420,10 @@ impl Registry {
         }
         let mut result = Unregistered::default();
         for entry in entries {
-            let (ranks, listeners, blocks) = entry.unregister(instance_id, dp_rank);
-            self.release_ranks(ranks as usize);
+            let removed = entry.unregister(instance_id, dp_rank);
+            self.release_ranks(removed.registered as usize);
+            let ranks = removed.registered + removed.unfed;
+            let (listeners, blocks) = (removed.listeners_stopped, removed.blocks);
             if ranks > 0 {
                 result.indexes.push(entry.key.clone());
                 tracing::info!(

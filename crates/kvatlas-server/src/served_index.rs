@@ -121,6 +121,11 @@ impl ServedIndex {
         self.marks.lock().get(&source).map(Mark::to_source_mark)
     }
 
+    /// The ranks holding a checkpoint.
+    pub(crate) fn marked_workers(&self) -> Vec<Worker> {
+        self.marks.lock().keys().copied().collect()
+    }
+
     /// Forgets the checkpoints of every rank of `worker_id` (or one rank): the source is gone,
     /// and a later one with the same id starts fresh.
     pub(crate) fn forget_marks(&self, worker_id: u64, dp_rank: Option<u32>) {

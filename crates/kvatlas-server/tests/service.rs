@@ -329,7 +329,8 @@ async fn zmq_workers_register_override_ranks_and_unregister() {
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert!(status.message().contains("block size"), "{status:?}");
 
-    // Unregistering the whole instance removes both ranks' blocks and stops the listener.
+    // Unregistering the whole instance removes both ranks (the registered one and the batch's)
+    // with their blocks and stops the listener.
     let removed = client
         .unregister_worker(v1::UnregisterWorkerRequest {
             index: selector(MODEL, ""),
@@ -345,7 +346,7 @@ async fn zmq_workers_register_override_ranks_and_unregister() {
             removed.listeners_stopped,
             removed.blocks_removed
         ),
-        (1, 1, 5)
+        (2, 1, 5)
     );
     let answer = client
         .query(query.clone())
