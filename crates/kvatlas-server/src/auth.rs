@@ -24,12 +24,12 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ring::digest::{SHA256, digest};
 use subtle::ConstantTimeEq;
 
 use crate::error::ServiceError;
+use crate::places::Places;
 
 /// The bearer token a client's token file holds: its first line, trimmed (empty if none).
 pub(crate) fn token_of_file(text: &str) -> &str {
@@ -75,8 +75,8 @@ pub enum TokenFileError {
 #[derive(Debug)]
 pub struct RequestQuota {
     limit: usize,
-    /// Requests of the token in flight. Invariant: at most `limit` once `take` returned.
-    in_flight: AtomicUsize,
+    /// Requests of the token in flight (at most `limit`: see [`Places`]).
+    in_flight: Places,
 }
 
 impl RequestQuota {
@@ -84,7 +84,7 @@ impl RequestQuota {
     pub fn new(limit: usize) -> Self {
         Self {
             limit,
-            in_flight: AtomicUsize::new(0),
+            in_flight: Places::default(),
         }
     }
 
@@ -95,17 +95,12 @@ impl RequestQuota {
 
     /// Takes a place; `false` (nothing taken) when all `limit` are held.
     pub(crate) fn take(&self) -> bool {
-        let before = self.in_flight.fetch_add(1, Ordering::AcqRel);
-        if before >= self.limit {
-            self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return false;
-        }
-        true
+        self.in_flight.take(self.limit)
     }
 
     /// Gives back a place [`RequestQuota::take`] took.
     pub(crate) fn give_back(&self) {
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.in_flight.give_back();
     }
 }
 

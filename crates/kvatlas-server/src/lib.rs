@@ -52,6 +52,7 @@ mod log_replica;
 mod metrics;
 mod nats;
 mod peers;
+mod places;
 mod publish;
 mod query;
 mod registry;

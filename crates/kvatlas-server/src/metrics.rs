@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use crate::places::Places;
 use crate::registry::Registry;
 
 /// The RPCs of `kvatlas.v1.Indexer`, and llm-d's `GetPodScores`.
@@ -232,7 +233,7 @@ pub(crate) struct Metrics {
     /// Snapshot and recovery instruments.
     pub(crate) recovery: RecoveryInstruments,
     rpcs: [RpcInstruments; Rpc::ALL.len()],
-    in_flight: AtomicU64,
+    in_flight: Places,
     auth_failures: AtomicU64,
     http: Mutex<std::collections::BTreeMap<(&'static str, u16), u64>>,
 }
@@ -242,7 +243,7 @@ impl Default for Metrics {
         Self {
             recovery: RecoveryInstruments::default(),
             rpcs: Default::default(),
-            in_flight: AtomicU64::new(0),
+            in_flight: Places::default(),
             auth_failures: AtomicU64::new(0),
             http: Mutex::new(std::collections::BTreeMap::new()),
         }
@@ -277,7 +278,7 @@ impl Metrics {
     }
 
     /// The requests-in-flight gauge.
-    pub(crate) fn in_flight(&self) -> &AtomicU64 {
+    pub(crate) fn in_flight(&self) -> &Places {
         &self.in_flight
     }
 
@@ -417,11 +418,7 @@ impl Metrics {
             "gauge",
             "gRPC requests and open streams being served.",
         );
-        let _ = writeln!(
-            out,
-            "kvatlas_requests_in_flight {}",
-            self.in_flight.load(Ordering::Relaxed)
-        );
+        let _ = writeln!(out, "kvatlas_requests_in_flight {}", self.in_flight.held());
         header(
             out,
             "kvatlas_auth_failures_total",

@@ -301,12 +301,7 @@ mod tests {
             crate::state::MAX_CONCURRENT_DUMPS,
         ));
         caller.quota = Some(Arc::clone(&quota));
-        let in_flight = || {
-            state
-                .metrics
-                .in_flight()
-                .load(std::sync::atomic::Ordering::Acquire)
-        };
+        let in_flight = || state.metrics.in_flight().held();
         // 256-byte chunks: the snapshot is far more than the channel buffers.
         let stalled: Vec<SnapshotStream> = (0..crate::state::MAX_CONCURRENT_DUMPS)
             .map(|_| {
@@ -325,7 +320,7 @@ mod tests {
             state.admit_request(&caller).is_err(),
             "the token's quota is held while the readers have not stalled for long"
         );
-        assert_eq!(in_flight(), crate::state::MAX_CONCURRENT_DUMPS as u64);
+        assert_eq!(in_flight(), crate::state::MAX_CONCURRENT_DUMPS);
         let deadline = Instant::now() + Duration::from_secs(20);
         let dump = loop {
             if let Ok(dump) = state.admit_dump("/snapshot") {

@@ -2,7 +2,7 @@
 //! the startup gate and the shutdown signal.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tokio_util::sync::CancellationToken;
 
@@ -10,6 +10,7 @@ use crate::auth::{Caller, RequestQuota, Tokens};
 use crate::config::Limits;
 use crate::error::ServiceError;
 use crate::metrics::{Metrics, Rpc};
+use crate::places::Places;
 use crate::registry::Registry;
 
 /// Reads of the whole state (`/dump`, `/snapshot`, the `Snapshot` RPC) allowed at once: each
@@ -37,7 +38,7 @@ pub(crate) struct State {
     /// While a bootstrap from a peer runs, queries are refused (the state is not complete).
     bootstrapping: AtomicBool,
     /// Whole-state reads running (at most [`MAX_CONCURRENT_DUMPS`]).
-    dumps: AtomicUsize,
+    dumps: Places,
 }
 
 impl State {
@@ -59,7 +60,7 @@ impl State {
             next_stream: AtomicU64::new(1),
             peers: parking_lot::Mutex::new(std::collections::BTreeSet::new()),
             bootstrapping: AtomicBool::new(false),
-            dumps: AtomicUsize::new(0),
+            dumps: Places::default(),
         }
     }
 
@@ -70,9 +71,7 @@ impl State {
     /// RESOURCE_EXHAUSTED while [`MAX_CONCURRENT_DUMPS`] of them run; what
     /// [`State::check_snapshot_ready`] answers.
     pub(crate) fn admit_dump(self: &Arc<Self>, what: &str) -> Result<DumpPermit, ServiceError> {
-        let before = self.dumps.fetch_add(1, Ordering::AcqRel);
-        if before >= MAX_CONCURRENT_DUMPS {
-            self.dumps.fetch_sub(1, Ordering::AcqRel);
+        if !self.dumps.take(MAX_CONCURRENT_DUMPS) {
             return Err(ServiceError::ResourceExhausted(format!(
                 "{what}: {MAX_CONCURRENT_DUMPS} reads of the whole state (/dump, /snapshot, \
                  Snapshot) are already running; retry when they finish"
@@ -237,10 +236,11 @@ impl State {
             quota,
             counted: false,
         };
-        let in_flight = self.metrics.in_flight();
-        let before = in_flight.fetch_add(1, Ordering::AcqRel);
-        if before >= self.limits.max_concurrent_requests as u64 {
-            in_flight.fetch_sub(1, Ordering::AcqRel);
+        if !self
+            .metrics
+            .in_flight()
+            .take(self.limits.max_concurrent_requests)
+        {
             return Err(ServiceError::ResourceExhausted(format!(
                 "the server is at its limit of {} concurrent requests; retry with backoff",
                 self.limits.max_concurrent_requests
@@ -259,7 +259,7 @@ pub(crate) struct DumpPermit {
 
 impl Drop for DumpPermit {
     fn drop(&mut self) {
-        self.state.dumps.fetch_sub(1, Ordering::AcqRel);
+        self.state.dumps.give_back();
     }
 }
 
@@ -276,10 +276,7 @@ pub(crate) struct Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if self.counted {
-            self.state
-                .metrics
-                .in_flight()
-                .fetch_sub(1, Ordering::AcqRel);
+            self.state.metrics.in_flight().give_back();
         }
         if let Some(quota) = &self.quota {
             quota.give_back();
@@ -312,6 +309,6 @@ mod tests {
         drop(held);
         let again = state.admit_dump("Snapshot").expect("a place again");
         drop(again);
-        assert_eq!(state.dumps.load(Ordering::Acquire), 0);
+        assert_eq!(state.dumps.held(), 0);
     }
 }
