@@ -21,7 +21,9 @@
 //!   400 if it differs); its deprecated `lora_id` is refused (400); `/query_by_hash` takes hashes
 //!   as signed or unsigned 64-bit integers;
 //! - `/unregister` with a `dp_rank` removes that rank only (1.6.1 removes every rank unless a
-//!   `routing_group` is also given); an instance may be registered in several indexes;
+//!   `routing_group` is also given), also a rank no feed registered that holds blocks (a
+//!   batch's `dp_rank` put them there; 1.6.1 answers 404); an instance may be registered in
+//!   several indexes;
 //! - a `block_size` of 0 is refused (400); an endpoint ZMQ cannot use is refused at
 //!   registration (400) rather than shown as a failed listener;
 //! - the dump of a rank lists its own engine hashes (1.6.1 lists the first writer's), one event
@@ -1056,7 +1058,13 @@ pub(crate) async fn dump_route(
             return crate::http::error_response(&error);
         }
     };
+    let held = crate::snapshot_stream::Held {
+        dump: dump_place,
+        request: place.take(),
+    };
     let registry = Arc::clone(&state.registry);
+    // The build holds the places: a client that goes away meanwhile does not free them while
+    // the images are in memory.
     let body = tokio::task::spawn_blocking(move || {
         let images: Vec<IndexImage> = registry
             .all()
@@ -1064,15 +1072,11 @@ pub(crate) async fn dump_route(
             .filter(|e| caller.may_use(&e.key.tenant))
             .map(|e| e.image())
             .collect();
-        dump(&images)
+        (dump(&images), held)
     })
     .await;
     match body {
-        Ok(body) => {
-            let held = crate::snapshot_stream::Held {
-                dump: dump_place,
-                request: place.take(),
-            };
+        Ok((body, held)) => {
             let chunks = crate::snapshot_stream::stream_written(
                 move |sink| {
                     serde_json::to_writer(sink, &body)

@@ -204,7 +204,18 @@ impl Publisher {
                         recorded: RecordedFeed::Grpc { .. },
                         ..
                     }) => entry.index().mark(worker).map(|mark| mark.position),
-                    _ => None,
+                    Some(Unfed {
+                        recorded: RecordedFeed::Zmq(_),
+                        ..
+                    }) => {
+                        // The listener's position, not this client's: forgotten, so that a
+                        // later restore does not number this feed's batches by it.
+                        entry
+                            .index()
+                            .forget_marks(worker.worker_id, Some(worker.dp_rank));
+                        None
+                    }
+                    None => None,
                 };
                 vacant.insert(Feed::Grpc(GrpcFeed {
                     last_seq,
@@ -657,6 +668,56 @@ mod tests {
         assert_eq!(
             publisher.admit(&first).expect("admitted"),
             Admission::Apply { resync: false }
+        );
+    }
+
+    /// A rank a restore recorded as fed by a ZMQ listener, and could not feed again, fed over
+    /// `PublishEvents` later: the listener's position does not number the client's batches
+    /// (a batch numbered 1 is applied, not dropped as a duplicate), and it is forgotten, so
+    /// that a later restore does not number them by it either.
+    #[test]
+    fn a_feed_of_the_other_kind_does_not_take_the_recorded_checkpoint() {
+        use crate::snapshot::RecordedFeed;
+
+        let mut image = two_grpc_ranks();
+        image.feeds[1] = RecordedFeed::Zmq(crate::registry::WorkerRegistration {
+            index: image.key.clone(),
+            instance_id: 2,
+            dp_rank: 0,
+            block_size: image.block_size,
+            engine: kvatlas_events::EngineKind::Vllm,
+            endpoint: "tcp://127.0.0.1:1".into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            pod_name: None,
+            mode: kvatlas_events::SocketMode::Connect,
+        });
+        let registry = Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits {
+                max_registered_ranks: 1,
+                ..crate::config::Limits::default()
+            },
+        ));
+        let failed = registry
+            .restore_images(&[image], Some(&[]))
+            .expect("restored");
+        assert_eq!(failed.len(), 1, "the listener does not fit the rank limit");
+        let entry = registry.all().pop().expect("the index");
+        assert!(entry.unfed.lock().contains_key(&Worker::new(2, 0)));
+        registry
+            .unregister("m", None, 1, None, |_| true)
+            .expect("unregistered");
+
+        let mut publisher = Publisher::new(1, Arc::clone(&registry));
+        let first = publisher.prepare(&message(2, 1)).expect("prepared");
+        assert_eq!(
+            publisher.admit(&first).expect("admitted"),
+            Admission::Apply { resync: false }
+        );
+        assert!(
+            entry.index().mark(Worker::new(2, 0)).is_none(),
+            "the listener's checkpoint is forgotten"
         );
     }
 

@@ -425,6 +425,9 @@ pub(crate) struct IndexEntry {
     pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
     /// Ranks a restore could not feed again (see [`Unfed`]); locked after `feeds`.
     pub(crate) unfed: Mutex<BTreeMap<Worker, Unfed>>,
+    /// Unregistrations that removed something (for the snapshot writer to see a change that
+    /// moved no event counter, such as removing a rank nobody fed).
+    pub(crate) unregistrations: std::sync::atomic::AtomicU64,
     /// Counters of feeds that were stopped.
     retired: Mutex<FeedCounters>,
 }
@@ -487,6 +490,7 @@ impl IndexEntry {
             listeners: Listeners::with_threads(zmq.clone(), sink, listener_threads),
             feeds: Mutex::new(BTreeMap::new()),
             unfed: Mutex::new(BTreeMap::new()),
+            unregistrations: std::sync::atomic::AtomicU64::new(0),
             retired: Mutex::new(FeedCounters::default()),
         })
     }
@@ -729,6 +733,19 @@ impl IndexEntry {
             block_size: registration.block_size,
             engine: registration.engine,
         };
+        // A rank a restore recorded as fed over PublishEvents holds a checkpoint that numbers
+        // that client's batches, not this engine's: the listener starts without it (and if it
+        // fails to start, the rank stays unfed without it).
+        if matches!(
+            self.unfed.lock().get(&worker),
+            Some(Unfed {
+                recorded: RecordedFeed::Grpc { .. },
+                ..
+            })
+        ) {
+            self.index()
+                .forget_marks(worker.worker_id, Some(worker.dp_rank));
+        }
         let resume = self.index().mark(worker).map(|mark| Resume {
             position: mark.position,
             recent: mark.recent,
@@ -793,6 +810,7 @@ impl IndexEntry {
         if removed.is_empty() && unfed.is_empty() && unlisted.is_empty() {
             return RanksRemoved::default();
         }
+        self.unregistrations.fetch_add(1, Ordering::AcqRel);
         let mut listeners_stopped = 0;
         for (_, feed) in &removed {
             let counters = match feed {
@@ -809,16 +827,21 @@ impl IndexEntry {
         }
         // The sources are gone: a later one with the same id starts from scratch.
         self.index().forget_marks(instance_id, dp_rank);
-        // The listeners are stopped: wait for what they queued, then remove the blocks. Removing
-        // directly (not through a lane) is safe: no feed of these ranks is left to write.
+        // The listeners are stopped: wait for what they queued, then remove the blocks. A whole
+        // instance is removed directly (not through a lane): no feed of it is left to write. One
+        // rank is cleared through its lane: a feed of another rank of the instance may still
+        // write it (a batch's dp_rank), and a rank has one writer at a time.
         let report = match dp_rank {
             None => self.pool.remove_worker(instance_id),
             Some(rank) => {
-                let mut report = self.pool.flush();
-                report.merge(&self.pool.index().apply(&Mutation::Cleared {
+                let cleared = Mutation::Cleared {
                     worker: Worker::new(instance_id, rank),
-                }));
-                report
+                };
+                match self.pool.enqueue(cleared.clone()) {
+                    Ok(()) => self.pool.flush(),
+                    // The writers stopped (shutdown): nothing else writes.
+                    Err(_) => self.pool.index().apply(&cleared),
+                }
             }
         };
         if let Some(log) = &self.log {

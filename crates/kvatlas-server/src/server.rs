@@ -680,8 +680,9 @@ async fn write_snapshot(state: Arc<State>, dir: DataDir) -> Result<Written, Stri
     written
 }
 
-/// What changes when the state changes: per index, events applied and feeds registered.
-fn generation(registry: &Registry) -> Vec<(IndexKey, u64, usize)> {
+/// What changes when the state changes: per index, events applied, feeds registered and
+/// unregistrations.
+fn generation(registry: &Registry) -> Vec<(IndexKey, u64, usize, u64)> {
     registry
         .all()
         .iter()
@@ -690,6 +691,7 @@ fn generation(registry: &Registry) -> Vec<(IndexKey, u64, usize)> {
                 e.key.clone(),
                 e.index().events_applied(),
                 e.feeds.lock().len(),
+                e.unregistrations.load(std::sync::atomic::Ordering::Acquire),
             )
         })
         .collect()

@@ -1114,8 +1114,8 @@ async fn a_stalled_dump_reader_gives_back_its_tokens_place() {
         ..ServerConfig::default()
     })
     .await;
-    // 300,000 blocks: their dump (tens of MiB of JSON) is far more than the answer's channel
-    // and the sockets' buffers hold.
+    // 600,000 blocks: their dump (about 40 MB of JSON) is far more than the answer's channel
+    // (4 MiB) and the sockets' buffers (a few MiB each) hold.
     let batch = |b: u64| v1::PublishEventsRequest {
         index: selector(MODEL, ""),
         instance_id: 1,
@@ -1133,7 +1133,7 @@ async fn a_stalled_dump_reader_gives_back_its_tokens_place() {
     let mut client = authed(&h.url, Some(token)).await;
     client
         .raw()
-        .publish_events(tokio_stream::iter((0..30).map(batch)))
+        .publish_events(tokio_stream::iter((0..60).map(batch)))
         .await
         .expect("published");
     let http = h.server.http_addr();
