@@ -810,7 +810,6 @@ impl IndexEntry {
         if removed.is_empty() && unfed.is_empty() && unlisted.is_empty() {
             return RanksRemoved::default();
         }
-        self.unregistrations.fetch_add(1, Ordering::AcqRel);
         let mut listeners_stopped = 0;
         for (_, feed) in &removed {
             let counters = match feed {
@@ -844,6 +843,9 @@ impl IndexEntry {
                 }
             }
         };
+        // Counted once the removal is done: a snapshot taken before sees the count unchanged
+        // and the next one is written.
+        self.unregistrations.fetch_add(1, Ordering::AcqRel);
         if let Some(log) = &self.log {
             log.send_now(log_record::encode_unregister(
                 &self.key,
