@@ -366,7 +366,7 @@ pub(crate) async fn unregister(
 
 /// 1.6.1's words for an unregistration that matched nothing: the rank is not registered, the
 /// instance is registered elsewhere (the first such index), or it is not registered at all.
-fn unregister_not_found(
+pub(crate) fn unregister_not_found(
     registry: &Registry,
     model: &str,
     tenant: Option<&str>,
@@ -377,11 +377,9 @@ fn unregister_not_found(
     let mut elsewhere = None;
     for entry in registry.all() {
         if !may_use(&entry.key.tenant)
-            || !entry
-                .feeds
-                .lock()
-                .keys()
-                .any(|w| w.worker_id == instance_id)
+            || entry
+                .registered_pods(&BTreeSet::from([instance_id]))
+                .is_empty()
         {
             continue;
         }

@@ -22,7 +22,7 @@
 //!
 //! Where kvatlas differs from llm-d, and why, is in `docs/server.md`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,7 +40,7 @@ use crate::error::ServiceError;
 use crate::grpc::{blocking, caller_of, status};
 use crate::metrics::Rpc;
 use crate::query::{QueryInput, QueryOptions};
-use crate::registry::{DEFAULT_TENANT, Feed, IndexEntry, IndexKey, MAX_NAME_BYTES};
+use crate::registry::{DEFAULT_TENANT, IndexEntry, IndexKey, MAX_NAME_BYTES};
 use crate::state::State;
 
 /// llm-d's weight of a block held on the device (GPU) tier (`gpu`, `pkg/kvcache/backend.go`).
@@ -191,14 +191,6 @@ pub(crate) fn pod_of<V>(
         .map_or_else(|| worker.worker_id.to_string(), str::to_owned)
 }
 
-/// The pod name a feed was registered with (ZMQ registrations carry one).
-fn registered_pod(feed: &Feed) -> Option<&str> {
-    match feed {
-        Feed::Zmq { registration, .. } => registration.pod_name.as_deref(),
-        Feed::Grpc(_) => None,
-    }
-}
-
 /// The answer's scores: one per pod holding the prompt's first block (and named in `filter`
 /// when it is not empty), the pod's best rank, sorted by score (best first), then pod.
 pub(crate) fn pod_scores(
@@ -253,15 +245,24 @@ fn score_tokens(
         max_query_tokens,
     )?;
     // The pods of the matched ranks, read at once: the feeds' lock is not held while scoring.
-    let pods: BTreeMap<Worker, String> = {
-        let feeds = entry.feeds.lock();
-        answer
-            .matches
-            .workers
-            .iter()
-            .map(|m| (m.worker, pod_of(&feeds, registered_pod, m.worker)))
-            .collect()
-    };
+    let instances: BTreeSet<u64> = answer
+        .matches
+        .workers
+        .iter()
+        .map(|m| m.worker.worker_id)
+        .collect();
+    let registered = entry.registered_pods(&instances);
+    let pods: BTreeMap<Worker, String> = answer
+        .matches
+        .workers
+        .iter()
+        .map(|m| {
+            (
+                m.worker,
+                pod_of(&registered, |pod| pod.as_deref(), m.worker),
+            )
+        })
+        .collect();
     Ok(pod_scores(
         &answer.matches,
         |worker| {

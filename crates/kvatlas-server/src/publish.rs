@@ -680,18 +680,7 @@ mod tests {
         use crate::snapshot::RecordedFeed;
 
         let mut image = two_grpc_ranks();
-        image.feeds[1] = RecordedFeed::Zmq(crate::registry::WorkerRegistration {
-            index: image.key.clone(),
-            instance_id: 2,
-            dp_rank: 0,
-            block_size: image.block_size,
-            engine: kvatlas_events::EngineKind::Vllm,
-            endpoint: "tcp://127.0.0.1:1".into(),
-            replay_endpoint: None,
-            topic: String::new(),
-            pod_name: None,
-            mode: kvatlas_events::SocketMode::Connect,
-        });
+        image.feeds[1] = RecordedFeed::Zmq(zmq_rank(2, "tcp://127.0.0.1:1"));
         let registry = Arc::new(Registry::new(
             crate::config::IndexSettings::default(),
             crate::config::Limits {
@@ -718,6 +707,72 @@ mod tests {
         assert!(
             entry.index().mark(Worker::new(2, 0)).is_none(),
             "the listener's checkpoint is forgotten"
+        );
+    }
+
+    /// Rank 0 of `instance_id` in [`two_grpc_ranks`]'s index, fed by a vLLM publisher at
+    /// `endpoint`.
+    fn zmq_rank(instance_id: u64, endpoint: &str) -> crate::registry::WorkerRegistration {
+        crate::registry::WorkerRegistration {
+            index: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
+            instance_id,
+            dp_rank: 0,
+            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
+            engine: kvatlas_events::EngineKind::Vllm,
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            pod_name: None,
+            mode: kvatlas_events::SocketMode::Connect,
+        }
+    }
+
+    /// A ZMQ registration of a rank a restore recorded as fed over `PublishEvents` sets the
+    /// client's checkpoint aside (it does not number the engine's batches); when the listener
+    /// fails to start, the checkpoint is put back and the rank stays unfed, so the client
+    /// feeding it again still continues from it (the checkpoint was lost, and a re-sent batch
+    /// was applied a second time).
+    #[test]
+    fn a_failed_registration_keeps_an_unfed_ranks_checkpoint() {
+        let registry = restored_with_one_unfed();
+        let entry = registry.all().pop().expect("the index");
+        registry
+            .unregister("m", None, 1, None, |_| true)
+            .expect("unregistered");
+        let refused = registry.register(zmq_rank(2, "not-an-endpoint"));
+        assert!(
+            matches!(refused, Err(ServiceError::InvalidArgument(_))),
+            "{refused:?}"
+        );
+        assert_eq!(
+            entry.index().mark(Worker::new(2, 0)).map(|m| m.position),
+            Some(7),
+            "the checkpoint is back"
+        );
+        assert!(entry.unfed.lock().contains_key(&Worker::new(2, 0)));
+
+        let mut publisher = Publisher::new(1, Arc::clone(&registry));
+        let again = publisher.prepare(&message(2, 7)).expect("prepared");
+        assert_eq!(
+            publisher.admit(&again).expect("admitted"),
+            Admission::Duplicate
+        );
+    }
+
+    /// A rank not fed since the restore is still known as registered: Dynamo's `/unregister`
+    /// of it under another model names where it is, and the shutdown report gives its
+    /// checkpoint (both read the live feeds only).
+    #[test]
+    fn an_unfed_rank_is_named_where_registered_ranks_are() {
+        let registry = restored_with_one_unfed();
+        assert_eq!(
+            crate::dynamo::unregister_not_found(&registry, "other", None, 2, None, |_| true),
+            "instance 2 is registered for model=m routing_group=default"
+        );
+        let report = crate::server::final_report(&registry);
+        assert_eq!(
+            report.indexes[0].last_seq,
+            [(Worker::new(1, 0), Some(5)), (Worker::new(2, 0), Some(7))]
         );
     }
 

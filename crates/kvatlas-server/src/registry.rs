@@ -29,7 +29,7 @@
 //! Queries do not go through any of this: they take the index's `Arc` and read the
 //! `ConcurrentAtlas` inline (see `query`).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -692,6 +692,36 @@ impl IndexEntry {
             .collect()
     }
 
+    /// Every registered rank of `instances` — fed, or recorded as fed and not fed since a
+    /// restore — with the pod name its ZMQ registration carries (`None`: a `PublishEvents`
+    /// rank, or a registration without one).
+    pub(crate) fn registered_pods(
+        &self,
+        instances: &BTreeSet<u64>,
+    ) -> BTreeMap<Worker, Option<String>> {
+        let feeds = self.feeds.lock();
+        let unfed = self.unfed.lock();
+        let mut pods = BTreeMap::new();
+        for &instance in instances {
+            let ranks = Worker::new(instance, 0)..=Worker::new(instance, u32::MAX);
+            for (worker, feed) in feeds.range(ranks.clone()) {
+                let pod = match feed {
+                    Feed::Zmq { registration, .. } => registration.pod_name.clone(),
+                    Feed::Grpc(_) => None,
+                };
+                pods.insert(*worker, pod);
+            }
+            for (worker, rank) in unfed.range(ranks) {
+                let pod = match &rank.recorded {
+                    RecordedFeed::Zmq(registration) => registration.pod_name.clone(),
+                    RecordedFeed::Grpc { .. } => None,
+                };
+                pods.insert(*worker, pod);
+            }
+        }
+        pods
+    }
+
     /// Starts a ZMQ listener for `registration` unless the same registration exists; it
     /// continues from the rank's checkpoint if the index recorded one (a restored snapshot), and
     /// starts held if `held` (to be released once a peer's snapshot is restored).
@@ -734,18 +764,21 @@ impl IndexEntry {
             engine: registration.engine,
         };
         // A rank a restore recorded as fed over PublishEvents holds a checkpoint that numbers
-        // that client's batches, not this engine's: the listener starts without it (and if it
-        // fails to start, the rank stays unfed without it).
-        if matches!(
+        // that client's batches, not this engine's: the listener starts without it, and it is
+        // put back if the listener fails to start (the rank stays unfed, and a later
+        // PublishEvents feed of it continues from it). Nothing else records one meanwhile:
+        // `feeds` is locked, so no feed of the rank can start.
+        let foreign_mark = if matches!(
             self.unfed.lock().get(&worker),
             Some(Unfed {
                 recorded: RecordedFeed::Grpc { .. },
                 ..
             })
         ) {
-            self.index()
-                .forget_marks(worker.worker_id, Some(worker.dp_rank));
-        }
+            self.index().take_mark(worker)
+        } else {
+            None
+        };
         let resume = self.index().mark(worker).map(|mark| Resume {
             position: mark.position,
             recent: mark.recent,
@@ -761,10 +794,15 @@ impl IndexEntry {
         if let Some(replay) = &registration.replay_endpoint {
             config = config.with_replay_endpoint(replay.clone());
         }
-        let listener = self
-            .listeners
-            .start(config)
-            .map_err(|e| listener_error(&e, &registration))?;
+        let listener = match self.listeners.start(config) {
+            Ok(listener) => listener,
+            Err(e) => {
+                if let Some(mark) = foreign_mark {
+                    self.index().put_back_mark(worker, mark);
+                }
+                return Err(listener_error(&e, &registration));
+            }
+        };
         feeds.insert(
             worker,
             Feed::Zmq {

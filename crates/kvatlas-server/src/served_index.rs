@@ -26,6 +26,10 @@ use crate::snapshot::SourceMark;
 /// Fingerprints kept per source (the listeners' duplicate window).
 const RECENT_KEPT: usize = 1024;
 
+/// A checkpoint taken out of the index by [`ServedIndex::take_mark`].
+#[derive(Debug)]
+pub(crate) struct TakenMark(Mark);
+
 /// A source's checkpoint as kept between snapshots.
 #[derive(Debug, Clone, Default)]
 struct Mark {
@@ -119,6 +123,19 @@ impl ServedIndex {
     /// The checkpoint of `source`, if one was recorded.
     pub(crate) fn mark(&self, source: Worker) -> Option<SourceMark> {
         self.marks.lock().get(&source).map(Mark::to_source_mark)
+    }
+
+    /// Removes the checkpoint of `source` and hands it over, to be put back with
+    /// [`ServedIndex::put_back_mark`] if what it was removed for does not happen.
+    pub(crate) fn take_mark(&self, source: Worker) -> Option<TakenMark> {
+        self.marks.lock().remove(&source).map(TakenMark)
+    }
+
+    /// Puts back a checkpoint [`ServedIndex::take_mark`] removed. Whoever calls it must know
+    /// that nothing recorded a new checkpoint for the source since (the caller kept its feed
+    /// from starting).
+    pub(crate) fn put_back_mark(&self, source: Worker, mark: TakenMark) {
+        self.marks.lock().insert(source, mark.0);
     }
 
     /// The ranks holding a checkpoint.

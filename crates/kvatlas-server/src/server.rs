@@ -134,7 +134,8 @@ pub struct IndexReport {
     pub digest: u64,
     /// Index mutations applied since it was created.
     pub events_applied: u64,
-    /// Every rank with a feed, and the last sequence number applied for it.
+    /// Every registered rank (fed, or not fed since a restore) and the last sequence number
+    /// applied for it.
     pub last_seq: Vec<(Worker, Option<u64>)>,
 }
 
@@ -745,7 +746,7 @@ async fn periodic_snapshots(
 }
 
 /// Stops every listener, applies what is queued and reports each index.
-fn final_report(registry: &Registry) -> ShutdownReport {
+pub(crate) fn final_report(registry: &Registry) -> ShutdownReport {
     let mut indexes = Vec::new();
     for entry in registry.all() {
         let states = entry.stop_listeners();
@@ -765,6 +766,10 @@ fn final_report(registry: &Registry) -> ShutdownReport {
             if let Feed::Grpc(grpc) = feed {
                 last_seq.push((*worker, grpc.last_seq));
             }
+        }
+        // Ranks not fed since a restore: where their feed would continue from.
+        for worker in entry.unfed.lock().keys() {
+            last_seq.push((*worker, index.mark(*worker).map(|m| m.position)));
         }
         last_seq.sort();
         let report = IndexReport {

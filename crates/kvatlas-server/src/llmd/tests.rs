@@ -369,3 +369,76 @@ fn prompts_shorter_than_a_block_score_nothing() {
         assert!(pod_scores(&tiered(&reference, &prompt), rank_pod, &[]).is_empty());
     }
 }
+
+/// A rank a restore recorded as fed by a ZMQ listener registered with a pod name, and could not
+/// feed again (the rank limit), still answers as that pod (it answered as its instance id).
+#[test]
+fn a_rank_not_fed_since_a_restore_answers_as_its_registered_pod() {
+    use crate::registry::{DEFAULT_TENANT, Registry, WorkerRegistration};
+    use crate::snapshot::{IndexImage, RecordedFeed};
+    use kvatlas_index::{Snapshot, SnapshotBlock, TierSet, WorkerSnapshot};
+
+    let block_size = kvatlas_hash::BlockSize::new(4).expect("4");
+    let tokens: Vec<u32> = (1..=8).collect();
+    let locals: Vec<LocalBlockHash> = BlockHasher::with_block_size(block_size)
+        .local_hashes(&tokens)
+        .collect();
+    let holding = |worker: Worker| WorkerSnapshot {
+        worker,
+        blocks: locals
+            .iter()
+            .enumerate()
+            .map(|(i, local)| SnapshotBlock {
+                external: ExternalBlockHash::new(worker.worker_id * 100 + i as u64),
+                local: *local,
+                parent: i
+                    .checked_sub(1)
+                    .map(|p| ExternalBlockHash::new(worker.worker_id * 100 + p as u64)),
+                tiers: TierSet::only(Tier::Device),
+            })
+            .collect(),
+    };
+    let key = IndexKey::new("m", DEFAULT_TENANT);
+    let (fed, unfed) = (Worker::new(1, 0), Worker::new(2, 0));
+    let image = IndexImage {
+        key: key.clone(),
+        block_size,
+        capacity: None,
+        feeds: vec![
+            RecordedFeed::Grpc { worker: fed },
+            RecordedFeed::Zmq(WorkerRegistration {
+                index: key.clone(),
+                instance_id: 2,
+                dp_rank: 0,
+                block_size,
+                engine: kvatlas_events::EngineKind::Vllm,
+                endpoint: "tcp://127.0.0.1:1".into(),
+                replay_endpoint: None,
+                topic: String::new(),
+                pod_name: Some("vllm-pod-two".into()),
+                mode: kvatlas_events::SocketMode::Connect,
+            }),
+        ],
+        marks: BTreeMap::new(),
+        snapshot: Snapshot {
+            workers: vec![holding(fed), holding(unfed)],
+        },
+    };
+    let registry = Registry::new(
+        crate::config::IndexSettings::default(),
+        crate::config::Limits {
+            max_registered_ranks: 1,
+            ..crate::config::Limits::default()
+        },
+    );
+    let failed = registry
+        .restore_images(&[image], Some(&[]))
+        .expect("restored");
+    assert_eq!(failed.len(), 1, "the listener does not fit the rank limit");
+    let entry = registry.get(&key).expect("the index");
+    let scores = score_tokens(&entry, &tokens, &[], 1 << 10).expect("scored");
+    assert_eq!(
+        as_map(&scores),
+        BTreeMap::from([("1".to_owned(), 2.0), ("vllm-pod-two".to_owned(), 2.0)])
+    );
+}
