@@ -1049,16 +1049,12 @@ pub(crate) async fn dump_route(
         Ok(caller) => caller,
         Err(response) => return *response,
     };
-    let dump_place = match state.admit_dump("/dump") {
-        Ok(dump) => dump,
+    let held = match state.admit_dump("/dump", place.take()) {
+        Ok(held) => held,
         Err(error) => {
             state.metrics.http("/dump", error.http_status());
             return crate::http::error_response(&error);
         }
-    };
-    let held = crate::snapshot_stream::Held {
-        dump: dump_place,
-        request: place.take(),
     };
     let registry = Arc::clone(&state.registry);
     // The build holds the places: a client that goes away meanwhile does not free them while

@@ -657,11 +657,10 @@ impl Indexer for IndexerService {
             let permit = self.state.admit(Rpc::Snapshot, &caller).map_err(status)?;
             let filter = request.into_inner();
             caller.check_named(&filter.tenant).map_err(status)?;
-            let dump = self.state.admit_dump("Snapshot").map_err(status)?;
-            let held = crate::snapshot_stream::Held {
-                dump,
-                request: Some(permit),
-            };
+            let held = self
+                .state
+                .admit_dump("Snapshot", Some(permit))
+                .map_err(status)?;
             let chunks = crate::snapshot_stream::stream_filtered(
                 Arc::clone(&self.state.registry),
                 move |key| listed(&caller, &filter.model, &filter.tenant, key),

@@ -221,18 +221,14 @@ async fn snapshot(
     if let Err(response) = unrestricted(&state, &headers, "/snapshot") {
         return *response;
     }
-    let dump = match state.admit_dump("/snapshot") {
-        Ok(dump) => dump,
+    let held = match state.admit_dump("/snapshot", place.take()) {
+        Ok(held) => held,
         Err(error) => {
             state.metrics.http("/snapshot", error.http_status());
             return error_response(&error);
         }
     };
     state.metrics.http("/snapshot", 200);
-    let held = crate::snapshot_stream::Held {
-        dump,
-        request: place.take(),
-    };
     let chunks = crate::snapshot_stream::stream(
         Arc::clone(&state.registry),
         held,

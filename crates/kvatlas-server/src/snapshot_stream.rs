@@ -305,15 +305,15 @@ mod tests {
         // 256-byte chunks: the snapshot is far more than the channel buffers.
         let stalled: Vec<SnapshotStream> = (0..crate::state::MAX_CONCURRENT_DUMPS)
             .map(|_| {
-                let held = Held {
-                    dump: state.admit_dump("Snapshot").expect("a place"),
-                    request: Some(state.admit_request(&caller).expect("a request's place")),
-                };
+                let request = state.admit_request(&caller).expect("a request's place");
+                let held = state
+                    .admit_dump("Snapshot", Some(request))
+                    .expect("a place");
                 stream_in_chunks(Arc::clone(&state.registry), |_| true, held, stall, 256)
             })
             .collect();
         assert!(
-            state.admit_dump("/snapshot").is_err(),
+            state.admit_dump("/snapshot", None).is_err(),
             "both places are held while the readers have not stalled for long"
         );
         assert!(
@@ -322,9 +322,9 @@ mod tests {
         );
         assert_eq!(in_flight(), crate::state::MAX_CONCURRENT_DUMPS);
         let deadline = Instant::now() + Duration::from_secs(20);
-        let dump = loop {
-            if let Ok(dump) = state.admit_dump("/snapshot") {
-                break dump;
+        let held = loop {
+            if let Ok(held) = state.admit_dump("/snapshot", None) {
+                break held;
             }
             assert!(
                 Instant::now() < deadline,
@@ -357,10 +357,6 @@ mod tests {
             );
         }
 
-        let held = Held {
-            dump,
-            request: None,
-        };
         let read = stream_in_chunks(Arc::clone(&state.registry), |_| true, held, stall, 256);
         let (bytes, error) = drain(read).await;
         assert!(error.is_none(), "{error:?}");

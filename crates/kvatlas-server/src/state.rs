@@ -12,6 +12,7 @@ use crate::error::ServiceError;
 use crate::metrics::{Metrics, Rpc};
 use crate::places::Places;
 use crate::registry::Registry;
+use crate::snapshot_stream::Held;
 
 /// Reads of the whole state (`/dump`, `/snapshot`, the `Snapshot` RPC) allowed at once: each
 /// holds images of the indexes it reads (and `/dump` their JSON), so their number, not only
@@ -65,12 +66,17 @@ impl State {
     }
 
     /// A place among the whole-state reads (`what` names the request for the error), for a
-    /// state that can be read whole ([`State::check_snapshot_ready`]).
+    /// state that can be read whole ([`State::check_snapshot_ready`]), held with the
+    /// request's own place (`request`) by whoever writes the answer.
     ///
     /// # Errors
     /// RESOURCE_EXHAUSTED while [`MAX_CONCURRENT_DUMPS`] of them run; what
     /// [`State::check_snapshot_ready`] answers.
-    pub(crate) fn admit_dump(self: &Arc<Self>, what: &str) -> Result<DumpPermit, ServiceError> {
+    pub(crate) fn admit_dump(
+        self: &Arc<Self>,
+        what: &str,
+        request: Option<Permit>,
+    ) -> Result<Held, ServiceError> {
         if !self.dumps.take(MAX_CONCURRENT_DUMPS) {
             return Err(ServiceError::ResourceExhausted(format!(
                 "{what}: {MAX_CONCURRENT_DUMPS} reads of the whole state (/dump, /snapshot, \
@@ -81,7 +87,10 @@ impl State {
             state: Arc::clone(self),
         };
         self.check_snapshot_ready()?;
-        Ok(permit)
+        Ok(Held {
+            dump: permit,
+            request,
+        })
     }
 
     /// Whether a bootstrap from a peer runs.
@@ -297,17 +306,17 @@ mod tests {
             Limits::default(),
         ));
         let state = Arc::new(State::new(registry, Limits::default(), None, 0));
-        let held: Vec<DumpPermit> = (0..MAX_CONCURRENT_DUMPS)
-            .map(|_| state.admit_dump("/dump").expect("a place"))
+        let held: Vec<Held> = (0..MAX_CONCURRENT_DUMPS)
+            .map(|_| state.admit_dump("/dump", None).expect("a place"))
             .collect();
-        match state.admit_dump("/snapshot") {
+        match state.admit_dump("/snapshot", None) {
             Err(ServiceError::ResourceExhausted(message)) => {
                 assert!(message.starts_with("/snapshot: 2 reads"), "{message}");
             }
             other => panic!("expected RESOURCE_EXHAUSTED, got {other:?}"),
         }
         drop(held);
-        let again = state.admit_dump("Snapshot").expect("a place again");
+        let again = state.admit_dump("Snapshot", None).expect("a place again");
         drop(again);
         assert_eq!(state.dumps.held(), 0);
     }
