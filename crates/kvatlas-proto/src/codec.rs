@@ -107,8 +107,19 @@ pub fn decode_message<U: Message + Default + 'static>(
         .map_or_else(|| U::decode(bytes), Ok)
 }
 
+/// Bounds the token ids a `QueryRequest` is decoded with to at least `max` (the server's
+/// `--max-query-tokens`): a message carrying more is refused with INVALID_ARGUMENT before its
+/// ids are decoded, as the server would refuse the query, so that a message of one-byte ids
+/// does not become four bytes of memory per byte first. The bound is the process's: it only
+/// rises (servers of one process with different limits each check their own on the decoded
+/// query), and without a call nothing is bounded. Ids in a layout prost decodes (not
+/// protobuf fields at all) are not counted.
+pub fn bound_token_ids(max: usize) {
+    requests::MAX_TOKEN_IDS.fetch_max(max, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Decodes from the message's contiguous bytes, reporting failures as INVALID_ARGUMENT naming
-/// the message type.
+/// the message type; a `QueryRequest` over [`bound_token_ids`] is refused before decoding.
 #[derive(Debug)]
 pub struct MessageDecoder<U>(PhantomData<U>);
 
@@ -120,6 +131,11 @@ impl<U: Message + Default + 'static> Decoder for MessageDecoder<U> {
         let len = buf.remaining();
         let decoded = if buf.chunk().len() >= len {
             let bytes = &buf.chunk()[..len];
+            let bound = requests::MAX_TOKEN_IDS.load(std::sync::atomic::Ordering::Relaxed);
+            if let Some(refused) = requests::over_bound::<U>(bytes, bound) {
+                buf.advance(len);
+                return Err(Status::invalid_argument(refused));
+            }
             let decoded = decode_message::<U>(bytes);
             buf.advance(len);
             decoded

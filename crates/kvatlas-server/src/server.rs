@@ -837,6 +837,9 @@ fn serve_grpc(
     stop: CancellationToken,
 ) -> Result<JoinHandle<Result<(), tonic::transport::Error>>, StartError> {
     let limits = state.limits;
+    // A query's token ids over the limit are refused before they are decoded (each byte of a
+    // packed id would become four of memory first).
+    kvatlas_proto::codec::bound_token_ids(limits.max_query_tokens);
     let auth = {
         let state = Arc::clone(state);
         move |request| authenticate(&state, request)

@@ -291,6 +291,39 @@ fn serve_query_list_register_and_stop() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A query of more token ids than `--max-query-tokens` is refused with the server's message,
+/// before its ids are decoded (the process's codec is bounded by the limit).
+#[test]
+fn a_query_over_the_token_limit_is_refused_before_decoding() {
+    let served = Served::start(&["--max-query-tokens", "8"]);
+    let server = served.grpc.clone();
+    let twenty: String = (1..=20).map(|t| format!("{t} ")).collect();
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "m", "--tokens", "-",
+        ],
+        Some(&twenty),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let error = text(&out.stderr);
+    assert!(
+        error.contains("INVALID_ARGUMENT")
+            && error.contains("the prompt has 20 tokens; this server accepts at most 8")
+            && error.contains("refused before decoding"),
+        "{error}"
+    );
+    // At the limit, the query reaches the index (there is none for the model yet).
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "m", "--tokens", "-",
+        ],
+        Some("1 2 3 4 5 6 7 8"),
+    );
+    assert!(text(&out.stderr).contains("no index for model"), "{out:?}");
+    let (status, _) = served.terminate();
+    assert!(status.success(), "{status:?}");
+}
+
 #[test]
 fn serve_takes_a_config_file_and_refuses_unsafe_settings() {
     let dir = std::env::temp_dir().join(format!("kvatlas-cli-config-{}", std::process::id()));

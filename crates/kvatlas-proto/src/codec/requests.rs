@@ -19,7 +19,8 @@
 //! Invariant (checked by the property tests below): for every input, [`decode`] returns prost's
 //! message or defers to it; for every message, [`encode`] writes prost's bytes.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
+use std::sync::atomic::AtomicUsize;
 
 use prost::Message;
 use prost::encoding::{encoded_len_varint, message};
@@ -142,6 +143,72 @@ fn decode_request(bytes: &[u8]) -> Option<QueryRequest> {
         }
     }
     Some(r)
+}
+
+/// The most token ids a `QueryRequest` is decoded with (0: no bound); see
+/// [`super::bound_token_ids`].
+pub(super) static MAX_TOKEN_IDS: AtomicUsize = AtomicUsize::new(0);
+
+/// Skips a field's value of wire type `wire`; `None` for a group or a value cut short.
+fn skip(bytes: &[u8], at: &mut usize, wire: u64) -> Option<()> {
+    let fixed = |at: &mut usize, width: usize| {
+        *at = at.checked_add(width).filter(|&end| end <= bytes.len())?;
+        Some(())
+    };
+    match wire {
+        0 => varint(bytes, at).map(drop),
+        1 => fixed(at, 8),
+        2 => delimited(bytes, at).map(drop),
+        5 => fixed(at, 4),
+        _ => None,
+    }
+}
+
+/// How many token ids a `QueryRequest`'s bytes carry, counted without decoding them: every
+/// `tokens` field (prost merges repeated ones), a packed run by its varints' last bytes, an
+/// unpacked id as one. `None` if the bytes are not a sequence of fields (prost then refuses
+/// them, or decides what a group means).
+pub(super) fn count_token_ids(bytes: &[u8]) -> Option<usize> {
+    let mut count = 0usize;
+    let mut at = 0;
+    while at < bytes.len() {
+        let key = varint(bytes, &mut at)?;
+        if key != u64::from(TOKENS) {
+            skip(bytes, &mut at, key & 7)?;
+            continue;
+        }
+        let ids = delimited(bytes, &mut at)?;
+        let mut inner = 0;
+        while inner < ids.len() {
+            let key = varint(ids, &mut inner)?;
+            if key == u64::from(PACKED) {
+                let packed = delimited(ids, &mut inner)?;
+                count += packed.iter().filter(|&&b| b < 0x80).count();
+            } else if key == u64::from(PACKED & !7) {
+                varint(ids, &mut inner)?;
+                count += 1;
+            } else {
+                skip(ids, &mut inner, key & 7)?;
+            }
+        }
+    }
+    Some(count)
+}
+
+/// Why `bytes` are refused before decoding when `U` is `QueryRequest` and they carry more
+/// than `bound` token ids (0: no bound). A message of n bytes carries at most n ids, so a
+/// message no longer than the bound is not counted.
+pub(super) fn over_bound<U: Any>(bytes: &[u8], bound: usize) -> Option<String> {
+    if bound == 0 || bytes.len() <= bound || TypeId::of::<U>() != TypeId::of::<QueryRequest>() {
+        return None;
+    }
+    let count = count_token_ids(bytes)?;
+    (count > bound).then(|| {
+        format!(
+            "the prompt has {count} tokens; this server accepts at most {bound} per query \
+             (refused before decoding them)"
+        )
+    })
 }
 
 /// `bytes` decoded as `U` if `U` is `QueryRequest` and `bytes` have the canonical layout;
@@ -293,7 +360,12 @@ mod tests {
             let mut ours = Vec::new();
             prop_assert_eq!(encode(&request, &mut ours), Some(0));
             prop_assert_eq!(&ours, &bytes);
-            prop_assert_eq!(decode::<QueryRequest>(&bytes), Some(request));
+            prop_assert_eq!(decode::<QueryRequest>(&bytes), Some(request.clone()));
+            let ids = match &request.input {
+                Some(query_request::Input::Tokens(tokens)) => tokens.ids.len(),
+                _ => 0,
+            };
+            prop_assert_eq!(count_token_ids(&bytes), Some(ids));
         }
 
         /// Any bytes — valid requests altered, cut or extended, and noise — decode as prost
@@ -307,6 +379,12 @@ mod tests {
         ) {
             let bytes = crate::codec::altered(request.encode_to_vec(), &flips, cut, &tail);
             prop_assert_eq!(decoded(&bytes).ok(), QueryRequest::decode(&bytes[..]).ok());
+            // The count before decoding is never below the ids decoded (it bounds their memory).
+            if let (Ok(QueryRequest { input: Some(query_request::Input::Tokens(t)), .. }), Some(n)) =
+                (decoded(&bytes), count_token_ids(&bytes))
+            {
+                prop_assert!(n >= t.ids.len(), "{} counted, {} decoded", n, t.ids.len());
+            }
         }
     }
 
@@ -340,6 +418,42 @@ mod tests {
         // Other messages are prost's.
         assert_eq!(decode::<TokenIds>(&one), None);
         assert_eq!(encode(&TokenIds::default(), &mut Vec::new()), None);
+    }
+
+    /// Token ids are counted in every layout prost reads — repeated prompts, unpacked ids,
+    /// fields after them — and a request over the bound is refused with its count, one at the
+    /// bound is not, and other messages are never counted.
+    #[test]
+    fn token_ids_over_the_bound_are_refused_before_decoding() {
+        let tokens = |ids: Vec<u32>| QueryRequest {
+            index: Some(IndexSelector {
+                model: "m".into(),
+                tenant: String::new(),
+            }),
+            input: Some(query_request::Input::Tokens(TokenIds { ids })),
+            request_id: 9,
+            ..QueryRequest::default()
+        };
+        let ids: Vec<u32> = (0..300).collect();
+        let one = tokens(ids).encode_to_vec();
+        assert_eq!(count_token_ids(&one), Some(300));
+        let twice = [&one[..], &one[..]].concat();
+        assert_eq!(count_token_ids(&twice), Some(600));
+        let unpacked = [TOKENS, 5, 1 << 3, 7, 1 << 3, 0x80, 1];
+        assert_eq!(count_token_ids(&unpacked), Some(2));
+        assert_eq!(count_token_ids(&[TOKENS, 3, PACKED, 1]), None, "cut short");
+
+        let refused = over_bound::<QueryRequest>(&one, 299).expect("over the bound");
+        assert!(
+            refused.starts_with("the prompt has 300 tokens"),
+            "{refused}"
+        );
+        assert!(refused.contains("at most 299"), "{refused}");
+        assert_eq!(over_bound::<QueryRequest>(&one, 300), None);
+        assert_eq!(over_bound::<QueryRequest>(&one, 0), None, "no bound");
+        assert_eq!(over_bound::<TokenIds>(&one, 1), None, "not a QueryRequest");
+        let many = tokens((0..100).collect()).encode_to_vec();
+        assert_eq!(over_bound::<QueryRequest>(&many, 50).map(|_| ()), Some(()));
     }
 
     #[test]
