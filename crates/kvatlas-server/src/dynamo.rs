@@ -921,6 +921,28 @@ fn tier_of_name(name: &str) -> Option<Tier> {
     }
 }
 
+/// A block on the cycle of parent links above `block`, a held block no root reaches (its
+/// parents are all held, none written: a written parent's children are written with it, so
+/// following them from `block` comes back to a block already passed).
+fn cycle_above(
+    block: ExternalBlockHash,
+    held: &BTreeMap<ExternalBlockHash, (LocalBlockHash, Option<ExternalBlockHash>)>,
+) -> ExternalBlockHash {
+    let mut passed = BTreeSet::new();
+    let mut at = block;
+    while passed.insert(at) {
+        match held
+            .get(&at)
+            .and_then(|b| b.1)
+            .filter(|p| held.contains_key(p))
+        {
+            Some(parent) => at = parent,
+            None => return at,
+        }
+    }
+    at
+}
+
 /// The events of one index in 1.6.1's `RouterEvent` JSON: per rank and tier, one `stored` event
 /// per run of blocks (each block's parent the one before it), parents before children; event ids
 /// count from 0 per tier, as 1.6.1 numbers them.
@@ -946,9 +968,10 @@ pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
             }
             // Depth first from each root; a run continues while a block has one child not yet
             // written. Blocks no root reaches lie on a cycle of parent links (an engine can
-            // report one) or below one: once the roots are done, the first of them not
-            // written starts a run of its own, with its recorded parent, and so on until every
-            // held block is written once.
+            // report one) or below one: once the roots are done, the cycle above the first of
+            // them not written is entered at one of its blocks, which starts a run with its
+            // recorded parent, and so on until every held block is written once — each after
+            // its parent but for the block a cycle is entered at.
             let mut written: BTreeSet<ExternalBlockHash> = BTreeSet::new();
             let mut unreached = held.keys();
             let mut stack: Vec<(ExternalBlockHash, Option<ExternalBlockHash>)> = roots
@@ -960,7 +983,10 @@ pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
                 unreached
                     .by_ref()
                     .find(|h| !written.contains(*h))
-                    .map(|&h| (h, held.get(&h).and_then(|b| b.1)))
+                    .map(|&h| {
+                        let entry = cycle_above(h, &held);
+                        (entry, held.get(&entry).and_then(|b| b.1))
+                    })
             }) {
                 if !written.insert(start) {
                     continue;
@@ -1481,7 +1507,9 @@ mod tests {
                         block(12, Some(11), 3),
                         block(13, Some(11), 1),
                         block(20, Some(99), 1),
-                        // A cycle of parent links, with a block below it: no root reaches them.
+                        // A cycle of parent links, with blocks below it (one before its blocks
+                        // in hash order): no root reaches them.
+                        block(39, Some(43), 1),
                         block(40, Some(42), 1),
                         block(41, Some(40), 1),
                         block(42, Some(41), 1),
@@ -1503,7 +1531,43 @@ mod tests {
             marks: BTreeMap::new(),
             snapshot: snapshot.clone(),
         };
-        let body = serde_json::to_vec(&dump(&[image])).expect("json");
+        let dumped = dump(&[image]);
+        // Each block after its parent, but for the one a cycle is entered at.
+        let order: Vec<u64> = dumped["llama3:8b:g"]["events"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter(|e| e["worker_id"] == 1 && e["storage_tier"] == "device")
+            .flat_map(|e| {
+                e["event"]["data"]["stored"]["blocks"]
+                    .as_array()
+                    .expect("blocks")
+                    .iter()
+                    .map(|b| b["block_hash"].as_u64().expect("hash"))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let at = |hash: u64| order.iter().position(|&h| h == hash).expect("dumped");
+        let parents = [
+            (11, 10),
+            (12, 11),
+            (13, 11),
+            (41, 40),
+            (42, 41),
+            (40, 42),
+            (43, 41),
+            (39, 43),
+        ];
+        let before: Vec<u64> = parents
+            .iter()
+            .filter(|&&(child, parent)| at(child) < at(parent))
+            .map(|&(child, _)| child)
+            .collect();
+        assert!(
+            matches!(before.as_slice(), [40..=42]),
+            "one block of the cycle precedes its parent, no other: {before:?} in {order:?}"
+        );
+        let body = serde_json::to_vec(&dumped).expect("json");
         let parsed = parse_dump(&body).expect("parses");
         assert_eq!(parsed.len(), 1);
         assert_eq!(parsed[0].0, IndexKey::new("llama3:8b", "g"));
