@@ -108,18 +108,32 @@ pub fn decode_message<U: Message + Default + 'static>(
 }
 
 /// Bounds the token ids a `QueryRequest` is decoded with to at least `max` (the server's
-/// `--max-query-tokens`): a message carrying more is refused with INVALID_ARGUMENT before its
-/// ids are decoded, as the server would refuse the query, so that a message of one-byte ids
-/// does not become four bytes of memory per byte first. The bound is the process's: it only
-/// rises (servers of one process with different limits each check their own on the decoded
-/// query), and without a call nothing is bounded. Ids in a layout prost decodes (not
-/// protobuf fields at all) are not counted.
+/// `--max-query-tokens`), so that a message of one-byte ids does not become four bytes of
+/// memory per byte before the server refuses it. A message carrying more ids (counted in its
+/// bytes, [`count_token_ids`]) is decoded with only the first `max + 1`: the server then
+/// refuses it as any query over its limit, with its request id, and on a `QueryStream` the
+/// stream goes on. One the hand-written decoding does not read (a non-canonical layout, left
+/// to prost) is refused with INVALID_ARGUMENT instead, which ends a stream. The bound is the
+/// process's: it only rises (servers of one process with different limits each check their
+/// own on the decoded query), and without a call nothing is bounded.
 pub fn bound_token_ids(max: usize) {
     requests::MAX_TOKEN_IDS.fetch_max(max, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// The bound [`bound_token_ids`] set (0: none): a decoded query holding more ids was cut.
+pub fn token_id_bound() -> usize {
+    requests::MAX_TOKEN_IDS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// How many token ids prost decodes from the `QueryRequest` in `bytes`, at most, counted
+/// without decoding them (what [`bound_token_ids`] compares).
+pub fn count_token_ids(bytes: &[u8]) -> usize {
+    requests::count_token_ids(bytes)
+}
+
 /// Decodes from the message's contiguous bytes, reporting failures as INVALID_ARGUMENT naming
-/// the message type; a `QueryRequest` over [`bound_token_ids`] is refused before decoding.
+/// the message type; a `QueryRequest` over [`bound_token_ids`] is cut or refused before its
+/// ids are decoded.
 #[derive(Debug)]
 pub struct MessageDecoder<U>(PhantomData<U>);
 
@@ -131,10 +145,16 @@ impl<U: Message + Default + 'static> Decoder for MessageDecoder<U> {
         let len = buf.remaining();
         let decoded = if buf.chunk().len() >= len {
             let bytes = &buf.chunk()[..len];
-            let bound = requests::MAX_TOKEN_IDS.load(std::sync::atomic::Ordering::Relaxed);
-            if let Some(refused) = requests::over_bound::<U>(bytes, bound) {
+            let bound = token_id_bound();
+            if let Some(count) = requests::over_bound::<U>(bytes, bound) {
+                let cut = requests::decode_cut::<U>(bytes, bound.saturating_add(1));
                 buf.advance(len);
-                return Err(Status::invalid_argument(refused));
+                return cut.map(Some).ok_or_else(|| {
+                    Status::invalid_argument(format!(
+                        "the prompt has {count} tokens; this server accepts at most {bound} per \
+                         query (refused before decoding them)"
+                    ))
+                });
             }
             let decoded = decode_message::<U>(bytes);
             buf.advance(len);

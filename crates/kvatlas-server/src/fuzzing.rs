@@ -212,6 +212,15 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
                 "the codec decoded a QueryRequest differently from prost"
             );
             let query = query.ok()?;
+            // The count the codec bounds a query by is never below the ids decoded.
+            if let Some(v1::query_request::Input::Tokens(tokens)) = &query.input {
+                let counted = kvatlas_proto::codec::count_token_ids(body);
+                assert!(
+                    counted >= tokens.ids.len(),
+                    "{counted} token ids counted, {} decoded",
+                    tokens.ids.len()
+                );
+            }
             service.answer(&caller, &query).map(drop)
         }
         1 => {

@@ -69,10 +69,16 @@ impl IndexEntry {
         let hashes: Vec<LocalBlockHash> = match input {
             QueryInput::Tokens(tokens) => {
                 if tokens.len() > max_query_tokens {
+                    // More than the codec's bound: the codec kept only the first bound + 1.
+                    let bound = kvatlas_proto::codec::token_id_bound();
+                    let count = if bound != 0 && tokens.len() > bound {
+                        format!("more than {bound}")
+                    } else {
+                        tokens.len().to_string()
+                    };
                     return Err(ServiceError::InvalidArgument(format!(
-                        "the prompt has {} tokens; this server accepts at most {max_query_tokens} \
-                         per query",
-                        tokens.len()
+                        "the prompt has {count} tokens; this server accepts at most \
+                         {max_query_tokens} per query"
                     )));
                 }
                 self.hasher_for(lora_name, cache_salt)?

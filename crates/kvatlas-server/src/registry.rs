@@ -766,8 +766,8 @@ impl IndexEntry {
         // A rank a restore recorded as fed over PublishEvents holds a checkpoint that numbers
         // that client's batches, not this engine's: the listener starts without it, and it is
         // put back if the listener fails to start (the rank stays unfed, and a later
-        // PublishEvents feed of it continues from it). Nothing else records one meanwhile:
-        // `feeds` is locked, so no feed of the rank can start.
+        // PublishEvents feed of it continues from it) — unless a restore replaced the
+        // checkpoints meanwhile. No feed of the rank can record one: `feeds` is locked.
         let foreign_mark = if matches!(
             self.unfed.lock().get(&worker),
             Some(Unfed {

@@ -28,7 +28,11 @@ const RECENT_KEPT: usize = 1024;
 
 /// A checkpoint taken out of the index by [`ServedIndex::take_mark`].
 #[derive(Debug)]
-pub(crate) struct TakenMark(Mark);
+pub(crate) struct TakenMark {
+    mark: Mark,
+    /// [`ServedIndex`]'s restores when it was taken.
+    restores: u64,
+}
 
 /// A source's checkpoint as kept between snapshots.
 #[derive(Debug, Clone, Default)]
@@ -74,6 +78,9 @@ pub(crate) struct ServedIndex {
     totals: Mutex<ApplyReport>,
     /// Every source's checkpoint; its lock also orders checkpointed writes against snapshots.
     marks: Mutex<BTreeMap<Worker, Mark>>,
+    /// Restores of a snapshot so far (changed with `marks` locked): a checkpoint taken out
+    /// before a restore is not put back after it.
+    restores: AtomicU64,
 }
 
 impl ServedIndex {
@@ -86,6 +93,7 @@ impl ServedIndex {
             last_applied: AtomicI64::new(0),
             totals: Mutex::new(ApplyReport::default()),
             marks: Mutex::new(BTreeMap::new()),
+            restores: AtomicU64::new(0),
         }
     }
 
@@ -103,6 +111,7 @@ impl ServedIndex {
     /// Replaces the state and the checkpoints with a snapshot's.
     pub(crate) fn restore_image(&self, snapshot: &Snapshot, marks: &BTreeMap<Worker, SourceMark>) {
         let mut kept = self.marks.lock();
+        self.restores.fetch_add(1, Ordering::Relaxed);
         self.atlas.restore(snapshot);
         *kept = marks
             .iter()
@@ -128,14 +137,21 @@ impl ServedIndex {
     /// Removes the checkpoint of `source` and hands it over, to be put back with
     /// [`ServedIndex::put_back_mark`] if what it was removed for does not happen.
     pub(crate) fn take_mark(&self, source: Worker) -> Option<TakenMark> {
-        self.marks.lock().remove(&source).map(TakenMark)
+        let mut marks = self.marks.lock();
+        let restores = self.restores.load(Ordering::Relaxed);
+        marks
+            .remove(&source)
+            .map(|mark| TakenMark { mark, restores })
     }
 
-    /// Puts back a checkpoint [`ServedIndex::take_mark`] removed. Whoever calls it must know
-    /// that nothing recorded a new checkpoint for the source since (the caller kept its feed
-    /// from starting).
-    pub(crate) fn put_back_mark(&self, source: Worker, mark: TakenMark) {
-        self.marks.lock().insert(source, mark.0);
+    /// Puts back a checkpoint [`ServedIndex::take_mark`] removed, unless a snapshot was
+    /// restored since (the state it numbered is gone) or the source has a checkpoint again
+    /// (newer). The caller keeps the source's feeds from starting meanwhile.
+    pub(crate) fn put_back_mark(&self, source: Worker, taken: TakenMark) {
+        let mut marks = self.marks.lock();
+        if self.restores.load(Ordering::Relaxed) == taken.restores {
+            marks.entry(source).or_insert(taken.mark);
+        }
     }
 
     /// The ranks holding a checkpoint.
@@ -235,5 +251,53 @@ impl SharedKvIndex for ServedIndex {
 
     fn stats(&self) -> IndexStats {
         self.atlas.stats()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::SourceMark;
+
+    /// A checkpoint taken out is put back — unless a restore replaced the checkpoints since
+    /// (it numbered a state that is gone), or the source has a newer one.
+    #[test]
+    fn a_taken_checkpoint_is_put_back_unless_restored_or_renewed_since() {
+        let index = ServedIndex::new(None);
+        let worker = Worker::new(7, 0);
+        let marks = |position| {
+            BTreeMap::from([(
+                worker,
+                SourceMark {
+                    position,
+                    recent: Vec::new(),
+                },
+            )])
+        };
+        let empty = Snapshot::default();
+        index.restore_image(&empty, &marks(5));
+        let position = |index: &ServedIndex| index.mark(worker).map(|m| m.position);
+
+        let taken = index.take_mark(worker).expect("a checkpoint");
+        assert_eq!(position(&index), None);
+        index.put_back_mark(worker, taken);
+        assert_eq!(position(&index), Some(5), "put back");
+
+        let taken = index.take_mark(worker).expect("a checkpoint");
+        index.restore_image(&empty, &BTreeMap::new());
+        index.put_back_mark(worker, taken);
+        assert_eq!(position(&index), None, "a restore came between");
+
+        index.restore_image(&empty, &marks(9));
+        let taken = index.take_mark(worker).expect("a checkpoint");
+        index.marks.lock().insert(
+            worker,
+            Mark {
+                position: 11,
+                recent: VecDeque::new(),
+            },
+        );
+        index.put_back_mark(worker, taken);
+        assert_eq!(position(&index), Some(11), "the newer one stays");
     }
 }

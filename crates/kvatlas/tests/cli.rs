@@ -292,11 +292,13 @@ fn serve_query_list_register_and_stop() {
 }
 
 /// A query of more token ids than `--max-query-tokens` is refused with the server's message,
-/// before its ids are decoded (the process's codec is bounded by the limit).
+/// decoded only up to the limit (the process's codec is bounded by it); on a `QueryStream` that
+/// query alone is refused and the stream goes on.
 #[test]
 fn a_query_over_the_token_limit_is_refused_before_decoding() {
     let served = Served::start(&["--max-query-tokens", "8"]);
     let server = served.grpc.clone();
+    publish(&server, vec![store(1, &[1, 2]).0]);
     let twenty: String = (1..=20).map(|t| format!("{t} ")).collect();
     let out = kvatlas(
         &[
@@ -308,18 +310,67 @@ fn a_query_over_the_token_limit_is_refused_before_decoding() {
     let error = text(&out.stderr);
     assert!(
         error.contains("INVALID_ARGUMENT")
-            && error.contains("the prompt has 20 tokens; this server accepts at most 8")
-            && error.contains("refused before decoding"),
+            && error.contains("the prompt has more than 8 tokens; this server accepts at most 8"),
         "{error}"
     );
-    // At the limit, the query reaches the index (there is none for the model yet).
+    // At the limit, the query is answered.
+    let at_limit: String = tokens(&[1, 2]).iter().map(|t| format!("{t} ")).collect();
     let out = kvatlas(
         &[
             "query", "--server", &server, "--model", "m", "--tokens", "-",
         ],
-        Some("1 2 3 4 5 6 7 8"),
+        Some(&at_limit),
     );
-    assert!(text(&out.stderr).contains("no index for model"), "{out:?}");
+    assert!(out.status.success(), "{out:?}");
+
+    // On a stream: the query over the limit gets its error, the next its answer.
+    let query = |request_id: u64, ids: Vec<u32>| v1::QueryRequest {
+        index: Some(v1::IndexSelector {
+            model: "m".into(),
+            tenant: String::new(),
+        }),
+        input: Some(v1::query_request::Input::Tokens(v1::TokenIds { ids })),
+        request_id,
+        ..v1::QueryRequest::default()
+    };
+    let answers: Vec<v1::QueryStreamResponse> = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(async {
+            let mut client = v1::indexer_client::IndexerClient::connect(server.clone())
+                .await
+                .expect("connects");
+            let requests = vec![query(1, (1..=20).collect()), query(2, tokens(&[1, 2]))];
+            let mut answers = client
+                .query_stream(tokio_stream::iter(requests))
+                .await
+                .expect("stream opened")
+                .into_inner();
+            let mut all = Vec::new();
+            while let Some(answer) = answers.message().await.expect("the stream goes on") {
+                all.push(answer);
+            }
+            all
+        });
+    assert_eq!(answers.len(), 2, "{answers:?}");
+    match &answers[0] {
+        v1::QueryStreamResponse {
+            request_id: 1,
+            outcome: Some(v1::query_stream_response::Outcome::Error(error)),
+        } => {
+            assert_eq!(error.code, 3, "{error:?}");
+            assert!(error.message.contains("more than 8 tokens"), "{error:?}");
+        }
+        other => panic!("expected query 1's error, got {other:?}"),
+    }
+    match &answers[1] {
+        v1::QueryStreamResponse {
+            request_id: 2,
+            outcome: Some(v1::query_stream_response::Outcome::Response(answer)),
+        } => assert_eq!(answer.matches.len(), 1, "{answer:?}"),
+        other => panic!("expected query 2's answer, got {other:?}"),
+    }
     let (status, _) = served.terminate();
     assert!(status.success(), "{status:?}");
 }

@@ -110,7 +110,8 @@ fn string(bytes: &[u8]) -> Option<String> {
     std::str::from_utf8(bytes).ok().map(str::to_owned)
 }
 
-fn decode_request(bytes: &[u8]) -> Option<QueryRequest> {
+/// A `QueryRequest` in the canonical layout, with at most `keep` of its token ids.
+fn decode_request(bytes: &[u8], keep: usize) -> Option<QueryRequest> {
     let mut r = QueryRequest::default();
     // Fields seen (bit = field number): a second occurrence is prost's to merge.
     let mut seen = 0u8;
@@ -130,7 +131,8 @@ fn decode_request(bytes: &[u8]) -> Option<QueryRequest> {
             CACHE_SALT => r.cache_salt = string(delimited(bytes, &mut at)?)?,
             // The two inputs are a oneof: with both present the last wins, left to prost.
             TOKENS if r.input.is_none() => {
-                let ids = packed_u32(only_packed(delimited(bytes, &mut at)?)?)?;
+                let packed = only_packed(delimited(bytes, &mut at)?)?;
+                let ids = packed_u32(first_varints(packed, keep))?;
                 r.input = Some(query_request::Input::Tokens(TokenIds { ids }));
             }
             LOCAL_HASHES if r.input.is_none() => {
@@ -149,66 +151,116 @@ fn decode_request(bytes: &[u8]) -> Option<QueryRequest> {
 /// [`super::bound_token_ids`].
 pub(super) static MAX_TOKEN_IDS: AtomicUsize = AtomicUsize::new(0);
 
-/// Skips a field's value of wire type `wire`; `None` for a group or a value cut short.
-fn skip(bytes: &[u8], at: &mut usize, wire: u64) -> Option<()> {
+/// Deepest nesting of groups skipped when counting (prost refuses more than 100).
+const GROUP_DEPTH: usize = 128;
+
+/// Skips the value of a field whose key is `key`, groups included (up to the end-group key of
+/// the same field number, nested ones within), as prost skips an unknown field; `None` where
+/// prost errs too (a value cut short, a wire type 4, 6 or 7 out of place, an end-group key of
+/// another field) or nesting deeper than [`GROUP_DEPTH`] (prost errs before).
+fn skip(bytes: &[u8], at: &mut usize, key: u64) -> Option<()> {
     let fixed = |at: &mut usize, width: usize| {
         *at = at.checked_add(width).filter(|&end| end <= bytes.len())?;
         Some(())
     };
-    match wire {
-        0 => varint(bytes, at).map(drop),
-        1 => fixed(at, 8),
-        2 => delimited(bytes, at).map(drop),
-        5 => fixed(at, 4),
-        _ => None,
+    let mut open: Vec<u64> = Vec::new();
+    let mut key = key;
+    loop {
+        match key & 7 {
+            0 => varint(bytes, at).map(drop)?,
+            1 => fixed(at, 8)?,
+            2 => delimited(bytes, at).map(drop)?,
+            5 => fixed(at, 4)?,
+            3 if open.len() < GROUP_DEPTH => open.push(key >> 3),
+            4 if open.last() == Some(&(key >> 3)) => {
+                open.pop();
+            }
+            _ => return None,
+        }
+        if open.is_empty() {
+            return Some(());
+        }
+        key = varint(bytes, at)?;
     }
 }
 
-/// How many token ids a `QueryRequest`'s bytes carry, counted without decoding them: every
-/// `tokens` field (prost merges repeated ones), a packed run by its varints' last bytes, an
-/// unpacked id as one. `None` if the bytes are not a sequence of fields (prost then refuses
-/// them, or decides what a group means).
-pub(super) fn count_token_ids(bytes: &[u8]) -> Option<usize> {
+/// How many token ids prost decodes from a `QueryRequest`'s bytes, at most, counted without
+/// decoding them: every `tokens` field (prost merges repeated ones; a non-canonical message
+/// naming another input in between is counted whole too), a packed run by its varints' last
+/// bytes, an unpacked id as one, unknown fields and groups skipped as prost skips them. Where
+/// the bytes stop being fields, prost stops with an error, and so does the count.
+pub(super) fn count_token_ids(bytes: &[u8]) -> usize {
     let mut count = 0usize;
     let mut at = 0;
     while at < bytes.len() {
-        let key = varint(bytes, &mut at)?;
+        let Some(key) = varint(bytes, &mut at) else {
+            break;
+        };
         if key != u64::from(TOKENS) {
-            skip(bytes, &mut at, key & 7)?;
+            if skip(bytes, &mut at, key).is_none() {
+                break;
+            }
             continue;
         }
-        let ids = delimited(bytes, &mut at)?;
+        let Some(ids) = delimited(bytes, &mut at) else {
+            break;
+        };
         let mut inner = 0;
         while inner < ids.len() {
-            let key = varint(ids, &mut inner)?;
-            if key == u64::from(PACKED) {
-                let packed = delimited(ids, &mut inner)?;
-                count += packed.iter().filter(|&&b| b < 0x80).count();
+            let Some(key) = varint(ids, &mut inner) else {
+                break;
+            };
+            let counted = if key == u64::from(PACKED) {
+                delimited(ids, &mut inner)
+                    .map(|packed| packed.iter().filter(|&&b| b < 0x80).count())
             } else if key == u64::from(PACKED & !7) {
-                varint(ids, &mut inner)?;
-                count += 1;
+                varint(ids, &mut inner).map(|_| 1)
             } else {
-                skip(ids, &mut inner, key & 7)?;
+                skip(ids, &mut inner, key).map(|()| 0)
+            };
+            match counted {
+                Some(n) => count += n,
+                None => break,
             }
         }
     }
-    Some(count)
+    count
 }
 
-/// Why `bytes` are refused before decoding when `U` is `QueryRequest` and they carry more
-/// than `bound` token ids (0: no bound). A message of n bytes carries at most n ids, so a
-/// message no longer than the bound is not counted.
-pub(super) fn over_bound<U: Any>(bytes: &[u8], bound: usize) -> Option<String> {
+/// The token ids `bytes` carry when `U` is `QueryRequest` and they are more than `bound` (0: no
+/// bound). A message of n bytes carries at most n ids, so a message no longer than the bound
+/// is not counted.
+pub(super) fn over_bound<U: Any>(bytes: &[u8], bound: usize) -> Option<usize> {
     if bound == 0 || bytes.len() <= bound || TypeId::of::<U>() != TypeId::of::<QueryRequest>() {
         return None;
     }
-    let count = count_token_ids(bytes)?;
-    (count > bound).then(|| {
-        format!(
-            "the prompt has {count} tokens; this server accepts at most {bound} per query \
-             (refused before decoding them)"
-        )
-    })
+    Some(count_token_ids(bytes)).filter(|&count| count > bound)
+}
+
+/// `bytes` decoded as `U` as [`decode`] does, keeping only the first `keep` token ids: a query
+/// over the bound is handed on cut (the server refuses it as it refuses any query over its
+/// limit: on a stream, that query alone). `None` where [`decode`] defers to prost.
+pub(super) fn decode_cut<U: Any>(bytes: &[u8], keep: usize) -> Option<U> {
+    let mut slot: Option<U> = None;
+    if let Some(slot) = (&mut slot as &mut dyn Any).downcast_mut::<Option<QueryRequest>>() {
+        *slot = decode_request(bytes, keep);
+    }
+    slot
+}
+
+/// `packed` cut after its `keep`-th varint (whole if it holds no more).
+fn first_varints(packed: &[u8], keep: usize) -> &[u8] {
+    if packed.len() <= keep {
+        // Each varint takes at least a byte: no more than `keep` of them.
+        return packed;
+    }
+    packed
+        .iter()
+        .enumerate()
+        .filter(|&(_, &b)| b < 0x80)
+        .nth(keep.saturating_sub(1))
+        .filter(|_| keep > 0)
+        .map_or(&packed[..0], |(end, _)| &packed[..=end])
 }
 
 /// `bytes` decoded as `U` if `U` is `QueryRequest` and `bytes` have the canonical layout;
@@ -216,7 +268,7 @@ pub(super) fn over_bound<U: Any>(bytes: &[u8], bound: usize) -> Option<String> {
 pub(crate) fn decode<U: Any>(bytes: &[u8]) -> Option<U> {
     let mut slot: Option<U> = None;
     if let Some(slot) = (&mut slot as &mut dyn Any).downcast_mut::<Option<QueryRequest>>() {
-        *slot = decode_request(bytes);
+        *slot = decode_request(bytes, usize::MAX);
     }
     slot
 }
@@ -365,7 +417,7 @@ mod tests {
                 Some(query_request::Input::Tokens(tokens)) => tokens.ids.len(),
                 _ => 0,
             };
-            prop_assert_eq!(count_token_ids(&bytes), Some(ids));
+            prop_assert_eq!(count_token_ids(&bytes), ids);
         }
 
         /// Any bytes — valid requests altered, cut or extended, and noise — decode as prost
@@ -380,9 +432,10 @@ mod tests {
             let bytes = crate::codec::altered(request.encode_to_vec(), &flips, cut, &tail);
             prop_assert_eq!(decoded(&bytes).ok(), QueryRequest::decode(&bytes[..]).ok());
             // The count before decoding is never below the ids decoded (it bounds their memory).
-            if let (Ok(QueryRequest { input: Some(query_request::Input::Tokens(t)), .. }), Some(n)) =
-                (decoded(&bytes), count_token_ids(&bytes))
+            if let Ok(QueryRequest { input: Some(query_request::Input::Tokens(t)), .. }) =
+                decoded(&bytes)
             {
+                let n = count_token_ids(&bytes);
                 prop_assert!(n >= t.ids.len(), "{} counted, {} decoded", n, t.ids.len());
             }
         }
@@ -421,10 +474,11 @@ mod tests {
     }
 
     /// Token ids are counted in every layout prost reads — repeated prompts, unpacked ids,
-    /// fields after them — and a request over the bound is refused with its count, one at the
-    /// bound is not, and other messages are never counted.
+    /// unknown fields and groups (nested, and inside the ids' message) around them — up to
+    /// where prost stops; a request over the bound is cut to `bound + 1` ids, one at the bound
+    /// is not, and other messages are never counted.
     #[test]
-    fn token_ids_over_the_bound_are_refused_before_decoding() {
+    fn token_ids_over_the_bound_are_counted_and_cut_before_decoding() {
         let tokens = |ids: Vec<u32>| QueryRequest {
             index: Some(IndexSelector {
                 model: "m".into(),
@@ -436,24 +490,52 @@ mod tests {
         };
         let ids: Vec<u32> = (0..300).collect();
         let one = tokens(ids).encode_to_vec();
-        assert_eq!(count_token_ids(&one), Some(300));
+        assert_eq!(count_token_ids(&one), 300);
         let twice = [&one[..], &one[..]].concat();
-        assert_eq!(count_token_ids(&twice), Some(600));
+        assert_eq!(count_token_ids(&twice), 600);
         let unpacked = [TOKENS, 5, 1 << 3, 7, 1 << 3, 0x80, 1];
-        assert_eq!(count_token_ids(&unpacked), Some(2));
-        assert_eq!(count_token_ids(&[TOKENS, 3, PACKED, 1]), None, "cut short");
-
-        let refused = over_bound::<QueryRequest>(&one, 299).expect("over the bound");
+        assert_eq!(count_token_ids(&unpacked), 2);
+        assert_eq!(count_token_ids(&[TOKENS, 3, PACKED, 1]), 0, "cut short");
+        // Groups prost skips: an empty one of field 8, one nesting another with a varint, one
+        // inside the ids' message, and an unknown fixed64 field.
+        let groups = [
+            &[8 << 3 | 3, 8 << 3 | 4][..],
+            &[9 << 3 | 3, 10 << 3 | 3, 1 << 3, 5, 10 << 3 | 4, 9 << 3 | 4],
+            &[TOKENS, 4, 2 << 3 | 3, 2 << 3 | 4, 1 << 3, 7],
+            &[11 << 3 | 1, 1, 2, 3, 4, 5, 6, 7, 8],
+            &one,
+        ]
+        .concat();
+        let prost = QueryRequest::decode(&groups[..]).expect("prost skips groups");
         assert!(
-            refused.starts_with("the prompt has 300 tokens"),
-            "{refused}"
+            matches!(&prost.input, Some(query_request::Input::Tokens(t)) if t.ids.len() == 301)
         );
-        assert!(refused.contains("at most 299"), "{refused}");
+        assert_eq!(count_token_ids(&groups), 301);
+        // Where prost stops with an error, after 300 ids, so does the count.
+        let then_garbage = [&one[..], &[12 << 3 | 4], &one[..]].concat();
+        assert!(QueryRequest::decode(&then_garbage[..]).is_err());
+        assert_eq!(count_token_ids(&then_garbage), 300);
+
+        assert_eq!(over_bound::<QueryRequest>(&one, 299), Some(300));
         assert_eq!(over_bound::<QueryRequest>(&one, 300), None);
         assert_eq!(over_bound::<QueryRequest>(&one, 0), None, "no bound");
         assert_eq!(over_bound::<TokenIds>(&one, 1), None, "not a QueryRequest");
-        let many = tokens((0..100).collect()).encode_to_vec();
-        assert_eq!(over_bound::<QueryRequest>(&many, 50).map(|_| ()), Some(()));
+        let cut = decode_cut::<QueryRequest>(&one, 100).expect("canonical");
+        assert_eq!(
+            cut,
+            tokens((0..100).collect()),
+            "the first 100, the rest as sent"
+        );
+        assert_eq!(
+            decode_cut::<QueryRequest>(&one, 300),
+            Some(tokens((0..300).collect()))
+        );
+        assert_eq!(
+            decode_cut::<QueryRequest>(&twice, 100),
+            None,
+            "prost's layout"
+        );
+        assert_eq!(decode_cut::<TokenIds>(&one, 100), None);
     }
 
     #[test]
