@@ -557,19 +557,7 @@ mod tests {
     /// A registry of at most one registered rank, with [`two_grpc_ranks`] restored as after a
     /// restart: rank 1 is fed again, rank 2 does not fit and is unfed.
     fn restored_with_one_unfed() -> Arc<Registry> {
-        let limits = crate::config::Limits {
-            max_registered_ranks: 1,
-            ..crate::config::Limits::default()
-        };
-        let registry = Arc::new(Registry::new(
-            crate::config::IndexSettings::default(),
-            limits,
-        ));
-        registry
-            .restore_images(&[two_grpc_ranks()], Some(&[]))
-            .expect("restored");
-        assert_eq!(registry.registered_ranks(), 1, "one rank fits the limit");
-        registry
+        crate::registry::restored_within_one_rank(two_grpc_ranks()).0
     }
 
     fn message(instance_id: u64, seq: u64) -> v1::PublishEventsRequest {
@@ -681,17 +669,8 @@ mod tests {
 
         let mut image = two_grpc_ranks();
         image.feeds[1] = RecordedFeed::Zmq(zmq_rank(2, "tcp://127.0.0.1:1"));
-        let registry = Arc::new(Registry::new(
-            crate::config::IndexSettings::default(),
-            crate::config::Limits {
-                max_registered_ranks: 1,
-                ..crate::config::Limits::default()
-            },
-        ));
-        let failed = registry
-            .restore_images(&[image], Some(&[]))
-            .expect("restored");
-        assert_eq!(failed.len(), 1, "the listener does not fit the rank limit");
+        let (registry, failed) = crate::registry::restored_within_one_rank(image);
+        assert_eq!(failed, 1, "the listener does not fit the rank limit");
         let entry = registry.all().pop().expect("the index");
         assert!(entry.unfed.lock().contains_key(&Worker::new(2, 0)));
         registry

@@ -1541,6 +1541,26 @@ pub(crate) fn block_size_field(value: u32, field: &str) -> Result<BlockSize, Ser
     })
 }
 
+/// A registry of at most one registered rank with `image` restored as after a restart (its
+/// recorded feeds adopted, none configured): the first feed is fed again, the others do not
+/// fit and stay unfed. Returns it and how many feeds could not be registered.
+#[cfg(test)]
+pub(crate) fn restored_within_one_rank(image: IndexImage) -> (Arc<Registry>, usize) {
+    let registry = Arc::new(Registry::new(
+        IndexSettings::default(),
+        Limits {
+            max_registered_ranks: 1,
+            ..Limits::default()
+        },
+    ));
+    let failed = registry
+        .restore_images(&[image], Some(&[]))
+        .expect("restored")
+        .len();
+    assert_eq!(registry.registered_ranks(), 1, "one rank fits the limit");
+    (registry, failed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -374,7 +374,7 @@ fn prompts_shorter_than_a_block_score_nothing() {
 /// feed again (the rank limit), still answers as that pod (it answered as its instance id).
 #[test]
 fn a_rank_not_fed_since_a_restore_answers_as_its_registered_pod() {
-    use crate::registry::{DEFAULT_TENANT, Registry, WorkerRegistration};
+    use crate::registry::{DEFAULT_TENANT, WorkerRegistration};
     use crate::snapshot::{IndexImage, RecordedFeed};
     use kvatlas_index::{Snapshot, SnapshotBlock, TierSet, WorkerSnapshot};
 
@@ -424,17 +424,8 @@ fn a_rank_not_fed_since_a_restore_answers_as_its_registered_pod() {
             workers: vec![holding(fed), holding(unfed)],
         },
     };
-    let registry = Registry::new(
-        crate::config::IndexSettings::default(),
-        crate::config::Limits {
-            max_registered_ranks: 1,
-            ..crate::config::Limits::default()
-        },
-    );
-    let failed = registry
-        .restore_images(&[image], Some(&[]))
-        .expect("restored");
-    assert_eq!(failed.len(), 1, "the listener does not fit the rank limit");
+    let (registry, failed) = crate::registry::restored_within_one_rank(image);
+    assert_eq!(failed, 1, "the listener does not fit the rank limit");
     let entry = registry.get(&key).expect("the index");
     let scores = score_tokens(&entry, &tokens, &[], 1 << 10).expect("scored");
     assert_eq!(
