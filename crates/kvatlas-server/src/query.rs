@@ -69,9 +69,9 @@ impl IndexEntry {
         let hashes: Vec<LocalBlockHash> = match input {
             QueryInput::Tokens(tokens) => {
                 if tokens.len() > max_query_tokens {
-                    // More than the codec's bound: the codec kept only the first bound + 1.
+                    // The codec's bound + 1: a query over it was cut there.
                     let bound = kvatlas_proto::codec::token_id_bound();
-                    let count = if bound != 0 && tokens.len() > bound {
+                    let count = if bound != 0 && tokens.len() == bound.saturating_add(1) {
                         format!("more than {bound}")
                     } else {
                         tokens.len().to_string()

@@ -187,8 +187,12 @@ fn skip(bytes: &[u8], at: &mut usize, key: u64) -> Option<()> {
 /// How many token ids prost decodes from a `QueryRequest`'s bytes, at most, counted without
 /// decoding them: every `tokens` field (prost merges repeated ones; a non-canonical message
 /// naming another input in between is counted whole too), a packed run by its varints' last
-/// bytes, an unpacked id as one, unknown fields and groups skipped as prost skips them. Where
-/// the bytes stop being fields, prost stops with an error, and so does the count.
+/// bytes (and one more if its last byte continues a varint), an unpacked id as one, unknown
+/// fields and groups skipped as prost skips them. Where the bytes stop being fields, prost
+/// stops with an error, and so does the count — after what prost decoded first: prost checks
+/// a nested field's length against the rest of the whole message, not of the message holding
+/// it, so a run may go past the end of its `TokenIds` (prost decodes it, then errs), and it is
+/// counted as read from the whole message too.
 pub(super) fn count_token_ids(bytes: &[u8]) -> usize {
     let mut count = 0usize;
     let mut at = 0;
@@ -202,26 +206,36 @@ pub(super) fn count_token_ids(bytes: &[u8]) -> usize {
             }
             continue;
         }
-        let Some(ids) = delimited(bytes, &mut at) else {
+        let Some(end) = varint(bytes, &mut at)
+            .and_then(|len| usize::try_from(len).ok())
+            .and_then(|len| at.checked_add(len))
+            .filter(|&end| end <= bytes.len())
+        else {
             break;
         };
-        let mut inner = 0;
-        while inner < ids.len() {
-            let Some(key) = varint(ids, &mut inner) else {
-                break;
+        // The `TokenIds` fields, each read from the whole message.
+        while at < end {
+            let Some(key) = varint(bytes, &mut at) else {
+                return count;
             };
-            let counted = if key == u64::from(PACKED) {
-                delimited(ids, &mut inner)
-                    .map(|packed| packed.iter().filter(|&&b| b < 0x80).count())
+            if key == u64::from(PACKED) {
+                let Some(run) = delimited(bytes, &mut at) else {
+                    return count;
+                };
+                let straddling = run.last().is_some_and(|&b| b >= 0x80);
+                count += run.iter().filter(|&&b| b < 0x80).count() + usize::from(straddling);
             } else if key == u64::from(PACKED & !7) {
-                varint(ids, &mut inner).map(|_| 1)
-            } else {
-                skip(ids, &mut inner, key).map(|()| 0)
-            };
-            match counted {
-                Some(n) => count += n,
-                None => break,
+                count += 1;
+                if varint(bytes, &mut at).is_none() {
+                    return count;
+                }
+            } else if skip(bytes, &mut at, key).is_none() {
+                return count;
             }
+        }
+        if at != end {
+            // A field ran past the end of its `TokenIds`: prost errs here.
+            return count;
         }
     }
     count
@@ -511,6 +525,17 @@ mod tests {
             matches!(&prost.input, Some(query_request::Input::Tokens(t)) if t.ids.len() == 301)
         );
         assert_eq!(count_token_ids(&groups), 301);
+        // A run longer than its `TokenIds` but within the message: prost decodes its 1,000
+        // ids from the whole message, then errs (the enclosing length is exceeded).
+        let mut past_the_end = vec![TOKENS, 5, PACKED];
+        put_varint(&mut past_the_end, 1_000);
+        past_the_end.resize(past_the_end.len() + 1_000, 1);
+        assert!(QueryRequest::decode(&past_the_end[..]).is_err());
+        assert_eq!(count_token_ids(&past_the_end), 1_000);
+        // A varint whose last byte lies past its run: prost decodes it too.
+        let straddling = [TOKENS, 5, PACKED, 2, 1, 0x81, 0x01];
+        assert!(QueryRequest::decode(&straddling[..]).is_err());
+        assert_eq!(count_token_ids(&straddling), 2);
         // Where prost stops with an error, after 300 ids, so does the count.
         let then_garbage = [&one[..], &[12 << 3 | 4], &one[..]].concat();
         assert!(QueryRequest::decode(&then_garbage[..]).is_err());
