@@ -204,6 +204,8 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             .and_then(|dump| crate::dynamo::apply_dump(&state.registry, dump))
             .map(drop),
         0 => {
+            // The codec counts the token ids of any bytes before decoding them (no panic).
+            let counted = kvatlas_proto::codec::count_token_ids(body);
             // The codec's hand-written decoding must give prost's answer for any bytes.
             let query = kvatlas_proto::codec::decode_message::<v1::QueryRequest>(body);
             assert_eq!(
@@ -214,7 +216,6 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             let query = query.ok()?;
             // The count the codec bounds a query by is never below the ids decoded.
             if let Some(v1::query_request::Input::Tokens(tokens)) = &query.input {
-                let counted = kvatlas_proto::codec::count_token_ids(body);
                 assert!(
                     counted >= tokens.ids.len(),
                     "{counted} token ids counted, {} decoded",

@@ -445,6 +445,8 @@ mod tests {
         ) {
             let bytes = crate::codec::altered(request.encode_to_vec(), &flips, cut, &tail);
             prop_assert_eq!(decoded(&bytes).ok(), QueryRequest::decode(&bytes[..]).ok());
+            // Counted before decoding (network input): any bytes, no panic, at most a count a byte.
+            prop_assert!(count_token_ids(&bytes) <= bytes.len() + 1);
             // The count before decoding is never below the ids decoded (it bounds their memory).
             if let Ok(QueryRequest { input: Some(query_request::Input::Tokens(t)), .. }) =
                 decoded(&bytes)
