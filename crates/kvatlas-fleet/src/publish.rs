@@ -246,7 +246,8 @@ impl Publishers {
         Ok(seq)
     }
 
-    /// Replay requests served so far (each a gap an indexer saw).
+    /// Replay requests taken so far (each a gap an indexer saw), counted before their answer
+    /// is sent.
     pub fn replays_served(&self) -> u64 {
         self.replays.load(Ordering::Relaxed)
     }
@@ -304,6 +305,10 @@ fn serve_replays(
             let Ok(start) = <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes) else {
                 continue;
             };
+            // Counted before the answer goes out: whoever has read the whole answer sees it
+            // counted (counted after, a test reading the count right after the end marker
+            // could find it not counted yet).
+            served.fetch_add(1, Ordering::Relaxed);
             let batches = match history.lock() {
                 Ok(history) => history[worker].from(start),
                 Err(_) => return Err(PublishError::Replay("the history lock is poisoned".into())),
@@ -330,7 +335,6 @@ fn serve_replays(
                 ],
                 0,
             )?;
-            served.fetch_add(1, Ordering::Relaxed);
         }
     }
     Ok(())
