@@ -837,8 +837,8 @@ fn serve_grpc(
     stop: CancellationToken,
 ) -> Result<JoinHandle<Result<(), tonic::transport::Error>>, StartError> {
     let limits = state.limits;
-    // A query's token ids over the limit are refused before they are decoded (each byte of a
-    // packed id would become four of memory first).
+    // A query's token ids over the limit are counted in its bytes and decoded only up to the
+    // limit + 1, then refused (decoded whole, each byte of a packed id became four of memory).
     kvatlas_proto::codec::bound_token_ids(limits.max_query_tokens);
     let auth = {
         let state = Arc::clone(state);
