@@ -692,18 +692,8 @@ mod tests {
     /// Rank 0 of `instance_id` in [`two_grpc_ranks`]'s index, fed by a vLLM publisher at
     /// `endpoint`.
     fn zmq_rank(instance_id: u64, endpoint: &str) -> crate::registry::WorkerRegistration {
-        crate::registry::WorkerRegistration {
-            index: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
-            instance_id,
-            dp_rank: 0,
-            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
-            engine: kvatlas_events::EngineKind::Vllm,
-            endpoint: endpoint.into(),
-            replay_endpoint: None,
-            topic: String::new(),
-            pod_name: None,
-            mode: kvatlas_events::SocketMode::Connect,
-        }
+        let image = two_grpc_ranks();
+        crate::registry::vllm_rank(&image.key, instance_id, image.block_size, endpoint)
     }
 
     /// A ZMQ registration of a rank a restore recorded as fed over `PublishEvents` sets the

@@ -1541,6 +1541,29 @@ pub(crate) fn block_size_field(value: u32, field: &str) -> Result<BlockSize, Ser
     })
 }
 
+/// Rank 0 of `instance_id` in the index `key` of `block_size`, fed by a vLLM publisher at
+/// `endpoint` (connect mode, no replay endpoint, topic or pod name).
+#[cfg(test)]
+pub(crate) fn vllm_rank(
+    key: &IndexKey,
+    instance_id: u64,
+    block_size: BlockSize,
+    endpoint: &str,
+) -> WorkerRegistration {
+    WorkerRegistration {
+        index: key.clone(),
+        instance_id,
+        dp_rank: 0,
+        block_size,
+        engine: EngineKind::Vllm,
+        endpoint: endpoint.into(),
+        replay_endpoint: None,
+        topic: String::new(),
+        pod_name: None,
+        mode: SocketMode::Connect,
+    }
+}
+
 /// A registry of at most one registered rank with `image` restored as after a restart (its
 /// recorded feeds adopted, none configured): the first feed is fed again, the others do not
 /// fit and stay unfed. Returns it and how many feeds could not be registered.
@@ -1590,18 +1613,12 @@ mod tests {
         assert!(why.contains("twice"), "{why}");
         assert!(registry.all().is_empty(), "nothing was restored");
 
-        let configured = WorkerRegistration {
-            index: IndexKey::new("a", DEFAULT_TENANT),
-            instance_id: 1,
-            dp_rank: 0,
-            block_size: BlockSize::new(32).expect("32"),
-            engine: EngineKind::Vllm,
-            endpoint: "tcp://127.0.0.1:1".into(),
-            replay_endpoint: None,
-            topic: String::new(),
-            pod_name: None,
-            mode: SocketMode::Connect,
-        };
+        let configured = vllm_rank(
+            &IndexKey::new("a", DEFAULT_TENANT),
+            1,
+            BlockSize::new(32).expect("32"),
+            "tcp://127.0.0.1:1",
+        );
         let images = [image("a", 16)];
         let Err(ServiceError::FailedPrecondition(why)) =
             registry.restore_images(&images, Some(std::slice::from_ref(&configured)))

@@ -407,16 +407,8 @@ fn a_rank_not_fed_since_a_restore_answers_as_its_registered_pod() {
         feeds: vec![
             RecordedFeed::Grpc { worker: fed },
             RecordedFeed::Zmq(WorkerRegistration {
-                index: key.clone(),
-                instance_id: 2,
-                dp_rank: 0,
-                block_size,
-                engine: kvatlas_events::EngineKind::Vllm,
-                endpoint: "tcp://127.0.0.1:1".into(),
-                replay_endpoint: None,
-                topic: String::new(),
                 pod_name: Some("vllm-pod-two".into()),
-                mode: kvatlas_events::SocketMode::Connect,
+                ..crate::registry::vllm_rank(&key, 2, block_size, "tcp://127.0.0.1:1")
             }),
         ],
         marks: BTreeMap::new(),
