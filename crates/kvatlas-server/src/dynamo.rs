@@ -43,7 +43,7 @@ use serde::de::{self, Deserializer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::fast_json::{FastJson, FastParse};
+use crate::fast_json::{FastJson, FastParse, KeepFirst, ids_kept};
 
 use crate::auth::Caller;
 use crate::error::ServiceError;
@@ -585,7 +585,7 @@ fn worker_info(
 
 /// `POST /query` (1.6.1's fields, plus the Mooncake RFC's: `model`, `instance_id`,
 /// `block_size`; its deprecated `lora_id` is refused with the reason).
-pub(crate) type QueryRequest = QueryRequestOf<Vec<u32>>;
+pub(crate) type QueryRequest = QueryRequestOf<KeepFirst<u32>>;
 
 /// `/query`'s fields, with the token ids as `T` (their raw JSON text on the fast path).
 #[derive(Debug, Deserialize)]
@@ -629,8 +629,8 @@ impl FastParse for QueryRequest {
         // The array's text borrowed from the body, not copied.
         let raw: QueryRequestOf<&serde_json::value::RawValue> =
             serde_json::from_slice(bytes).ok()?;
-        let token_ids = crate::fast_json::parse_u32_array(raw.token_ids.get())?;
-        Some(raw.with_tokens(token_ids))
+        let token_ids = crate::fast_json::parse_u32_array(raw.token_ids.get(), ids_kept())?;
+        Some(raw.with_tokens(KeepFirst(token_ids)))
     }
 }
 
@@ -640,7 +640,7 @@ impl FastParse for QueryByHashRequest {}
 #[derive(Debug, Deserialize)]
 pub(crate) struct QueryByHashRequest {
     #[serde(alias = "seq_hashes", alias = "block_hash")]
-    block_hashes: Vec<AnyU64>,
+    block_hashes: KeepFirst<AnyU64>,
     #[serde(alias = "model", alias = "modelname")]
     model_name: String,
     routing_group: Option<String>,
@@ -851,7 +851,7 @@ pub(crate) async fn query(
         &state,
         &headers,
         &key,
-        QueryInput::Tokens(&request.token_ids),
+        QueryInput::Tokens(&request.token_ids.0),
         request.lora_name.as_deref().unwrap_or_default(),
         request.cache_salt.as_deref().unwrap_or_default(),
         &RfcQueryFields {
@@ -881,7 +881,7 @@ pub(crate) async fn query_by_hash(
             request.tenant_id.as_deref(),
         ),
     );
-    let hashes: Vec<u64> = request.block_hashes.iter().map(|h| h.0).collect();
+    let hashes: Vec<u64> = request.block_hashes.0.iter().map(|h| h.0).collect();
     answer(
         &state,
         &headers,

@@ -19,7 +19,9 @@ use axum::body::Bytes;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::header;
-use serde::de::DeserializeOwned;
+use serde::de::{self, DeserializeOwned};
+use serde::{Deserialize, Deserializer};
+use std::marker::PhantomData;
 
 /// A JSON request body, parsed as axum's `Json<T>` would parse it (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
@@ -65,11 +67,69 @@ where
     }
 }
 
+/// How many ids (token ids or block hashes) of one query a parse keeps: the server's token-id
+/// bound + 1 (`kvatlas_proto::codec::token_id_bound`, the largest `--max-query-tokens` of the
+/// process), or all of them where no bound is set. A query holding more is refused whatever
+/// the rest are (a block holds at least one token), so the rest need not be stored.
+pub(crate) fn ids_kept() -> usize {
+    match kvatlas_proto::codec::token_id_bound() {
+        0 => usize::MAX,
+        bound => bound.saturating_add(1),
+    }
+}
+
+/// A JSON array of which only the first [`ids_kept`] elements are kept. The others are read
+/// and checked as `T`s, then dropped, so every body gets the value or the error a `Vec<T>`
+/// gives it (the same expectation, "a sequence", and the same element errors), without
+/// holding more ids than any limit accepts.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct KeepFirst<T>(pub(crate) Vec<T>);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for KeepFirst<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Self::keeping(deserializer, ids_kept())
+    }
+}
+
+impl<'de, T: Deserialize<'de>> KeepFirst<T> {
+    /// The array's first `keep` elements (every element read and checked).
+    fn keeping<D: Deserializer<'de>>(deserializer: D, keep: usize) -> Result<Self, D::Error> {
+        struct Visitor<T> {
+            keep: usize,
+            element: PhantomData<T>,
+        }
+        impl<'de, T: Deserialize<'de>> de::Visitor<'de> for Visitor<T> {
+            type Value = KeepFirst<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                // serde's words for a `Vec`.
+                f.write_str("a sequence")
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut kept = Vec::new();
+                while let Some(value) = seq.next_element::<T>()? {
+                    if kept.len() < self.keep {
+                        kept.push(value);
+                    }
+                }
+                Ok(KeepFirst(kept))
+            }
+        }
+        deserializer.deserialize_seq(Visitor {
+            keep,
+            element: PhantomData,
+        })
+    }
+}
+
 /// The unsigned 32-bit integers of a JSON array's text (`[1, 2,3]`), or `None` unless every
 /// element is a plain integer (`0` or no leading zero, no sign, fraction or exponent) within
 /// `u32` and the text is nothing but the array: the caller then parses it with `serde_json`,
 /// which accepts exactly these texts too and reports every other one. Whitespace is JSON's.
-pub(crate) fn parse_u32_array(text: &str) -> Option<Vec<u32>> {
+///
+/// Only the first `keep` integers are kept (the rest are read and checked, not stored), as
+/// [`KeepFirst`] keeps them: a body of one-digit ids would otherwise become twice its size in
+/// memory before the server's limit could refuse it.
+pub(crate) fn parse_u32_array(text: &str, keep: usize) -> Option<Vec<u32>> {
     let bytes = text.as_bytes();
     let mut at = 0;
     let skip_space = |at: &mut usize| {
@@ -87,7 +147,7 @@ pub(crate) fn parse_u32_array(text: &str) -> Option<Vec<u32>> {
     at += 1;
     skip_space(&mut at);
     // Token ids take 2–7 bytes each with their comma.
-    let mut values = Vec::with_capacity(bytes.len() / 4);
+    let mut values = Vec::with_capacity((bytes.len() / 4).min(keep));
     if bytes.get(at) == Some(&b']') {
         at += 1;
     } else {
@@ -114,7 +174,10 @@ pub(crate) fn parse_u32_array(text: &str) -> Option<Vec<u32>> {
             {
                 return None;
             }
-            values.push(u32::try_from(value).ok()?);
+            let value = u32::try_from(value).ok()?;
+            if values.len() < keep {
+                values.push(value);
+            }
             skip_space(&mut at);
             match bytes.get(at)? {
                 b',' => {
@@ -223,15 +286,20 @@ mod tests {
             "[00]",
             "[1.]",
         ] {
-            let fast = parse_u32_array(text);
+            let fast = parse_u32_array(text, usize::MAX);
             if fast.is_some() {
                 assert_eq!(fast, serde(text), "{text:?}");
             }
         }
-        assert_eq!(parse_u32_array("[1,2,3]"), Some(vec![1, 2, 3]));
-        assert_eq!(parse_u32_array("[4294967295]"), Some(vec![u32::MAX]));
-        assert_eq!(parse_u32_array("[4294967296]"), None);
-        assert_eq!(parse_u32_array("[01]"), None);
+        assert_eq!(parse_u32_array("[1,2,3]", 3), Some(vec![1, 2, 3]));
+        assert_eq!(parse_u32_array("[4294967295]", 1), Some(vec![u32::MAX]));
+        assert_eq!(parse_u32_array("[4294967296]", 1), None);
+        assert_eq!(parse_u32_array("[01]", 1), None);
+        // Past `keep`, the ids are still read and checked, not kept.
+        assert_eq!(parse_u32_array("[1,2,3]", 2), Some(vec![1, 2]));
+        assert_eq!(parse_u32_array("[1,2,3]", 0), Some(vec![]));
+        assert_eq!(parse_u32_array("[1,2,4294967296]", 2), None);
+        assert_eq!(parse_u32_array("[1,2,3] x", 2), None);
         let space = prop::sample::select(vec!["", " ", "\n", "\t", "\r", "  "]);
         let arrays = prop::collection::vec((any::<u32>(), space.clone(), space.clone()), 0..40);
         proptest!(|(values in arrays, edge in space, junk in prop::collection::vec(any::<u8>(), 0..4), cut in any::<prop::sample::Index>())| {
@@ -244,7 +312,9 @@ mod tests {
             }
             text.push_str(&format!("]{edge}"));
             let expected: Vec<u32> = values.iter().map(|v| v.0).collect();
-            prop_assert_eq!(parse_u32_array(&text), Some(expected));
+            prop_assert_eq!(parse_u32_array(&text, usize::MAX), Some(expected.clone()));
+            let keep = cut.index(expected.len() + 1);
+            prop_assert_eq!(parse_u32_array(&text, keep), Some(expected[..keep].to_vec()));
             // Mangled: a byte of junk put somewhere; whatever the fast path still takes,
             // serde_json takes too, with the same value.
             let mut bytes = text.into_bytes();
@@ -253,11 +323,47 @@ mod tests {
                 bytes.insert((at + k).min(bytes.len()), *b);
             }
             if let Ok(mangled) = std::str::from_utf8(&bytes)
-                && let Some(fast) = parse_u32_array(mangled)
+                && let Some(fast) = parse_u32_array(mangled, usize::MAX)
             {
                 prop_assert_eq!(Some(fast), serde(mangled), "{:?}", mangled);
             }
         });
+    }
+
+    /// `KeepFirst` keeps the first elements and reads every body as a `Vec` does: the same
+    /// value up to its length, the same error (and so the same rejection from axum).
+    #[test]
+    fn keep_first_reads_every_array_as_a_vec_and_keeps_its_first_elements() {
+        fn keeping(text: &str, keep: usize) -> Result<Vec<u32>, String> {
+            let mut deserializer = serde_json::Deserializer::from_str(text);
+            KeepFirst::<u32>::keeping(&mut deserializer, keep)
+                .and_then(|kept| deserializer.end().map(|()| kept.0))
+                .map_err(|e| e.to_string())
+        }
+        let as_vec = |text: &str| serde_json::from_str::<Vec<u32>>(text).map_err(|e| e.to_string());
+        for text in [
+            "[]",
+            "[1,2,3]",
+            " [ 1 , 2 ] ",
+            "[1,-2,3]",
+            "[1,2,4294967296]",
+            "[1,2,\"3\"]",
+            "\"1,2\"",
+            "{\"a\":1}",
+            "null",
+            "[1,2",
+            "[1,2,]",
+        ] {
+            for keep in [0, 1, 2, 5] {
+                let expected = as_vec(text).map(|all| all.into_iter().take(keep).collect());
+                assert_eq!(keeping(text, keep), expected, "{text:?}, keep {keep}");
+            }
+        }
+        assert_eq!(keeping("[7,8,9]", 2), Ok(vec![7, 8]));
+        assert!(
+            keeping("[7,8,-9]", 2).is_err(),
+            "elements past keep are checked"
+        );
     }
 
     fn request(content_type: Option<&str>, body: &str) -> Request {

@@ -42,6 +42,18 @@ pub(crate) struct Answer {
     pub(crate) events_applied: u64,
 }
 
+/// How many ids (token ids or local hashes) a refused prompt has, in words: a prompt cut at
+/// the server's token-id bound + 1 (by the gRPC codec, or by the JSON parse of Dynamo's
+/// routes: `crate::fast_json::ids_kept`) had more than the bound, how many more is not known.
+fn count_of(len: usize) -> String {
+    let bound = kvatlas_proto::codec::token_id_bound();
+    if bound != 0 && len == bound.saturating_add(1) {
+        format!("more than {bound}")
+    } else {
+        len.to_string()
+    }
+}
+
 impl IndexEntry {
     /// Scores a prompt (see the module docs).
     ///
@@ -69,16 +81,10 @@ impl IndexEntry {
         let hashes: Vec<LocalBlockHash> = match input {
             QueryInput::Tokens(tokens) => {
                 if tokens.len() > max_query_tokens {
-                    // The codec's bound + 1: a query over it was cut there.
-                    let bound = kvatlas_proto::codec::token_id_bound();
-                    let count = if bound != 0 && tokens.len() == bound.saturating_add(1) {
-                        format!("more than {bound}")
-                    } else {
-                        tokens.len().to_string()
-                    };
                     return Err(ServiceError::InvalidArgument(format!(
-                        "the prompt has {count} tokens; this server accepts at most \
-                         {max_query_tokens} per query"
+                        "the prompt has {} tokens; this server accepts at most \
+                         {max_query_tokens} per query",
+                        count_of(tokens.len())
                     )));
                 }
                 self.hasher_for(lora_name, cache_salt)?
@@ -90,7 +96,7 @@ impl IndexEntry {
                     return Err(ServiceError::InvalidArgument(format!(
                         "the prompt has {} blocks of {block} tokens; this server accepts at most \
                          {max_query_tokens} tokens per query",
-                        hashes.len()
+                        count_of(hashes.len())
                     )));
                 }
                 if !lora_name.is_empty() || !cache_salt.is_empty() {

@@ -837,9 +837,6 @@ fn serve_grpc(
     stop: CancellationToken,
 ) -> Result<JoinHandle<Result<(), tonic::transport::Error>>, StartError> {
     let limits = state.limits;
-    // A query's token ids over the limit are counted in its bytes and decoded only up to the
-    // limit + 1, then refused (decoded whole, each byte of a packed id became four of memory).
-    kvatlas_proto::codec::bound_token_ids(limits.max_query_tokens);
     let auth = {
         let state = Arc::clone(state);
         move |request| authenticate(&state, request)

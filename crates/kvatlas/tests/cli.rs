@@ -371,6 +371,69 @@ fn a_query_over_the_token_limit_is_refused_before_decoding() {
         } => assert_eq!(answer.matches.len(), 1, "{answer:?}"),
         other => panic!("expected query 2's answer, got {other:?}"),
     }
+
+    // Dynamo's routes: a JSON list over the limit is kept only up to the limit + 1 and refused;
+    // one at the limit is answered.
+    let post = |path: &str, body: &str| -> String {
+        let mut http = std::net::TcpStream::connect(&served.http).expect("http");
+        write!(
+            http,
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("write");
+        let mut response = String::new();
+        std::io::Read::read_to_string(&mut http, &mut response).expect("read");
+        response
+    };
+    let json_list = |ids: &[u64]| serde_json::to_string(ids).expect("json");
+    let twenty_ids: Vec<u64> = (1..=20).collect();
+    let response = post(
+        "/query",
+        &format!(
+            r#"{{"model_name":"m","token_ids":{}}}"#,
+            json_list(&twenty_ids)
+        ),
+    );
+    assert!(
+        response.starts_with("HTTP/1.1 400")
+            && response
+                .contains("the prompt has more than 8 tokens; this server accepts at most 8"),
+        "{response}"
+    );
+    let at_limit: Vec<u64> = tokens(&[1, 2]).into_iter().map(u64::from).collect();
+    let response = post(
+        "/query",
+        &format!(
+            r#"{{"model_name":"m","token_ids":{}}}"#,
+            json_list(&at_limit)
+        ),
+    );
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let response = post(
+        "/query_by_hash",
+        &format!(
+            r#"{{"model_name":"m","block_hashes":{}}}"#,
+            json_list(&twenty_ids)
+        ),
+    );
+    assert!(
+        response.starts_with("HTTP/1.1 400")
+            && response.contains(
+                "the prompt has more than 8 blocks of 4 tokens; this server accepts at most 8"
+            ),
+        "{response}"
+    );
+    let response = post(
+        "/query_by_hash",
+        &format!(
+            r#"{{"model_name":"m","block_hashes":{}}}"#,
+            json_list(&[1, 2])
+        ),
+    );
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+
     let (status, _) = served.terminate();
     assert!(status.success(), "{status:?}");
 }
