@@ -1359,6 +1359,76 @@ mod tests {
     use super::*;
     use kvatlas_index::{KvIndex, ReferenceIndex, SnapshotBlock, TierSet, WorkerSnapshot};
 
+    /// The query routes' lists (`KeepFirst`) are rejected with the status and text axum's
+    /// `Json` gives for a `Vec` (its path tracking included), and accepted with the same ids:
+    /// the texts Dynamo's own service answers (`tests/dynamo_compat.rs`).
+    #[tokio::test]
+    async fn query_lists_are_read_as_vecs_are() {
+        use axum::body::Body;
+        use axum::extract::{FromRequest, Request};
+
+        /// `QueryByHashRequest` with its list as a `Vec`: the same fields, in the same order.
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct QueryByHashVec {
+            #[serde(alias = "seq_hashes", alias = "block_hash")]
+            block_hashes: Vec<AnyU64>,
+            #[serde(alias = "model", alias = "modelname")]
+            model_name: String,
+            routing_group: Option<String>,
+            tenant_id: Option<String>,
+            cache_salt: Option<String>,
+            instance_id: Option<u64>,
+            block_size: Option<u32>,
+            lora_id: Option<Value>,
+        }
+
+        async fn read<T: serde::de::DeserializeOwned, V>(
+            body: &str,
+            ids: impl Fn(T) -> V,
+        ) -> Result<V, (u16, String)> {
+            let request = Request::builder()
+                .method("POST")
+                .uri("/")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(body.to_owned()))
+                .expect("a valid request");
+            Json::<T>::from_request(request, &())
+                .await
+                .map(|Json(value)| ids(value))
+                .map_err(|e| (e.status().as_u16(), e.body_text()))
+        }
+        let bodies = |field: &str| {
+            [
+                "[1,2,3]",
+                "[]",
+                "[1,-2,3]",
+                "[1,2.5]",
+                "[1,\"2\"]",
+                "[1,null]",
+                "\"1,2\"",
+                "{\"a\":1}",
+                "[1,2,]",
+                "[1,2",
+                "[18446744073709551616]",
+            ]
+            .map(|list| format!(r#"{{"model_name":"m","{field}":{list}}}"#))
+        };
+        for body in bodies("token_ids") {
+            let kept = read(&body, |q: QueryRequest| q.token_ids.0).await;
+            let whole = read(&body, |q: QueryRequestOf<Vec<u32>>| q.token_ids).await;
+            assert_eq!(kept, whole, "{body}");
+        }
+        let mut rejections = 0;
+        for body in bodies("block_hashes") {
+            let kept = read(&body, |q: QueryByHashRequest| q.block_hashes.0).await;
+            let whole = read(&body, |q: QueryByHashVec| q.block_hashes).await;
+            rejections += usize::from(whole.is_err());
+            assert_eq!(kept, whole, "{body}");
+        }
+        assert!(rejections >= 8, "the bodies cover rejections");
+    }
+
     /// The peer list is bounded in count and URL length, with a message saying so.
     #[tokio::test]
     async fn the_peer_list_is_bounded() {

@@ -43,6 +43,10 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// A server's shared state. It raises the process-wide token-id bound to
+    /// `limits.max_query_tokens` (`kvatlas_proto::codec::bound_token_ids`), for good: a server
+    /// that then fails to start leaves the bound raised, which only lets a later server's
+    /// over-limit queries be held longer before they are refused.
     pub(crate) fn new(
         registry: Arc<Registry>,
         limits: Limits,
@@ -53,7 +57,7 @@ impl State {
         // codec counts a query's token ids in its bytes and decodes that many at most, and the
         // JSON parse of Dynamo's routes keeps that many (`crate::fast_json::ids_kept`). Decoded
         // whole, each byte of a packed id became four of memory, and each of a JSON list up to
-        // four. The bound is process-wide and only rises: every server's limit stays under it.
+        // four. The bound is process-wide and only rises: every server's limit is at most the bound.
         kvatlas_proto::codec::bound_token_ids(limits.max_query_tokens);
         Self {
             registry,

@@ -387,52 +387,47 @@ fn a_query_over_the_token_limit_is_refused_before_decoding() {
         std::io::Read::read_to_string(&mut http, &mut response).expect("read");
         response
     };
-    let json_list = |ids: &[u64]| serde_json::to_string(ids).expect("json");
-    let twenty_ids: Vec<u64> = (1..=20).collect();
-    let response = post(
-        "/query",
-        &format!(
-            r#"{{"model_name":"m","token_ids":{}}}"#,
-            json_list(&twenty_ids)
-        ),
-    );
-    assert!(
-        response.starts_with("HTTP/1.1 400")
-            && response
-                .contains("the prompt has more than 8 tokens; this server accepts at most 8"),
-        "{response}"
-    );
+    let twenty: Vec<u64> = (1..=20).collect();
     let at_limit: Vec<u64> = tokens(&[1, 2]).into_iter().map(u64::from).collect();
-    let response = post(
-        "/query",
-        &format!(
-            r#"{{"model_name":"m","token_ids":{}}}"#,
-            json_list(&at_limit)
+    let two_blocks: Vec<u64> = BlockHasher::new(BLOCK)
+        .expect("size")
+        .local_hashes(&tokens(&[1, 2]))
+        .map(|h| h.get())
+        .collect();
+    // Worker 1 holds both blocks: a prompt cut by one id would score 4 tokens, not 8.
+    let whole = r#""scores":{"1":{"0":8}}"#;
+    let cases = [
+        (
+            "/query",
+            "token_ids",
+            &twenty,
+            "HTTP/1.1 400",
+            "the prompt has more than 8 tokens; this server accepts at most 8",
         ),
-    );
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    let response = post(
-        "/query_by_hash",
-        &format!(
-            r#"{{"model_name":"m","block_hashes":{}}}"#,
-            json_list(&twenty_ids)
+        ("/query", "token_ids", &at_limit, "HTTP/1.1 200", whole),
+        (
+            "/query_by_hash",
+            "block_hashes",
+            &twenty,
+            "HTTP/1.1 400",
+            "the prompt has more than 8 blocks of 4 tokens; this server accepts at most 8",
         ),
-    );
-    assert!(
-        response.starts_with("HTTP/1.1 400")
-            && response.contains(
-                "the prompt has more than 8 blocks of 4 tokens; this server accepts at most 8"
-            ),
-        "{response}"
-    );
-    let response = post(
-        "/query_by_hash",
-        &format!(
-            r#"{{"model_name":"m","block_hashes":{}}}"#,
-            json_list(&[1, 2])
+        (
+            "/query_by_hash",
+            "block_hashes",
+            &two_blocks,
+            "HTTP/1.1 200",
+            whole,
         ),
-    );
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    ];
+    for (path, field, ids, status, needle) in cases {
+        let ids = serde_json::to_string(ids).expect("json");
+        let response = post(path, &format!(r#"{{"model_name":"m","{field}":{ids}}}"#));
+        assert!(
+            response.starts_with(status) && response.contains(needle),
+            "{path} {ids}: {response}"
+        );
+    }
 
     let (status, _) = served.terminate();
     assert!(status.success(), "{status:?}");
