@@ -143,7 +143,7 @@ fn check_endpoint(endpoint: &str) -> Result<(), String> {
 
 /// A 64-bit hash given as a signed (two's complement, as 1.6.1 wants) or unsigned integer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct AnyU64(u64);
+pub(crate) struct AnyU64(u64);
 
 impl<'de> Deserialize<'de> for AnyU64 {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -637,10 +637,13 @@ impl FastParse for QueryRequest {
 impl FastParse for QueryByHashRequest {}
 
 /// `POST /query_by_hash` (as `/query`, with the hashes instead of the tokens).
+pub(crate) type QueryByHashRequest = QueryByHashRequestOf<KeepFirst<AnyU64>>;
+
+/// `/query_by_hash`'s fields, with the hashes as `H` (a `Vec` in the tests comparing rejections).
 #[derive(Debug, Deserialize)]
-pub(crate) struct QueryByHashRequest {
+pub(crate) struct QueryByHashRequestOf<H> {
     #[serde(alias = "seq_hashes", alias = "block_hash")]
-    block_hashes: KeepFirst<AnyU64>,
+    block_hashes: H,
     #[serde(alias = "model", alias = "modelname")]
     model_name: String,
     routing_group: Option<String>,
@@ -1367,22 +1370,6 @@ mod tests {
         use axum::body::Body;
         use axum::extract::{FromRequest, Request};
 
-        /// `QueryByHashRequest` with its list as a `Vec`: the same fields, in the same order.
-        #[derive(Debug, Deserialize)]
-        #[allow(dead_code)]
-        struct QueryByHashVec {
-            #[serde(alias = "seq_hashes", alias = "block_hash")]
-            block_hashes: Vec<AnyU64>,
-            #[serde(alias = "model", alias = "modelname")]
-            model_name: String,
-            routing_group: Option<String>,
-            tenant_id: Option<String>,
-            cache_salt: Option<String>,
-            instance_id: Option<u64>,
-            block_size: Option<u32>,
-            lora_id: Option<Value>,
-        }
-
         async fn read<T: serde::de::DeserializeOwned, V>(
             body: &str,
             ids: impl Fn(T) -> V,
@@ -1422,7 +1409,7 @@ mod tests {
         let mut rejections = 0;
         for body in bodies("block_hashes") {
             let kept = read(&body, |q: QueryByHashRequest| q.block_hashes.0).await;
-            let whole = read(&body, |q: QueryByHashVec| q.block_hashes).await;
+            let whole = read(&body, |q: QueryByHashRequestOf<Vec<AnyU64>>| q.block_hashes).await;
             rejections += usize::from(whole.is_err());
             assert_eq!(kept, whole, "{body}");
         }
