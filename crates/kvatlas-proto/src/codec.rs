@@ -125,6 +125,22 @@ pub fn token_id_bound() -> usize {
     requests::MAX_TOKEN_IDS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The most token ids a decoded query holds under `bound` (0: none): the bound + 1, so that a
+/// query holding that many is known to be over it.
+fn kept_under(bound: usize) -> usize {
+    match bound {
+        0 => usize::MAX,
+        bound => bound.saturating_add(1),
+    }
+}
+
+/// The most ids a query is decoded with under [`token_id_bound`]: its bound + 1 (`usize::MAX`
+/// without one). A query decoded with exactly this many was cut (the rest not read) and is
+/// over every server's limit; the server's JSON query routes keep as many.
+pub fn token_ids_kept() -> usize {
+    kept_under(token_id_bound())
+}
+
 /// How many token ids prost decodes from the `QueryRequest` in `bytes`, at most, counted
 /// without decoding them (what [`bound_token_ids`] compares).
 pub fn count_token_ids(bytes: &[u8]) -> usize {
@@ -147,7 +163,7 @@ impl<U: Message + Default + 'static> Decoder for MessageDecoder<U> {
             let bytes = &buf.chunk()[..len];
             let bound = token_id_bound();
             if let Some(count) = requests::over_bound::<U>(bytes, bound) {
-                let cut = requests::decode_cut::<U>(bytes, bound.saturating_add(1));
+                let cut = requests::decode_cut::<U>(bytes, kept_under(bound));
                 buf.advance(len);
                 return cut.map(Some).ok_or_else(|| {
                     Status::invalid_argument(format!(

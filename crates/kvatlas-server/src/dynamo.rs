@@ -43,7 +43,7 @@ use serde::de::{self, Deserializer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::fast_json::{FastJson, FastParse, KeepFirst, ids_kept};
+use crate::fast_json::{FastJson, FastParse, KeepFirst};
 
 use crate::auth::Caller;
 use crate::error::ServiceError;
@@ -629,7 +629,10 @@ impl FastParse for QueryRequest {
         // The array's text borrowed from the body, not copied.
         let raw: QueryRequestOf<&serde_json::value::RawValue> =
             serde_json::from_slice(bytes).ok()?;
-        let token_ids = crate::fast_json::parse_u32_array(raw.token_ids.get(), ids_kept())?;
+        let token_ids = crate::fast_json::parse_u32_array(
+            raw.token_ids.get(),
+            kvatlas_proto::codec::token_ids_kept(),
+        )?;
         Some(raw.with_tokens(KeepFirst(token_ids)))
     }
 }

@@ -67,27 +67,17 @@ where
     }
 }
 
-/// How many ids (token ids or block hashes) of one query a parse keeps: the server's token-id
-/// bound + 1 (`kvatlas_proto::codec::token_id_bound`, the largest `--max-query-tokens` of the
-/// process), or all of them where no bound is set. A query holding more is refused whatever
-/// the rest are (a block holds at least one token), so the rest need not be stored.
-pub(crate) fn ids_kept() -> usize {
-    match kvatlas_proto::codec::token_id_bound() {
-        0 => usize::MAX,
-        bound => bound.saturating_add(1),
-    }
-}
-
-/// A JSON array of which only the first [`ids_kept`] elements are kept. The others are read
-/// and checked as `T`s, then dropped, so every body gets the value or the error a `Vec<T>`
-/// gives it (the same expectation, "a sequence", and the same element errors), without
-/// holding more ids than any limit accepts.
+/// A JSON array of which only the first `kvatlas_proto::codec::token_ids_kept()` elements are
+/// kept (a query holding that many ids or block hashes is refused whatever the rest are: a
+/// block holds at least one token). The others are read and checked as `T`s, then dropped, so
+/// every body gets the value or the error a `Vec<T>` gives it (the same expectation, "a
+/// sequence", and the same element errors), without holding more ids than any limit accepts.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct KeepFirst<T>(pub(crate) Vec<T>);
 
 impl<'de, T: Deserialize<'de>> Deserialize<'de> for KeepFirst<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Self::keeping(deserializer, ids_kept())
+        Self::keeping(deserializer, kvatlas_proto::codec::token_ids_kept())
     }
 }
 

@@ -42,13 +42,12 @@ pub(crate) struct Answer {
     pub(crate) events_applied: u64,
 }
 
-/// How many ids (token ids or local hashes) a refused prompt has, in words: a prompt cut at
-/// the server's token-id bound + 1 (by the gRPC codec, or by the JSON parse of Dynamo's
-/// routes: `crate::fast_json::ids_kept`) had more than the bound, how many more is not known.
+/// How many ids (token ids or local hashes) a refused prompt has, in words: one cut at
+/// `kvatlas_proto::codec::token_ids_kept()` ids (by the gRPC codec, or by the JSON parse of
+/// Dynamo's routes) had more than one less, how many more is not known.
 fn count_of(len: usize) -> String {
-    let bound = kvatlas_proto::codec::token_id_bound();
-    if bound != 0 && len == bound.saturating_add(1) {
-        format!("more than {bound}")
+    if len == kvatlas_proto::codec::token_ids_kept() {
+        format!("more than {}", len - 1)
     } else {
         len.to_string()
     }

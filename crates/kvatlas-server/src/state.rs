@@ -53,11 +53,9 @@ impl State {
         tokens: Option<Tokens>,
         min_initial_workers: usize,
     ) -> Self {
-        // A query's ids over the limit are kept only up to the limit + 1, then refused: the gRPC
-        // codec counts a query's token ids in its bytes and decodes that many at most, and the
-        // JSON parse of Dynamo's routes keeps that many (`crate::fast_json::ids_kept`). Decoded
-        // whole, each byte of a packed id became four of memory, and each of a JSON list up to
-        // four. The bound is process-wide and only rises: every server's limit is at most the bound.
+        // A query's ids over the limit are kept only up to the limit + 1, then refused (by the
+        // gRPC codec and the JSON query routes): decoded whole, each byte of a packed id became
+        // four of memory, and each of a JSON list up to four.
         kvatlas_proto::codec::bound_token_ids(limits.max_query_tokens);
         Self {
             registry,
