@@ -14,12 +14,17 @@
 //! - **The queries by hand.** `QueryRequest` is decoded and encoded by hand-written code
 //!   (`codec/requests.rs`), to prost's message and prost's bytes, because a prompt of token ids
 //!   is a thousand packed varints (see there).
+//! - **A request's decoded size is bounded before it is decoded** ([`bound_decoded_size`]): a
+//!   list of messages takes a whole element in memory per 2 bytes on the wire, so such requests
+//!   are counted in their bytes first (`codec/budget.rs`) and refused with RESOURCE_EXHAUSTED
+//!   over the bound.
 //! - **A message that does not decode is INVALID_ARGUMENT** ("malformed QueryRequest message:
 //!   …") rather than tonic's INTERNAL: a client sent bad bytes; nothing failed inside the server.
 
 use std::marker::PhantomData;
 
 mod answers;
+mod budget;
 mod requests;
 
 use prost::Message;
@@ -141,6 +146,30 @@ pub fn token_ids_kept() -> usize {
     kept_under(token_id_bound())
 }
 
+/// Bounds the memory a request message may take once decoded to at least `max` bytes (the
+/// server's `8 × --max-message-bytes`). Lists of integers take at most 8 bytes per byte
+/// received; a list of messages or strings takes a whole element per element (an empty
+/// `KvEvent` is 2 bytes on the wire and 144 in memory). Requests that can hold such lists
+/// (`PublishEventsRequest`, llm-d's `GetPodScoresRequest`) are counted in their bytes before
+/// decoding, and one over the bound is refused with RESOURCE_EXHAUSTED. The bound is the
+/// process's and only rises, as [`bound_token_ids`]'s; without a call nothing is counted.
+pub fn bound_decoded_size(max: usize) {
+    budget::MAX_DECODED_BYTES.fetch_max(max, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The bound [`bound_decoded_size`] set (0: none).
+pub fn decoded_size_bound() -> usize {
+    budget::MAX_DECODED_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The bytes of memory `bytes` would take once decoded as `U`, counted without decoding them,
+/// when `U` is a request whose decoded form can exceed 8 bytes per byte (`PublishEventsRequest`,
+/// llm-d's `GetPodScoresRequest`); `None` for other messages. What [`bound_decoded_size`]
+/// compares; public so that fuzzing and tests can hold it to what prost decodes.
+pub fn decoded_size<U: std::any::Any>(bytes: &[u8]) -> Option<usize> {
+    budget::decoded_size_of::<U>(bytes).map(|(size, _)| size)
+}
+
 /// How many token ids prost decodes from the `QueryRequest` in `bytes`, at most, counted
 /// without decoding them (what [`bound_token_ids`] compares).
 pub fn count_token_ids(bytes: &[u8]) -> usize {
@@ -149,7 +178,7 @@ pub fn count_token_ids(bytes: &[u8]) -> usize {
 
 /// Decodes from the message's contiguous bytes, reporting failures as INVALID_ARGUMENT naming
 /// the message type; a `QueryRequest` over [`bound_token_ids`] is cut or refused before its
-/// ids are decoded.
+/// ids are decoded, and a request over [`bound_decoded_size`] refused before it is decoded.
 #[derive(Debug)]
 pub struct MessageDecoder<U>(PhantomData<U>);
 
@@ -161,6 +190,16 @@ impl<U: Message + Default + 'static> Decoder for MessageDecoder<U> {
         let len = buf.remaining();
         let decoded = if buf.chunk().len() >= len {
             let bytes = &buf.chunk()[..len];
+            let most = decoded_size_bound();
+            if let Some((size, counted)) = budget::over_bound::<U>(bytes, most) {
+                buf.advance(len);
+                return Err(Status::resource_exhausted(format!(
+                    "the {} message of {len} bytes would take {size} bytes of memory once \
+                     decoded; this server decodes at most {most} per message: send fewer {} per \
+                     message",
+                    counted.schema.name, counted.lists
+                )));
+            }
             let bound = token_id_bound();
             if let Some(count) = requests::over_bound::<U>(bytes, bound) {
                 let cut = requests::decode_cut::<U>(bytes, kept_under(bound));

@@ -192,7 +192,16 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             return dynamo_route(route, json);
         }
         6 => {
-            let mut request = tonic::Request::new(GetPodScoresRequest::decode(body).ok()?);
+            let counted = kvatlas_proto::codec::decoded_size::<GetPodScoresRequest>(body);
+            let decoded = GetPodScoresRequest::decode(body).ok()?;
+            // The codec's count of the memory a request takes is never below its lists'.
+            let listed = size_of::<GetPodScoresRequest>()
+                + decoded.pod_identifiers.len() * size_of::<String>();
+            assert!(
+                counted >= Some(listed),
+                "{counted:?} bytes counted, {listed} in the pod list"
+            );
+            let mut request = tonic::Request::new(decoded);
             request.extensions_mut().insert(caller);
             runtime().block_on(pod_scores().answer(request)).map(drop)
         }
@@ -230,7 +239,14 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             registration_of(&register).map(drop)
         }
         _ => {
+            let counted = kvatlas_proto::codec::decoded_size::<v1::PublishEventsRequest>(body);
             let message = v1::PublishEventsRequest::decode(body).ok()?;
+            let listed = size_of::<v1::PublishEventsRequest>()
+                + message.events.len() * size_of::<v1::KvEvent>();
+            assert!(
+                counted >= Some(listed),
+                "{counted:?} bytes counted, {listed} in the event list"
+            );
             let mut publisher = Publisher::new(state.next_stream_id(), Arc::clone(&state.registry));
             publisher.prepare(&message).and_then(|prepared| {
                 if let Admission::Apply { .. } = publisher.admit(&prepared)? {

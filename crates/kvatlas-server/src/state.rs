@@ -42,11 +42,19 @@ pub(crate) struct State {
     dumps: Places,
 }
 
+/// How many bytes of memory a request message may take once decoded, per byte of the message
+/// size limit: 8, what a list of one-byte `uint64`s takes, so that no list of integers is ever
+/// refused for it; only lists of messages or strings (2 bytes on the wire, a whole element in
+/// memory) can reach it.
+pub(crate) const DECODED_BYTES_PER_MESSAGE_BYTE: usize = 8;
+
 impl State {
     /// A server's shared state. It raises the process-wide token-id bound to
-    /// `limits.max_query_tokens` (`kvatlas_proto::codec::bound_token_ids`), for good: a server
-    /// that then fails to start leaves the bound raised, which only lets a later server's
-    /// over-limit queries be held longer before they are refused.
+    /// `limits.max_query_tokens` (`kvatlas_proto::codec::bound_token_ids`) and the decoded-size
+    /// bound to [`DECODED_BYTES_PER_MESSAGE_BYTE`] × `limits.max_message_bytes`
+    /// (`kvatlas_proto::codec::bound_decoded_size`), for good: a server that then fails to start
+    /// leaves them raised, which only lets a later server's over-limit requests be held longer
+    /// before they are refused. Servers of one process with different limits share the highest.
     pub(crate) fn new(
         registry: Arc<Registry>,
         limits: Limits,
@@ -57,6 +65,13 @@ impl State {
         // gRPC codec and the JSON query routes): decoded whole, each byte of a packed id became
         // four of memory, and each of a JSON list up to four.
         kvatlas_proto::codec::bound_token_ids(limits.max_query_tokens);
+        // A request's decoded form is held to 8 bytes per byte of the message limit (what a
+        // list of one-byte integers takes): a list of empty messages took 72 per byte.
+        kvatlas_proto::codec::bound_decoded_size(
+            limits
+                .max_message_bytes
+                .saturating_mul(DECODED_BYTES_PER_MESSAGE_BYTE),
+        );
         Self {
             registry,
             metrics: Metrics::default(),

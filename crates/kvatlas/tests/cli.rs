@@ -625,3 +625,85 @@ fn json_logs_are_one_object_per_line() {
         "the serving line, as JSON: {logged:?}"
     );
 }
+
+/// A request whose decoded form would take more than 8 bytes of memory per byte of the message
+/// limit (here 4,096 bytes: 32 KiB) is refused before it is decoded, with what to change; a
+/// message of the same size whose lists are integers is applied.
+#[test]
+fn a_request_that_would_decode_to_too_much_memory_is_refused_before_decoding() {
+    let served = Served::start(&["--max-message-bytes", "4096"]);
+    let server = served.grpc.clone();
+    // 1,800 empty events: 3,600 bytes on the wire, 259 KB in memory.
+    let empty_events = v1::PublishEventsRequest {
+        index: Some(v1::IndexSelector {
+            model: "m".into(),
+            tenant: String::new(),
+        }),
+        instance_id: 1,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent { event: None }; 1_800],
+        ..v1::PublishEventsRequest::default()
+    };
+    // 3,900 one-byte block hashes in one removal: 31 KB in memory, applied.
+    let small_hashes = v1::PublishEventsRequest {
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Removed(v1::BlocksRemoved {
+                block_hashes: vec![5; 3_900],
+                tier: 0,
+            })),
+        }],
+        ..empty_events.clone()
+    };
+    // llm-d's request with 2,000 empty pod names: 48 KB in memory.
+    let pods = kvatlas_proto::llmd::indexer::v1::GetPodScoresRequest {
+        prompt: String::new(),
+        model_name: "m".into(),
+        pod_identifiers: vec![String::new(); 2_000],
+    };
+    let wire = prost::Message::encoded_len(&empty_events);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut client = v1::indexer_client::IndexerClient::connect(server.clone())
+            .await
+            .expect("connects");
+        let status = client
+            .publish_events(tokio_stream::iter([empty_events]))
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        // The struct, the model name's byte and 1,800 events.
+        let size = std::mem::size_of::<v1::PublishEventsRequest>()
+            + 1
+            + 1_800 * std::mem::size_of::<v1::KvEvent>();
+        assert!(
+            status.message().contains(&format!(
+                "the kvatlas.v1.PublishEventsRequest message of {wire} bytes would take {size} bytes of \
+                 memory once decoded; this server decodes at most 32768 per message"
+            )) && status.message().contains("send fewer events per message"),
+            "{status:?}"
+        );
+        let applied = client
+            .publish_events(tokio_stream::iter([small_hashes]))
+            .await
+            .expect("applied")
+            .into_inner();
+        assert_eq!(applied.messages_applied, 1, "{applied:?}");
+        let mut llmd =
+            kvatlas_proto::llmd::indexer::v1::indexer_service_client::IndexerServiceClient::connect(
+                server.clone(),
+            )
+            .await
+            .expect("connects");
+        let status = llmd.get_pod_scores(pods).await.expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("send fewer pod identifiers per message"),
+            "{status:?}"
+        );
+    });
+}

@@ -158,7 +158,7 @@ const GROUP_DEPTH: usize = 128;
 /// the same field number, nested ones within), as prost skips an unknown field; `None` where
 /// prost errs too (a value cut short, a wire type 4, 6 or 7 out of place, an end-group key of
 /// another field) or nesting deeper than [`GROUP_DEPTH`] (prost errs before).
-fn skip(bytes: &[u8], at: &mut usize, key: u64) -> Option<()> {
+pub(super) fn skip(bytes: &[u8], at: &mut usize, key: u64) -> Option<()> {
     let fixed = |at: &mut usize, width: usize| {
         *at = at.checked_add(width).filter(|&end| end <= bytes.len())?;
         Some(())
