@@ -3,7 +3,7 @@
 //! A decoded message can be far larger than its bytes. A list of integers holds at most 8 bytes
 //! per byte received (a `uint64` of one byte), but a list of messages or strings holds a whole
 //! element per element: an empty `KvEvent` is 2 bytes on the wire and 144 in memory, so a
-//! 16 MiB `PublishEventsRequest` of them decoded to 1.2 GiB. [`decoded_size`] counts what prost
+//! 16 MiB `PublishEventsRequest` of them decoded to 1.1 GiB. [`decoded_size`] counts what prost
 //! would build — each list element at its size in memory, each string's bytes — by walking the
 //! message's fields without building anything, for the requests whose decoded form can exceed
 //! 8 bytes per byte (a table by hand, [`COUNTED_REQUESTS`], which a test holds to the `.proto` files'
