@@ -252,24 +252,9 @@ fn score_tokens(
         .map(|m| m.worker.worker_id)
         .collect();
     let registered = entry.registered_pods(&instances);
-    let pods: BTreeMap<Worker, String> = answer
-        .matches
-        .workers
-        .iter()
-        .map(|m| {
-            (
-                m.worker,
-                pod_of(&registered, |pod| pod.as_deref(), m.worker),
-            )
-        })
-        .collect();
     Ok(pod_scores(
         &answer.matches,
-        |worker| {
-            pods.get(&worker)
-                .cloned()
-                .unwrap_or_else(|| worker.worker_id.to_string())
-        },
+        |worker| pod_of(&registered, |pod| pod.as_deref(), worker),
         filter,
     ))
 }
