@@ -146,13 +146,14 @@ pub fn token_ids_kept() -> usize {
     kept_under(token_id_bound())
 }
 
-/// Bounds the memory a request message may take once decoded to at least `max` bytes (the
-/// server's `8 × --max-message-bytes`). Lists of integers take at most 8 bytes per byte
+/// Bounds the memory a request message may take once decoded (its lists counted at their
+/// length) to `max` bytes, or to the bound already set if that is higher: the bound is the
+/// process's and only rises, as [`bound_token_ids`]'s; without a call nothing is counted. (The
+/// server sets `16 × --max-message-bytes`.) Lists of integers take at most 8 bytes per byte
 /// received; a list of messages or strings takes a whole element per element (an empty
 /// `KvEvent` is 2 bytes on the wire and 144 in memory). Requests that can hold such lists
 /// (`PublishEventsRequest`, llm-d's `GetPodScoresRequest`) are counted in their bytes before
-/// decoding, and one over the bound is refused with RESOURCE_EXHAUSTED. The bound is the
-/// process's and only rises, as [`bound_token_ids`]'s; without a call nothing is counted.
+/// decoding, and one over the bound is refused with RESOURCE_EXHAUSTED.
 pub fn bound_decoded_size(max: usize) {
     budget::MAX_DECODED_BYTES.fetch_max(max, std::sync::atomic::Ordering::Relaxed);
 }

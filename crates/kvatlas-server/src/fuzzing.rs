@@ -112,6 +112,18 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+/// The codec's count of the memory `bytes` take once decoded is never below that of `decoded`,
+/// what prost decoded from them: the count of its canonical bytes, which is its decoded size
+/// (the codec's property test holds the count of canonical bytes to it).
+fn decoded_no_larger_than_counted<U: Message + 'static>(bytes: &[u8], decoded: &U) {
+    let counted = kvatlas_proto::codec::decoded_size::<U>(bytes);
+    let size = kvatlas_proto::codec::decoded_size::<U>(&decoded.encode_to_vec());
+    assert!(
+        counted >= size,
+        "{counted:?} bytes counted, the decoded message takes {size:?}"
+    );
+}
+
 /// A Dynamo route's JSON `body` (the route picked by `route`), parsed as axum's `Json`
 /// extractor does (`None` if it does not parse: axum answers 400/422) and handled; a 500 is
 /// INTERNAL, another error status the client's error.
@@ -192,15 +204,8 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             return dynamo_route(route, json);
         }
         6 => {
-            let counted = kvatlas_proto::codec::decoded_size::<GetPodScoresRequest>(body);
             let decoded = GetPodScoresRequest::decode(body).ok()?;
-            // The codec's count of the memory a request takes is never below its lists'.
-            let listed = size_of::<GetPodScoresRequest>()
-                + decoded.pod_identifiers.len() * size_of::<String>();
-            assert!(
-                counted >= Some(listed),
-                "{counted:?} bytes counted, {listed} in the pod list"
-            );
+            decoded_no_larger_than_counted(body, &decoded);
             let mut request = tonic::Request::new(decoded);
             request.extensions_mut().insert(caller);
             runtime().block_on(pod_scores().answer(request)).map(drop)
@@ -239,14 +244,8 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             registration_of(&register).map(drop)
         }
         _ => {
-            let counted = kvatlas_proto::codec::decoded_size::<v1::PublishEventsRequest>(body);
             let message = v1::PublishEventsRequest::decode(body).ok()?;
-            let listed = size_of::<v1::PublishEventsRequest>()
-                + message.events.len() * size_of::<v1::KvEvent>();
-            assert!(
-                counted >= Some(listed),
-                "{counted:?} bytes counted, {listed} in the event list"
-            );
+            decoded_no_larger_than_counted(body, &message);
             let mut publisher = Publisher::new(state.next_stream_id(), Arc::clone(&state.registry));
             publisher.prepare(&message).and_then(|prepared| {
                 if let Admission::Apply { .. } = publisher.admit(&prepared)? {

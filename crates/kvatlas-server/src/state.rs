@@ -42,11 +42,13 @@ pub(crate) struct State {
     dumps: Places,
 }
 
-/// How many bytes of memory a request message may take once decoded, per byte of the message
-/// size limit: 8, what a list of one-byte `uint64`s takes, so that no list of integers is ever
-/// refused for it; only lists of messages or strings (2 bytes on the wire, a whole element in
-/// memory) can reach it.
-pub(crate) const DECODED_BYTES_PER_MESSAGE_BYTE: usize = 8;
+/// How many bytes of memory a request message may take once decoded (its lists counted at their
+/// length), per byte of the message size limit: 16. That is twice what a list of one-byte
+/// `uint64`s takes (8, plus the message's own struct), and above the densest event an engine
+/// sends (a removal of one 64-bit hash: 152 bytes in memory for 16 on the wire, 9.5 per byte),
+/// so no message of integer lists or ordinary events is refused for it, whatever its size; a
+/// flood of near-empty list elements is (an empty `KvEvent`: 72 per byte).
+pub(crate) const DECODED_BYTES_PER_MESSAGE_BYTE: usize = 16;
 
 impl State {
     /// A server's shared state. It raises the process-wide token-id bound to
@@ -65,8 +67,8 @@ impl State {
         // gRPC codec and the JSON query routes): decoded whole, each byte of a packed id became
         // four of memory, and each of a JSON list up to four.
         kvatlas_proto::codec::bound_token_ids(limits.max_query_tokens);
-        // A request's decoded form is held to 8 bytes per byte of the message limit (what a
-        // list of one-byte integers takes): a list of empty messages took 72 per byte.
+        // A request's decoded form is held to 16 bytes per byte of the message limit: a list of
+        // empty messages took 72 per byte.
         kvatlas_proto::codec::bound_decoded_size(
             limits
                 .max_message_bytes

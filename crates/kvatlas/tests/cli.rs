@@ -626,9 +626,9 @@ fn json_logs_are_one_object_per_line() {
     );
 }
 
-/// A request whose decoded form would take more than 8 bytes of memory per byte of the message
-/// limit (here 4,096 bytes: 32 KiB) is refused before it is decoded, with what to change; a
-/// message of the same size whose lists are integers is applied.
+/// A request whose decoded form would take more than 16 bytes of memory per byte of the message
+/// limit (here 4,096 bytes: 64 KiB) is refused before it is decoded, with what to change; a
+/// message as long whose list is of one-byte integers, and one of ordinary removals, are applied.
 #[test]
 fn a_request_that_would_decode_to_too_much_memory_is_refused_before_decoding() {
     let served = Served::start(&["--max-message-bytes", "4096"]);
@@ -644,22 +644,26 @@ fn a_request_that_would_decode_to_too_much_memory_is_refused_before_decoding() {
         events: vec![v1::KvEvent { event: None }; 1_800],
         ..v1::PublishEventsRequest::default()
     };
-    // 3,900 one-byte block hashes in one removal: 31 KB in memory, applied.
+    let removal = |block_hashes: Vec<u64>| v1::KvEvent {
+        event: Some(v1::kv_event::Event::Removed(v1::BlocksRemoved {
+            block_hashes,
+            tier: 0,
+        })),
+    };
+    // 4,070 one-byte block hashes in one removal: 33 KB in memory.
     let small_hashes = v1::PublishEventsRequest {
-        events: vec![v1::KvEvent {
-            event: Some(v1::kv_event::Event::Removed(v1::BlocksRemoved {
-                block_hashes: vec![5; 3_900],
-                tier: 0,
-            })),
-        }],
+        events: vec![removal(vec![5; 4_070])],
         ..empty_events.clone()
     };
-    // llm-d's request with 2,000 empty pod names: 48 KB in memory.
-    let pods = kvatlas_proto::llmd::indexer::v1::GetPodScoresRequest {
-        prompt: String::new(),
-        model_name: "m".into(),
-        pod_identifiers: vec![String::new(); 2_000],
+    // 250 removals of one 64-bit hash each (the densest event engines send): 38 KB.
+    let removals = v1::PublishEventsRequest {
+        events: (0..250u64).map(|i| removal(vec![u64::MAX - i])).collect(),
+        ..empty_events.clone()
     };
+    for applied in [&small_hashes, &removals] {
+        let wire = prost::Message::encoded_len(applied);
+        assert!((4_000..=4_096).contains(&wire), "{wire} bytes");
+    }
     let wire = prost::Message::encoded_len(&empty_events);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -681,29 +685,15 @@ fn a_request_that_would_decode_to_too_much_memory_is_refused_before_decoding() {
         assert!(
             status.message().contains(&format!(
                 "the kvatlas.v1.PublishEventsRequest message of {wire} bytes would take {size} bytes of \
-                 memory once decoded; this server decodes at most 32768 per message"
+                 memory once decoded; this server decodes at most 65536 per message"
             )) && status.message().contains("send fewer events per message"),
             "{status:?}"
         );
         let applied = client
-            .publish_events(tokio_stream::iter([small_hashes]))
+            .publish_events(tokio_stream::iter([small_hashes, removals]))
             .await
             .expect("applied")
             .into_inner();
-        assert_eq!(applied.messages_applied, 1, "{applied:?}");
-        let mut llmd =
-            kvatlas_proto::llmd::indexer::v1::indexer_service_client::IndexerServiceClient::connect(
-                server.clone(),
-            )
-            .await
-            .expect("connects");
-        let status = llmd.get_pod_scores(pods).await.expect_err("refused");
-        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-        assert!(
-            status
-                .message()
-                .contains("send fewer pod identifiers per message"),
-            "{status:?}"
-        );
+        assert_eq!(applied.messages_applied, 2, "{applied:?}");
     });
 }

@@ -6,17 +6,21 @@
 //! 16 MiB `PublishEventsRequest` of them decoded to 1.1 GiB. [`decoded_size`] counts what prost
 //! would build — each list element at its size in memory, each string's bytes — by walking the
 //! message's fields without building anything, for the requests whose decoded form can exceed
-//! 8 bytes per byte (a table by hand, [`COUNTED_REQUESTS`], which a test holds to the `.proto` files'
-//! descriptors: every request that can reach such a list is in it). Every other request decodes
-//! to at most 8 bytes per byte plus its own struct, so the bound the server sets, 8 ×
-//! `--max-message-bytes`, holds for every message without counting it.
+//! 8 bytes per byte (a table by hand, [`COUNTED_REQUESTS`], which a test holds to the `.proto`
+//! files' descriptors: every RPC input that can reach such a list is in it). Every other request
+//! decodes to at most 8 bytes per byte plus its own struct, under the bound the server sets
+//! (16 × `--max-message-bytes`) without counting it.
 //!
 //! The walk reads fields as prost does: a nested message's fields are read from the whole
 //! message (prost checks a nested length against the rest of the whole message, then errs if
-//! the nested message did not end where it said), unknown fields are skipped, and where prost
-//! would stop with an error the count stops too (what prost built up to there is counted).
-//! Lists grow by doubling as prost pushes, so for a moment a list may take up to three times its
-//! count; the count is of the decoded form.
+//! the nested message did not end where it said), unknown fields are skipped, a packed run is
+//! counted as prost reads it (a last varint or word that continues past the run's end is read
+//! and kept before prost errs), and where prost stops with an error the count stops no earlier
+//! (what prost built up to there is counted).
+//!
+//! The count is of the lists' lengths. Their capacity can be larger: prost grows a list by
+//! doubling as it pushes and does not shrink it, so a decoded list can hold up to twice its
+//! count (three times while it grows), and a small one at least 4 elements.
 
 use std::any::{Any, TypeId};
 use std::mem::size_of;
@@ -33,9 +37,10 @@ use crate::v1::{
 /// [`super::bound_decoded_size`].
 pub(super) static MAX_DECODED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
-/// No message of [`COUNTED_REQUESTS`] decodes to more than this many bytes per byte (the largest is an
-/// empty `KvEvent`: 144 bytes for 2; a test holds every schema to it), so a message shorter
-/// than the bound divided by it is not counted.
+/// No list element of [`COUNTED_REQUESTS`] takes more than this many bytes of memory per byte on
+/// the wire (the largest is an empty `KvEvent`: 144 bytes for 2; a test holds every schema to
+/// it), so a message whose bytes times this, plus its own struct, stay within the bound is not
+/// counted.
 pub(super) const MOST_BYTES_PER_BYTE: usize = 128;
 
 /// What a field takes in memory once prost decodes it (fields not named take none of their
@@ -194,13 +199,18 @@ fn fields(
             (Field::Texts, 2) => add(size, size_of::<String>() + delimited(bytes, at)?.len()),
             (Field::Varints(width), 2) => {
                 let run = delimited(bytes, at)?;
-                add(size, width * run.iter().filter(|&&b| b < 0x80).count());
+                // A last varint that continues past the run is read (from the rest of the
+                // message) and kept before prost errs.
+                let straddling = run.last().is_some_and(|&b| b >= 0x80);
+                let count = run.iter().filter(|&&b| b < 0x80).count() + usize::from(straddling);
+                add(size, width * count);
             }
             (Field::Varints(width), 0) => {
                 varint(bytes, at)?;
                 add(size, width);
             }
-            (Field::Fixed64s, 2) => add(size, delimited(bytes, at)?.len()),
+            // A last word that continues past the run is read and kept before prost errs.
+            (Field::Fixed64s, 2) => add(size, 8 * delimited(bytes, at)?.len().div_ceil(8)),
             (Field::Fixed64s, 1) => {
                 *at = at.checked_add(8).filter(|&end| end <= bytes.len())?;
                 add(size, 8);
@@ -220,21 +230,35 @@ fn nested_message(schema: &Schema, bytes: &[u8], at: &mut usize, size: &mut usiz
     (*at == end).then_some(())
 }
 
-/// The decoded size of `bytes` as `U`, with `U`'s entry, when `U` is a request of [`COUNTED_REQUESTS`]
-/// and the size is over `bound` (0: no bound). A message shorter than the bound over
-/// [`MOST_BYTES_PER_BYTE`] is not counted.
+/// The decoded size of `bytes` as `U`, with `U`'s entry, when `U` is a request of
+/// [`COUNTED_REQUESTS`] and the size is over `bound` (0: no bound). A message that cannot reach
+/// the bound (its bytes times [`MOST_BYTES_PER_BYTE`], plus its struct) is not counted.
 pub(super) fn over_bound<U: Any>(bytes: &[u8], bound: usize) -> Option<(usize, &'static Counted)> {
-    if bound == 0 || bytes.len() <= bound / MOST_BYTES_PER_BYTE {
+    if bound == 0 {
         return None;
     }
-    decoded_size_of::<U>(bytes).filter(|&(size, _)| size > bound)
+    let counted = counted::<U>()?;
+    let most = bytes
+        .len()
+        .saturating_mul(MOST_BYTES_PER_BYTE)
+        .saturating_add(counted.schema.size);
+    if most <= bound {
+        return None;
+    }
+    Some((decoded_size(counted.schema, bytes), counted)).filter(|&(size, _)| size > bound)
 }
 
-/// The decoded size of `bytes` as `U`, with `U`'s entry, when `U` is a request of [`COUNTED_REQUESTS`].
+/// The decoded size of `bytes` as `U`, with `U`'s entry, when `U` is a request of
+/// [`COUNTED_REQUESTS`].
 pub(super) fn decoded_size_of<U: Any>(bytes: &[u8]) -> Option<(usize, &'static Counted)> {
-    let id = TypeId::of::<U>();
-    let counted = COUNTED_REQUESTS.iter().find(|c| (c.type_id)() == id)?;
+    let counted = counted::<U>()?;
     Some((decoded_size(counted.schema, bytes), counted))
+}
+
+/// `U`'s entry in [`COUNTED_REQUESTS`].
+fn counted<U: Any>() -> Option<&'static Counted> {
+    let id = TypeId::of::<U>();
+    COUNTED_REQUESTS.iter().find(|c| (c.type_id)() == id)
 }
 
 #[cfg(test)]
@@ -346,9 +370,12 @@ mod tests {
             let bytes = request.encode_to_vec();
             prop_assert_eq!(decoded_size(&PUBLISH_EVENTS_REQUEST, &bytes), size_of_publish(&request));
             let bytes = super::super::altered(bytes, &flips, cut, &tail);
+            let counted = decoded_size(&PUBLISH_EVENTS_REQUEST, &bytes);
             if let Ok(decoded) = PublishEventsRequest::decode(bytes.as_slice()) {
-                prop_assert!(decoded_size(&PUBLISH_EVENTS_REQUEST, &bytes) >= size_of_publish(&decoded));
+                prop_assert!(counted >= size_of_publish(&decoded));
             }
+            // What lets a short message go uncounted.
+            prop_assert!(counted <= bytes.len() * MOST_BYTES_PER_BYTE + PUBLISH_EVENTS_REQUEST.size);
         }
 
         #[test]
@@ -369,8 +396,8 @@ mod tests {
         }
     }
 
-    /// Unpacked lists, nested fields running past their message's end, repeated singular
-    /// messages: each counted at least as prost builds it.
+    /// Unpacked lists and a repeated singular message (merged by prost): counted as prost
+    /// builds them.
     #[test]
     fn counts_the_layouts_prost_also_accepts() {
         // Two `removed` fields in one event, merged by prost; hashes unpacked (tag 1, varint).
@@ -392,6 +419,27 @@ mod tests {
             decoded_size(&PUBLISH_EVENTS_REQUEST, &bytes),
             size_of_publish(&decoded)
         );
+    }
+
+    /// A packed run whose last varint or word continues past the run's end: prost reads it
+    /// from the rest of the message and keeps it, then errs; it is counted.
+    #[test]
+    fn counts_a_last_element_read_past_its_run() {
+        // An event removing hashes [5, 0x85 …]: the run's last byte continues into the next
+        // field's key.
+        let removed = [0x0a, 0x02, 0x05, 0x85, 0x10, 0x01];
+        let mut bytes = vec![0x32, removed.len() as u8 + 2, 0x12, removed.len() as u8];
+        bytes.extend_from_slice(&removed);
+        assert!(PublishEventsRequest::decode(bytes.as_slice()).is_err());
+        let event = size_of::<PublishEventsRequest>() + size_of::<KvEvent>();
+        assert_eq!(decoded_size(&PUBLISH_EVENTS_REQUEST, &bytes), event + 2 * 8);
+        // Local hashes packed in 9 bytes: two words counted (prost reads the second from the
+        // rest of the message when 8 bytes remain).
+        let stored = [0x22, 0x09, 1, 2, 3, 4, 5, 6, 7, 8, 9];
+        let mut bytes = vec![0x32, stored.len() as u8 + 2, 0x0a, stored.len() as u8];
+        bytes.extend_from_slice(&stored);
+        assert!(PublishEventsRequest::decode(bytes.as_slice()).is_err());
+        assert_eq!(decoded_size(&PUBLISH_EVENTS_REQUEST, &bytes), event + 2 * 8);
     }
 
     /// An empty event is 2 bytes and 144 in memory: the largest ratio of any request, and under
@@ -438,7 +486,8 @@ mod tests {
         );
         assert!(over_bound::<PublishEventsRequest>(&bytes, size).is_none());
         assert!(over_bound::<PublishEventsRequest>(&bytes, 0).is_none());
-        // Other requests are not counted (each is at most 8 bytes per byte).
+        // Other messages are not counted (every other RPC input is at most 8 bytes per byte;
+        // `LogBatch` lists mutations but is read from the NATS stream, not decoded here).
         assert!(over_bound::<QueryRequest>(&bytes, 1).is_none());
         assert!(over_bound::<LogBatch>(&bytes, 1).is_none());
     }
