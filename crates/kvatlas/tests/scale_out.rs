@@ -277,10 +277,22 @@ fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
     converges(&sleeper, &fleet, "the replica before it is stopped");
     // The sleeper stops reading; the stream moves past what it read.
     signal(&sleeper, "STOP");
-    // Far more than the stream keeps, in steps the running replica keeps up with.
-    for _ in 0..30 {
+    let stopped_at = metric(&keeper, "kvatlas_log_stream_sequence");
+    // Far more than the stream keeps, in steps the running replica keeps up with; and more
+    // messages than the sleeper's open pull requests take (an ordered consumer asks for 500
+    // at a time, and for 500 more when half are left): the server sends those into its socket
+    // while it is stopped, before retention drops them, and it would then read them all. Under
+    // load the ingest puts more records in one message, so the steps go on until the stream
+    // is far enough ahead.
+    let mut steps = 0;
+    while steps < 30 || metric(&keeper, "kvatlas_log_stream_sequence") < stopped_at + 1_200 {
+        assert!(
+            steps < 600,
+            "the stream did not move 1,200 messages in {steps} steps"
+        );
         fleet.serve(100);
         std::thread::sleep(Duration::from_millis(30));
+        steps += 1;
     }
     converges(&keeper, &fleet, "the replica that kept up");
     // Let the keeper write a snapshot of the newest state.
