@@ -351,9 +351,10 @@ impl Consumer {
         }
         let start = self.applied + 1;
         // An ordered pull consumer: the replica fetches what it can apply (a stopped or slow
-        // replica is not flooded beyond its open pull requests, 500 to 750 messages; it reads
-        // on from its own position, and finds out if retention dropped what it had not read);
-        // gaps and stalls recreate it from the last sequence.
+        // replica is sent no more of the stream than its open pull requests asked for, at most
+        // 750 messages; it reads on from its own position, and finds out if retention dropped
+        // what it had not read); gaps and stalls recreate it from the last sequence. (The live
+        // path's core-NATS subscription has no such bound.)
         let consumer = self
             .stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {

@@ -45,7 +45,8 @@ pub(crate) struct State {
 /// How many bytes of memory a request message may take once decoded (its lists counted at their
 /// length), per byte of the message size limit: 16. That is twice what a list of one-byte
 /// `uint64`s takes (8, plus the message's own struct), and above the densest event an engine
-/// sends (a removal of one 64-bit hash: 152 bytes in memory for 16 on the wire, 9.5 per byte),
+/// sends (a removal of one 64-bit hash: 152 bytes in memory for the 15–16 bytes on the wire of
+/// almost every hash, about 10 per byte),
 /// so no message of integer lists or ordinary events is refused for it, whatever its size; a
 /// flood of near-empty list elements is (an empty `KvEvent`: 72 per byte).
 pub(crate) const DECODED_BYTES_PER_MESSAGE_BYTE: usize = 16;

@@ -275,15 +275,16 @@ fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
     }
     fleet.serve(20);
     converges(&sleeper, &fleet, "the replica before it is stopped");
-    // The sleeper stops reading; the stream moves past what it read.
+    // The sleeper stops reading; the stream moves past what it read. (Its position is read
+    // first: one it applies after the read only makes the stream go further below.)
+    let stopped_at = metric(&sleeper, "kvatlas_log_stream_sequence");
     signal(&sleeper, "STOP");
-    let stopped_at = metric(&keeper, "kvatlas_log_stream_sequence");
-    // Far more than the stream keeps, in steps the running replica keeps up with; and more
-    // messages than the sleeper's open pull requests take (an ordered consumer asks for 500
-    // at a time, and for 500 more when half are left): the server sends those into its socket
-    // while it is stopped, before retention drops them, and it would then read them all. Under
-    // load the ingest puts more records in one message, so the steps go on until the stream
-    // is far enough ahead.
+    // In steps the running replica keeps up with, until the stream is further ahead than what
+    // the sleeper can still read without a gap: what its open pull requests asked for (an
+    // ordered consumer asks for 500 messages, and for 500 more when half are left: at most 750
+    // outstanding), which the server sends into its socket while it is stopped, plus what the
+    // stream keeps (100 kB: here at most about 130 messages, each of several records of about
+    // 770 B). Under load the ingest puts more records in one message, so more steps are needed.
     let mut steps = 0;
     while steps < 30 || metric(&keeper, "kvatlas_log_stream_sequence") < stopped_at + 1_200 {
         assert!(
