@@ -46,9 +46,9 @@ pub(crate) struct State {
 /// length), per byte of the message size limit: 16. That is twice what a list of one-byte
 /// `uint64`s takes (8, plus the message's own struct), and above the densest event an engine
 /// sends (a removal of one 64-bit hash: 152 bytes in memory for the 15–16 bytes on the wire of
-/// almost every hash, about 10 per byte),
-/// so no message of integer lists or ordinary events is refused for it, whatever its size; a
-/// flood of near-empty list elements is (an empty `KvEvent`: 72 per byte).
+/// almost every hash, about 10 per byte), so no message of integer lists or ordinary events is
+/// refused for it, whatever its size; a flood of near-empty list elements is (an empty
+/// `KvEvent`: 72 per byte).
 pub(crate) const DECODED_BYTES_PER_MESSAGE_BYTE: usize = 16;
 
 impl State {

@@ -684,8 +684,8 @@ fn a_request_that_would_decode_to_too_much_memory_is_refused_before_decoding() {
             + 1_800 * std::mem::size_of::<v1::KvEvent>();
         assert!(
             status.message().contains(&format!(
-                "the kvatlas.v1.PublishEventsRequest message of {wire} bytes would take {size} bytes of \
-                 memory once decoded; this server decodes at most 65536 per message"
+                "the kvatlas.v1.PublishEventsRequest message of {wire} bytes would take {size} \
+                 bytes of memory once decoded; this server decodes at most 65536 per message"
             )) && status.message().contains("send fewer events per message"),
             "{status:?}"
         );

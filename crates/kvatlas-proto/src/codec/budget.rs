@@ -27,7 +27,7 @@ use std::mem::size_of;
 use std::sync::atomic::AtomicUsize;
 
 use super::answers::{delimited, varint};
-use super::requests::skip;
+use super::requests::{skip, varints_read};
 use crate::llmd::indexer::v1::GetPodScoresRequest;
 use crate::v1::{
     AllBlocksCleared, BlocksRemoved, BlocksStored, IndexSelector, KvEvent, PublishEventsRequest,
@@ -197,14 +197,7 @@ fn fields(
             }
             (Field::Text, 2) => add(size, delimited(bytes, at)?.len()),
             (Field::Texts, 2) => add(size, size_of::<String>() + delimited(bytes, at)?.len()),
-            (Field::Varints(width), 2) => {
-                let run = delimited(bytes, at)?;
-                // A last varint that continues past the run is read (from the rest of the
-                // message) and kept before prost errs.
-                let straddling = run.last().is_some_and(|&b| b >= 0x80);
-                let count = run.iter().filter(|&&b| b < 0x80).count() + usize::from(straddling);
-                add(size, width * count);
-            }
+            (Field::Varints(width), 2) => add(size, width * varints_read(delimited(bytes, at)?)),
             (Field::Varints(width), 0) => {
                 varint(bytes, at)?;
                 add(size, width);

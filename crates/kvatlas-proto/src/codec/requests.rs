@@ -184,6 +184,14 @@ pub(super) fn skip(bytes: &[u8], at: &mut usize, key: u64) -> Option<()> {
     }
 }
 
+/// How many varints prost reads from the packed run `run`: one per byte below 0x80 (each ends
+/// a varint), and one more if the last byte continues a varint, which prost reads on from the
+/// rest of the message and keeps before it errs.
+pub(super) fn varints_read(run: &[u8]) -> usize {
+    let straddling = run.last().is_some_and(|&b| b >= 0x80);
+    run.iter().filter(|&&b| b < 0x80).count() + usize::from(straddling)
+}
+
 /// How many token ids prost decodes from a `QueryRequest`'s bytes, at most, counted without
 /// decoding them: every `tokens` field (prost merges repeated ones; a non-canonical message
 /// naming another input in between is counted whole too), a packed run by its varints' last
@@ -222,8 +230,7 @@ pub(super) fn count_token_ids(bytes: &[u8]) -> usize {
                 let Some(run) = delimited(bytes, &mut at) else {
                     return count;
                 };
-                let straddling = run.last().is_some_and(|&b| b >= 0x80);
-                count += run.iter().filter(|&&b| b < 0x80).count() + usize::from(straddling);
+                count += varints_read(run);
             } else if key == u64::from(PACKED & !7) {
                 count += 1;
                 if varint(bytes, &mut at).is_none() {
