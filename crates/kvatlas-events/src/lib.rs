@@ -38,9 +38,11 @@
 //! `sequence`, `frames` and `counters` take bytes and return values or actions, and own no
 //! index. The crate never depends on tokio, tonic, prost or hyper (checked by
 //! `cargo xtask tidy`): the listener uses the blocking `zmq` crate (bundled libzmq) on plain
-//! threads. Nothing in it panics on wire input, and memory stays bounded: length headers never
-//! drive allocations beyond [`decode::MAX_PREALLOC_BYTES`] bytes each, and the listener's
-//! queues (SUB high-water mark, sequencer buffer, sink lanes) are all bounded.
+//! threads. Nothing in it panics on wire input, and memory stays bounded: a length header
+//! drives at most [`decode::MAX_PREALLOC_BYTES`] of preallocation in the general decoder, and
+//! at most 4 (token ids) or 8 (hashes) bytes per remaining input byte in the fast paths (a
+//! header claiming more elements than bytes remain is refused), and the listener's queues (SUB
+//! high-water mark, sequencer buffer, sink lanes) are all bounded.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]

@@ -87,8 +87,8 @@ pub enum Action<P> {
 /// Tuning of a [`Sequencer`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SequencerConfig {
-    /// Live batches buffered while a replay is outstanding; one more forces a
-    /// [`ResyncReason::BufferOverflow`].
+    /// Batches buffered ahead of a hole (live ones, and replayed ones ahead of it) while the
+    /// hole waits for a replay; one more forces a [`ResyncReason::BufferOverflow`].
     pub max_buffered: usize,
     /// Applied batches remembered (sequence and content fingerprint) to tell a duplicate from
     /// a restart.
@@ -202,9 +202,12 @@ impl Outstanding {
 /// Rules (`docs/events.md` has the full state machine):
 /// - the first live batch with `seq > 0` (late join) → replay `0..seq`;
 /// - `seq == next` → apply; `seq > next` → buffer and replay `next..seq` (one replay at a time);
-/// - a batch at or below what was applied or buffered, with the same content → duplicate,
-///   dropped; a live batch at or below the last live one with other content → restart: resync
-///   and start over from it;
+/// - a batch below the next one to apply, or at a buffered one's number → duplicate, dropped
+///   (by its number: the content is compared only for a live batch at or below the last live
+///   one that is not among the recent or buffered ones, below); a live batch at or below the
+///   last live one that fills a hole (at or above the next one to apply) → out of order,
+///   accepted; one below the next to apply with content other than the recent batch of its
+///   number → restart: resync and start over from it;
 /// - a replay that starts late, skips batches or fails → resync, then continue with what is
 ///   there (the worker is rebuilt from the events that follow);
 /// - more than [`SequencerConfig::max_buffered`] buffered live batches → resync, flush them;
@@ -463,7 +466,19 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
                 self.counters.duplicates += 1;
                 return;
             }
-            // The live stream only moves forward within one publisher process.
+            if seq >= self.next {
+                // Neither applied nor buffered, after later ones: a batch that fills a hole out
+                // of order (a publisher that reconnected to a bound socket: its old
+                // connection's last batches can come after the new one's first), not a
+                // restart. A restart whose numbers fall inside the hole is still found: the
+                // replay asks for the hole from the last batch applied, whose copy in the
+                // engine's ring then differs (the anchor).
+                self.accept(seq, payload, fingerprint, false);
+                self.request_replay_if_needed();
+                return;
+            }
+            // Below what is applied, with other content: within one publisher process the
+            // stream only moves forward, so this is a new one.
             self.restarted();
         }
         let first = self.last_live.is_none();
@@ -528,6 +543,9 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             self.skip_to(seq, ResyncReason::ReplayIncomplete);
         }
         self.accept(seq, payload, fingerprint, true);
+        // A buffer overflow ends the replay (the rest of its answer is stale): the holes left
+        // behind the buffered batches are asked for at once, not at the next live batch.
+        self.request_replay_if_needed();
     }
 
     /// The end marker of replay `id`.

@@ -157,6 +157,28 @@ fn a_backwards_sequence_with_new_content_is_a_restart() {
     assert_eq!(h.replay([0], true), vec![Apply(0), Apply(1)]);
 }
 
+/// A live batch that comes after later ones and fills a hole (a publisher reconnected to a
+/// bound socket: its old connection's last batches arrive after the new one's first) is taken
+/// in order, not as an engine restart, which would clear the worker and replay from 0.
+#[test]
+fn a_late_batch_inside_a_hole_is_out_of_order_not_a_restart() {
+    let mut h = Harness::new();
+    h.live(0..3);
+    // The replay asks from the last batch applied (the anchor).
+    assert_eq!(h.live([6]), vec![Replay(2, 6)]);
+    assert_eq!(h.live([3]), vec![Apply(3)], "late, fills the hole's start");
+    assert_eq!(h.live([5]), vec![], "late, buffered behind the hole at 4");
+    assert_eq!(
+        h.replay([2, 3, 4, 5, 6], true),
+        vec![Apply(4), Apply(5), Apply(6)]
+    );
+    assert_eq!(h.seq.counters().restarts, 0);
+    assert_eq!(h.seq.counters().resyncs, 0);
+    // Below what is applied, with other content, it is still a restart.
+    h.incarnation = 1;
+    assert_eq!(h.live([0]), vec![Resync(ResyncReason::Restart), Apply(0)]);
+}
+
 #[test]
 fn a_restart_during_a_replay_abandons_it() {
     let mut h = Harness::new();
@@ -287,6 +309,33 @@ fn buffer_overflow_resyncs_and_flushes() {
     assert_eq!(h.seq.buffered(), 0);
     assert_eq!(h.seq.outstanding_replay(), None);
     assert_eq!(h.seq.counters().overflow_resyncs, 1);
+}
+
+/// A buffer overflow inside a replay's answer ends that replay; the hole it leaves behind the
+/// buffered batches is asked for at once (before, not until the next live batch or probe).
+#[test]
+fn an_overflow_inside_a_replay_answer_asks_for_the_next_hole_at_once() {
+    let mut h = Harness::with(SequencerConfig {
+        max_buffered: 3,
+        recent_window: 16,
+    });
+    h.live([0]);
+    assert_eq!(h.live([3]), vec![Replay(0, 3)]);
+    assert_eq!(h.live([10, 11]), vec![], "buffered");
+    // The anchor, the hole, then batches ahead of what is applied: 6 is buffered, 8 overflows.
+    assert_eq!(
+        h.replay([0, 1, 2, 4, 6, 8], false),
+        vec![
+            Apply(1),
+            Apply(2),
+            Apply(3),
+            Apply(4),
+            Resync(ResyncReason::BufferOverflow),
+            Apply(6),
+            Apply(8),
+            Replay(8, 10)
+        ]
+    );
 }
 
 #[test]

@@ -193,9 +193,11 @@ fn receive(socket: &zmq::Socket, flags: i32) -> Result<Option<Received>, zmq::Er
     let mut frames = Vec::with_capacity(MAX_KEPT_FRAMES);
     frames.push(first);
     let mut count = 1;
-    // The rest of a multipart message is delivered atomically with its first frame.
-    while socket.get_rcvmore()? {
-        let frame = socket.recv_msg(0)?;
+    // The rest of a multipart message is delivered atomically with its first frame; a signal
+    // can still interrupt its reading (`EINTR`), which is retried rather than failing the
+    // listener, or leaving the rest of the message to be read as a message of its own.
+    while interrupted_again(|| socket.get_rcvmore())? {
+        let frame = interrupted_again(|| socket.recv_msg(0))?;
         count += 1;
         if frames.len() < MAX_KEPT_FRAMES {
             frames.push(frame);
@@ -203,6 +205,23 @@ fn receive(socket: &zmq::Socket, flags: i32) -> Result<Option<Received>, zmq::Er
     }
     Ok(Some(Received { frames, count }))
 }
+
+/// Runs `op` again while it is interrupted (`EINTR`, or `EAGAIN`, which a frame after the first
+/// should not see), at most [`INTERRUPTED_TRIES`] times.
+fn interrupted_again<T>(mut op: impl FnMut() -> Result<T, zmq::Error>) -> Result<T, zmq::Error> {
+    let mut tries = 1;
+    loop {
+        match op() {
+            Err(zmq::Error::EINTR | zmq::Error::EAGAIN) if tries < INTERRUPTED_TRIES => {
+                tries += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// How many times a frame after a message's first is read before an interruption fails it.
+const INTERRUPTED_TRIES: u32 = 64;
 
 impl Received {
     fn slices(&self) -> Vec<&[u8]> {
