@@ -4,7 +4,8 @@
 //! only use those tenants; without it, every tenant), `name=LABEL` (how logs name the caller)
 //! and `max_requests=N` (the most requests and open streams the token holds at once, of the
 //! server's `--max-concurrent-requests`; without it, `--max-requests-per-token` if set);
-//! `#` starts a comment:
+//! `#` at the start of a line or after whitespace starts a comment (a `#` inside a token is
+//! part of the token):
 //!
 //! ```text
 //! # kvatlas tokens
@@ -204,7 +205,7 @@ impl Tokens {
     pub fn parse(text: &str, path: &str) -> Result<Self, TokenFileError> {
         let mut tokens = Vec::new();
         for (number, line) in text.lines().enumerate() {
-            let line = line.split('#').next().unwrap_or_default().trim();
+            let line = without_comment(line).trim();
             if line.is_empty() {
                 continue;
             }
@@ -309,9 +310,11 @@ impl Tokens {
                 "missing credentials: send the header `authorization: Bearer <token>`".into(),
             ));
         };
+        // The scheme's name is case-insensitive (RFC 9110 §11.1).
         let token = header
-            .strip_prefix("Bearer ")
-            .or_else(|| header.strip_prefix("bearer "))
+            .get(..7)
+            .filter(|scheme| scheme.eq_ignore_ascii_case("bearer "))
+            .and_then(|_| header.get(7..))
             .ok_or_else(|| {
                 ServiceError::Unauthenticated(
                     "the authorization header must be `Bearer <token>`".into(),
@@ -322,9 +325,51 @@ impl Tokens {
     }
 }
 
+/// `line` up to its comment: a `#` at its start or after whitespace (one inside a token is part
+/// of it: cutting the token there would store a prefix, which a caller who knew only the prefix
+/// could use, and the whole token would be refused).
+fn without_comment(line: &str) -> &str {
+    let mut previous_is_space = true;
+    for (at, c) in line.char_indices() {
+        if c == '#' && previous_is_space {
+            return &line[..at];
+        }
+        previous_is_space = c.is_whitespace();
+    }
+    line
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hash_inside_a_token_is_part_of_it_and_the_scheme_is_case_insensitive() {
+        let text = "0123456789abcdef#xyz name=hashed # a comment\n#0123456789abcdef-off\n";
+        let tokens = Tokens::parse(text, "tokens").expect("parses");
+        let caller = tokens
+            .authenticate("0123456789abcdef#xyz")
+            .expect("the whole token");
+        assert_eq!(&*caller.name, "hashed");
+        assert!(
+            tokens.authenticate("0123456789abcdef").is_none(),
+            "not its prefix"
+        );
+        assert!(
+            tokens.authenticate("0123456789abcdef-off").is_none(),
+            "a commented line"
+        );
+        for header in [
+            "Bearer 0123456789abcdef#xyz",
+            "BEARER 0123456789abcdef#xyz",
+            "bearer  0123456789abcdef#xyz",
+        ] {
+            assert!(tokens.authorize_header(Some(header)).is_ok(), "{header}");
+        }
+        for header in ["Basic 0123456789abcdef#xyz", "Bearer", "Bearé 0123", ""] {
+            assert!(tokens.authorize_header(Some(header)).is_err(), "{header}");
+        }
+    }
 
     const FILE: &str = "\
 # comment

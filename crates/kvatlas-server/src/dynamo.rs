@@ -102,10 +102,21 @@ fn server_wide_caller(state: &State, headers: &HeaderMap) -> Result<Caller, Box<
     Ok(caller)
 }
 
-/// The kvatlas tenant of a request: its `routing_group`, else its `tenant_id`, else default.
+/// The tenant a request names: its `routing_group`, else its `tenant_id`, passing over an empty
+/// one (clients serialize unset fields as `""`, and `{"routing_group": "", "tenant_id": "a"}`
+/// means tenant `a`); `Some("")` if it gives only empty ones, `None` if it gives neither.
+fn named_tenant<'a>(routing_group: Option<&'a str>, tenant_id: Option<&'a str>) -> Option<&'a str> {
+    let given = [routing_group, tenant_id];
+    given
+        .into_iter()
+        .flatten()
+        .find(|t| !t.is_empty())
+        .or_else(|| given.into_iter().flatten().next())
+}
+
+/// The kvatlas tenant of a request: the one it names ([`named_tenant`]), else default.
 fn tenant_of(routing_group: Option<&str>, tenant_id: Option<&str>) -> String {
-    routing_group
-        .or(tenant_id)
+    named_tenant(routing_group, tenant_id)
         .filter(|t| !t.is_empty())
         .unwrap_or(DEFAULT_TENANT)
         .to_owned()
@@ -324,11 +335,11 @@ pub(crate) async fn unregister(
         Err(response) => return *response,
     };
     // No group and no tenant: every tenant of the model (1.6.1: every routing group).
-    let tenant = request
-        .routing_group
-        .as_deref()
-        .or(request.tenant_id.as_deref())
-        .map(|t| tenant_of(Some(t), None));
+    let tenant = named_tenant(
+        request.routing_group.as_deref(),
+        request.tenant_id.as_deref(),
+    )
+    .map(|t| tenant_of(Some(t), None));
     if let Some(tenant) = &tenant
         && let Err(e) = caller.check(tenant)
     {
@@ -470,10 +481,7 @@ pub(crate) async fn workers(
         Ok(caller) => caller,
         Err(response) => return *response,
     };
-    let tenant = params
-        .routing_group
-        .as_deref()
-        .or(params.tenant_id.as_deref())
+    let tenant = named_tenant(params.routing_group.as_deref(), params.tenant_id.as_deref())
         .map(str::to_owned);
     // A tenant the caller may not use is refused, not answered with an empty list (an empty
     // group names no tenant: it lists nothing, as before).
@@ -516,9 +524,18 @@ pub(crate) async fn workers(
         }
         out
     })
-    .await
-    .unwrap_or_default();
-    (StatusCode::OK, Json(listed)).into_response()
+    .await;
+    match listed {
+        Ok(listed) => (StatusCode::OK, Json(listed)).into_response(),
+        // An empty 200 would tell a router the server has no workers.
+        Err(failed) => {
+            tracing::error!("GET /workers failed: {failed}");
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the worker list could not be built: {failed}"),
+            )
+        }
+    }
 }
 
 fn worker_info(
@@ -1052,12 +1069,22 @@ pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
 /// `/dump` for `images`: `{"model:tenant": {"block_size": n, "model": .., "tenant": .., "events": [...]}}`.
 ///
 /// The key is Dynamo's; `model` and `tenant` are kvatlas's additions (Dynamo's reader ignores
-/// them) because the key is ambiguous when a name holds a colon (`llama3:8b`).
+/// them) because the key is ambiguous when a name holds a colon (`llama3:8b`). Two indexes whose
+/// keys coincide (model `a:b` tenant `c`, model `a` tenant `b:c`) are both written: the second
+/// under its key with `#2` (`#3`, ...) appended, which kvatlas's reader does not need (it reads
+/// `model` and `tenant`), where a plain insert kept only the last.
 pub(crate) fn dump(images: &[IndexImage]) -> Value {
     let mut out = serde_json::Map::new();
     for image in images {
+        let plain = format!("{}:{}", image.key.model, image.key.tenant);
+        let mut key = plain.clone();
+        let mut copy = 1;
+        while out.contains_key(&key) {
+            copy += 1;
+            key = format!("{plain}#{copy}");
+        }
         out.insert(
-            format!("{}:{}", image.key.model, image.key.tenant),
+            key,
             json!({
                 "block_size": image.block_size.get(),
                 "model": image.key.model,
@@ -1083,10 +1110,8 @@ pub(crate) async fn dump_route(
     };
     let held = match state.admit_dump("/dump", place.take()) {
         Ok(held) => held,
-        Err(error) => {
-            state.metrics.http("/dump", error.http_status());
-            return crate::http::error_response(&error);
-        }
+        // In the `{"error": ...}` form of every Dynamo route.
+        Err(refused) => return service_error(&refused),
     };
     let registry = Arc::clone(&state.registry);
     // The build holds the places: a client that goes away meanwhile does not free them while
@@ -1477,6 +1502,24 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_routing_group_does_not_hide_the_tenant_id() {
+        assert_eq!(named_tenant(Some(""), Some("cust-a")), Some("cust-a"));
+        assert_eq!(tenant_of(Some(""), Some("cust-a")), "cust-a");
+        assert_eq!(
+            tenant_of(Some("g"), Some("cust-a")),
+            "g",
+            "the group comes first"
+        );
+        assert_eq!(tenant_of(None, Some("cust-a")), "cust-a");
+        assert_eq!(tenant_of(Some(""), Some("")), DEFAULT_TENANT);
+        assert_eq!(tenant_of(None, None), DEFAULT_TENANT);
+        // `/workers` and `/unregister` tell "only empty names" from "no name".
+        assert_eq!(named_tenant(Some(""), None), Some(""));
+        assert_eq!(named_tenant(None, Some("")), Some(""));
+        assert_eq!(named_tenant(None, None), None);
+    }
+
+    #[test]
     fn scores_and_instances_follow_dynamo() {
         let matches = Matches {
             workers: vec![
@@ -1692,6 +1735,26 @@ mod tests {
                 IndexKey::new("m", "default")
             ]
         );
+        // Two indexes whose Dynamo keys coincide are both dumped, and both read back.
+        let image = |model: &str, tenant: &str| IndexImage {
+            key: IndexKey::new(model, tenant),
+            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
+            capacity: None,
+            feeds: Vec::new(),
+            marks: BTreeMap::new(),
+            snapshot: Snapshot::default(),
+        };
+        let dumped = dump(&[image("a:b", "c"), image("a", "b:c")]);
+        let keys: Vec<&String> = dumped.as_object().expect("an object").keys().collect();
+        assert_eq!(keys, ["a:b:c", "a:b:c#2"]);
+        let read = parse_dump(&serde_json::to_vec(&dumped).expect("JSON")).expect("parses");
+        let mut read: Vec<(String, String)> = read
+            .iter()
+            .map(|(key, _, _)| (key.model.to_string(), key.tenant.to_string()))
+            .collect();
+        read.sort();
+        let expected = [("a", "b:c"), ("a:b", "c")].map(|(m, t)| (m.to_owned(), t.to_owned()));
+        assert_eq!(read, expected);
         let bad = parse_dump(br#"{":g": {"block_size": 16, "events": []}}"#).expect_err("no model");
         assert!(bad.contains("model is empty"), "{bad}");
         let bad =

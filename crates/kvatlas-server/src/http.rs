@@ -89,21 +89,24 @@ impl HandedPlace {
 /// 401, whatever its body: it learns nothing of what the server accepts), then admits it
 /// within `--max-concurrent-requests` and holds its place until its response body is dropped
 /// (sent, or the client went away) — or hands it to the route (`HANDED_ROUTES`); beyond the
-/// limit, 429 with the reason. Refusals are
-/// counted in `kvatlas_http_requests_total` under the route. Whether the caller may use the
-/// tenant it names is the route's to check.
+/// limit, 429 with the reason. Every answer, refusals included, is counted in
+/// `kvatlas_http_requests_total` under the route and its status (the routes do not count their
+/// own). Whether the caller may use the tenant it names is the route's to check.
 async fn authenticate_and_admit(
     AxumState(state): AxumState<Arc<State>>,
     request: Request,
     next: Next,
 ) -> Response {
-    let refuse = |error: ServiceError| {
-        if let Some(route) = LIMITED_ROUTES
-            .into_iter()
-            .find(|route| *route == request.uri().path())
-        {
-            state.metrics.http(route, error.http_status());
+    let route = LIMITED_ROUTES
+        .into_iter()
+        .find(|route| *route == request.uri().path());
+    let count = |status: u16| {
+        if let Some(route) = route {
+            state.metrics.http(route, status);
         }
+    };
+    let refuse = |error: ServiceError| {
+        count(error.http_status());
         dynamo::service_error(&error)
     };
     let credentials = request
@@ -123,9 +126,13 @@ async fn authenticate_and_admit(
         request
             .extensions_mut()
             .insert(HandedPlace(Arc::new(parking_lot::Mutex::new(Some(permit)))));
-        return next.run(request).await;
+        let response = next.run(request).await;
+        count(response.status().as_u16());
+        return response;
     }
-    next.run(request).await.map(|body| {
+    let response = next.run(request).await;
+    count(response.status().as_u16());
+    response.map(|body| {
         Body::new(HeldBody {
             body,
             _permit: permit,
@@ -207,7 +214,10 @@ fn unrestricted(
         }
     });
     allowed.map_err(|error| {
-        state.metrics.http(route, error.http_status());
+        // A route behind `authenticate_and_admit` is counted there.
+        if !LIMITED_ROUTES.contains(&route) {
+            state.metrics.http(route, error.http_status());
+        }
         Box::new(error_response(&error))
     })
 }
@@ -223,12 +233,8 @@ async fn snapshot(
     }
     let held = match state.admit_dump("/snapshot", place.take()) {
         Ok(held) => held,
-        Err(error) => {
-            state.metrics.http("/snapshot", error.http_status());
-            return error_response(&error);
-        }
+        Err(error) => return error_response(&error),
     };
-    state.metrics.http("/snapshot", 200);
     let chunks = crate::snapshot_stream::stream(
         Arc::clone(&state.registry),
         held,

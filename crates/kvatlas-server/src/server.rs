@@ -925,31 +925,47 @@ fn serve_http(
         }));
     };
     let acceptor = tls.acceptor()?;
+    // As `axum::serve`'s graceful shutdown does for plain HTTP: once `stop` is cancelled no
+    // connection is accepted, every open one finishes its request in flight and closes (HTTP/2:
+    // GOAWAY), and the task ends when they all have (the caller's deadline aborts it, and with
+    // it the connections, past `--shutdown-timeout-secs`). So a request on an open HTTPS
+    // connection is not served after the final snapshot was written.
     Ok(tokio::spawn(async move {
+        let mut connections = tokio::task::JoinSet::new();
         loop {
             let accepted = tokio::select! {
-                () = stop.cancelled() => return,
+                () = stop.cancelled() => break,
                 accepted = listener.accept() => accepted,
+                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };
             let Ok((tcp, _)) = accepted else {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             };
-            let (acceptor, router) = (acceptor.clone(), router.clone());
-            tokio::spawn(async move {
+            let (acceptor, router, stop) = (acceptor.clone(), router.clone(), stop.clone());
+            connections.spawn(async move {
                 let Ok(Ok(tls)) =
                     tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await
                 else {
                     return;
                 };
                 let service = hyper_util::service::TowerToHyperService::new(router);
-                let _ = hyper_util::server::conn::auto::Builder::new(
+                let builder = hyper_util::server::conn::auto::Builder::new(
                     hyper_util::rt::TokioExecutor::new(),
-                )
-                .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
-                .await;
+                );
+                let connection =
+                    builder.serve_connection(hyper_util::rt::TokioIo::new(tls), service);
+                tokio::pin!(connection);
+                tokio::select! {
+                    _ = connection.as_mut() => {}
+                    () = stop.cancelled() => {
+                        connection.as_mut().graceful_shutdown();
+                        let _ = connection.await;
+                    }
+                }
             });
         }
+        while connections.join_next().await.is_some() {}
     }))
 }
 

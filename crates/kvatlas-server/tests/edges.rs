@@ -997,6 +997,16 @@ async fn requests_beyond_the_concurrency_limit_are_shed() {
         assert!(head.contains("content-length:"), "{head}");
         assert!(!head.contains("chunked"), "{head}");
     }
+    // Answers are counted under their route and status, not only the refusals.
+    let (_, body) = http_get(h.server.http_addr(), "/metrics", None);
+    assert_eq!(
+        metric(
+            &body,
+            "kvatlas_http_requests_total{route=\"/workers\",status=\"200\"}"
+        ),
+        Some(3.0),
+        "{body}"
+    );
     let _ = client.list_indexes(v1::ListIndexesRequest::default()).await;
 }
 
