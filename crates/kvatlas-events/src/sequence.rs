@@ -336,6 +336,39 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         true
     }
 
+    /// The last batch applied, `(seq, fingerprint)`, if its fingerprint is known: what a
+    /// probe or replay is anchored at.
+    pub fn last_applied(&self) -> Option<(u64, u64)> {
+        let last = self.next.checked_sub(1)?;
+        self.recent.back().filter(|&&(seq, _)| seq == last).copied()
+    }
+
+    /// [`Sequencer::probe`], anchored at `anchor` — a batch applied earlier, still among the
+    /// recent ones — instead of at the last batch applied. A listener probes after a
+    /// reconnection from the batch applied when the connection opened: a new incarnation's
+    /// first batch, applied since as a continuation of the old numbering, would otherwise be
+    /// the anchor, match itself in the new ring, and hide the restart. The batches between
+    /// the anchor and the next one are answered again and dropped as duplicates. Falls back to
+    /// [`Sequencer::probe`] when `anchor` is no longer among the recent batches (a resync
+    /// since, or too long ago).
+    pub fn probe_from(&mut self, anchor: (u64, u64)) -> bool {
+        if self.replay.is_some() || !self.has_position() {
+            return false;
+        }
+        if anchor.0 >= self.next || !self.recent.contains(&anchor) {
+            return self.probe();
+        }
+        self.counters.probes += 1;
+        self.issue(Outstanding {
+            from: self.next,
+            to: u64::MAX,
+            open_ended: true,
+            anchor: Some(anchor),
+            ..Outstanding::new()
+        });
+        true
+    }
+
     /// Emits an open-ended replay from the next sequence number (see [`Sequencer::probe`]).
     fn request_open_ended(&mut self) {
         self.request(u64::MAX, true);
@@ -345,11 +378,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// known: the request asks from that batch, whose copy in the engine's ring is checked and
     /// not applied (see [`Sequencer::probe`]).
     fn request(&mut self, to: u64, open_ended: bool) {
-        let anchor = self
-            .next
-            .checked_sub(1)
-            .and_then(|last| self.recent.back().filter(|&&(seq, _)| seq == last))
-            .copied();
+        let anchor = self.last_applied();
         self.issue(Outstanding {
             from: self.next,
             to,

@@ -179,6 +179,44 @@ fn a_late_batch_inside_a_hole_is_out_of_order_not_a_restart() {
     assert_eq!(h.live([0]), vec![Resync(ResyncReason::Restart), Apply(0)]);
 }
 
+/// A probe after a reconnection is anchored at the batch applied when the connection opened:
+/// a new incarnation's batch that continued the old numbering and was applied since cannot
+/// stand as the anchor (it would match itself in the new ring and hide the restart).
+#[test]
+fn a_probe_from_the_batch_before_a_reconnection_finds_a_restart_a_continuation_hid() {
+    let mut hidden = Harness::new();
+    let mut found = Harness::new();
+    for h in [&mut hidden, &mut found] {
+        h.live(0..3);
+    }
+    let anchor = found.seq.last_applied().expect("the last batch applied");
+    assert_eq!(anchor.0, 2);
+    for h in [&mut hidden, &mut found] {
+        // The engine restarted while disconnected; the new connection's first batch is 3.
+        h.incarnation = 1;
+        assert_eq!(h.live([3]), vec![Apply(3)], "taken as a continuation");
+    }
+    // Anchored at the last batch applied (3, the new incarnation's): its ring agrees.
+    assert!(hidden.seq.probe());
+    assert_eq!(hidden.drain(), vec![Replay(3, u64::MAX)]);
+    assert_eq!(hidden.replay([3], true), vec![]);
+    assert_eq!(
+        hidden.seq.counters().restarts,
+        0,
+        "the restart stays hidden"
+    );
+    // Anchored at 2, applied before the reconnection: the new ring's 2 differs.
+    assert!(found.seq.probe_from(anchor));
+    assert_eq!(found.drain(), vec![Replay(2, u64::MAX)]);
+    let actions = found.replay([2, 3], false);
+    assert_eq!(
+        actions.first(),
+        Some(&Resync(ResyncReason::Restart)),
+        "{actions:?}"
+    );
+    assert_eq!(found.seq.counters().restarts, 1);
+}
+
 #[test]
 fn a_restart_during_a_replay_abandons_it() {
     let mut h = Harness::new();

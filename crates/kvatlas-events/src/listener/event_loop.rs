@@ -46,6 +46,9 @@ struct ProbeSchedule {
     /// whatever the live stream does (a live batch read after the new connection may still
     /// have come over the old one, so it cannot stand for the probe).
     reconnected: bool,
+    /// The batch last applied when the (first such) connection opened: that probe is anchored
+    /// there ([`Sequencer::probe_from`]), not at a batch of the new connection applied since.
+    anchor: Option<(u64, u64)>,
 }
 
 impl ProbeSchedule {
@@ -56,6 +59,7 @@ impl ProbeSchedule {
             wait: interval,
             at: now + interval,
             reconnected: false,
+            anchor: None,
         }
     }
 
@@ -70,7 +74,10 @@ impl ProbeSchedule {
 
     /// The SUB's connection (re)opened: whatever the engine published while it was down was
     /// lost on the live stream, so a probe is due now (and stays due until one goes out).
-    fn connected(&mut self, now: Instant) {
+    fn connected(&mut self, now: Instant, last_applied: Option<(u64, u64)>) {
+        if !self.reconnected {
+            self.anchor = last_applied;
+        }
         self.reconnected = true;
         self.at = now;
     }
@@ -80,6 +87,7 @@ impl ProbeSchedule {
     fn after_probe(&mut self, now: Instant, sent: bool) {
         if sent {
             self.reconnected = false;
+            self.anchor = None;
             self.at = now + self.wait;
             self.wait = (self.wait * 2).min(self.interval * MAX_PROBE_BACKOFF);
         } else {
@@ -472,7 +480,11 @@ impl ListenerCore {
         let Some(schedule) = self.probe.as_mut().filter(|p| now >= p.at || see_ring) else {
             return Ok(());
         };
-        let sent = self.held.is_none() && self.sequencer.probe();
+        let sent = self.held.is_none()
+            && match schedule.anchor {
+                Some(anchor) => self.sequencer.probe_from(anchor),
+                None => self.sequencer.probe(),
+            };
         schedule.after_probe(now, sent);
         if sent {
             self.taken = None;
@@ -537,7 +549,7 @@ impl ListenerCore {
                     if self.sequencer.has_position()
                         && let Some(probe) = &mut self.probe
                     {
-                        probe.connected(Instant::now());
+                        probe.connected(Instant::now(), self.sequencer.last_applied());
                     }
                     None
                 }
