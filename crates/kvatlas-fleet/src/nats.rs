@@ -126,6 +126,8 @@ pub struct NatsServer {
     binary: PathBuf,
     port: u16,
     store: PathBuf,
+    /// A configuration file given with `-c` (written into the store directory), if any.
+    config: Option<PathBuf>,
     child: Option<Child>,
     log: Arc<Mutex<RunLog>>,
 }
@@ -183,12 +185,37 @@ impl NatsServer {
     /// If there is no binary ([`NatsServer::binary`]), no free port or temporary directory, or
     /// the server exits or is not ready in time.
     pub fn start() -> Result<Self, NatsError> {
+        Self::start_configured(None)
+    }
+
+    /// As [`NatsServer::start`], with the server's `max_payload` (the largest message it
+    /// takes, 1 MiB by default) set to `bytes` in a configuration file.
+    ///
+    /// # Errors
+    /// As [`NatsServer::start`], or if the file cannot be written.
+    pub fn start_with_max_payload(bytes: u32) -> Result<Self, NatsError> {
+        Self::start_configured(Some(format!("max_payload: {bytes}\n")))
+    }
+
+    fn start_configured(config: Option<String>) -> Result<Self, NatsError> {
         let binary = Self::binary()?;
         let store = temp_store()?;
+        let config = match config {
+            Some(text) => {
+                let path = store.join("nats-server.conf");
+                std::fs::write(&path, text).map_err(|source| NatsError::Io {
+                    what: format!("writing {}", path.display()),
+                    source,
+                })?;
+                Some(path)
+            }
+            None => None,
+        };
         let mut server = Self {
             binary,
             port: 0,
             store,
+            config,
             child: None,
             log: Arc::default(),
         };
@@ -316,7 +343,11 @@ impl NatsServer {
         })?;
         // stdout and stderr share one pipe, so the log keeps their order; the command (holding
         // the write ends) is dropped after the spawn, so the reader ends when the server does.
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(config) = &self.config {
+            command.arg("-c").arg(config);
+        }
+        let child = command
             .args([
                 "-a",
                 "127.0.0.1",

@@ -344,6 +344,20 @@ impl ServerConfig {
             };
             refuse_combination("--publish-only", conflict)?;
         }
+        if self.publish_to.is_some() && self.persistence.is_some() {
+            // An ingest's snapshot records the positions of the units its index applied, not of
+            // those the stream stored: restarted from it, its listeners would resume after
+            // records it never published, and no replica would ever get them.
+            refuse_combination(
+                "--publish-to",
+                Some(
+                    "--data-dir (an ingest's snapshot would record positions of batches the stream \
+                     had not stored yet, and after a restart from it those would never be \
+                     published; an ingest starts over from its engines' replay rings, and \
+                     `--workers` or the routers register its engines again)",
+                ),
+            )?;
+        }
         if self.consume_from.is_some() {
             let conflict = if self.publish_to.is_some() {
                 Some("--publish-to (a server is an ingest or a replica, not both)")
@@ -525,6 +539,19 @@ mod tests {
         config.peers = vec!["http://127.0.0.1:8090".into()];
         let error = config.validate().expect_err("peers").to_string();
         assert!(error.contains("--peers"), "{error}");
+        // Any ingest, indexing or not, refuses a data directory.
+        config.peers.clear();
+        config.publish_only = false;
+        config.validate().expect("an ingest that keeps an index");
+        config.persistence = Some(Persistence {
+            data_dir: std::path::PathBuf::from("/tmp/x"),
+            interval: None,
+        });
+        let error = config.validate().expect_err("data dir").to_string();
+        assert!(
+            error.contains("--publish-to") && error.contains("--data-dir"),
+            "{error}"
+        );
     }
 
     #[test]

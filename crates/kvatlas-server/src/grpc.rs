@@ -812,15 +812,26 @@ impl IndexerService {
                 prepared.entry.block_size,
                 &unit,
             );
-            (log, record)
+            (Arc::clone(log), record)
         });
-        // (A publish-only ingest applies nothing itself.)
-        if !prepared.entry.publish_only() {
-            enqueue(&prepared.entry.pool, unit).await?;
-        }
-        if let Some((log, record)) = logged {
-            log.send(record).await;
-        }
+        // The batch's sequence number is admitted: from here it must be applied and logged
+        // even if the client goes away (a cancelled call, or the stream ended), or its retry
+        // would be dropped as a duplicate of a batch nobody applied. So the rest runs in a task
+        // of its own, which the call only waits for.
+        let entry = Arc::clone(&prepared.entry);
+        let rest = tokio::spawn(async move {
+            // (A publish-only ingest applies nothing itself.)
+            if !entry.publish_only() {
+                enqueue(&entry.pool, unit).await?;
+            }
+            if let Some((log, record)) = logged {
+                log.send(record).await;
+            }
+            Ok::<(), ServiceError>(())
+        });
+        rest.await.map_err(|failed| {
+            ServiceError::Internal(format!("applying the batch failed: {failed}"))
+        })??;
         publisher.applied(events);
         Ok(())
     }

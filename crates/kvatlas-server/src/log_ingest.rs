@@ -211,7 +211,17 @@ impl MutationSink for LoggedSink {
 
 /// A publish's outcome: the records back, and whether the stream took them (`Ok(true)`: as a
 /// duplicate).
-type Published = (Vec<Outgoing>, Result<bool, String>);
+type Published = (Vec<Outgoing>, Result<bool, Failure>);
+
+/// Why a publish failed.
+#[derive(Debug)]
+enum Failure {
+    /// Worth retrying (NATS unreachable, no acknowledgement in time, ...).
+    Transient(String),
+    /// The message is larger than the server's `max_payload`: retrying cannot help. A group is
+    /// split; a single record is refused and counted.
+    TooLarge(String),
+}
 
 /// Takes the next message's records of a source's backlog: as many as fit one message.
 fn next_group(backlog: &mut VecDeque<Outgoing>) -> Vec<Outgoing> {
@@ -266,6 +276,19 @@ impl Lanes {
         }
     }
 
+    /// Puts `records` (of `lane`, in order) back at the front of the lane's waiting records:
+    /// the lane's message in flight was split.
+    fn put_back(&mut self, lane: &Lane, records: Vec<Outgoing>) {
+        if records.is_empty() {
+            return;
+        }
+        self.queued += records.len();
+        let waiting = self.waiting.entry(lane.clone()).or_default();
+        for record in records.into_iter().rev() {
+            waiting.push_front(record);
+        }
+    }
+
     /// The stream stored the message of `lane` in flight: the lane's next message (as many of
     /// its waiting records as fit one), or nothing, and the lane is idle.
     fn stored(&mut self, lane: &Lane) -> Vec<Outgoing> {
@@ -302,6 +325,9 @@ pub(crate) async fn run_publisher(
     let mut flights: JoinSet<Published> = JoinSet::new();
     let mut retry_backoff = Duration::from_millis(10);
     let mut stopping = false;
+    // The queue is closed and empty: `recv` would answer `None` at once on every turn, and the
+    // loop would spin while messages are still in flight.
+    let mut drained = false;
     let mut deadline = None;
     loop {
         let room = lanes.queued < QUEUE && flights.len() < IN_FLIGHT;
@@ -331,7 +357,33 @@ pub(crate) async fn run_publisher(
                             spawn_publish(&mut flights, &js, &prefix, group, Duration::ZERO);
                         }
                     }
-                    Err(error) => {
+                    Err(Failure::TooLarge(error)) => {
+                        let Some(lane) = records.first().map(lane_of) else {
+                            continue;
+                        };
+                        let mut records = records;
+                        if records.len() > 1 {
+                            // Too many records for one message here: the first goes alone, the
+                            // rest wait at the front of the lane, in order.
+                            let rest = records.split_off(1);
+                            lanes.put_back(&lane, rest);
+                            spawn_publish(&mut flights, &js, &prefix, records, Duration::ZERO);
+                            continue;
+                        }
+                        LogStats::bump(&stats.publish_refused);
+                        tracing::error!(
+                            "a record of {} bytes cannot be published: {error}; it is dropped \
+                             and the replicas will not get it (counted in \
+                             kvatlas_log_publish_refused_total; raise nats-server's \
+                             max_payload, or have the engine send smaller batches)",
+                            records.first().map_or(0, |r| r.payload.len()),
+                        );
+                        let group = lanes.stored(&lane);
+                        if !group.is_empty() {
+                            spawn_publish(&mut flights, &js, &prefix, group, Duration::ZERO);
+                        }
+                    }
+                    Err(Failure::Transient(error)) => {
                         LogStats::bump(&stats.publish_retries);
                         tracing::warn!(
                             "publishing to NATS failed ({error}); retrying in {retry_backoff:?}"
@@ -341,7 +393,7 @@ pub(crate) async fn run_publisher(
                     }
                 }
             }
-            received = rx.recv(), if room => match received {
+            received = rx.recv(), if room && !drained => match received {
                 Some(record) => {
                     if let Some(published) = record.published {
                         stats.sent_age.observe(published.elapsed());
@@ -353,7 +405,10 @@ pub(crate) async fn run_publisher(
                         spawn_publish(&mut flights, &js, &prefix, vec![record], Duration::ZERO);
                     }
                 }
-                None => stopping = true,
+                None => {
+                    stopping = true;
+                    drained = true;
+                }
             },
             () = stop.cancelled(), if !stopping => {
                 stopping = true;
@@ -431,9 +486,15 @@ fn spawn_publish(
         let outcome = match js.send_publish(subject, publish).await {
             Ok(ack) => match ack.await {
                 Ok(ack) => Ok(ack.duplicate),
-                Err(e) => Err(format!("no acknowledgement: {e}")),
+                Err(e) => Err(Failure::Transient(format!("no acknowledgement: {e}"))),
             },
-            Err(e) => Err(e.to_string()),
+            Err(e)
+                if e.kind()
+                    == async_nats::jetstream::context::PublishErrorKind::MaxPayloadExceeded =>
+            {
+                Err(Failure::TooLarge(e.to_string()))
+            }
+            Err(e) => Err(Failure::Transient(e.to_string())),
         };
         (records, outcome)
     });

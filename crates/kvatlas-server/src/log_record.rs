@@ -6,8 +6,12 @@
 //!   percent-encoded into NATS subject tokens (no `.`, `*`, `>`, whitespace or `%` left raw).
 //! - **Message id** (`Nats-Msg-Id`) `MODEL/TENANT/INSTANCE/RANK/SEQ/FINGERPRINT` for a sequenced
 //!   batch: two ingests fed by the same engine publish the same id for the same batch, and the
-//!   stream keeps the first (JetStream's duplicate window). Records without a sequence number
-//!   (a resync's clears alone, an unregistration) have no id.
+//!   stream keeps the first (JetStream's duplicate window). A record without a sequence number
+//!   (a resync's clears alone, an unregistration, an unsequenced `PublishEvents` batch) gets
+//!   `MODEL/TENANT/INSTANCE/RANK/once/NONCE`, unique to the record ([`once_id`]) and kept across
+//!   its retries: an acknowledgement lost on a NATS restart does not store it twice (with no id
+//!   it was, and a second copy of a clear wiped what was stored between them). Two ingests
+//!   still publish two such records for one event (their nonces differ).
 //!
 //! Decoding checks everything a replica relies on (names, block size, ranks of the record's
 //! worker, hashes present, tiers known) and says what is wrong; a replica counts and skips a
@@ -91,12 +95,33 @@ pub(crate) fn message_id(key: &IndexKey, source: Worker, seq: u64, fingerprint: 
     )
 }
 
+/// The message id of a record without a sequence number: `MODEL/TENANT/INSTANCE/RANK/once/`
+/// then a nonce unique to the record — this process's random 64 bits and a counter — so that
+/// its retries carry the same id and no other record does.
+pub(crate) fn once_id(key: &IndexKey, source: Worker) -> String {
+    use std::hash::BuildHasher as _;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static PROCESS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    // `RandomState` is seeded from the operating system's randomness, per process.
+    let process =
+        *PROCESS.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0u8));
+    format!(
+        "{}/{}/{}/{}/once/{process:016x}-{}",
+        subject_token(&key.model),
+        subject_token(&key.tenant),
+        source.worker_id,
+        source.dp_rank,
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 /// A record ready to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Outgoing {
     /// The source it belongs to (records of one source are published one after the other).
     pub(crate) source: (IndexKey, Worker),
-    /// The JetStream message id, if sequenced.
+    /// The JetStream message id (a sequenced batch's, or a record's own: [`once_id`]).
     pub(crate) message_id: Option<String>,
     /// The wire form.
     pub(crate) payload: bytes::Bytes,
@@ -120,9 +145,10 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
         published_unix_micros: unit.published.and_then(unix_micros_of),
     };
     Outgoing {
-        message_id: unit
-            .checkpoint
-            .map(|c| message_id(key, source, c.position, c.fingerprint)),
+        message_id: Some(unit.checkpoint.map_or_else(
+            || once_id(key, source),
+            |c| message_id(key, source, c.position, c.fingerprint),
+        )),
         payload: wire(key, block_size, source, v1::log_record::Body::Batch(batch)).into(),
         source: (key.clone(), source),
         queued_at: std::time::Instant::now(),
@@ -147,7 +173,7 @@ pub(crate) fn encode_unregister(
     let source = Worker::new(instance_id, dp_rank.unwrap_or(0));
     let body = v1::log_record::Body::Unregister(v1::LogUnregister { dp_rank });
     Outgoing {
-        message_id: None,
+        message_id: Some(once_id(key, source)),
         payload: wire(key, block_size, source, body).into(),
         source: (key.clone(), source),
         queued_at: std::time::Instant::now(),
@@ -222,18 +248,26 @@ pub(crate) fn unframe(mut payload: &[u8]) -> Result<Vec<&[u8]>, String> {
 }
 
 /// The message id of records published together (`None` if one has none): a single record's
-/// own id, or the first one's with `+COUNT` (two ingests may group differently; the replicas
-/// drop what the stream then keeps twice).
+/// own id, or the first one's with `+COUNT.HASH`, `HASH` the [`digest`] of every record's id in
+/// order, so two groups share an id only if they hold the same records. (Two ingests may group a
+/// backlog differently; the stream then keeps both groups and the replicas drop the records
+/// they hold twice. An id of the first record and the count alone let the stream take a group
+/// of other records for a duplicate and drop it, records that no other message carried.)
 pub(crate) fn group_id(records: &[Outgoing]) -> Option<String> {
     let first = records.first()?.message_id.as_ref()?;
-    if records.iter().any(|r| r.message_id.is_none()) {
-        return None;
+    if records.len() == 1 {
+        return Some(first.clone());
     }
-    Some(if records.len() == 1 {
-        first.clone()
-    } else {
-        format!("{first}+{}", records.len())
-    })
+    let mut ids = String::with_capacity(records.len() * (first.len() + 1));
+    for record in records {
+        ids.push_str(record.message_id.as_ref()?);
+        ids.push('\n');
+    }
+    Some(format!(
+        "{first}+{}.{:016x}",
+        records.len(),
+        digest(ids.as_bytes())
+    ))
 }
 
 impl Record {
@@ -549,7 +583,7 @@ mod tests {
     }
 
     #[test]
-    fn records_without_a_sequence_have_no_message_id_and_name_their_rank() {
+    fn records_without_a_sequence_have_an_id_of_their_own_and_name_their_rank() {
         let key = IndexKey::new("m", "t");
         let size = BlockSize::new(16).expect("valid");
         let clears = Unit {
@@ -563,7 +597,19 @@ mod tests {
             published: None,
         };
         let outgoing = encode_unit(&key, size, &clears);
-        assert_eq!(outgoing.message_id, None);
+        let id = outgoing.message_id.clone().expect("an id");
+        assert!(id.starts_with("m/t/8/2/once/"), "{id}");
+        // Another record (the same clears again) has another id; a retry re-sends this one.
+        let again = encode_unit(&key, size, &clears);
+        assert_ne!(again.message_id, Some(id));
+        let unregister = encode_unregister(&key, size, 8, None);
+        assert!(
+            unregister
+                .message_id
+                .as_ref()
+                .is_some_and(|id| id.starts_with("m/t/8/0/once/")),
+            "{unregister:?}"
+        );
         let record = Record::decode(&outgoing.payload).expect("decodes");
         assert_eq!(record.source, Worker::new(8, 2));
         assert_eq!(record.into_unit(None), Some(clears));
@@ -607,9 +653,28 @@ mod tests {
             assert_eq!(*part, &record.payload[..]);
         }
         assert_eq!(group_id(&records[..1]), records[0].message_id);
+        let three = group_id(&records).expect("every record has an id");
+        let first = records[0].message_id.as_ref().expect("an id");
+        assert!(three.starts_with(&format!("{first}+3.")), "{three}");
         assert_eq!(
             group_id(&records),
-            records[0].message_id.as_ref().map(|id| format!("{id}+3"))
+            Some(three.clone()),
+            "the same records, the same id"
+        );
+        // Another group of the same first record and count (a backlog grouped differently at a
+        // second ingest) has another id: the stream must not take it for a duplicate.
+        let mut other = records.clone();
+        let mut unit = sample();
+        if let Some(c) = &mut unit.checkpoint {
+            c.position = 7;
+        }
+        other[2] = encode_unit(&key, size, &unit);
+        assert_ne!(group_id(&other), Some(three));
+        other[1].message_id = None;
+        assert_eq!(
+            group_id(&other),
+            None,
+            "a record without an id: the group has none"
         );
         assert!(unframe(&payload[..payload.len() - 1]).is_err());
         assert!(unframe(&[0xff; 11]).is_err());

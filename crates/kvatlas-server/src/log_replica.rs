@@ -376,7 +376,7 @@ impl Consumer {
             let message = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
                 _ = tick.tick() => {
-                    if self.live_overdue() {
+                    if self.live_overdue() && self.read_to_the_streams_end().await {
                         self.diverged().await?;
                         return Err("re-bootstrapped: a live record was never stored".into());
                     }
@@ -551,6 +551,18 @@ impl Consumer {
             .any(|(_, applied)| applied.elapsed() > deadline)
     }
 
+    /// Whether the stream answers and this replica has read everything it holds. A live
+    /// record is taken for one its ingest never stored only then: while JetStream is down, or
+    /// the replica is more than `--nats-live-confirm-secs` behind the stream, the stream's copy
+    /// may still come (before, either made the replica empty its indexes and re-bootstrap, and
+    /// an outage kept it unavailable, its restore failing).
+    async fn read_to_the_streams_end(&mut self) -> bool {
+        match self.stream.info().await {
+            Ok(info) => self.applied >= info.state.last_sequence,
+            Err(_) => false,
+        }
+    }
+
     /// Forgets every chain and pending live record (the indexes were replaced).
     fn forget_live(&mut self) {
         self.chains.clear();
@@ -712,13 +724,15 @@ impl Consumer {
                 self.chains.retain(|source, _| kept(source));
                 let entry = Arc::clone(&entry);
                 let _ = tokio::task::spawn_blocking(move || {
+                    // The units still queued first (they record their checkpoints), then the
+                    // checkpoints are forgotten (before the flush, a stale one stayed).
+                    entry.pool.flush();
                     entry.index().forget_marks(instance, rank);
                     match rank {
                         None => {
                             entry.pool.remove_worker(instance);
                         }
                         Some(rank) => {
-                            entry.pool.flush();
                             entry.index().apply(&Mutation::Cleared {
                                 worker: Worker::new(instance, rank),
                             });

@@ -292,6 +292,9 @@ pub(crate) struct LogStats {
     pub(crate) published_bytes: AtomicU64,
     /// Publishes that failed and were retried.
     pub(crate) publish_retries: AtomicU64,
+    /// Records the stream cannot take: one record larger than NATS's `max_payload`. Never
+    /// retried; the replicas do not get them (logged as errors).
+    pub(crate) publish_refused: AtomicU64,
     /// Records consumed by a replica.
     pub(crate) consumed: AtomicU64,
     /// Of those, applied.
@@ -345,7 +348,7 @@ impl LogStats {
     pub(crate) fn render(&self, out: &mut String, role: &str) {
         use std::fmt::Write as _;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 22] = [
+        let counters: [(&str, &str, u64); 23] = [
             (
                 "published_bytes",
                 "bytes of the records stored (subject, headers, payload)",
@@ -370,6 +373,11 @@ impl LogStats {
                 "publish_retries",
                 "publishes retried",
                 get(&self.publish_retries),
+            ),
+            (
+                "publish_refused",
+                "records larger than NATS's max_payload, not published (replicas miss them)",
+                get(&self.publish_refused),
             ),
             (
                 "consumed",

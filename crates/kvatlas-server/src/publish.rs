@@ -184,6 +184,11 @@ impl Publisher {
         let entry = &prepared.entry;
         let worker = prepared.worker;
         let mut feeds = entry.feeds.lock();
+        if entry.removed.load(std::sync::atomic::Ordering::SeqCst) {
+            // Taken out of the registry by a concurrent request that created it and failed:
+            // refused before the sequence number is admitted, so sending it again is safe.
+            return Err(crate::registry::removed_meanwhile(&entry.key));
+        }
         let feed = match feeds.entry(worker) {
             Entry::Vacant(vacant) => {
                 self.registry.reserve_rank()?;

@@ -423,6 +423,11 @@ pub(crate) struct IndexEntry {
     pub(crate) log: Option<Arc<LogHandle>>,
     listeners: Listeners,
     pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
+    /// Set (under `feeds`' lock) when [`Registry::forget_if_unused`] takes the entry out of the
+    /// registry: no feed is added to it after that (a request that got it just before finds
+    /// it removed and asks the registry again), or a registration would land in an index the
+    /// server no longer lists, with a listener nobody can unregister.
+    pub(crate) removed: std::sync::atomic::AtomicBool,
     /// Ranks a restore could not feed again (see [`Unfed`]); locked after `feeds`.
     pub(crate) unfed: Mutex<BTreeMap<Worker, Unfed>>,
     /// Unregistrations that removed something (for the snapshot writer to see a change that
@@ -489,6 +494,7 @@ impl IndexEntry {
             log: log.cloned(),
             listeners: Listeners::with_threads(zmq.clone(), sink, listener_threads),
             feeds: Mutex::new(BTreeMap::new()),
+            removed: std::sync::atomic::AtomicBool::new(false),
             unfed: Mutex::new(BTreeMap::new()),
             unregistrations: std::sync::atomic::AtomicU64::new(0),
             retired: Mutex::new(FeedCounters::default()),
@@ -733,6 +739,9 @@ impl IndexEntry {
     ) -> Result<bool, ServiceError> {
         let worker = registration.worker();
         let mut feeds = self.feeds.lock();
+        if self.removed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(removed_meanwhile(&self.key));
+        }
         match feeds.get(&worker) {
             Some(Feed::Zmq {
                 registration: existing,
@@ -862,8 +871,6 @@ impl IndexEntry {
             };
             self.retired.lock().add(&counters);
         }
-        // The sources are gone: a later one with the same id starts from scratch.
-        self.index().forget_marks(instance_id, dp_rank);
         // The listeners are stopped: wait for what they queued, then remove the blocks. A whole
         // instance is removed directly (not through a lane): no feed of it is left to write. One
         // rank is cleared through its lane: a feed of another rank of the instance may still
@@ -881,6 +888,11 @@ impl IndexEntry {
                 }
             }
         };
+        // The sources are gone: a later one with the same id starts from scratch. Forgotten
+        // after the flush above, which applies the units they queued and records their
+        // checkpoints again (forgotten before it, a stale position stayed, and a source that
+        // came back with its engine restarted at sequence 0 had its batches dropped as stale).
+        self.index().forget_marks(instance_id, dp_rank);
         // Counted once the removal is done: a snapshot taken before sees the count unchanged
         // and the next one is written.
         self.unregistrations.fetch_add(1, Ordering::AcqRel);
@@ -948,10 +960,29 @@ impl IndexEntry {
     }
 
     /// Whether nothing is registered and nothing held (an index a failed registration created).
-    fn unused(&self) -> bool {
+    /// Marks the entry removed if it is unused (no feed, no unfed rank, no event applied),
+    /// under `feeds`' lock, so that no feed is added after the check; `true` if it was.
+    fn mark_removed_if_unused(&self) -> bool {
         let feeds = self.feeds.lock();
-        feeds.is_empty() && self.unfed.lock().is_empty() && self.index().events_applied() == 0
+        let unused =
+            feeds.is_empty() && self.unfed.lock().is_empty() && self.index().events_applied() == 0;
+        if unused {
+            self.removed
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        unused
     }
+}
+
+/// UNAVAILABLE: the index was taken out of the registry (a concurrent request that created it
+/// failed) after this request found it. Retried by [`Registry::register_with`]; a
+/// `PublishEvents` message is refused before its sequence number is admitted, so sending it
+/// again is safe.
+pub(crate) fn removed_meanwhile(key: &IndexKey) -> ServiceError {
+    ServiceError::Unavailable(format!(
+        "the index {key} was removed while this request used it (a concurrent request that \
+         created it failed): send it again"
+    ))
 }
 
 /// Maps a listener start error to what the client is told.
@@ -1236,16 +1267,28 @@ impl Registry {
     ) -> Result<Registered, ServiceError> {
         self.check_feeds_allowed()?;
         registration.validate()?;
-        let (entry, created_index) =
-            self.index_for(&registration.index, Some(registration.block_size))?;
-        let result = self.reserve_rank().and_then(|()| {
-            let outcome = entry.register_zmq(registration.clone(), &self.settings, held);
-            if !matches!(outcome, Ok(false)) {
-                // Already registered (nothing new) or failed: the rank was not added.
-                self.release_ranks(1);
+        // An index found here may be taken out of the registry by a concurrent request that
+        // created it and failed, before this one adds its feed: then ask again (the entry is
+        // gone from the registry within a moment, and the next ask creates a fresh one).
+        let mut attempts = 0;
+        let (entry, created_index, result) = loop {
+            let (entry, created_index) =
+                self.index_for(&registration.index, Some(registration.block_size))?;
+            let result = self.reserve_rank().and_then(|()| {
+                let outcome = entry.register_zmq(registration.clone(), &self.settings, held);
+                if !matches!(outcome, Ok(false)) {
+                    // Already registered (nothing new) or failed: the rank was not added.
+                    self.release_ranks(1);
+                }
+                outcome
+            });
+            attempts += 1;
+            if attempts < 16 && entry.removed.load(Ordering::SeqCst) && result.is_err() {
+                std::thread::yield_now();
+                continue;
             }
-            outcome
-        });
+            break (entry, created_index, result);
+        };
         match result {
             Ok(already_registered) => {
                 if !already_registered {
@@ -1286,7 +1329,9 @@ impl Registry {
     /// count against `max_indexes`.
     pub(crate) fn forget_if_unused(&self, entry: &Arc<IndexEntry>) {
         // The feeds' lock is not taken under the registry's (no order between them to keep).
-        if !entry.unused() {
+        // Once marked, no feed is added to the entry: a request that got it from the registry
+        // before it was removed finds it marked and asks again.
+        if !entry.mark_removed_if_unused() {
             return;
         }
         let mut indexes = self.indexes.write();
@@ -1631,5 +1676,38 @@ mod tests {
             .restore_images(&images, None)
             .expect("restored where nothing contradicts it");
         assert_eq!(registry.all().len(), 1);
+    }
+
+    /// An index that a failed request created is taken out of the registry only while unused,
+    /// and once out, no feed is added to it: a request that found it just before is told to
+    /// ask again, and a registration asks again by itself and lands in a listed index.
+    #[test]
+    fn a_feed_never_lands_in_an_index_taken_out_of_the_registry() {
+        let registry = Registry::new(IndexSettings::default(), Limits::default());
+        let key = IndexKey::new("m", DEFAULT_TENANT);
+        let size = BlockSize::new(16).expect("16");
+        let (found, created) = registry.index_for(&key, Some(size)).expect("created");
+        assert!(created);
+        // The request that created it failed: it goes, while another request holds it.
+        registry.forget_if_unused(&found);
+        assert!(registry.get(&key).is_none(), "taken out");
+        let rank = vllm_rank(&key, 1, size, "tcp://127.0.0.1:1");
+        let Err(ServiceError::Unavailable(why)) =
+            found.register_zmq(rank.clone(), &registry.settings, true)
+        else {
+            panic!("no feed is added to a removed index");
+        };
+        assert!(why.contains("send it again"), "{why}");
+        assert!(found.feeds.lock().is_empty());
+        // Registering asks the registry again: the rank lands in a listed index.
+        let registered = registry.register_with(rank, true).expect("registered");
+        assert!(registered.created_index);
+        let listed = registry.get(&key).expect("listed");
+        assert!(!Arc::ptr_eq(&listed, &found));
+        assert_eq!(listed.feeds.lock().len(), 1);
+        // A used index is not taken out.
+        registry.forget_if_unused(&listed);
+        assert!(registry.get(&key).is_some());
+        assert!(!listed.removed.load(Ordering::SeqCst));
     }
 }

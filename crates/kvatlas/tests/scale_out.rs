@@ -751,3 +751,48 @@ fn a_publish_events_producer_restarting_at_zero_is_resynced_at_the_replicas() {
     replica.kill_9();
     ingest.kill_9();
 }
+
+/// A record larger than nats-server's `max_payload` can never be published: the ingest counts
+/// it refused (an error log says what to change) and goes on with the worker's next records,
+/// which the replicas get. (Before, it was retried for ever, and the worker's later records
+/// waited behind it: the replicas never saw them, and once 8,192 records waited every
+/// listener of the ingest stalled.)
+#[test]
+fn a_record_too_large_for_nats_is_refused_and_the_next_ones_are_published() {
+    let nats = NatsServer::start_with_max_payload(4096)
+        .expect("nats-server starts (cargo xtask ci installs it)");
+    let ingest = Served::start(&["--publish-to", &nats.url()]);
+    let replica = replica(&nats);
+    ready(&ingest);
+    ready(&replica);
+    // 400 blocks in one batch: a record of about 7 KB.
+    let mut large = published(1, Some(1), 100, 5000);
+    if let Some(v1::kv_event::Event::Stored(stored)) = &mut large.events[0].event {
+        stored.block_hashes = (100..500).collect();
+        stored.local_hashes = (5000..5400).collect();
+    }
+    common::publish(
+        &ingest.grpc,
+        vec![
+            published(0, None, 1, 1001),
+            large,
+            published(2, Some(1), 2, 1002),
+        ],
+    );
+    eventually("the replica has the batch after the refused one", || {
+        blocks_of_worker_7(&replica, &[1001, 1002]) == 2
+    });
+    assert_eq!(metric(&ingest, "kvatlas_log_publish_refused_total"), 1);
+    assert_eq!(
+        blocks_of_worker_7(&ingest, &[1001, 5000, 5001]),
+        3,
+        "the ingest applied it"
+    );
+    assert_eq!(
+        blocks_of_worker_7(&replica, &[1001, 5000]),
+        1,
+        "the replicas did not get it"
+    );
+    replica.kill_9();
+    ingest.kill_9();
+}
