@@ -776,6 +776,9 @@ impl IndexerService {
             tenant
         })?;
         let prepared = publisher.prepare(message)?;
+        // In order with every other message of the index, from admission to the log (see
+        // `IndexEntry::publish_order`); waiting here is safe to cancel: nothing is admitted yet.
+        let order = Arc::clone(&prepared.entry.publish_order).lock_owned().await;
         let resync = match publisher.admit(&prepared)? {
             Admission::Duplicate => return Ok(()),
             Admission::Apply { resync } => resync,
@@ -817,9 +820,11 @@ impl IndexerService {
         // The batch's sequence number is admitted: from here it must be applied and logged
         // even if the client goes away (a cancelled call, or the stream ended), or its retry
         // would be dropped as a duplicate of a batch nobody applied. So the rest runs in a task
-        // of its own, which the call only waits for.
+        // of its own, which the call only waits for, and which holds the index's order until
+        // it is done (the index's next message waits for it).
         let entry = Arc::clone(&prepared.entry);
         let rest = tokio::spawn(async move {
+            let _order = order;
             // (A publish-only ingest applies nothing itself.)
             if !entry.publish_only() {
                 enqueue(&entry.pool, unit).await?;

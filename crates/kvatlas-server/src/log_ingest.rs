@@ -223,13 +223,14 @@ enum Failure {
     TooLarge(String),
 }
 
-/// Takes the next message's records of a source's backlog: as many as fit one message.
-fn next_group(backlog: &mut VecDeque<Outgoing>) -> Vec<Outgoing> {
+/// Takes the next message's records of a source's backlog: as many as fit one message of at
+/// most `max_bytes`.
+fn next_group(backlog: &mut VecDeque<Outgoing>, max_bytes: usize) -> Vec<Outgoing> {
     let mut group = Vec::new();
     let mut bytes = 0;
     while let Some(next) = backlog.front() {
         let full = group.len() == log_record::MAX_RECORDS_PER_MESSAGE
-            || (!group.is_empty() && bytes + next.payload.len() > log_record::MAX_MESSAGE_BYTES);
+            || (!group.is_empty() && bytes + next.payload.len() > max_bytes);
         if full {
             break;
         }
@@ -259,6 +260,19 @@ struct Lanes {
     waiting: HashMap<Lane, VecDeque<Outgoing>>,
     /// Records waiting, over every lane.
     queued: usize,
+    /// The most payload bytes a group takes (`0`: [`log_record::MAX_MESSAGE_BYTES`]); less
+    /// when nats-server's `max_payload` is smaller ([`group_bytes`]).
+    max_bytes: usize,
+}
+
+/// The most payload bytes of a group of records for a server whose `max_payload` is
+/// `max_payload` (`0`: unknown): [`log_record::MAX_MESSAGE_BYTES`], or less with room for the
+/// message's headers, so that groups fit and only a single record too large is refused.
+fn group_bytes(max_payload: usize) -> usize {
+    if max_payload == 0 {
+        return log_record::MAX_MESSAGE_BYTES;
+    }
+    log_record::MAX_MESSAGE_BYTES.min(max_payload.saturating_sub(1024).max(1))
 }
 
 impl Lanes {
@@ -295,7 +309,13 @@ impl Lanes {
         let group = self
             .waiting
             .get_mut(lane)
-            .map(next_group)
+            .map(|backlog| {
+                let max_bytes = match self.max_bytes {
+                    0 => log_record::MAX_MESSAGE_BYTES,
+                    bytes => bytes,
+                };
+                next_group(backlog, max_bytes)
+            })
             .unwrap_or_default();
         if group.is_empty() {
             self.busy.remove(lane);
@@ -321,7 +341,10 @@ pub(crate) async fn run_publisher(
         .live
         .then(|| LivePath::start(js.client(), &log, Arc::clone(&stats)));
     let prefix = log.subject_prefix;
-    let mut lanes = Lanes::default();
+    let mut lanes = Lanes {
+        max_bytes: group_bytes(js.client().server_info().max_payload),
+        ..Lanes::default()
+    };
     let mut flights: JoinSet<Published> = JoinSet::new();
     let mut retry_backoff = Duration::from_millis(10);
     let mut stopping = false;
@@ -560,6 +583,41 @@ mod tests {
         );
         // A source that comes back starts a new chain.
         assert_eq!(heads.advance(&batch(&a, Worker::new(1, 0), 5)), Some(0));
+    }
+
+    /// Groups fit nats-server's `max_payload` (with room for the headers), and a group split
+    /// after the server refused it as too large goes out again in its order.
+    #[test]
+    fn groups_fit_the_servers_max_payload_and_a_split_group_keeps_its_order() {
+        assert_eq!(group_bytes(0), log_record::MAX_MESSAGE_BYTES);
+        assert_eq!(group_bytes(1 << 20), log_record::MAX_MESSAGE_BYTES);
+        assert_eq!(group_bytes(4096), 3072);
+        let a = IndexKey::new("m", "t");
+        let record = |tag: u64| {
+            let mut record = batch(&a, Worker::new(1, 0), tag);
+            record.payload = bytes::Bytes::from(vec![u8::try_from(tag).unwrap_or(0); 1500]);
+            record
+        };
+        let mut lanes = Lanes {
+            max_bytes: group_bytes(4096),
+            ..Lanes::default()
+        };
+        assert!(lanes.take(record(1)).is_some());
+        for tag in 2..=5 {
+            assert!(lanes.take(record(tag)).is_none());
+        }
+        let lane = (a.clone(), 1);
+        let tags = |group: &[Outgoing]| -> Vec<u8> { group.iter().map(|r| r.payload[0]).collect() };
+        let group = lanes.stored(&lane);
+        assert_eq!(tags(&group), [2, 3], "two of 1,500 bytes fit 3,072");
+        // Refused as too large anyway: the first goes alone, the second waits in front.
+        let mut group = group;
+        lanes.put_back(&lane, group.split_off(1));
+        assert_eq!(lanes.queued, 3);
+        assert_eq!(tags(&lanes.stored(&lane)), [3, 4]);
+        assert_eq!(tags(&lanes.stored(&lane)), [5]);
+        assert!(lanes.stored(&lane).is_empty(), "the lane is idle");
+        assert_eq!(lanes.queued, 0);
     }
 
     /// Every rank of an instance shares a lane: an unregistration of the whole instance waits

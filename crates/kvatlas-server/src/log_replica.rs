@@ -270,6 +270,8 @@ pub(crate) async fn start(
         chains: HashMap::new(),
         live_pending: HashMap::new(),
         live_paused: false,
+        overdue_stream_end: None,
+        next_stream_info: tokio::time::Instant::now(),
         applied: covered.unwrap_or(0),
         caught_up: false,
         last_snapshot: tokio::time::Instant::now(),
@@ -297,6 +299,13 @@ struct Consumer {
     live_pending: HashMap<u64, ((IndexKey, Worker), tokio::time::Instant)>,
     /// A snapshot waits for the pending records: no live record is applied meanwhile.
     live_paused: bool,
+    /// The stream's last sequence and when it was read, once a live record was overdue: when
+    /// the replica has applied that far and a record overdue before that read is still
+    /// unconfirmed, the stream does not hold it.
+    overdue_stream_end: Option<(u64, tokio::time::Instant)>,
+    /// When the stream's end may be asked for next (at most every 2 s: while JetStream is down
+    /// each ask waits for its timeout, and the live subscription is not read meanwhile).
+    next_stream_info: tokio::time::Instant,
     /// The last stream sequence applied (or covered by the restored snapshot).
     applied: u64,
     caught_up: bool,
@@ -551,16 +560,42 @@ impl Consumer {
             .any(|(_, applied)| applied.elapsed() > deadline)
     }
 
-    /// Whether the stream answers and this replica has read everything it holds. A live
-    /// record is taken for one its ingest never stored only then: while JetStream is down, or
-    /// the replica is more than `--nats-live-confirm-secs` behind the stream, the stream's copy
-    /// may still come (before, either made the replica empty its indexes and re-bootstrap, and
-    /// an outage kept it unavailable, its restore failing).
+    /// Whether this replica has read, since a live record became overdue, everything the stream
+    /// held then. A live record is taken for one its ingest never stored only then: while
+    /// JetStream is down, or the replica is more than `--nats-live-confirm-secs` behind the
+    /// stream, the stream's copy may still come (before, either made the replica empty its
+    /// indexes and re-bootstrap, and an outage kept it unavailable, its restore failing). The
+    /// stream's end is read once (a busy stream is never read to its current end) and asked
+    /// for at most every 2 s, each ask cut after 1 s.
     async fn read_to_the_streams_end(&mut self) -> bool {
-        match self.stream.info().await {
-            Ok(info) => self.applied >= info.state.last_sequence,
-            Err(_) => false,
+        // The read must come after every overdue record became overdue (a record that became
+        // overdue later may be stored after an older read).
+        let deadline = self.log.live_confirm_timeout;
+        let Some(latest) = self
+            .live_pending
+            .values()
+            .map(|(_, applied)| *applied + deadline)
+            .filter(|due| *due < tokio::time::Instant::now())
+            .max()
+        else {
+            return false;
+        };
+        let now = tokio::time::Instant::now();
+        if self
+            .overdue_stream_end
+            .is_none_or(|(_, read)| read < latest)
+            && now >= self.next_stream_info
+        {
+            self.next_stream_info = now + Duration::from_secs(2);
+            self.overdue_stream_end = None;
+            if let Ok(Ok(info)) =
+                tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await
+            {
+                self.overdue_stream_end = Some((info.state.last_sequence, now));
+            }
         }
+        self.overdue_stream_end
+            .is_some_and(|(end, read)| read >= latest && self.applied >= end)
     }
 
     /// Forgets every chain and pending live record (the indexes were replaced).
@@ -568,6 +603,7 @@ impl Consumer {
         self.chains.clear();
         self.live_pending.clear();
         self.live_paused = false;
+        self.overdue_stream_end = None;
     }
 
     /// The stream is no longer what the live path applied: count it, report not ready, empty

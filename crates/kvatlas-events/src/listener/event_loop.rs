@@ -785,6 +785,11 @@ impl ListenerCore {
     }
 
     fn start_replay(&mut self, id: ReplayId, from: u64, to: u64) {
+        // A request the sequencer gave up on (a restart, an overflow inside its answer) still
+        // has its socket: it leaves the poller's watch before the new one takes its place (a
+        // socket dropped while watched stays in epoll until libzmq closes it, waking the
+        // poller for nothing).
+        self.drop_replay();
         tracing::debug!(
             target: "kvatlas_events::listener",
             worker_id = self.config.source.worker_id,
