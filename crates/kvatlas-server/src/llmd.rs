@@ -277,7 +277,7 @@ impl PodScoresService {
         request: Request<GetPodScoresRequest>,
     ) -> Result<GetPodScoresResponse, ServiceError> {
         let caller = caller_of(&request)?;
-        let _permit = self.state.admit(Rpc::GetPodScores, &caller)?;
+        let permit = self.state.admit(Rpc::GetPodScores, &caller)?;
         caller.check(DEFAULT_TENANT)?;
         self.state.check_ready()?;
         let GetPodScoresRequest {
@@ -308,15 +308,20 @@ impl PodScoresService {
             )));
         }
         let model = key.model.clone();
-        let tokens = blocking(move || {
-            tokenizer
+        // The tokenization holds the request's place: a blocking job is not stopped when its
+        // caller goes away, so a cancelled request's place is freed only when the job ends
+        // (with the place in the request's future, cancelled requests escaped
+        // --max-concurrent-requests and piled tokenizations up on the blocking pool).
+        let (tokens, _permit) = blocking(move || {
+            let ids = tokenizer
                 .encode_fast(prompt.as_str(), true)
                 .map(|encoding| encoding.get_ids().to_vec())
                 .map_err(|e| {
                     ServiceError::InvalidArgument(format!(
                         "the prompt cannot be tokenized with the tokenizer of model {model:?}: {e}"
                     ))
-                })
+                })?;
+            Ok((ids, permit))
         })
         .await?;
         if tokens.len() > max_tokens {

@@ -1102,6 +1102,7 @@ impl Registry {
         crate::snapshot::ReadLimits {
             capacity: self.settings.capacity,
             registrations: Some(self.limits.max_registered_ranks),
+            indexes: Some(self.limits.max_indexes),
         }
     }
 

@@ -511,6 +511,19 @@ impl RunningServer {
                 Err(error) => tracing::warn!("the NATS publisher failed: {error}"),
             }
         }
+        // A bootstrap from a peer cut short by the shutdown left a half-built state (and a
+        // restore it started may still run): written, the next start would take it for the
+        // server's own and never bootstrap again. The data directory keeps what it had.
+        let dir = dir.filter(|_| {
+            let bootstrapping = self.state.bootstrapping();
+            if bootstrapping {
+                tracing::warn!(
+                    "no final snapshot: the bootstrap from a peer had not finished (the next \
+                     start bootstraps again)"
+                );
+            }
+            !bootstrapping
+        });
         if let Some(dir) = dir {
             let written = write_snapshot(Arc::clone(&self.state), dir).await;
             match &written {
@@ -587,7 +600,18 @@ async fn restore_local(
                     return Ok((Some((path, memberships)), refused));
                 }
                 Err(error) => {
-                    dir.set_aside(&path);
+                    // Loaded again below: a file that stays would be found for ever.
+                    dir.set_aside(&path).map_err(|cannot| {
+                        std::io::Error::new(
+                            cannot.kind(),
+                            format!(
+                                "the snapshot {} cannot be restored on this server ({error}) \
+                                 and cannot be moved aside ({cannot}): move it out of the \
+                                 data directory",
+                                path.display()
+                            ),
+                        )
+                    })?;
                     refused.push((
                         path,
                         format!("it cannot be restored on this server ({error}); nothing of it was applied"),

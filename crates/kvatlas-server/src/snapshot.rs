@@ -636,6 +636,11 @@ pub struct ReadLimits {
     /// Most registrations the whole stream may record (this server's
     /// `--max-registered-ranks`): each is a few bytes that name a copy of its index's key.
     pub registrations: Option<usize>,
+    /// Most indexes the stream may hold (this server's `--max-indexes`), checked as each is
+    /// read: `capacity` bounds one index, so without this a stream of many small indexes each
+    /// naming a large table again could make the reader materialise without bound (only
+    /// `Registry::check_images` counted them, after materialising).
+    pub indexes: Option<usize>,
 }
 
 /// [`read`] within `limits`.
@@ -688,6 +693,13 @@ pub fn read_within(
                 // the registrations hold stay small.
                 key.validate()
                     .map_err(|e| SnapshotError::Corrupt(format!("an index's name: {e}")))?;
+                if let Some(most) = limits.indexes
+                    && images.len() >= most
+                {
+                    return Err(SnapshotError::Corrupt(format!(
+                        "it holds more than {most} indexes, this server's limit (--max-indexes)"
+                    )));
+                }
                 images.push(IndexImage {
                     key,
                     block_size,
@@ -1323,7 +1335,7 @@ mod tests {
     fn a_snapshot_beyond_the_capacity_is_refused_before_it_is_materialised() {
         let within = |capacity| ReadLimits {
             capacity: Some(capacity),
-            registrations: None,
+            ..ReadLimits::default()
         };
         let stream = whole_table_ranks(4, 3, |i| i, 12, true);
         let (_, images) = read_within(&stream[..], within(12)).expect("at the bound");
@@ -1351,8 +1363,8 @@ mod tests {
     fn registrations_beyond_the_limit_are_refused() {
         let stream = encode(&[image(Vec::new())]); // two recorded feeds
         let within = |most| ReadLimits {
-            capacity: None,
             registrations: Some(most),
+            ..ReadLimits::default()
         };
         let (_, images) = read_within(&stream[..], within(2)).expect("at the limit");
         assert_eq!(images[0].feeds.len(), 2);
@@ -1360,6 +1372,25 @@ mod tests {
             panic!("two registrations exceed a limit of one");
         };
         assert!(why.contains("--max-registered-ranks"), "{why}");
+    }
+
+    /// A stream holding more indexes than the reader's limit is refused as each index is read
+    /// (before anything is materialised); at the limit it reads.
+    #[test]
+    fn indexes_beyond_the_limit_are_refused() {
+        let mut second = image(Vec::new());
+        second.key = IndexKey::new("another", "t");
+        let stream = encode(&[image(Vec::new()), second]);
+        let within = |most| ReadLimits {
+            indexes: Some(most),
+            ..ReadLimits::default()
+        };
+        let (_, images) = read_within(&stream[..], within(2)).expect("at the limit");
+        assert_eq!(images.len(), 2);
+        let Err(SnapshotError::Corrupt(why)) = read_within(&stream[..], within(1)) else {
+            panic!("two indexes exceed a limit of one");
+        };
+        assert!(why.contains("--max-indexes"), "{why}");
     }
 
     /// A writer writes each rank of an index once; a stream naming one twice is refused.

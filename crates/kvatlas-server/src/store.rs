@@ -179,7 +179,16 @@ impl DataDir {
                     ));
                 }
                 Err(error) => {
-                    set_aside(&path);
+                    set_aside(&path).map_err(|cannot| {
+                        std::io::Error::new(
+                            cannot.kind(),
+                            format!(
+                                "the snapshot {} is refused ({error}) and cannot be moved aside \
+                                 ({cannot}): move it out of the data directory",
+                                path.display()
+                            ),
+                        )
+                    })?;
                     rejected.push((path, error));
                 }
             }
@@ -193,8 +202,12 @@ impl DataDir {
     /// Moves a snapshot that was read but cannot be used here (it does not fit this server's
     /// settings) aside as a refused file is, so that the next [`DataDir::load`] tries the next
     /// older one.
-    pub fn set_aside(&self, path: &Path) {
-        set_aside(path);
+    ///
+    /// # Errors
+    /// If it cannot be renamed (a read-only directory): the caller must not load again, or it
+    /// would find the same file for ever.
+    pub fn set_aside(&self, path: &Path) -> std::io::Result<()> {
+        set_aside(path)
     }
 }
 
@@ -209,10 +222,10 @@ fn number_of(path: &Path) -> Option<i64> {
 }
 
 /// Renames `path` to `path.rejected` (kept for the operator, never retried).
-fn set_aside(path: &Path) {
+fn set_aside(path: &Path) -> std::io::Result<()> {
     let mut aside = path.to_owned().into_os_string();
     aside.push(".rejected");
-    let _ = fs::rename(path, aside);
+    fs::rename(path, aside)
 }
 
 #[cfg(test)]

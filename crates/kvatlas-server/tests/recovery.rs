@@ -777,3 +777,33 @@ async fn writes_during_a_peer_bootstrap_are_refused_and_the_restore_is_exact() {
     assert_eq!(report.indexes[0].digest, reference.snapshot().digest());
     a.server.shutdown().await;
 }
+
+/// A shutdown while the bootstrap from a peer is under way writes no final snapshot to the
+/// data directory: written, its half-built state would be taken for the server's own at the
+/// next start, which would then never bootstrap again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_during_a_peer_bootstrap_writes_no_snapshot() {
+    let dir = temp_dir("bootstrap-shutdown");
+    // A peer that takes the request and never answers (until the test ends).
+    let (never, gate) = std::sync::mpsc::channel::<()>();
+    let (peer, asked) = busy_peer(0, Vec::new(), Some(gate));
+    let h = start(ServerConfig {
+        peers: vec![peer],
+        ..persistent(&dir, None)
+    })
+    .await;
+    wait_until("the peer to be asked", || {
+        let asked = std::sync::Arc::clone(&asked);
+        async move { asked.load(std::sync::atomic::Ordering::SeqCst) > 0 }
+    })
+    .await;
+    let report = h.server.shutdown().await;
+    assert!(report.snapshot.is_none(), "no final snapshot was written");
+    assert!(
+        snapshot_files(&dir).is_empty(),
+        "{:?}",
+        snapshot_files(&dir)
+    );
+    drop(never);
+    let _ = std::fs::remove_dir_all(&dir);
+}
