@@ -766,7 +766,7 @@ impl Consumer {
                     entry.index().forget_marks(instance, rank);
                     match rank {
                         None => {
-                            entry.pool.remove_worker(instance);
+                            entry.index().remove_worker_forgetting_marks(instance);
                         }
                         Some(rank) => {
                             entry.index().apply(&Mutation::Cleared {

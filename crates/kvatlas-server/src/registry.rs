@@ -882,7 +882,11 @@ impl IndexEntry {
         // rank is cleared through its lane: a feed of another rank of the instance may still
         // write it (a batch's dp_rank), and a rank has one writer at a time.
         let report = match dp_rank {
-            None => self.pool.remove_worker(instance_id),
+            None => {
+                let mut report = self.pool.flush();
+                report.merge(&self.index().remove_worker_forgetting_marks(instance_id));
+                report
+            }
             Some(rank) => {
                 let cleared = Mutation::Cleared {
                     worker: Worker::new(instance_id, rank),
@@ -897,7 +901,9 @@ impl IndexEntry {
         // The sources are gone: a later one with the same id starts from scratch. Forgotten
         // after the flush above, which applies the units they queued and records their
         // checkpoints again (forgotten before it, a stale position stayed, and a source that
-        // came back with its engine restarted at sequence 0 had its batches dropped as stale).
+        // came back with its engine restarted at sequence 0 had its batches dropped as stale). A
+        // whole instance's were forgotten with its blocks, in one step; one rank's are
+        // forgotten here, just after its clear (a snapshot cut in between still records them).
         self.index().forget_marks(instance_id, dp_rank);
         // Counted once the removal is done: a snapshot taken before sees the count unchanged
         // and the next one is written.

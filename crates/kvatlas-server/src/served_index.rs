@@ -167,6 +167,19 @@ impl ServedIndex {
             .retain(|w, _| w.worker_id != worker_id || dp_rank.is_some_and(|r| r != w.dp_rank));
     }
 
+    /// Removes every rank of `worker_id` and forgets their checkpoints in one step (under the
+    /// checkpoints' lock, as a snapshot's cut is taken): no snapshot holds the checkpoints of an
+    /// instance whose blocks are gone, and none holds its blocks without them. (Unregistering
+    /// an instance removed the blocks, then forgot the checkpoints: a cut in between recorded
+    /// positions for a source that was gone.) Its units must be flushed before.
+    pub(crate) fn remove_worker_forgetting_marks(&self, worker_id: u64) -> ApplyReport {
+        let mut marks = self.marks.lock();
+        let report = self.atlas.remove_worker(worker_id);
+        marks.retain(|w, _| w.worker_id != worker_id);
+        drop(marks);
+        self.record(0, &report)
+    }
+
     /// The capacity bound, if any.
     pub(crate) fn capacity(&self) -> Option<u64> {
         self.capacity
