@@ -775,10 +775,24 @@ impl IndexerService {
         } else {
             tenant
         })?;
+        // In order with the instance's other messages, from admission to the log (see
+        // `Registry::publish_order`); waiting here is safe to cancel: nothing is looked up,
+        // created or admitted yet.
+        let key = crate::registry::IndexKey::new(
+            message.index.as_ref().map_or("", |s| s.model.as_str()),
+            if tenant.is_empty() {
+                crate::registry::DEFAULT_TENANT
+            } else {
+                tenant
+            },
+        );
+        let order = self
+            .state
+            .registry
+            .publish_order(&key, message.instance_id)
+            .lock_owned()
+            .await;
         let prepared = publisher.prepare(message)?;
-        // In order with every other message of the index, from admission to the log (see
-        // `IndexEntry::publish_order`); waiting here is safe to cancel: nothing is admitted yet.
-        let order = Arc::clone(&prepared.entry.publish_order).lock_owned().await;
         let resync = match publisher.admit(&prepared)? {
             Admission::Duplicate => return Ok(()),
             Admission::Apply { resync } => resync,
@@ -820,8 +834,8 @@ impl IndexerService {
         // The batch's sequence number is admitted: from here it must be applied and logged
         // even if the client goes away (a cancelled call, or the stream ended), or its retry
         // would be dropped as a duplicate of a batch nobody applied. So the rest runs in a task
-        // of its own, which the call only waits for, and which holds the index's order until
-        // it is done (the index's next message waits for it).
+        // of its own, which the call only waits for, and which holds the instance's order until
+        // it is done (the instance's next message waits for it).
         let entry = Arc::clone(&prepared.entry);
         let rest = tokio::spawn(async move {
             let _order = order;

@@ -229,12 +229,14 @@ fn next_group(backlog: &mut VecDeque<Outgoing>, max_bytes: usize) -> Vec<Outgoin
     let mut group = Vec::new();
     let mut bytes = 0;
     while let Some(next) = backlog.front() {
+        // Each record is framed with its length (`log_record::frame`).
+        let framed = next.payload.len() + varint_len(next.payload.len());
         let full = group.len() == log_record::MAX_RECORDS_PER_MESSAGE
-            || (!group.is_empty() && bytes + next.payload.len() > max_bytes);
+            || (!group.is_empty() && bytes + framed > max_bytes);
         if full {
             break;
         }
-        bytes += next.payload.len();
+        bytes += framed;
         group.extend(backlog.pop_front());
     }
     group
@@ -267,13 +269,20 @@ struct Lanes {
 
 /// The most payload bytes of a group of records for a server whose `max_payload` is
 /// `max_payload` (`0`: unknown): [`log_record::MAX_MESSAGE_BYTES`], or less with room for the
-/// message's headers, so that groups fit and only a single record too large is refused.
+/// message's headers ([`HEADER_ROOM`]), so that groups fit and only a single record too large
+/// is refused. (Read when the publisher starts: a server that comes back with a smaller one
+/// has groups split as they are refused.)
 fn group_bytes(max_payload: usize) -> usize {
     if max_payload == 0 {
         return log_record::MAX_MESSAGE_BYTES;
     }
-    log_record::MAX_MESSAGE_BYTES.min(max_payload.saturating_sub(1024).max(1))
+    log_record::MAX_MESSAGE_BYTES.min(max_payload.saturating_sub(HEADER_ROOM).max(1))
 }
+
+/// Room left in a message for its headers: `NATS/1.0`, and a `Nats-Msg-Id` of two names of at
+/// most 256 bytes, percent-encoded (up to 3 bytes each), the worker, rank and sequence, and a
+/// group's count and hash.
+const HEADER_ROOM: usize = 2048;
 
 impl Lanes {
     /// Takes a record off the queue: `Some` to publish it now (its lane was idle and is now
@@ -591,11 +600,11 @@ mod tests {
     fn groups_fit_the_servers_max_payload_and_a_split_group_keeps_its_order() {
         assert_eq!(group_bytes(0), log_record::MAX_MESSAGE_BYTES);
         assert_eq!(group_bytes(1 << 20), log_record::MAX_MESSAGE_BYTES);
-        assert_eq!(group_bytes(4096), 3072);
+        assert_eq!(group_bytes(4096), 2048);
         let a = IndexKey::new("m", "t");
         let record = |tag: u64| {
             let mut record = batch(&a, Worker::new(1, 0), tag);
-            record.payload = bytes::Bytes::from(vec![u8::try_from(tag).unwrap_or(0); 1500]);
+            record.payload = bytes::Bytes::from(vec![u8::try_from(tag).unwrap_or(0); 900]);
             record
         };
         let mut lanes = Lanes {
@@ -609,7 +618,11 @@ mod tests {
         let lane = (a.clone(), 1);
         let tags = |group: &[Outgoing]| -> Vec<u8> { group.iter().map(|r| r.payload[0]).collect() };
         let group = lanes.stored(&lane);
-        assert_eq!(tags(&group), [2, 3], "two of 1,500 bytes fit 3,072");
+        assert_eq!(
+            tags(&group),
+            [2, 3],
+            "two framed records of 902 bytes fit 2,048; three do not"
+        );
         // Refused as too large anyway: the first goes alone, the second waits in front.
         let mut group = group;
         lanes.put_back(&lane, group.split_off(1));

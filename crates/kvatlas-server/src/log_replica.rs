@@ -301,9 +301,9 @@ struct Consumer {
     live_paused: bool,
     /// The stream's last sequence and when it was read, once a live record was overdue: when
     /// the replica has applied that far and a record overdue before that read is still
-    /// unconfirmed, the stream does not hold it.
+    /// unconfirmed, the stream does not hold it (kept until the replica has read that far).
     overdue_stream_end: Option<(u64, tokio::time::Instant)>,
-    /// When the stream's end may be asked for next (at most every 2 s: while JetStream is down
+    /// When the stream's end may be asked for next (at most every 5 s: while JetStream is down
     /// each ask waits for its timeout, and the live subscription is not read meanwhile).
     next_stream_info: tokio::time::Instant,
     /// The last stream sequence applied (or covered by the restored snapshot).
@@ -560,42 +560,41 @@ impl Consumer {
             .any(|(_, applied)| applied.elapsed() > deadline)
     }
 
-    /// Whether this replica has read, since a live record became overdue, everything the stream
-    /// held then. A live record is taken for one its ingest never stored only then: while
-    /// JetStream is down, or the replica is more than `--nats-live-confirm-secs` behind the
-    /// stream, the stream's copy may still come (before, either made the replica empty its
-    /// indexes and re-bootstrap, and an outage kept it unavailable, its restore failing). The
-    /// stream's end is read once (a busy stream is never read to its current end) and asked
-    /// for at most every 2 s, each ask cut after 1 s.
+    /// Whether a live record overdue for `--nats-live-confirm-secs` is one the stream does not
+    /// hold: the replica has read everything the stream held when it was asked, after the
+    /// record became overdue, and the record is still unconfirmed. While JetStream is down, or
+    /// the replica is behind the stream, the stream's copy may still come (before, either made
+    /// the replica empty its indexes and re-bootstrap, and an outage kept it unavailable). The
+    /// stream's end is read once and kept until the replica has read that far (a busy stream is
+    /// never read to its current end), asked for at most every 5 s and waited for at most
+    /// 250 ms (the consumer's loop waits meanwhile); each overdue record is judged against the
+    /// read that came after it became overdue.
     async fn read_to_the_streams_end(&mut self) -> bool {
-        // The read must come after every overdue record became overdue (a record that became
-        // overdue later may be stored after an older read).
         let deadline = self.log.live_confirm_timeout;
-        let Some(latest) = self
-            .live_pending
-            .values()
-            .map(|(_, applied)| *applied + deadline)
-            .filter(|due| *due < tokio::time::Instant::now())
-            .max()
-        else {
-            return false;
-        };
         let now = tokio::time::Instant::now();
-        if self
-            .overdue_stream_end
-            .is_none_or(|(_, read)| read < latest)
-            && now >= self.next_stream_info
+        let due = |applied: tokio::time::Instant| applied + deadline;
+        if let Some((end, read)) = self.overdue_stream_end
+            && self.applied >= end
         {
-            self.next_stream_info = now + Duration::from_secs(2);
+            if self
+                .live_pending
+                .values()
+                .any(|(_, applied)| due(*applied) < read)
+            {
+                return true;
+            }
+            // Read that far, and what is overdue became so after the read: ask again.
             self.overdue_stream_end = None;
+        }
+        if self.overdue_stream_end.is_none() && now >= self.next_stream_info {
+            self.next_stream_info = now + Duration::from_secs(5);
             if let Ok(Ok(info)) =
-                tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await
+                tokio::time::timeout(Duration::from_millis(250), self.stream.info()).await
             {
                 self.overdue_stream_end = Some((info.state.last_sequence, now));
             }
         }
-        self.overdue_stream_end
-            .is_some_and(|(end, read)| read >= latest && self.applied >= end)
+        false
     }
 
     /// Forgets every chain and pending live record (the indexes were replaced).

@@ -423,11 +423,6 @@ pub(crate) struct IndexEntry {
     pub(crate) log: Option<Arc<LogHandle>>,
     listeners: Listeners,
     pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
-    /// Held by a `PublishEvents` message from before its sequence number is admitted until its
-    /// unit is enqueued and logged (by a task of its own, which a cancelled call does not
-    /// stop): the messages of the index are admitted and applied in one order, so a retry of a
-    /// cancelled call's next batch cannot be applied before the batch still waiting for room.
-    pub(crate) publish_order: Arc<tokio::sync::Mutex<()>>,
     /// Set (under `feeds`' lock) when [`Registry::forget_if_unused`] takes the entry out of the
     /// registry: no feed is added to it after that (a request that got it just before finds
     /// it removed and asks the registry again), or a registration would land in an index the
@@ -499,7 +494,6 @@ impl IndexEntry {
             log: log.cloned(),
             listeners: Listeners::with_threads(zmq.clone(), sink, listener_threads),
             feeds: Mutex::new(BTreeMap::new()),
-            publish_order: Arc::new(tokio::sync::Mutex::new(())),
             removed: std::sync::atomic::AtomicBool::new(false),
             unfed: Mutex::new(BTreeMap::new()),
             unregistrations: std::sync::atomic::AtomicU64::new(0),
@@ -1015,6 +1009,9 @@ fn listener_error(error: &ListenerError, registration: &WorkerRegistration) -> S
 }
 
 /// The registry of indexes (see the module docs).
+/// Stripes of [`Registry::publish_order`].
+const PUBLISH_ORDER_STRIPES: usize = 64;
+
 pub(crate) struct Registry {
     indexes: RwLock<BTreeMap<IndexKey, Arc<IndexEntry>>>,
     settings: IndexSettings,
@@ -1028,6 +1025,8 @@ pub(crate) struct Registry {
     log_role: Option<LogRole>,
     /// The event log's counters (zero without one).
     log_stats: Arc<LogStats>,
+    /// `PublishEvents` order, striped by (index, worker instance) ([`Registry::publish_order`]).
+    publish_order: Vec<Arc<tokio::sync::Mutex<()>>>,
 }
 
 /// A server's part in the NATS event log.
@@ -1060,7 +1059,28 @@ impl Registry {
             registered: AtomicUsize::new(0),
             log_role: None,
             log_stats: Arc::new(LogStats::default()),
+            publish_order: (0..PUBLISH_ORDER_STRIPES)
+                .map(|_| Arc::new(tokio::sync::Mutex::new(())))
+                .collect(),
         }
+    }
+
+    /// The lock a `PublishEvents` message of `instance_id` in `key` holds from before its index
+    /// is looked up (or created) and its sequence number admitted until its unit is enqueued and
+    /// logged, by a task of its own that a cancelled call does not stop: an instance's messages
+    /// are admitted and applied in one order, so the retry of a cancelled call's successor
+    /// cannot be applied before the batch still waiting for room (two indexes or instances that
+    /// share a stripe only wait for each other). Taken before the lookup, the wait can be
+    /// cancelled with nothing created or admitted.
+    pub(crate) fn publish_order(
+        &self,
+        key: &IndexKey,
+        instance_id: u64,
+    ) -> Arc<tokio::sync::Mutex<()>> {
+        use std::hash::BuildHasher as _;
+        let hash = rustc_hash::FxBuildHasher.hash_one((key, instance_id));
+        let stripe = (hash % self.publish_order.len() as u64) as usize;
+        Arc::clone(&self.publish_order[stripe])
     }
 
     /// The threads polling the listeners (shared by every index), started on first use.

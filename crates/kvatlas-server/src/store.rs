@@ -179,16 +179,14 @@ impl DataDir {
                     ));
                 }
                 Err(error) => {
-                    set_aside(&path).map_err(|cannot| {
-                        std::io::Error::new(
-                            cannot.kind(),
-                            format!(
-                                "the snapshot {} is refused ({error}) and cannot be moved aside \
-                                 ({cannot}): move it out of the data directory",
-                                path.display()
-                            ),
-                        )
-                    })?;
+                    // A file that cannot be renamed (a read-only directory) is skipped here
+                    // (the next older one is tried) and stays for the operator.
+                    if let Err(cannot) = set_aside(&path) {
+                        tracing::warn!(
+                            file = %path.display(),
+                            "a refused snapshot could not be moved aside: {cannot}"
+                        );
+                    }
                     rejected.push((path, error));
                 }
             }
