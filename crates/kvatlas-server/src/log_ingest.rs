@@ -623,6 +623,24 @@ mod tests {
             [2, 3],
             "two framed records of 902 bytes fit 2,048; three do not"
         );
+        // At the boundary the length prefixes count: two records of 1,023 bytes are 2,046
+        // bytes, but 2,050 framed.
+        let mut tight = Lanes {
+            max_bytes: group_bytes(4096),
+            ..Lanes::default()
+        };
+        let large = |tag: u64| {
+            let mut record = record(tag);
+            record.payload = bytes::Bytes::from(vec![u8::try_from(tag).unwrap_or(0); 1023]);
+            record
+        };
+        assert!(tight.take(large(6)).is_some());
+        assert!(tight.take(large(7)).is_none() && tight.take(large(8)).is_none());
+        assert_eq!(
+            tags(&tight.stored(&lane)),
+            [7],
+            "one framed record at a time"
+        );
         // Refused as too large anyway: the first goes alone, the second waits in front.
         let mut group = group;
         lanes.put_back(&lane, group.split_off(1));

@@ -567,7 +567,7 @@ impl Consumer {
     /// the replica empty its indexes and re-bootstrap, and an outage kept it unavailable). The
     /// stream's end is read once and kept until the replica has read that far (a busy stream is
     /// never read to its current end), asked for at most every 5 s and waited for at most
-    /// 250 ms (the consumer's loop waits meanwhile); each overdue record is judged against the
+    /// 1 s (the consumer's loop waits meanwhile); each overdue record is judged against the
     /// read that came after it became overdue.
     async fn read_to_the_streams_end(&mut self) -> bool {
         let deadline = self.log.live_confirm_timeout;
@@ -589,7 +589,7 @@ impl Consumer {
         if self.overdue_stream_end.is_none() && now >= self.next_stream_info {
             self.next_stream_info = now + Duration::from_secs(5);
             if let Ok(Ok(info)) =
-                tokio::time::timeout(Duration::from_millis(250), self.stream.info()).await
+                tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await
             {
                 self.overdue_stream_end = Some((info.state.last_sequence, now));
             }
@@ -760,9 +760,10 @@ impl Consumer {
                 let entry = Arc::clone(&entry);
                 let _ = tokio::task::spawn_blocking(move || {
                     // The units still queued first (they record their checkpoints), then the
-                    // checkpoints are forgotten (before the flush, a stale one stayed).
+                    // blocks go and the checkpoints are forgotten (before the flush, a stale
+                    // one stayed): a whole instance's in one step, one rank's just after its
+                    // clear, as at the ingest.
                     entry.pool.flush();
-                    entry.index().forget_marks(instance, rank);
                     match rank {
                         None => {
                             entry.index().remove_worker_forgetting_marks(instance);
@@ -771,6 +772,7 @@ impl Consumer {
                             entry.index().apply(&Mutation::Cleared {
                                 worker: Worker::new(instance, rank),
                             });
+                            entry.index().forget_marks(instance, Some(rank));
                         }
                     }
                 })

@@ -1008,10 +1008,10 @@ fn listener_error(error: &ListenerError, registration: &WorkerRegistration) -> S
     }
 }
 
-/// The registry of indexes (see the module docs).
 /// Stripes of [`Registry::publish_order`].
 const PUBLISH_ORDER_STRIPES: usize = 64;
 
+/// The registry of indexes (see the module docs).
 pub(crate) struct Registry {
     indexes: RwLock<BTreeMap<IndexKey, Arc<IndexEntry>>>,
     settings: IndexSettings,
@@ -1563,6 +1563,12 @@ impl Registry {
         }
         let mut result = Unregistered::default();
         for entry in entries {
+            // After any `PublishEvents` batch of the instance already admitted (its task may
+            // still wait for room in the lane): it is applied and logged first, not after the
+            // removal, where its blocks came back for a removed instance (`publish_order`).
+            // On a blocking thread: every caller runs this off the runtime.
+            let order = self.publish_order(&entry.key, instance_id);
+            let _in_order = order.blocking_lock();
             let removed = entry.unregister(instance_id, dp_rank);
             self.release_ranks(removed.registered as usize);
             let ranks = removed.registered + removed.unfed;
