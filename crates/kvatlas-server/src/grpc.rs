@@ -833,14 +833,37 @@ impl IndexerService {
         });
         // The batch's sequence number is admitted: from here it must be applied and logged
         // even if the client goes away (a cancelled call, or the stream ended), or its retry
-        // would be dropped as a duplicate of a batch nobody applied. So the rest runs in a task
-        // of its own, which the call only waits for, and which holds the instance's order until
-        // it is done (the instance's next message waits for it).
+        // would be dropped as a duplicate of a batch nobody applied. Where the lane and the log
+        // have room it is done here and now (no wait, nothing to cancel); what has to wait runs
+        // in a task of its own, which the call only waits for, and which holds the instance's
+        // order until it is done (the instance's next message waits for it). (A task for every
+        // message cost a fifth of the service benchmark's PublishEvents load rate.)
         let entry = Arc::clone(&prepared.entry);
+        // (A publish-only ingest applies nothing itself.)
+        let unit = if entry.publish_only() {
+            None
+        } else {
+            match entry.pool.try_enqueue_unit(unit) {
+                Ok(()) => None,
+                Err(kvatlas_index::EnqueueError::Full(unit)) => Some(unit),
+                Err(kvatlas_index::EnqueueError::Stopped(_)) => {
+                    return Err(ServiceError::Internal(
+                        "the index writers have stopped".into(),
+                    ));
+                }
+            }
+        };
+        let logged = match (unit.is_none(), logged) {
+            (true, Some((log, record))) => log.try_send(record).map(|record| (log, record)),
+            (_, logged) => logged,
+        };
+        if unit.is_none() && logged.is_none() {
+            publisher.applied(events);
+            return Ok(());
+        }
         let rest = tokio::spawn(async move {
             let _order = order;
-            // (A publish-only ingest applies nothing itself.)
-            if !entry.publish_only() {
+            if let Some(unit) = unit {
                 enqueue(&entry.pool, unit).await?;
             }
             if let Some((log, record)) = logged {

@@ -169,6 +169,19 @@ impl LogHandle {
         let _ = self.tx.send(record).await;
     }
 
+    /// Queues `record` if the queue has room now, else hands it back; also "queues" it once
+    /// the publisher is gone (shutdown), as [`LogHandle::send`] does: nothing is left to
+    /// publish to.
+    pub(crate) fn try_send(&self, record: Outgoing) -> Option<Outgoing> {
+        match self.tx.try_send(record) {
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
+                LogStats::bump(&self.stats.queued);
+                None
+            }
+            Err(mpsc::error::TrySendError::Full(record)) => Some(record),
+        }
+    }
+
     /// Queues `record` from blocking code (an unregistration, which runs on a blocking thread),
     /// waiting for room if the queue is full: it is queued before anything the caller does
     /// next (a task sending it later could let a re-registered rank's batches overtake it, and
