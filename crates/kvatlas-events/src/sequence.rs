@@ -359,13 +359,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return self.probe();
         }
         self.counters.probes += 1;
-        self.issue(Outstanding {
-            from: self.next,
-            to: u64::MAX,
-            open_ended: true,
-            anchor: Some(anchor),
-            ..Outstanding::new()
-        });
+        self.request_anchored(u64::MAX, true, Some(anchor));
         true
     }
 
@@ -378,7 +372,12 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// known: the request asks from that batch, whose copy in the engine's ring is checked and
     /// not applied (see [`Sequencer::probe`]).
     fn request(&mut self, to: u64, open_ended: bool) {
-        let anchor = self.last_applied();
+        self.request_anchored(to, open_ended, self.last_applied());
+    }
+
+    /// Emits a replay of `next..to` asking from `anchor` (a batch applied, checked in the
+    /// answer and not applied again), or from `next` without one.
+    fn request_anchored(&mut self, to: u64, open_ended: bool, anchor: Option<(u64, u64)>) {
         self.issue(Outstanding {
             from: self.next,
             to,

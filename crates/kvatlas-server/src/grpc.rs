@@ -778,13 +778,10 @@ impl IndexerService {
         // In order with the instance's other messages, from admission to the log (see
         // `Registry::publish_order`); waiting here is safe to cancel: nothing is looked up,
         // created or admitted yet.
+        // (`IndexKey::new` names the default tenant for an empty one, as `prepare` does.)
         let key = crate::registry::IndexKey::new(
             message.index.as_ref().map_or("", |s| s.model.as_str()),
-            if tenant.is_empty() {
-                crate::registry::DEFAULT_TENANT
-            } else {
-                tenant
-            },
+            tenant,
         );
         let order = self
             .state

@@ -268,15 +268,14 @@ fn lane_of(record: &Outgoing) -> Lane {
 
 /// The publisher's lanes: at most one message in flight per lane, the lane's later records
 /// waiting behind it in order.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Lanes {
     /// Lanes with a message in flight.
     busy: HashSet<Lane>,
     waiting: HashMap<Lane, VecDeque<Outgoing>>,
     /// Records waiting, over every lane.
     queued: usize,
-    /// The most payload bytes a group takes (`0`: [`log_record::MAX_MESSAGE_BYTES`]); less
-    /// when nats-server's `max_payload` is smaller ([`group_bytes`]).
+    /// The most payload bytes a group takes ([`group_bytes`]).
     max_bytes: usize,
 }
 
@@ -298,6 +297,16 @@ fn group_bytes(max_payload: usize) -> usize {
 const HEADER_ROOM: usize = 2048;
 
 impl Lanes {
+    /// No lane busy; groups of at most `max_bytes` ([`group_bytes`]).
+    fn new(max_bytes: usize) -> Self {
+        Self {
+            busy: HashSet::new(),
+            waiting: HashMap::new(),
+            queued: 0,
+            max_bytes,
+        }
+    }
+
     /// Takes a record off the queue: `Some` to publish it now (its lane was idle and is now
     /// busy), `None` if it waits behind its lane's message in flight.
     fn take(&mut self, record: Outgoing) -> Option<Outgoing> {
@@ -331,13 +340,7 @@ impl Lanes {
         let group = self
             .waiting
             .get_mut(lane)
-            .map(|backlog| {
-                let max_bytes = match self.max_bytes {
-                    0 => log_record::MAX_MESSAGE_BYTES,
-                    bytes => bytes,
-                };
-                next_group(backlog, max_bytes)
-            })
+            .map(|backlog| next_group(backlog, self.max_bytes))
             .unwrap_or_default();
         if group.is_empty() {
             self.busy.remove(lane);
@@ -363,10 +366,7 @@ pub(crate) async fn run_publisher(
         .live
         .then(|| LivePath::start(js.client(), &log, Arc::clone(&stats)));
     let prefix = log.subject_prefix;
-    let mut lanes = Lanes {
-        max_bytes: group_bytes(js.client().server_info().max_payload),
-        ..Lanes::default()
-    };
+    let mut lanes = Lanes::new(group_bytes(js.client().server_info().max_payload));
     let mut flights: JoinSet<Published> = JoinSet::new();
     let mut retry_backoff = Duration::from_millis(10);
     let mut stopping = false;
@@ -397,10 +397,7 @@ pub(crate) async fn run_publisher(
                         let Some(lane) = records.first().map(lane_of) else {
                             continue;
                         };
-                        let group = lanes.stored(&lane);
-                        if !group.is_empty() {
-                            spawn_publish(&mut flights, &js, &prefix, group, Duration::ZERO);
-                        }
+                        publish_next(&mut lanes, &mut flights, &js, &prefix, &lane);
                     }
                     Err(Failure::TooLarge(error)) => {
                         let Some(lane) = records.first().map(lane_of) else {
@@ -423,10 +420,7 @@ pub(crate) async fn run_publisher(
                              max_payload, or have the engine send smaller batches)",
                             records.first().map_or(0, |r| r.payload.len()),
                         );
-                        let group = lanes.stored(&lane);
-                        if !group.is_empty() {
-                            spawn_publish(&mut flights, &js, &prefix, group, Duration::ZERO);
-                        }
+                        publish_next(&mut lanes, &mut flights, &js, &prefix, &lane);
                     }
                     Err(Failure::Transient(error)) => {
                         LogStats::bump(&stats.publish_retries);
@@ -504,6 +498,21 @@ fn wire_bytes(prefix: &str, records: &[Outgoing]) -> u64 {
 
 fn varint_len(n: usize) -> usize {
     prost::encoding::encoded_len_varint(n as u64)
+}
+
+/// The message in flight of `lane` is done with (stored, or refused for good): publishes the
+/// lane's next message, if records wait, else the lane is idle.
+fn publish_next(
+    lanes: &mut Lanes,
+    flights: &mut JoinSet<Published>,
+    js: &jetstream::Context,
+    prefix: &str,
+    lane: &Lane,
+) {
+    let group = lanes.stored(lane);
+    if !group.is_empty() {
+        spawn_publish(flights, js, prefix, group, Duration::ZERO);
+    }
 }
 
 /// Publishes `records` (one lane's, in order) as one message after `delay`.
@@ -620,10 +629,7 @@ mod tests {
             record.payload = bytes::Bytes::from(vec![u8::try_from(tag).unwrap_or(0); 900]);
             record
         };
-        let mut lanes = Lanes {
-            max_bytes: group_bytes(4096),
-            ..Lanes::default()
-        };
+        let mut lanes = Lanes::new(group_bytes(4096));
         assert!(lanes.take(record(1)).is_some());
         for tag in 2..=5 {
             assert!(lanes.take(record(tag)).is_none());
@@ -638,10 +644,7 @@ mod tests {
         );
         // At the boundary the length prefixes count: two records of 1,023 bytes are 2,046
         // bytes, but 2,050 framed.
-        let mut tight = Lanes {
-            max_bytes: group_bytes(4096),
-            ..Lanes::default()
-        };
+        let mut tight = Lanes::new(group_bytes(4096));
         let large = |tag: u64| {
             let mut record = record(tag);
             record.payload = bytes::Bytes::from(vec![u8::try_from(tag).unwrap_or(0); 1023]);
@@ -671,7 +674,7 @@ mod tests {
     fn an_instance_unregistration_waits_for_every_rank_queued_before_it() {
         let size = BlockSize::new(16).expect("16");
         let (a, b) = (IndexKey::new("m", "t"), IndexKey::new("n", "t"));
-        let mut lanes = Lanes::default();
+        let mut lanes = Lanes::new(log_record::MAX_MESSAGE_BYTES);
         let in_flight = lanes.take(batch(&a, Worker::new(1, 3), 1));
         assert!(in_flight.is_some(), "an idle lane publishes at once");
         assert!(

@@ -885,20 +885,21 @@ impl IndexEntry {
                 let cleared = Mutation::Cleared {
                     worker: Worker::new(instance_id, rank),
                 };
-                match self.pool.enqueue(cleared.clone()) {
+                let report = match self.pool.enqueue(cleared.clone()) {
                     Ok(()) => self.pool.flush(),
                     // The writers stopped (shutdown): nothing else writes.
                     Err(_) => self.pool.index().apply(&cleared),
-                }
+                };
+                // The source is gone: a later one with the same id starts from scratch.
+                // Forgotten after the flush above, which applies the units it queued and
+                // records their checkpoints again (forgotten before it, a stale position
+                // stayed, and a source that came back with its engine restarted at sequence 0
+                // had its batches dropped as stale); just after its clear (a snapshot cut in
+                // between still records it). A whole instance's go with its blocks, above.
+                self.index().forget_marks(instance_id, Some(rank));
+                report
             }
         };
-        // The sources are gone: a later one with the same id starts from scratch. Forgotten
-        // after the flush above, which applies the units they queued and records their
-        // checkpoints again (forgotten before it, a stale position stayed, and a source that
-        // came back with its engine restarted at sequence 0 had its batches dropped as stale). A
-        // whole instance's were forgotten with its blocks, in one step; one rank's are
-        // forgotten here, just after its clear (a snapshot cut in between still records them).
-        self.index().forget_marks(instance_id, dp_rank);
         // Counted once the removal is done: a snapshot taken before sees the count unchanged
         // and the next one is written.
         self.unregistrations.fetch_add(1, Ordering::AcqRel);
