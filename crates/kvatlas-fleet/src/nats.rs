@@ -322,6 +322,24 @@ impl NatsServer {
         }
     }
 
+    /// Stops the server, empties its store directory and starts it again on the same port: a
+    /// server that lost its storage (every stream and bucket is gone; clients reconnect to an
+    /// empty JetStream). Waits (at most 10 s) until it is ready again.
+    ///
+    /// # Errors
+    /// If the store cannot be emptied, or the server does not start again ([`Self::restart`]).
+    pub fn restart_losing_storage(&mut self) -> Result<(), NatsError> {
+        self.stop();
+        let jetstream = self.store.join("jetstream");
+        if jetstream.exists() {
+            std::fs::remove_dir_all(&jetstream).map_err(|source| NatsError::Io {
+                what: format!("emptying nats-server's store {}", jetstream.display()),
+                source,
+            })?;
+        }
+        self.restart()
+    }
+
     /// Whether the current run's log says that its port was taken.
     fn port_taken(&self) -> bool {
         self.log_tail()
@@ -546,6 +564,16 @@ mod tests {
         assert!(!nats.is_running());
         nats.restart().unwrap_or_else(|error| panic!("{error}"));
         greet(&nats);
+
+        std::fs::write(store.join("jetstream").join("marker"), b"x").expect("a file in the store");
+        nats.restart_losing_storage()
+            .unwrap_or_else(|error| panic!("{error}"));
+        greet(&nats);
+        assert!(
+            !store.join("jetstream").join("marker").exists(),
+            "the store was emptied"
+        );
+        assert_eq!(nats.port(), port);
 
         drop(nats);
         assert!(!store.exists(), "the store directory is removed on drop");

@@ -234,6 +234,53 @@ enum Failure {
     /// The message is larger than the server's `max_payload`: retrying cannot help. A group is
     /// split; a single record is refused and counted.
     TooLarge(String),
+    /// No stream takes the subject (it was deleted, or nats-server lost its storage): the
+    /// publisher creates it again and retries.
+    NoStream(String),
+}
+
+/// Messages in flight: their tasks, and each task's lane and record count, so that a lane
+/// whose task panicked (its records are gone with it) still moves on to its next message
+/// instead of staying busy for ever.
+#[derive(Default)]
+struct Flights {
+    tasks: JoinSet<Published>,
+    lanes: HashMap<tokio::task::Id, (Lane, usize)>,
+}
+
+/// A message's task ended: its lane and records with the outcome, or, if the task panicked,
+/// its lane and how many records were lost with it.
+enum Landed {
+    Done(Lane, Published),
+    Panicked(Lane, usize),
+}
+
+impl Flights {
+    fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// The next message whose task ended (`None`: none in flight).
+    async fn next(&mut self) -> Option<Landed> {
+        loop {
+            let (id, published) = match self.tasks.join_next_with_id().await? {
+                Ok((id, published)) => (id, Some(published)),
+                Err(error) => (error.id(), None),
+            };
+            // Every task is listed when spawned ([`spawn_publish`]).
+            let Some((lane, records)) = self.lanes.remove(&id) else {
+                continue;
+            };
+            return Some(match published {
+                Some(published) => Landed::Done(lane, published),
+                None => Landed::Panicked(lane, records),
+            });
+        }
+    }
 }
 
 /// Takes the next message's records of a source's backlog: as many as fit one message of at
@@ -365,9 +412,12 @@ pub(crate) async fn run_publisher(
     let mut live = log
         .live
         .then(|| LivePath::start(js.client(), &log, Arc::clone(&stats)));
-    let prefix = log.subject_prefix;
+    let prefix = log.subject_prefix.clone();
     let mut lanes = Lanes::new(group_bytes(js.client().server_info().max_payload));
-    let mut flights: JoinSet<Published> = JoinSet::new();
+    let mut flights = Flights::default();
+    // Creating the stream again after it was found missing (at most once a second).
+    let mut creating: Option<tokio::task::JoinHandle<()>> = None;
+    let mut last_creation: Option<tokio::time::Instant> = None;
     let mut retry_backoff = Duration::from_millis(10);
     let mut stopping = false;
     // The queue is closed and empty: `recv` would answer `None` at once on every turn, and the
@@ -378,8 +428,20 @@ pub(crate) async fn run_publisher(
         let room = lanes.queued < QUEUE && flights.len() < IN_FLIGHT;
         tokio::select! {
             biased;
-            Some(done) = flights.join_next(), if !flights.is_empty() => {
-                let Ok((records, outcome)) = done else { continue };
+            Some(landed) = flights.next(), if !flights.is_empty() => {
+                let (lane, (records, outcome)) = match landed {
+                    Landed::Done(lane, published) => (lane, published),
+                    Landed::Panicked(lane, lost) => {
+                        stats.publish_refused.fetch_add(lost as u64, std::sync::atomic::Ordering::Relaxed);
+                        tracing::error!(
+                            "publishing {lost} record(s) to NATS panicked: they are dropped and \
+                             the replicas will not get them (counted in \
+                             kvatlas_log_publish_refused_total); the worker's next records go on"
+                        );
+                        publish_next(&mut lanes, &mut flights, &js, &prefix, &lane);
+                        continue;
+                    }
+                };
                 match outcome {
                     Ok(duplicate) => {
                         use std::sync::atomic::Ordering::Relaxed;
@@ -394,15 +456,9 @@ pub(crate) async fn run_publisher(
                         } else {
                             stats.published_bytes.fetch_add(wire_bytes(&prefix, &records), Relaxed);
                         }
-                        let Some(lane) = records.first().map(lane_of) else {
-                            continue;
-                        };
                         publish_next(&mut lanes, &mut flights, &js, &prefix, &lane);
                     }
                     Err(Failure::TooLarge(error)) => {
-                        let Some(lane) = records.first().map(lane_of) else {
-                            continue;
-                        };
                         let mut records = records;
                         if records.len() > 1 {
                             // Too many records for one message here: the first goes alone, the
@@ -421,6 +477,25 @@ pub(crate) async fn run_publisher(
                             records.first().map_or(0, |r| r.payload.len()),
                         );
                         publish_next(&mut lanes, &mut flights, &js, &prefix, &lane);
+                    }
+                    Err(Failure::NoStream(error)) => {
+                        LogStats::bump(&stats.publish_retries);
+                        if creating.as_ref().is_none_or(tokio::task::JoinHandle::is_finished)
+                            && last_creation.is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
+                        {
+                            tracing::warn!(
+                                "publishing to NATS found no stream ({error}): creating stream \
+                                 {} again", log.stream
+                            );
+                            last_creation = Some(tokio::time::Instant::now());
+                            creating = Some(tokio::spawn(create_again(
+                                js.clone(),
+                                log.clone(),
+                                Arc::clone(&stats),
+                            )));
+                        }
+                        spawn_publish(&mut flights, &js, &prefix, records, retry_backoff);
+                        retry_backoff = (retry_backoff * 2).min(Duration::from_secs(1));
                     }
                     Err(Failure::Transient(error)) => {
                         LogStats::bump(&stats.publish_retries);
@@ -467,15 +542,25 @@ pub(crate) async fn run_publisher(
     }
     let in_flight: usize = {
         let mut n = 0;
-        while let Some(done) = flights.try_join_next() {
-            n += done.map_or(
-                0,
-                |(records, outcome)| if outcome.is_ok() { 0 } else { records.len() },
-            );
+        while let Some(done) = flights.tasks.try_join_next_with_id() {
+            let id = match &done {
+                Ok((id, _)) => *id,
+                Err(error) => error.id(),
+            };
+            let listed = flights.lanes.remove(&id).map_or(0, |(_, records)| records);
+            n += match done {
+                Ok((_, (_, Ok(_)))) => 0,
+                Ok((_, (records, Err(_)))) => records.len(),
+                Err(_) => listed,
+            };
         }
-        n + flights.len()
+        n + flights
+            .lanes
+            .values()
+            .map(|(_, records)| records)
+            .sum::<usize>()
     };
-    flights.abort_all();
+    flights.tasks.abort_all();
     let left = lanes.queued + in_flight + rx.len();
     u64::try_from(left).unwrap_or(u64::MAX)
 }
@@ -504,7 +589,7 @@ fn varint_len(n: usize) -> usize {
 /// lane's next message, if records wait, else the lane is idle.
 fn publish_next(
     lanes: &mut Lanes,
-    flights: &mut JoinSet<Published>,
+    flights: &mut Flights,
     js: &jetstream::Context,
     prefix: &str,
     lane: &Lane,
@@ -517,7 +602,7 @@ fn publish_next(
 
 /// Publishes `records` (one lane's, in order) as one message after `delay`.
 fn spawn_publish(
-    flights: &mut JoinSet<Published>,
+    flights: &mut Flights,
     js: &jetstream::Context,
     prefix: &str,
     records: Vec<Outgoing>,
@@ -528,7 +613,8 @@ fn spawn_publish(
         return;
     };
     let subject = log_record::subject(prefix, &first.source.0, first.source.1.worker_id);
-    flights.spawn(async move {
+    let lane = (lane_of(first), records.len());
+    let task = flights.tasks.spawn(async move {
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
@@ -540,6 +626,12 @@ fn spawn_publish(
         let outcome = match js.send_publish(subject, publish).await {
             Ok(ack) => match ack.await {
                 Ok(ack) => Ok(ack.duplicate),
+                Err(e)
+                    if e.kind()
+                        == async_nats::jetstream::context::PublishErrorKind::StreamNotFound =>
+                {
+                    Err(Failure::NoStream(e.to_string()))
+                }
                 Err(e) => Err(Failure::Transient(format!("no acknowledgement: {e}"))),
             },
             Err(e)
@@ -552,6 +644,26 @@ fn spawn_publish(
         };
         (records, outcome)
     });
+    flights.lanes.insert(task.id(), lane);
+}
+
+/// Creates the stream again after a publish found none (it was deleted, or nats-server lost its
+/// storage); counted in `kvatlas_log_stream_created_again_total` if this call created it.
+async fn create_again(js: jetstream::Context, log: NatsLog, stats: Arc<LogStats>) {
+    if js.get_stream(&log.stream).await.is_ok() {
+        return; // another ingest, or a replica, created it meanwhile
+    }
+    match crate::nats::stream(&js, &log).await {
+        Ok(_) => {
+            LogStats::bump(&stats.stream_created_again);
+            tracing::warn!(
+                stream = %log.stream,
+                "created the event-log stream again: the replicas read it from its start, and \
+                 records that only the lost stream held are gone"
+            );
+        }
+        Err(error) => tracing::warn!("creating the event-log stream again: {error}"),
+    }
 }
 
 #[cfg(test)]

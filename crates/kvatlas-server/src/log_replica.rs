@@ -246,7 +246,8 @@ pub(crate) async fn start(
         .await
         .map_err(|e| format!("the snapshot bucket's stream: {e}"))?;
     state.set_bootstrapping(true);
-    let covered = restore_newest(&state.registry, &bucket).await?;
+    let stream_created = created_nanos(stream.cached_info());
+    let covered = restore_newest(&state.registry, &bucket, stream_created).await?;
     let live = if log.live {
         let client = js.client();
         let live = client
@@ -258,11 +259,15 @@ pub(crate) async fn start(
         None
     };
     let stop = CancellationToken::new();
+    let stream_identity = watch_stream_identity(stream.clone(), stop.clone());
     let consumer = Consumer {
         state,
         stats,
         log,
+        js,
         stream,
+        stream_created,
+        stream_identity,
         bucket,
         bucket_stream,
         sources: HashMap::new(),
@@ -285,7 +290,13 @@ struct Consumer {
     state: Arc<State>,
     stats: Arc<LogStats>,
     log: NatsLog,
+    js: jetstream::Context,
     stream: jetstream::stream::Stream,
+    /// When the stream `applied` counts in was created (Unix ns): a stream of the same name
+    /// created again (deleted, or nats-server's storage lost) starts its sequences afresh.
+    stream_created: i128,
+    /// The stream's creation time as last read in the background ([`watch_stream_identity`]).
+    stream_identity: tokio::sync::watch::Receiver<Option<i128>>,
     bucket: jetstream::object_store::ObjectStore,
     /// The stream holding the bucket's objects (to purge the markers of deleted ones).
     bucket_stream: jetstream::stream::Stream,
@@ -339,14 +350,27 @@ impl Consumer {
 
     /// Reads from the sequence after `applied` until stopped (`Ok`) or the consumer fails.
     async fn consume(&mut self, stop: &CancellationToken) -> Result<(), String> {
-        let (messages, last_sequence) = {
-            let info = self
-                .stream
-                .info()
-                .await
-                .map_err(|e| format!("stream info: {e}"))?;
-            (info.state.messages, info.state.last_sequence)
+        // The stream and the bucket, created again if they are gone (as at the start).
+        self.stream = crate::nats::stream(&self.js, &self.log).await?;
+        self.bucket = crate::nats::snapshot_bucket(&self.js, &self.log).await?;
+        self.bucket_stream = self
+            .js
+            .get_stream(format!("OBJ_{}", self.log.snapshot_bucket))
+            .await
+            .map_err(|e| format!("the snapshot bucket's stream: {e}"))?;
+        let (messages, last_sequence, created) = {
+            let info = self.stream.cached_info();
+            (
+                info.state.messages,
+                info.state.last_sequence,
+                created_nanos(info),
+            )
         };
+        // Sequences never go back within one stream: a stream that ends below what was applied
+        // was created again too.
+        if created != self.stream_created || last_sequence < self.applied {
+            self.stream_recreated(created);
+        }
         if last_sequence > self.applied && messages == 0 {
             // Retention dropped everything after this replica's position (the stream is empty):
             // a skip to the sequence after the last, like one seen on a message.
@@ -384,6 +408,13 @@ impl Consumer {
         loop {
             let message = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
+                Ok(()) = self.stream_identity.changed() => {
+                    let created = *self.stream_identity.borrow_and_update();
+                    if created.is_some_and(|created| created != self.stream_created) {
+                        return Err("the stream was created again".into());
+                    }
+                    continue;
+                }
                 _ = tick.tick() => {
                     if self.live_overdue() && self.read_to_the_streams_end().await {
                         self.diverged().await?;
@@ -597,6 +628,27 @@ impl Consumer {
         false
     }
 
+    /// The stream was created again (deleted, or nats-server lost its storage) at `created`:
+    /// counts it and reads the new stream from its start. The indexes are kept (the engines
+    /// still hold what they stored; each source's position drops what the new stream repeats):
+    /// what only the lost stream held and this replica had not read is lost.
+    fn stream_recreated(&mut self, created: i128) {
+        LogStats::bump(&self.stats.stream_recreations);
+        tracing::error!(
+            stream = %self.log.stream,
+            stream_sequence = self.applied,
+            "the event-log stream was created again (deleted, or nats-server lost its storage): \
+             records the old stream held after this replica's position are lost; keeping the \
+             state and reading the new stream from its start"
+        );
+        self.stream_created = created;
+        self.applied = 0;
+        self.stats
+            .stream_sequence
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+        self.forget_live();
+    }
+
     /// Forgets every chain and pending live record (the indexes were replaced).
     fn forget_live(&mut self) {
         self.chains.clear();
@@ -633,7 +685,7 @@ impl Consumer {
         })
         .await
         .map_err(|e| e.to_string())?;
-        self.applied = restore_newest(&self.state.registry, &self.bucket)
+        self.applied = restore_newest(&self.state.registry, &self.bucket, self.stream_created)
             .await?
             .unwrap_or(0);
         Ok(())
@@ -655,7 +707,7 @@ impl Consumer {
     async fn skipped(&mut self, sequence: u64) -> Result<bool, String> {
         LogStats::bump(&self.stats.rebootstraps);
         let lost = sequence - self.applied - 1;
-        if let Some(covered) = newest_covered(&self.bucket).await
+        if let Some(covered) = newest_position(&self.bucket, self.stream_created).await
             && covered + 1 >= sequence
         {
             tracing::warn!(
@@ -664,7 +716,9 @@ impl Consumer {
                 covered,
                 "the stream no longer holds the next records: re-bootstrapping from the newest snapshot"
             );
-            if let Some(covered) = restore_newest(&self.state.registry, &self.bucket).await? {
+            if let Some(covered) =
+                restore_newest(&self.state.registry, &self.bucket, self.stream_created).await?
+            {
                 self.sources.clear();
                 // The snapshot replaced what the live path applied: nothing is pending.
                 self.forget_live();
@@ -877,14 +931,20 @@ impl Consumer {
         }
         self.live_paused = false;
         self.last_snapshot = tokio::time::Instant::now();
-        if let Ok(Some((covered, info))) = newest_snapshot(&self.bucket).await {
-            let age = info.modified.map(|modified| {
+        if let Ok(Some(newest)) = newest_snapshot(&self.bucket).await {
+            let age = newest.info.modified.map(|modified| {
                 let now = time_now_nanos();
                 Duration::from_nanos(
                     u64::try_from(now - modified.unix_timestamp_nanos()).unwrap_or(0),
                 )
             });
-            let newer = covered >= self.applied;
+            // Newer: cut from this stream at or after this replica's position, or from a stream
+            // created later (this replica has not seen it yet).
+            let newer = if newest.cut_from(self.stream_created) {
+                newest.covered >= self.applied
+            } else {
+                newest.stream > Some(self.stream_created)
+            };
             if newer || age.is_some_and(|age| age < interval * 3 / 4) {
                 LogStats::bump(&self.stats.snapshots_skipped);
                 return;
@@ -898,7 +958,7 @@ impl Consumer {
             return; // the previous one is still being put
         }
         // The cut pauses consumption; encoding and the upload run beside it.
-        let covered = self.applied;
+        let (covered, stream_created) = (self.applied, self.stream_created);
         let images = match take_cut(&self.state.registry).await {
             Ok(images) => images,
             Err(error) => {
@@ -911,7 +971,7 @@ impl Consumer {
         let (bucket_stream, bucket_name) =
             (self.bucket_stream.clone(), self.log.snapshot_bucket.clone());
         self.snapshot_put = Some(tokio::spawn(async move {
-            let put = put_snapshot(&bucket, images, covered).await;
+            let put = put_snapshot(&bucket, images, covered, stream_created).await;
             if put.is_ok() {
                 prune_snapshots(&bucket, &bucket_stream, &bucket_name).await;
             }
@@ -931,6 +991,34 @@ impl Consumer {
             }
         }));
     }
+}
+
+/// Reads the stream's creation time every 5 s until `stop` (a timed-out or failed read is
+/// skipped), so that a replica waiting for its next sequence finds out that the stream was
+/// created again (a consumer of the new stream would skip its first sequences).
+fn watch_stream_identity(
+    stream: jetstream::stream::Stream,
+    stop: CancellationToken,
+) -> tokio::sync::watch::Receiver<Option<i128>> {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            }
+            if tx.is_closed() {
+                return;
+            }
+            if let Ok(Ok(info)) =
+                tokio::time::timeout(Duration::from_secs(2), stream.get_info()).await
+            {
+                let created = Some(created_nanos(&info));
+                tx.send_if_modified(|known| std::mem::replace(known, created) != created);
+            }
+        }
+    });
+    rx
 }
 
 /// The next live record (never, once the live path is off or its subscription ended).
@@ -959,9 +1047,66 @@ fn time_now_nanos() -> i128 {
         .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(i128::MAX))
 }
 
-/// The stream sequence an object's description names (`stream_sequence=N`).
+/// The stream sequence an object's description names (`stream_sequence=N`, maybe followed by
+/// ` stream_created=T`).
 fn covered_of(description: Option<&str>) -> Option<u64> {
-    description?.strip_prefix("stream_sequence=")?.parse().ok()
+    let rest = description?.strip_prefix("stream_sequence=")?;
+    rest.split(' ').next()?.parse().ok()
+}
+
+/// The stream a snapshot object's description says it was cut from: its creation time (Unix
+/// ns, ` stream_created=T`); `None` for a snapshot of kvatlas before it was written down.
+fn stream_of(description: Option<&str>) -> Option<i128> {
+    description?
+        .split(' ')
+        .find_map(|field| field.strip_prefix("stream_created="))?
+        .parse()
+        .ok()
+}
+
+/// The description of a snapshot covering `covered` of the stream created at `stream_created`.
+fn snapshot_description(covered: u64, stream_created: i128) -> String {
+    format!("stream_sequence={covered} stream_created={stream_created}")
+}
+
+/// A stream's creation time (Unix ns): what tells a stream from one of the same name created
+/// again after it was deleted or its storage lost (the time survives a nats-server restart).
+fn created_nanos(info: &jetstream::stream::Info) -> i128 {
+    info.created.unix_timestamp_nanos()
+}
+
+/// A snapshot object of the bucket.
+#[derive(Debug)]
+struct SnapshotObject {
+    /// The stream sequence it covers.
+    covered: u64,
+    /// The stream it was cut from ([`stream_of`]).
+    stream: Option<i128>,
+    info: jetstream::object_store::ObjectInfo,
+}
+
+impl SnapshotObject {
+    /// Where a replica consuming the stream created at `current` reads on after restoring it:
+    /// after the sequence it covers if it was cut from that stream (or does not say), from the
+    /// stream's start if it was cut from a stream since re-created.
+    fn position_in(&self, current: i128) -> u64 {
+        if self.cut_from(current) {
+            self.covered
+        } else {
+            0
+        }
+    }
+
+    /// Whether it was cut from the stream created at `current` (or does not say).
+    fn cut_from(&self, current: i128) -> bool {
+        self.stream.is_none_or(|stream| stream == current)
+    }
+
+    /// The order of snapshots, newest last: by the stream they were cut from (a stream created
+    /// later is newer; one that does not say is oldest), then by the sequence they cover.
+    fn age_key(&self) -> (i128, u64) {
+        (self.stream.unwrap_or(i128::MIN), self.covered)
+    }
 }
 
 /// The name of the snapshot object covering `covered`: one object per cut, so that a put that
@@ -985,10 +1130,10 @@ fn covered_by(name: &str, description: Option<&str>) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// The bucket's snapshot objects, the highest covered sequence first.
+/// The bucket's snapshot objects, the newest first ([`SnapshotObject::age_key`]).
 async fn snapshots(
     bucket: &jetstream::object_store::ObjectStore,
-) -> Result<Vec<(u64, jetstream::object_store::ObjectInfo)>, String> {
+) -> Result<Vec<SnapshotObject>, String> {
     let mut list = bucket
         .list()
         .await
@@ -997,42 +1142,53 @@ async fn snapshots(
     while let Some(info) = list.next().await {
         let info = info.map_err(|e| format!("listing the snapshot bucket: {e}"))?;
         if let Some(covered) = covered_by(&info.name, info.description.as_deref()) {
-            found.push((covered, info));
+            let stream = stream_of(info.description.as_deref());
+            found.push(SnapshotObject {
+                covered,
+                stream,
+                info,
+            });
         }
     }
-    found.sort_unstable_by_key(|(covered, _)| std::cmp::Reverse(*covered));
+    found.sort_unstable_by_key(|object| std::cmp::Reverse(object.age_key()));
     Ok(found)
 }
 
-/// The bucket's newest snapshot object, with the stream sequence it covers.
+/// The bucket's newest snapshot object.
 async fn newest_snapshot(
     bucket: &jetstream::object_store::ObjectStore,
-) -> Result<Option<(u64, jetstream::object_store::ObjectInfo)>, String> {
+) -> Result<Option<SnapshotObject>, String> {
     Ok(snapshots(bucket).await?.into_iter().next())
 }
 
-/// The stream sequence the newest snapshot covers, if there is one.
-async fn newest_covered(bucket: &jetstream::object_store::ObjectStore) -> Option<u64> {
+/// Where a replica of the stream created at `current` reads on after restoring the newest
+/// snapshot ([`SnapshotObject::position_in`]), if there is one.
+async fn newest_position(
+    bucket: &jetstream::object_store::ObjectStore,
+    current: i128,
+) -> Option<u64> {
     newest_snapshot(bucket)
         .await
         .ok()?
-        .map(|(covered, _)| covered)
+        .map(|object| object.position_in(current))
 }
 
-/// Restores the newest snapshot of the bucket, if any: the stream sequence it covers.
+/// Restores the newest snapshot of the bucket, if any: where a replica of the stream created
+/// at `current` reads on ([`SnapshotObject::position_in`]).
 pub(crate) async fn restore_newest(
     registry: &Arc<Registry>,
     bucket: &jetstream::object_store::ObjectStore,
+    current: i128,
 ) -> Result<Option<u64>, String> {
     // A newer put prunes older objects: the one listed may be gone when it is read, and the
     // list is read again (a few times: each prune needs a newer snapshot).
     let mut attempts = 0;
-    let mut object = loop {
-        let Some((_, newest)) = newest_snapshot(bucket).await? else {
+    let (mut object, same_stream) = loop {
+        let Some(newest) = newest_snapshot(bucket).await? else {
             return Ok(None);
         };
-        match bucket.get(&newest.name).await {
-            Ok(object) => break object,
+        match bucket.get(&newest.info.name).await {
+            Ok(object) => break (object, newest.cut_from(current)),
             Err(error)
                 if error.kind() == jetstream::object_store::GetErrorKind::NotFound
                     && attempts < 3 =>
@@ -1071,12 +1227,21 @@ pub(crate) async fn restore_newest(
             .iter()
             .map(crate::snapshot::IndexImage::memberships)
             .sum();
-        tracing::info!(
-            stream_sequence = covered,
-            memberships,
-            "restored the newest replica snapshot"
-        );
-        Ok(Some(covered))
+        if same_stream {
+            tracing::info!(
+                stream_sequence = covered,
+                memberships,
+                "restored the newest replica snapshot"
+            );
+        } else {
+            tracing::warn!(
+                stream_sequence = covered,
+                memberships,
+                "restored the newest replica snapshot, cut from the stream before it was \
+                 created again: reading the stream from its start"
+            );
+        }
+        Ok(Some(if same_stream { covered } else { 0 }))
     })
     .await
     .map_err(|e| e.to_string())?
@@ -1105,6 +1270,7 @@ async fn put_snapshot(
     bucket: &jetstream::object_store::ObjectStore,
     images: Vec<crate::snapshot::IndexImage>,
     covered: u64,
+    stream_created: i128,
 ) -> Result<usize, String> {
     let bytes = tokio::task::spawn_blocking(move || {
         let mut out = Vec::with_capacity(1 << 20);
@@ -1122,7 +1288,7 @@ async fn put_snapshot(
     let size = bytes.len();
     let meta = jetstream::object_store::ObjectMetadata {
         name: snapshot_name(covered),
-        description: Some(format!("stream_sequence={covered}")),
+        description: Some(snapshot_description(covered, stream_created)),
         ..Default::default()
     };
     bucket
@@ -1153,7 +1319,7 @@ async fn prune_snapshots(
             return;
         }
     };
-    for (_, info) in stale {
+    for SnapshotObject { info, .. } in stale {
         if let Err(error) = bucket.delete(&info.name).await {
             tracing::warn!(object = %info.name, "pruning an old replica snapshot: {error}");
             continue;
@@ -1383,5 +1549,42 @@ mod tests {
         }
         // Names sort as the sequences they cover.
         assert!(snapshot_name(9) < snapshot_name(10));
+    }
+
+    #[test]
+    fn a_snapshot_names_its_stream_and_one_of_a_stream_created_again_is_read_from_its_start() {
+        let description = snapshot_description(42, -5);
+        assert_eq!(covered_of(Some(&description)), Some(42));
+        assert_eq!(stream_of(Some(&description)), Some(-5));
+        assert_eq!(stream_of(Some("stream_sequence=42")), None);
+        assert_eq!(stream_of(Some("stream_sequence=42 stream_created=x")), None);
+        let object = |covered: u64, stream: Option<i128>| SnapshotObject {
+            covered,
+            stream,
+            info: jetstream::object_store::ObjectInfo {
+                name: snapshot_name(covered),
+                description: None,
+                metadata: HashMap::new(),
+                headers: None,
+                options: None,
+                bucket: "b".into(),
+                nuid: String::new(),
+                size: 0,
+                chunks: 0,
+                modified: None,
+                digest: None,
+                deleted: false,
+            },
+        };
+        // Of its own stream, or not saying: read on after what it covers.
+        assert_eq!(object(42, Some(7)).position_in(7), 42);
+        assert_eq!(object(42, None).position_in(7), 42);
+        // Of a stream created again since (or before it): from the start.
+        assert_eq!(object(42, Some(6)).position_in(7), 0);
+        assert_eq!(object(42, Some(8)).position_in(7), 0);
+        // A later stream's snapshot is newer whatever it covers; one that does not say is oldest.
+        assert!(object(3, Some(8)).age_key() > object(42, Some(7)).age_key());
+        assert!(object(43, Some(7)).age_key() > object(42, Some(7)).age_key());
+        assert!(object(42, Some(i128::MIN + 1)).age_key() > object(99, None).age_key());
     }
 }

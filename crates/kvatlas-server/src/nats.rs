@@ -292,8 +292,9 @@ pub(crate) struct LogStats {
     pub(crate) published_bytes: AtomicU64,
     /// Publishes that failed and were retried.
     pub(crate) publish_retries: AtomicU64,
-    /// Records the stream cannot take: one record larger than NATS's `max_payload`. Never
-    /// retried; the replicas do not get them (logged as errors).
+    /// Records the stream cannot take: one record larger than NATS's `max_payload` (or records
+    /// whose publish task panicked). Never retried; the replicas do not get them (logged as
+    /// errors).
     pub(crate) publish_refused: AtomicU64,
     /// Records consumed by a replica.
     pub(crate) consumed: AtomicU64,
@@ -310,6 +311,11 @@ pub(crate) struct LogStats {
     pub(crate) rebootstraps: AtomicU64,
     /// Sequences lost for good (no snapshot covered them).
     pub(crate) sequences_lost: AtomicU64,
+    /// Times a replica found the stream re-created (deleted, or its storage lost): it read the
+    /// new stream from its start, keeping its state.
+    pub(crate) stream_recreations: AtomicU64,
+    /// Times an ingest found no stream for its subjects and created it again.
+    pub(crate) stream_created_again: AtomicU64,
     /// The last stream sequence a replica applied.
     pub(crate) stream_sequence: AtomicU64,
     /// Snapshots written to the bucket, and skipped because another replica's was recent.
@@ -348,7 +354,7 @@ impl LogStats {
     pub(crate) fn render(&self, out: &mut String, role: &str) {
         use std::fmt::Write as _;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 23] = [
+        let counters: [(&str, &str, u64); 25] = [
             (
                 "published_bytes",
                 "bytes of the records stored (subject, headers, payload)",
@@ -376,7 +382,7 @@ impl LogStats {
             ),
             (
                 "publish_refused",
-                "records larger than NATS's max_payload, not published (replicas miss them)",
+                "records not published: larger than NATS's max_payload, or lost with a publish task that panicked (replicas miss them)",
                 get(&self.publish_refused),
             ),
             (
@@ -413,6 +419,16 @@ impl LogStats {
                 "sequences_lost",
                 "stream sequences no snapshot covered",
                 get(&self.sequences_lost),
+            ),
+            (
+                "stream_recreations",
+                "streams found re-created (deleted or storage lost): read again from their start",
+                get(&self.stream_recreations),
+            ),
+            (
+                "stream_created_again",
+                "streams an ingest found missing and created again",
+                get(&self.stream_created_again),
             ),
             (
                 "snapshots_written",

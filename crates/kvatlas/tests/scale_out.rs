@@ -142,6 +142,11 @@ fn replicas_converge_through_a_replica_kill_a_nats_restart_and_a_late_start() {
             "{name} counted the connection the restart took"
         );
     }
+    assert_eq!(
+        metric(&first, "kvatlas_log_stream_recreations_total"),
+        0,
+        "a restarted nats-server keeps the stream (and its creation time)"
+    );
 
     // A replica started while the ingest is busy.
     let feeder = std::thread::spawn(move || {
@@ -494,6 +499,16 @@ impl HandFeed {
         })
     }
 
+    /// Deletes the event-log stream, as an operator (or a lost volume) would.
+    fn delete_stream(&self) {
+        self.runtime.block_on(async {
+            self.js
+                .delete_stream("KVATLAS_EVENTS")
+                .await
+                .expect("the stream is deleted");
+        });
+    }
+
     /// Puts an object into the snapshot bucket, as a replica does.
     fn put_snapshot_object(&self, name: &str, description: Option<String>, bytes: &[u8]) {
         self.runtime.block_on(async {
@@ -570,6 +585,89 @@ fn a_late_put_of_an_older_snapshot_does_not_hide_the_newest() {
     assert_eq!(blocks_of_worker_7(&late, &prompt), RECORDS as u32);
     assert_eq!(metric(&late, "kvatlas_log_sequences_lost_total"), 0);
     late.kill_9();
+}
+
+/// The stream deleted (and created again), then nats-server's whole storage lost: the replicas
+/// find the new stream, read it from its start and keep their state, so they still equal the
+/// engines' caches; a replica started after the deletion restores a snapshot of the new stream,
+/// not the old stream's (which covers sequences the new one has not reached).
+#[test]
+fn a_stream_created_again_is_read_from_its_start() {
+    let mut nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let mut fleet = Fleet::new();
+    let ingest = ingest(&nats, &fleet);
+    fleet.wait_subscribed(1);
+    let first = replica(&nats);
+    fleet.serve(300);
+    converges(&first, &fleet, "replica 1");
+    let old_sequence = metric(&first, "kvatlas_log_stream_sequence");
+    // A snapshot of the old stream's last record: more sequences than the new one will hold.
+    let feed = HandFeed::connect(&nats);
+    let old_name = format!("snapshot-{old_sequence:020}");
+    let mut old_stream = None;
+    eventually("a snapshot of the old stream", || {
+        old_stream = feed
+            .snapshot_objects()
+            .into_iter()
+            .find(|(name, ..)| *name == old_name)
+            .and_then(|(_, description, _)| description);
+        old_stream.is_some()
+    });
+    let old_stream = old_stream
+        .and_then(|d| {
+            d.split(' ')
+                .find(|f| f.starts_with("stream_created="))
+                .map(str::to_owned)
+        })
+        .expect("a snapshot names the stream it was cut from");
+
+    feed.delete_stream();
+    fleet.serve(60);
+    // (The live path may apply the new records before the replica notices the new stream.)
+    eventually("replica 1 found the stream created again", || {
+        metric(&first, "kvatlas_log_stream_recreations_total") == 1
+    });
+    converges(&first, &fleet, "replica 1 after the stream was deleted");
+    assert!(
+        metric(&first, "kvatlas_log_stream_sequence") < old_sequence,
+        "the replica reads the new stream, which is shorter than the old"
+    );
+    eventually("a snapshot of the new stream", || {
+        feed.snapshot_objects().iter().any(|(_, description, _)| {
+            description
+                .as_deref()
+                .is_some_and(|d| d.contains("stream_created=") && !d.contains(&old_stream))
+        })
+    });
+    let second = replica(&nats);
+    converges(&second, &fleet, "replica 2, started on the new stream");
+    assert_eq!(metric(&second, "kvatlas_log_stream_recreations_total"), 0);
+
+    nats.restart_losing_storage()
+        .expect("nats-server starts again with an empty store");
+    fleet.serve(60);
+    eventually("both replicas found the stream created again", || {
+        metric(&first, "kvatlas_log_stream_recreations_total") == 2
+            && metric(&second, "kvatlas_log_stream_recreations_total") == 1
+    });
+    converges(
+        &first,
+        &fleet,
+        "replica 1 after nats-server lost its storage",
+    );
+    converges(
+        &second,
+        &fleet,
+        "replica 2 after nats-server lost its storage",
+    );
+    agree(&first, &second, &mut fleet);
+    for server in [&first, &second] {
+        assert_eq!(metric(server, "kvatlas_log_dropped_invalid_total"), 0);
+        assert_eq!(metric(server, "kvatlas_log_sequences_lost_total"), 0);
+    }
+    first.kill_9();
+    second.kill_9();
+    ingest.kill_9();
 }
 
 /// A replica of `nats` without snapshots (and with `extra` flags), fed by hand: the stream's
