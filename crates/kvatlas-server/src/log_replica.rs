@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream;
-use kvatlas_index::{Mutation, SharedKvIndex, Worker};
+use kvatlas_index::Worker;
 use tokio::io::AsyncReadExt as _;
 use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
@@ -814,21 +814,15 @@ impl Consumer {
                 let entry = Arc::clone(&entry);
                 let _ = tokio::task::spawn_blocking(move || {
                     // The units still queued first (they record their checkpoints), then the
-                    // blocks go and the checkpoints are forgotten (before the flush, a stale
-                    // one stayed): a whole instance's in one step, one rank's just after its
-                    // clear, as at the ingest.
+                    // blocks go and the checkpoints are forgotten in one step (before the
+                    // flush, a stale one stayed), as at the ingest.
                     entry.pool.flush();
                     match rank {
-                        None => {
-                            entry.index().remove_worker_forgetting_marks(instance);
-                        }
-                        Some(rank) => {
-                            entry.index().apply(&Mutation::Cleared {
-                                worker: Worker::new(instance, rank),
-                            });
-                            entry.index().forget_marks(instance, Some(rank));
-                        }
-                    }
+                        None => entry.index().remove_worker_forgetting_marks(instance),
+                        Some(rank) => entry
+                            .index()
+                            .clear_rank_forgetting_mark(Worker::new(instance, rank)),
+                    };
                 })
                 .await;
                 LogStats::bump(&self.stats.applied);

@@ -41,7 +41,7 @@ use kvatlas_events::{
     Source,
 };
 use kvatlas_hash::{BlockHasher, BlockSize};
-use kvatlas_index::{Mutation, SharedKvIndex, ThreadPool, UnitDelay, Worker};
+use kvatlas_index::{SharedKvIndex, ThreadPool, UnitDelay, Worker};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{IndexSettings, Limits};
@@ -871,35 +871,21 @@ impl IndexEntry {
             };
             self.retired.lock().add(&counters);
         }
-        // The listeners are stopped: wait for what they queued, then remove the blocks. A whole
-        // instance is removed directly (not through a lane): no feed of it is left to write. One
-        // rank is cleared through its lane: a feed of another rank of the instance may still
-        // write it (a batch's dp_rank), and a rank has one writer at a time.
-        let report = match dp_rank {
-            None => {
-                let mut report = self.pool.flush();
-                report.merge(&self.index().remove_worker_forgetting_marks(instance_id));
-                report
-            }
-            Some(rank) => {
-                let cleared = Mutation::Cleared {
-                    worker: Worker::new(instance_id, rank),
-                };
-                let report = match self.pool.enqueue(cleared.clone()) {
-                    Ok(()) => self.pool.flush(),
-                    // The writers stopped (shutdown): nothing else writes.
-                    Err(_) => self.pool.index().apply(&cleared),
-                };
-                // The source is gone: a later one with the same id starts from scratch.
-                // Forgotten after the flush above, which applies the units it queued and
-                // records their checkpoints again (forgotten before it, a stale position
-                // stayed, and a source that came back with its engine restarted at sequence 0
-                // had its batches dropped as stale); just after its clear (a snapshot cut in
-                // between still records it). A whole instance's go with its blocks, above.
-                self.index().forget_marks(instance_id, Some(rank));
-                report
-            }
-        };
+        // The listeners are stopped: wait for what they queued (the flush applies it and records
+        // its checkpoints), then remove the blocks and forget the checkpoints in one step, so
+        // that no snapshot cut holds one without the other and a source that comes back with
+        // the same id starts from scratch (forgotten before the flush, a stale position stayed,
+        // and a source whose engine restarted at sequence 0 had its batches dropped as stale).
+        // Directly, not through a lane: the index's writes are serialized, and a unit another
+        // rank's feed queues for this rank (a batch's dp_rank) after the flush is applied after
+        // the clear either way.
+        let mut report = self.pool.flush();
+        report.merge(&match dp_rank {
+            None => self.index().remove_worker_forgetting_marks(instance_id),
+            Some(rank) => self
+                .index()
+                .clear_rank_forgetting_mark(Worker::new(instance_id, rank)),
+        });
         // Counted once the removal is done: a snapshot taken before sees the count unchanged
         // and the next one is written.
         self.unregistrations.fetch_add(1, Ordering::AcqRel);

@@ -180,6 +180,20 @@ impl ServedIndex {
         self.record(0, &report)
     }
 
+    /// Clears one rank and forgets its checkpoint in one step (under the checkpoints' lock, as
+    /// a snapshot's cut is taken), for the same reason as
+    /// [`ServedIndex::remove_worker_forgetting_marks`]: cleared through its lane and forgotten
+    /// after, a cut in between recorded a checkpoint for a rank with no blocks and no feed, and
+    /// a re-registration of the rank after a restore resumed from it. Its units must be flushed
+    /// before.
+    pub(crate) fn clear_rank_forgetting_mark(&self, worker: Worker) -> ApplyReport {
+        let mut marks = self.marks.lock();
+        let report = self.atlas.apply(&Mutation::Cleared { worker });
+        marks.remove(&worker);
+        drop(marks);
+        self.record(1, &report)
+    }
+
     /// The capacity bound, if any.
     pub(crate) fn capacity(&self) -> Option<u64> {
         self.capacity
