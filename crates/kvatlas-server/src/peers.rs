@@ -35,6 +35,11 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest a peer's body may pause between two pieces: a large snapshot takes as long as it
 /// takes while it keeps coming, a stalled peer is given up.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The slowest a peer's body may come on average once [`IDLE_TIMEOUT`] has passed since its
+/// first byte was asked for: a peer that keeps sending a little at a time (never pausing for
+/// 30 s) is given up too, instead of holding the bootstrap (and the held listeners) for ever.
+/// 4 GiB at this rate take 68 minutes.
+const MIN_RATE: u64 = 1 << 20;
 /// The largest peer answer accepted.
 const LIMIT: usize = 4 << 30;
 /// Pieces of a snapshot in flight between the download and the reader.
@@ -229,27 +234,71 @@ async fn send(
         .map_err(|e| e.to_string())
 }
 
-/// The body's next piece (`None` at its end), within [`IDLE_TIMEOUT`]; `received` counts the
-/// bytes so far against [`LIMIT`].
-async fn next_piece(
-    body: &mut hyper::body::Incoming,
-    received: &mut usize,
-) -> Result<Option<Bytes>, String> {
-    loop {
-        let frame = tokio::time::timeout(IDLE_TIMEOUT, body.frame())
-            .await
-            .map_err(|_| format!("the answer stalled for {IDLE_TIMEOUT:?}"))?;
-        let Some(frame) = frame else {
-            return Ok(None);
-        };
-        let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() else {
-            continue; // trailers
-        };
-        *received += data.len();
-        if *received > LIMIT {
-            return Err(format!("the answer is larger than {LIMIT} bytes"));
+/// A peer's answer body, read piece by piece within its limits: at most [`IDLE_TIMEOUT`]
+/// between two pieces, [`MIN_RATE`] on average after the first [`IDLE_TIMEOUT`], [`LIMIT`]
+/// bytes in all.
+struct Download {
+    body: hyper::body::Incoming,
+    received: usize,
+    started: tokio::time::Instant,
+    /// [`IDLE_TIMEOUT`] and [`MIN_RATE`] (other values in tests).
+    idle_timeout: Duration,
+    min_rate: u64,
+}
+
+impl Download {
+    fn new(body: hyper::body::Incoming) -> Self {
+        Self::with_limits(body, IDLE_TIMEOUT, MIN_RATE)
+    }
+
+    fn with_limits(body: hyper::body::Incoming, idle_timeout: Duration, min_rate: u64) -> Self {
+        Self {
+            body,
+            received: 0,
+            started: tokio::time::Instant::now(),
+            idle_timeout,
+            min_rate,
         }
-        return Ok(Some(data));
+    }
+
+    /// When the bytes received so far become too few for the minimum rate.
+    fn rate_deadline(&self) -> tokio::time::Instant {
+        let earned = Duration::from_secs_f64(self.received as f64 / self.min_rate as f64);
+        self.started + self.idle_timeout + earned
+    }
+
+    /// The body's next piece (`None` at its end), or why the peer is given up.
+    async fn next_piece(&mut self) -> Result<Option<Bytes>, String> {
+        let idle_timeout = self.idle_timeout;
+        loop {
+            let idle = tokio::time::Instant::now() + idle_timeout;
+            let rate = self.rate_deadline();
+            let frame = tokio::time::timeout_at(idle.min(rate), self.body.frame())
+                .await
+                .map_err(|_| {
+                    if rate < idle {
+                        format!(
+                            "the answer came too slowly: {} bytes in {:.1?}, under {} KiB/s",
+                            self.received,
+                            self.started.elapsed(),
+                            self.min_rate >> 10
+                        )
+                    } else {
+                        format!("the answer stalled for {idle_timeout:?}")
+                    }
+                })?;
+            let Some(frame) = frame else {
+                return Ok(None);
+            };
+            let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() else {
+                continue; // trailers
+            };
+            self.received += data.len();
+            if self.received > LIMIT {
+                return Err(format!("the answer is larger than {LIMIT} bytes"));
+            }
+            return Ok(Some(data));
+        }
     }
 }
 
@@ -257,9 +306,9 @@ async fn next_piece(
 async fn get(access: &PeerAccess, url: &str) -> Result<(u16, Bytes), String> {
     let response = request(access, url).await?;
     let status = response.status().as_u16();
-    let mut body = response.into_body();
-    let (mut whole, mut received) = (Vec::new(), 0);
-    while let Some(piece) = next_piece(&mut body, &mut received).await? {
+    let mut body = Download::new(response.into_body());
+    let mut whole = Vec::new();
+    while let Some(piece) = body.next_piece().await? {
         whole.extend_from_slice(&piece);
     }
     Ok((status, Bytes::from(whole)))
@@ -348,11 +397,10 @@ async fn try_peer(
                     .map_err(|e| e.to_string())
             })
         };
-        let mut body = response.into_body();
-        let mut received = 0;
+        let mut body = Download::new(response.into_body());
         let mut download = Ok(());
         loop {
-            match next_piece(&mut body, &mut received).await {
+            match body.next_piece().await {
                 Ok(Some(piece)) => {
                     if sender.send(piece).await.is_err() {
                         break; // the reader refused the snapshot: its error says why
@@ -384,9 +432,8 @@ async fn try_peer(
         .map_err(|e| e.to_string())?;
     }
     if status != 404 && status != 405 {
-        let mut body = response.into_body();
-        let mut received = 0;
-        let said = match next_piece(&mut body, &mut received).await {
+        let mut body = Download::new(response.into_body());
+        let said = match body.next_piece().await {
             Ok(Some(piece)) => String::from_utf8_lossy(&piece[..piece.len().min(512)])
                 .trim()
                 .to_owned(),
@@ -413,4 +460,76 @@ async fn try_peer(
     })
     .await
     .map_err(|e| e.to_string())?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer on a loopback port that announces `announced` bytes and sends `piece` bytes every
+    /// `every`, `pieces` times, then closes.
+    fn trickling_peer(announced: usize, piece: usize, every: Duration, pieces: usize) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}/snapshot", listener.local_addr().expect("addr"));
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let Ok((mut stream, _)) = listener.accept() else {
+                return;
+            };
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\ncontent-length: {announced}\r\nconnection: close\r\n\r\n"
+            );
+            for _ in 0..pieces {
+                if stream.write_all(&vec![7u8; piece]).is_err() {
+                    return;
+                }
+                std::thread::sleep(every);
+            }
+        });
+        url
+    }
+
+    /// Reads the answer of `url` with a 300 ms idle timeout and grace, and a minimum rate of
+    /// 1 MiB/s: the bytes read, or why the peer was given up, and how long it took.
+    async fn download(url: &str) -> (Result<usize, String>, Duration) {
+        let started = std::time::Instant::now();
+        let response = request(&PeerAccess::default(), url)
+            .await
+            .expect("an answer");
+        let mut body =
+            Download::with_limits(response.into_body(), Duration::from_millis(300), 1 << 20);
+        let mut read = 0;
+        let outcome = loop {
+            match body.next_piece().await {
+                Ok(Some(piece)) => read += piece.len(),
+                Ok(None) => break Ok(read),
+                Err(why) => break Err(why),
+            }
+        };
+        (outcome, started.elapsed())
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_trickles_is_given_up_and_a_fast_one_read_whole() {
+        // 10 bytes every 50 ms (never idle for 300 ms), for 20 s.
+        let (outcome, took) =
+            download(&trickling_peer(4000, 10, Duration::from_millis(50), 400)).await;
+        let why = outcome.expect_err("a peer trickling 200 bytes a second is given up");
+        assert!(why.contains("too slowly"), "{why}");
+        assert!(took < Duration::from_secs(10), "given up after {took:?}");
+
+        // The same peer sending its 4,000 bytes at once is read whole.
+        let (outcome, _) = download(&trickling_peer(4000, 4000, Duration::ZERO, 1)).await;
+        assert_eq!(outcome, Ok(4000));
+
+        // One that pauses longer than the idle timeout is given up as stalled (its first MiB
+        // bought it a second at the minimum rate: the pause, not the rate, gives it up).
+        let (outcome, _) =
+            download(&trickling_peer(4 << 20, 1 << 20, Duration::from_secs(2), 2)).await;
+        let why = outcome.expect_err("a peer pausing 2 s is given up");
+        assert!(why.contains("stalled"), "{why}");
+    }
 }
