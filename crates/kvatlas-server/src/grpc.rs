@@ -858,7 +858,7 @@ impl IndexerService {
             publisher.applied(events);
             return Ok(());
         }
-        let rest = tokio::spawn(async move {
+        let rest = self.state.admitted_batches.spawn(async move {
             let _order = order;
             if let Some(unit) = unit {
                 enqueue(&entry.pool, unit).await?;

@@ -166,16 +166,23 @@ impl LogHandle {
     pub(crate) async fn send(&self, record: Outgoing) {
         LogStats::bump(&self.stats.queued);
         // Fails only once the publisher is gone (shutdown): nothing is left to publish to.
-        let _ = self.tx.send(record).await;
+        if self.tx.send(record).await.is_err() {
+            LogStats::bump(&self.stats.lost_at_shutdown);
+        }
     }
 
-    /// Queues `record` if the queue has room now, else hands it back; also "queues" it once
-    /// the publisher is gone (shutdown), as [`LogHandle::send`] does: nothing is left to
+    /// Queues `record` if the queue has room now, else hands it back; once the publisher is
+    /// gone (shutdown) it is counted as lost, as [`LogHandle::send`] does: nothing is left to
     /// publish to.
     pub(crate) fn try_send(&self, record: Outgoing) -> Option<Outgoing> {
         match self.tx.try_send(record) {
-            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
+            Ok(()) => {
                 LogStats::bump(&self.stats.queued);
+                None
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                LogStats::bump(&self.stats.queued);
+                LogStats::bump(&self.stats.lost_at_shutdown);
                 None
             }
             Err(mpsc::error::TrySendError::Full(record)) => Some(record),
@@ -192,7 +199,9 @@ impl LogHandle {
     pub(crate) fn send_now(&self, record: Outgoing) {
         LogStats::bump(&self.stats.queued);
         // Fails only once the publisher is gone (shutdown): nothing is left to publish to.
-        let _ = self.tx.blocking_send(record);
+        if self.tx.blocking_send(record).is_err() {
+            LogStats::bump(&self.stats.lost_at_shutdown);
+        }
     }
 }
 

@@ -296,6 +296,8 @@ pub(crate) struct LogStats {
     /// whose publish task panicked). Never retried; the replicas do not get them (logged as
     /// errors).
     pub(crate) publish_refused: AtomicU64,
+    /// Records handed to the log after its publisher stopped (a shutdown): not published.
+    pub(crate) lost_at_shutdown: AtomicU64,
     /// Records consumed by a replica.
     pub(crate) consumed: AtomicU64,
     /// Of those, applied.

@@ -495,6 +495,18 @@ impl RunningServer {
             }
             None => None,
         };
+        // PublishEvents batches admitted by calls the deadline cut still wait for room in their
+        // lane or the log (the log's publisher still runs): applied and queued before the final
+        // report and the log's drain.
+        let admitted = &self.state.admitted_batches;
+        admitted.close();
+        if tokio::time::timeout(deadline, admitted.wait()).await.is_err() {
+            tracing::warn!(
+                "{} PublishEvents batch(es) admitted before the shutdown still wait for room in \
+                 their lane or the event log after {deadline:?}",
+                admitted.len()
+            );
+        }
         let registry = Arc::clone(&self.state.registry);
         let mut report = tokio::task::spawn_blocking(move || final_report(&registry))
             .await
@@ -502,13 +514,28 @@ impl RunningServer {
         // The feeds are stopped and their units applied: publish what the log still holds.
         if let Some((stop, task)) = self.log_publisher {
             stop.cancel();
-            match task.await {
-                Ok(0) => tracing::info!("every applied unit is published to the NATS event log"),
-                Ok(left) => tracing::error!(
+            let left = match task.await {
+                Ok(left) => left,
+                Err(error) => {
+                    tracing::warn!("the NATS publisher failed: {error}");
+                    0
+                }
+            };
+            // What still waited for the log's room now finds it closed, and counts its record
+            // as lost (a moment: the queue is gone).
+            let _ = tokio::time::timeout(Duration::from_secs(1), admitted.wait()).await;
+            let lost = self
+                .state
+                .registry
+                .log_stats()
+                .lost_at_shutdown
+                .load(std::sync::atomic::Ordering::Relaxed);
+            match left + lost + admitted.len() as u64 {
+                0 => tracing::info!("every applied unit is published to the NATS event log"),
+                left => tracing::error!(
                     "{left} record(s) could not be published to the NATS event log before the \
                      shutdown timeout"
                 ),
-                Err(error) => tracing::warn!("the NATS publisher failed: {error}"),
             }
         }
         // A bootstrap from a peer cut short by the shutdown left a half-built state (and a

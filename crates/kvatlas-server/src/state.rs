@@ -40,6 +40,10 @@ pub(crate) struct State {
     bootstrapping: AtomicBool,
     /// Whole-state reads running (at most [`MAX_CONCURRENT_DUMPS`]).
     dumps: Places,
+    /// `PublishEvents` batches admitted whose unit or record waited for room in a task of its
+    /// own: a call cut by the shutdown leaves it running, and the shutdown waits for it before
+    /// its final report and the log's drain.
+    pub(crate) admitted_batches: tokio_util::task::TaskTracker,
 }
 
 /// How many bytes of memory a request message may take once decoded (its lists counted at their
@@ -88,6 +92,7 @@ impl State {
             peers: parking_lot::Mutex::new(std::collections::BTreeSet::new()),
             bootstrapping: AtomicBool::new(false),
             dumps: Places::default(),
+            admitted_batches: tokio_util::task::TaskTracker::new(),
         }
     }
 
