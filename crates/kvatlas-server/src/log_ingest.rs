@@ -492,10 +492,7 @@ pub(crate) async fn run_publisher(
                         if creating.as_ref().is_none_or(tokio::task::JoinHandle::is_finished)
                             && last_creation.is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
                         {
-                            tracing::warn!(
-                                "publishing to NATS found no stream ({error}): creating stream \
-                                 {} again", log.stream
-                            );
+                            tracing::debug!("publishing to NATS found no stream: {error}");
                             last_creation = Some(tokio::time::Instant::now());
                             creating = Some(tokio::spawn(create_again(
                                 js.clone(),
@@ -656,13 +653,26 @@ fn spawn_publish(
     flights.lanes.insert(task.id(), lane);
 }
 
-/// Creates the stream again after a publish found none (it was deleted, or nats-server lost its
-/// storage); counted in `kvatlas_log_stream_created_again_total` if this call created it.
+/// Creates the stream again after a publish found none for its subject (it was deleted, or
+/// nats-server lost its storage); counted in `kvatlas_log_stream_created_again_total` if this
+/// call created it.
 async fn create_again(js: jetstream::Context, log: NatsLog, stats: Arc<LogStats>) {
-    if js.get_stream(&log.stream).await.is_ok() {
-        return; // another ingest, or a replica, created it meanwhile
+    if let Ok(stream) = js.get_stream(&log.stream).await {
+        // Another ingest, or a replica, created it meanwhile; or it never took the subjects.
+        let subjects = &stream.cached_info().config.subjects;
+        if !subjects.contains(&log.subjects()) {
+            tracing::warn!(
+                stream = %log.stream,
+                ?subjects,
+                "publishing to NATS found no stream for {}, and stream {} does not take it \
+                 (a stream of that name made with other settings?)",
+                log.subjects(),
+                log.stream
+            );
+        }
+        return;
     }
-    match crate::nats::stream(&js, &log).await {
+    match js.create_stream(crate::nats::stream_config(&log)).await {
         Ok(_) => {
             LogStats::bump(&stats.stream_created_again);
             tracing::warn!(

@@ -40,11 +40,18 @@
 //! every index's writers finish what they hold, and the images are taken before the next
 //! record is read; they are encoded and put while consumption goes on. The object holds [`SNAPSHOT_MAGIC`], the stream sequence it covers (u64 LE)
 //! and the native snapshot (`snapshot.rs`). Each cut is an object of its own, named by the
-//! sequence it covers; readers take the highest, and a put deletes all but the two newest.
+//! sequence it covers, its description naming that sequence and the stream's creation time;
+//! readers take the current stream's highest ([`SnapshotObject::rank`]), and a put deletes all
+//! but the two best.
 //!
 //! **Retention.** If the stream no longer holds the next sequence (the replica fell behind
 //! the retention window), the replica restores the newest snapshot if it covers the hole and
 //! continues after it (counted); otherwise it counts the sequences lost and continues.
+//!
+//! **A stream created again** (deleted, or nats-server's storage lost) is told by its creation
+//! time: the replica keeps its state and reads the new stream from its start (counted); the
+//! equal states of equal sequences then hold only among replicas that had read the same part
+//! of the old stream.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -366,10 +373,10 @@ impl Consumer {
                 created_nanos(info),
             )
         };
-        // Sequences never go back within one stream: a stream that ends below what was applied
-        // was created again too.
-        if created != self.stream_created || last_sequence < self.applied {
+        if created != self.stream_created {
             self.stream_recreated(created);
+        } else if last_sequence < self.applied {
+            self.stream_shortened(last_sequence);
         }
         if last_sequence > self.applied && messages == 0 {
             // Retention dropped everything after this replica's position (the stream is empty):
@@ -399,6 +406,11 @@ impl Consumer {
             })
             .await
             .map_err(|e| format!("creating the consumer: {e}"))?;
+        // The ordered consumer re-creates itself on its own (after a gap, missed heartbeats, a
+        // nats-server restart), also on a stream created again since, from the sequence after
+        // its last (or from the start): a message of another consumer than the last is applied
+        // only once the stream is known to be the same.
+        let mut consumer_name = consumer.cached_info().name.clone();
         let mut messages = consumer
             .messages()
             .await
@@ -416,7 +428,7 @@ impl Consumer {
                     continue;
                 }
                 _ = tick.tick() => {
-                    if self.live_overdue() && self.read_to_the_streams_end().await {
+                    if self.live_overdue() && self.read_to_the_streams_end().await? {
                         self.diverged().await?;
                         return Err("re-bootstrapped: a live record was never stored".into());
                     }
@@ -435,6 +447,10 @@ impl Consumer {
             let message = message.map_err(|e| e.to_string())?;
             let arrived = std::time::Instant::now();
             let info = message.info().map_err(|e| format!("message info: {e}"))?;
+            if info.consumer != consumer_name {
+                self.check_same_stream().await?;
+                info.consumer.clone_into(&mut consumer_name);
+            }
             let sequence = info.stream_sequence;
             let pending = info.pending;
             let published_nanos = info.published.unix_timestamp_nanos();
@@ -599,8 +615,9 @@ impl Consumer {
     /// stream's end is read once and kept until the replica has read that far (a busy stream is
     /// never read to its current end), asked for at most every 5 s and waited for at most
     /// 1 s (the consumer's loop waits meanwhile); each overdue record is judged against the
-    /// read that came after it became overdue.
-    async fn read_to_the_streams_end(&mut self) -> bool {
+    /// read that came after it became overdue. `Err`: the stream was created again (its end is
+    /// not this replica's to compare; the consumer starts again and reads the new stream).
+    async fn read_to_the_streams_end(&mut self) -> Result<bool, String> {
         let deadline = self.log.live_confirm_timeout;
         let now = tokio::time::Instant::now();
         let due = |applied: tokio::time::Instant| applied + deadline;
@@ -612,7 +629,7 @@ impl Consumer {
                 .values()
                 .any(|(_, applied)| due(*applied) < read)
             {
-                return true;
+                return Ok(true);
             }
             // Read that far, and what is overdue became so after the read: ask again.
             self.overdue_stream_end = None;
@@ -622,10 +639,13 @@ impl Consumer {
             if let Ok(Ok(info)) =
                 tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await
             {
+                if created_nanos(info) != self.stream_created {
+                    return Err("the stream was created again".into());
+                }
                 self.overdue_stream_end = Some((info.state.last_sequence, now));
             }
         }
-        false
+        Ok(false)
     }
 
     /// The stream was created again (deleted, or nats-server lost its storage) at `created`:
@@ -649,6 +669,42 @@ impl Consumer {
         self.forget_live();
     }
 
+    /// The stream (the same one) ends at `last_sequence`, below what this replica applied: it
+    /// lost its tail (nats-server's host crashed before its store reached the disk, or the
+    /// stream was restored from a backup). Counted with the streams created again; the replica
+    /// keeps its state and reads on after the stream's end, where the next records will be
+    /// stored (read from the start, the whole stream would be applied again on top of the
+    /// state; read from its own position, the records stored in between would be skipped).
+    fn stream_shortened(&mut self, last_sequence: u64) {
+        LogStats::bump(&self.stats.stream_recreations);
+        tracing::error!(
+            stream = %self.log.stream,
+            stream_sequence = self.applied,
+            last_sequence,
+            "the event-log stream ends below this replica's position: it lost records this \
+             replica applied (replicas that had not read them lack them); reading on after its end"
+        );
+        self.applied = last_sequence;
+        self.stats
+            .stream_sequence
+            .store(last_sequence, std::sync::atomic::Ordering::Relaxed);
+        self.forget_live();
+    }
+
+    /// Whether the stream is still the one `applied` counts in (its creation time read now):
+    /// `Err` to have the consumer start again, which finds out what changed.
+    async fn check_same_stream(&self) -> Result<(), String> {
+        let info = tokio::time::timeout(Duration::from_secs(2), self.stream.get_info())
+            .await
+            .map_err(|_| "stream info: no answer within 2 s".to_owned())?
+            .map_err(|e| format!("stream info: {e}"))?;
+        if created_nanos(&info) == self.stream_created {
+            Ok(())
+        } else {
+            Err("the stream was created again".into())
+        }
+    }
+
     /// Forgets every chain and pending live record (the indexes were replaced).
     fn forget_live(&mut self) {
         self.chains.clear();
@@ -660,6 +716,9 @@ impl Consumer {
     /// The stream is no longer what the live path applied: count it, report not ready, empty
     /// every index, restore the newest snapshot and consume again from after it.
     async fn diverged(&mut self) -> Result<(), String> {
+        // A stream created again is not a divergence: the consumer starts again and keeps the
+        // state.
+        self.check_same_stream().await?;
         LogStats::bump(&self.stats.live_divergences);
         tracing::warn!(
             stream_sequence = self.applied,
@@ -705,6 +764,8 @@ impl Consumer {
     /// The stream skipped from `applied + 1` to `sequence` (retention). Restores the newest
     /// snapshot if it covers the hole (`true`: consume again after it), else counts the loss.
     async fn skipped(&mut self, sequence: u64) -> Result<bool, String> {
+        // A stream created again skips too (the consumer starts again and reads it whole).
+        self.check_same_stream().await?;
         LogStats::bump(&self.stats.rebootstraps);
         let lost = sequence - self.applied - 1;
         if let Some(covered) = newest_position(&self.bucket, self.stream_created).await
@@ -925,20 +986,16 @@ impl Consumer {
         }
         self.live_paused = false;
         self.last_snapshot = tokio::time::Instant::now();
-        if let Ok(Some(newest)) = newest_snapshot(&self.bucket).await {
+        if let Ok(Some(newest)) = newest_snapshot(&self.bucket, self.stream_created).await {
             let age = newest.info.modified.map(|modified| {
                 let now = time_now_nanos();
                 Duration::from_nanos(
                     u64::try_from(now - modified.unix_timestamp_nanos()).unwrap_or(0),
                 )
             });
-            // Newer: cut from this stream at or after this replica's position, or from a stream
-            // created later (this replica has not seen it yet).
-            let newer = if newest.cut_from(self.stream_created) {
-                newest.covered >= self.applied
-            } else {
-                newest.stream > Some(self.stream_created)
-            };
+            // Newer: cut from this stream (saying so) at or after this replica's position.
+            let newer =
+                newest.stream == Some(self.stream_created) && newest.covered >= self.applied;
             if newer || age.is_some_and(|age| age < interval * 3 / 4) {
                 LogStats::bump(&self.stats.snapshots_skipped);
                 return;
@@ -967,7 +1024,7 @@ impl Consumer {
         self.snapshot_put = Some(tokio::spawn(async move {
             let put = put_snapshot(&bucket, images, covered, stream_created).await;
             if put.is_ok() {
-                prune_snapshots(&bucket, &bucket_stream, &bucket_name).await;
+                prune_snapshots(&bucket, &bucket_stream, &bucket_name, stream_created).await;
             }
             match put {
                 Ok(bytes) => {
@@ -1096,10 +1153,19 @@ impl SnapshotObject {
         self.stream.is_none_or(|stream| stream == current)
     }
 
-    /// The order of snapshots, newest last: by the stream they were cut from (a stream created
-    /// later is newer; one that does not say is oldest), then by the sequence they cover.
-    fn age_key(&self) -> (i128, u64) {
-        (self.stream.unwrap_or(i128::MIN), self.covered)
+    /// The order of snapshots for a replica of the stream created at `current`, best last: the
+    /// current stream's first, then those that do not say (kvatlas before it was written down:
+    /// taken for the current stream's), then other streams', a stream created later first;
+    /// within each, by the sequence they cover. (Not by creation time alone: a clock that
+    /// stepped back between two streams would rank a gone stream's snapshots above the
+    /// current one's for good.)
+    fn rank(&self, current: i128) -> (u8, i128, u64) {
+        let standing = match self.stream {
+            Some(stream) if stream == current => 2,
+            None => 1,
+            Some(_) => 0,
+        };
+        (standing, self.stream.unwrap_or(i128::MIN), self.covered)
     }
 }
 
@@ -1124,9 +1190,11 @@ fn covered_by(name: &str, description: Option<&str>) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// The bucket's snapshot objects, the newest first ([`SnapshotObject::age_key`]).
+/// The bucket's snapshot objects, the best first for a replica of the stream created at
+/// `current` ([`SnapshotObject::rank`]).
 async fn snapshots(
     bucket: &jetstream::object_store::ObjectStore,
+    current: i128,
 ) -> Result<Vec<SnapshotObject>, String> {
     let mut list = bucket
         .list()
@@ -1144,15 +1212,16 @@ async fn snapshots(
             });
         }
     }
-    found.sort_unstable_by_key(|object| std::cmp::Reverse(object.age_key()));
+    found.sort_unstable_by_key(|object| std::cmp::Reverse(object.rank(current)));
     Ok(found)
 }
 
-/// The bucket's newest snapshot object.
+/// The bucket's best snapshot object for a replica of the stream created at `current`.
 async fn newest_snapshot(
     bucket: &jetstream::object_store::ObjectStore,
+    current: i128,
 ) -> Result<Option<SnapshotObject>, String> {
-    Ok(snapshots(bucket).await?.into_iter().next())
+    Ok(snapshots(bucket, current).await?.into_iter().next())
 }
 
 /// Where a replica of the stream created at `current` reads on after restoring the newest
@@ -1161,7 +1230,7 @@ async fn newest_position(
     bucket: &jetstream::object_store::ObjectStore,
     current: i128,
 ) -> Option<u64> {
-    newest_snapshot(bucket)
+    newest_snapshot(bucket, current)
         .await
         .ok()?
         .map(|object| object.position_in(current))
@@ -1178,11 +1247,15 @@ pub(crate) async fn restore_newest(
     // list is read again (a few times: each prune needs a newer snapshot).
     let mut attempts = 0;
     let (mut object, same_stream) = loop {
-        let Some(newest) = newest_snapshot(bucket).await? else {
+        let Some(newest) = newest_snapshot(bucket, current).await? else {
             return Ok(None);
         };
         match bucket.get(&newest.info.name).await {
-            Ok(object) => break (object, newest.cut_from(current)),
+            // Judged by what was read (a put of the same name may have replaced the listed one).
+            Ok(object) => {
+                let stream = stream_of(object.info.description.as_deref());
+                break (object, stream.is_none_or(|stream| stream == current));
+            }
             Err(error)
                 if error.kind() == jetstream::object_store::GetErrorKind::NotFound
                     && attempts < 3 =>
@@ -1304,9 +1377,10 @@ async fn prune_snapshots(
     bucket: &jetstream::object_store::ObjectStore,
     bucket_stream: &jetstream::stream::Stream,
     bucket_name: &str,
+    current: i128,
 ) {
     use base64::Engine as _;
-    let stale = match snapshots(bucket).await {
+    let stale = match snapshots(bucket, current).await {
         Ok(found) => found.into_iter().skip(SNAPSHOTS_KEPT),
         Err(error) => {
             tracing::warn!("pruning old replica snapshots: {error}");
@@ -1576,9 +1650,13 @@ mod tests {
         // Of a stream created again since (or before it): from the start.
         assert_eq!(object(42, Some(6)).position_in(7), 0);
         assert_eq!(object(42, Some(8)).position_in(7), 0);
-        // A later stream's snapshot is newer whatever it covers; one that does not say is oldest.
-        assert!(object(3, Some(8)).age_key() > object(42, Some(7)).age_key());
-        assert!(object(43, Some(7)).age_key() > object(42, Some(7)).age_key());
-        assert!(object(42, Some(i128::MIN + 1)).age_key() > object(99, None).age_key());
+        // The current stream's snapshot is best whatever it covers (also when a gone stream's
+        // claims a later creation: a clock stepped back); then one that does not say; then a
+        // later stream's before an earlier one's.
+        assert!(object(3, Some(7)).rank(7) > object(42, Some(8)).rank(7));
+        assert!(object(43, Some(7)).rank(7) > object(42, Some(7)).rank(7));
+        assert!(object(3, None).rank(7) > object(42, Some(8)).rank(7));
+        assert!(object(3, Some(7)).rank(7) > object(99, None).rank(7));
+        assert!(object(3, Some(6)).rank(7) > object(42, Some(5)).rank(7));
     }
 }

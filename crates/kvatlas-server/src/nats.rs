@@ -213,7 +213,14 @@ pub(crate) async fn stream(
     js: &jetstream::Context,
     log: &NatsLog,
 ) -> Result<jetstream::stream::Stream, String> {
-    js.get_or_create_stream(jetstream::stream::Config {
+    js.get_or_create_stream(stream_config(log))
+        .await
+        .map_err(|e| format!("NATS stream {}: {e}", log.stream))
+}
+
+/// The event-log stream's configuration from `log`'s settings.
+pub(crate) fn stream_config(log: &NatsLog) -> jetstream::stream::Config {
+    jetstream::stream::Config {
         name: log.stream.clone(),
         subjects: vec![log.subjects()],
         max_age: log.max_age,
@@ -222,9 +229,7 @@ pub(crate) async fn stream(
         storage: jetstream::stream::StorageType::File,
         discard: jetstream::stream::DiscardPolicy::Old,
         ..Default::default()
-    })
-    .await
-    .map_err(|e| format!("NATS stream {}: {e}", log.stream))
+    }
 }
 
 /// The snapshot bucket, created if absent.

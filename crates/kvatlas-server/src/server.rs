@@ -500,7 +500,10 @@ impl RunningServer {
         // report and the log's drain.
         let admitted = &self.state.admitted_batches;
         admitted.close();
-        if tokio::time::timeout(deadline, admitted.wait()).await.is_err() {
+        if tokio::time::timeout(deadline, admitted.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!(
                 "{} PublishEvents batch(es) admitted before the shutdown still wait for room in \
                  their lane or the event log after {deadline:?}",

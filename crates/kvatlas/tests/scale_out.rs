@@ -642,6 +642,14 @@ fn a_stream_created_again_is_read_from_its_start() {
     let second = replica(&nats);
     converges(&second, &fleet, "replica 2, started on the new stream");
     assert_eq!(metric(&second, "kvatlas_log_stream_recreations_total"), 0);
+    let mut log = second.startup_log.clone();
+    log.extend(second.log_lines());
+    assert!(
+        log.iter()
+            .any(|l| l.contains("restored the newest replica snapshot"))
+            && !log.iter().any(|l| l.contains("cut from the stream before")),
+        "replica 2 restored the new stream's snapshot, not the old stream's: {log:#?}"
+    );
 
     nats.restart_losing_storage()
         .expect("nats-server starts again with an empty store");
