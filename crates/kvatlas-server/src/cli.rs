@@ -237,13 +237,13 @@ pub struct ServeArgs {
     #[arg(long, env = "KVATLAS_AUTH_TOKENS")]
     pub auth_tokens: Option<PathBuf>,
     /// Accept listening beyond loopback without authentication.
-    #[arg(long, env = "KVATLAS_ALLOW_UNAUTHENTICATED")]
-    pub allow_unauthenticated: bool,
+    #[arg(long, env = "KVATLAS_ALLOW_UNAUTHENTICATED", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub allow_unauthenticated: Option<bool>,
     /// TLS certificate chain (PEM) for both listeners.
-    #[arg(long, env = "KVATLAS_TLS_CERT", requires = "tls_key")]
+    #[arg(long, env = "KVATLAS_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
     /// TLS private key (PEM).
-    #[arg(long, env = "KVATLAS_TLS_KEY", requires = "tls_cert")]
+    #[arg(long, env = "KVATLAS_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
     /// Seconds a graceful shutdown may take [default: 10].
     #[arg(long, env = "KVATLAS_SHUTDOWN_TIMEOUT")]
@@ -253,8 +253,8 @@ pub struct ServeArgs {
     pub runtime_threads: Option<usize>,
     /// Keep the runtime threads polling for requests instead of sleeping until woken: lower
     /// latency at low load (no thread wakeup per request), a core busy per runtime thread.
-    #[arg(long, env = "KVATLAS_BUSY_POLL")]
-    pub busy_poll: bool,
+    #[arg(long, env = "KVATLAS_BUSY_POLL", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub busy_poll: Option<bool>,
     /// A model's Hugging Face tokenizer.json, `MODEL=PATH` (repeatable; comma-separated in the
     /// environment variable): llm-d's GetPodScores tokenizes prompts with it. Loaded at start.
     #[arg(long = "tokenizer", env = "KVATLAS_TOKENIZER", value_delimiter = ',')]
@@ -265,8 +265,8 @@ pub struct ServeArgs {
     pub publish_to: Option<String>,
     /// With --publish-to: only publish. The ingest keeps no index of its own (no apply, less
     /// CPU and memory) and refuses queries (FAILED_PRECONDITION): query the replicas.
-    #[arg(long, env = "KVATLAS_PUBLISH_ONLY")]
-    pub publish_only: bool,
+    #[arg(long, env = "KVATLAS_PUBLISH_ONLY", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub publish_only: Option<bool>,
     /// Be a query replica of this NATS JetStream event log, `nats://HOST:PORT`: restore the
     /// newest snapshot of the bucket, apply the stream, write snapshots in turn.
     #[arg(long, env = "KVATLAS_CONSUME_FROM")]
@@ -293,8 +293,8 @@ pub struct ServeArgs {
     /// Turn the live path off: an ingest publishes to the stream only, and a replica applies
     /// what the stream delivers only (by default an ingest also publishes each record at once
     /// on core NATS and replicas apply it before the stream confirms it: docs/server.md).
-    #[arg(long, env = "KVATLAS_NATS_NO_LIVE")]
-    pub nats_no_live: bool,
+    #[arg(long, env = "KVATLAS_NATS_NO_LIVE", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub nats_no_live: Option<bool>,
     /// Seconds a replica waits for the stream's copy of a live record it applied; past them it
     /// takes the record for one its ingest never stored (the ingest died first) and goes back
     /// to the stream's state [default: 30].
@@ -375,11 +375,13 @@ impl ServeArgs {
         let defaults = ServerConfig::default();
         let limits = Limits::default();
         let index = IndexSettings::default();
+        // Flags (and the environment) win over the file as a whole: `--http-addr` is not
+        // changed by the file's `port`, and `--port` changes whichever address wins.
         let mut http_addr = self
             .http_addr
             .or(file.http_addr)
             .unwrap_or(defaults.http_addr);
-        if let Some(port) = self.port.or(file.port) {
+        if let Some(port) = self.port.or(file.port.filter(|_| self.http_addr.is_none())) {
             http_addr.set_port(port);
         }
         let min_initial_workers = match self.min_initial_workers.or(file.min_initial_workers) {
@@ -465,8 +467,10 @@ impl ServeArgs {
                     .map_or(limits.stall_timeout, Duration::from_secs),
             },
             auth_tokens: self.auth_tokens.clone().or(file.auth_tokens),
-            allow_unauthenticated: self.allow_unauthenticated
-                || file.allow_unauthenticated.unwrap_or(false),
+            allow_unauthenticated: self
+                .allow_unauthenticated
+                .or(file.allow_unauthenticated)
+                .unwrap_or(false),
             tls: match (
                 self.tls_cert.clone().or(file.tls_cert),
                 self.tls_key.clone().or(file.tls_key),
@@ -503,8 +507,8 @@ impl ServeArgs {
             .collect::<Result<_, _>>()?,
             publish_to: None,
             consume_from: None,
-            publish_only: self.publish_only || file.publish_only.unwrap_or(false),
-            busy_poll: self.busy_poll || file.busy_poll.unwrap_or(false),
+            publish_only: self.publish_only.or(file.publish_only).unwrap_or(false),
+            busy_poll: self.busy_poll.or(file.busy_poll).unwrap_or(false),
         };
         let nats = |url: String| {
             let defaults = NatsLog::new(url);
@@ -540,7 +544,7 @@ impl ServeArgs {
                     Some(secs) => Some(Duration::from_secs(secs)),
                     None => defaults.snapshot_interval,
                 },
-                live: !(self.nats_no_live || file.nats_no_live.unwrap_or(false)),
+                live: !self.nats_no_live.or(file.nats_no_live).unwrap_or(false),
                 live_confirm_timeout: self
                     .nats_live_confirm_secs
                     .or(file.nats_live_confirm_secs)
@@ -1325,6 +1329,13 @@ mod tests {
         assert!(error.to_string().contains("\"x\" is not a token id"));
     }
 
+    /// `serve`'s flags as a command line.
+    #[derive(clap::Parser)]
+    struct CommandLine {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
     #[test]
     fn flags_override_the_file_which_overrides_defaults() {
         let dir = std::env::temp_dir().join(format!("kvatlas-cli-{}", std::process::id()));
@@ -1358,6 +1369,55 @@ mod tests {
         std::fs::write(&file, "grpc_adr = \"127.0.0.1:7000\"\n").expect("write");
         let error = args.resolve().expect_err("typo").to_string();
         assert!(error.contains("grpc_adr"), "{error}");
+
+        // The file's `port` does not change a flag's address; `--port` changes the file's.
+        std::fs::write(
+            &file,
+            "port = 9000\nhttp_addr = \"127.0.0.1:8000\"\nbusy_poll = true\n\
+             allow_unauthenticated = true\ntls_key = \"/k.pem\"\n",
+        )
+        .expect("write");
+        let with = |flags: &[&str]| {
+            let mut line = vec!["serve", "--config"];
+            let file = file.display().to_string();
+            line.push(&file);
+            line.extend_from_slice(flags);
+            let line = <CommandLine as clap::Parser>::try_parse_from(line).expect("parses");
+            line.serve.resolve().map(|(config, _)| config)
+        };
+        let http_port = |flags: &[&str]| with(flags).expect("resolves").http_addr.port();
+        assert_eq!(
+            http_port(&["--http-addr", "127.0.0.1:7100", "--tls-cert", "/c.pem"]),
+            7100
+        );
+        assert_eq!(http_port(&["--port", "7200", "--tls-cert", "/c.pem"]), 7200);
+        assert_eq!(
+            http_port(&["--tls-cert", "/c.pem"]),
+            9000,
+            "the file's port"
+        );
+        // A flag turns off what the file turned on (a bare flag still turns it on).
+        let config = with(&["--tls-cert", "/c.pem", "--busy-poll=false"]).expect("resolves");
+        assert!(!config.busy_poll && config.allow_unauthenticated);
+        let config =
+            with(&["--tls-cert", "/c.pem", "--allow-unauthenticated=no"]).expect("resolves");
+        assert!(config.busy_poll && !config.allow_unauthenticated);
+        assert!(
+            <CommandLine as clap::Parser>::try_parse_from(["serve", "--publish-only"])
+                .expect("parses")
+                .serve
+                .publish_only
+                == Some(true)
+        );
+        // A certificate from the command line and its key from the file go together; one
+        // without the other is refused with both flags named.
+        let tls = with(&["--tls-cert", "/c.pem"]).expect("resolves").tls;
+        assert_eq!(tls.map(|t| t.key), Some(PathBuf::from("/k.pem")));
+        std::fs::write(&file, "port = 9000\n").expect("write");
+        let error = with(&["--tls-cert", "/c.pem"])
+            .expect_err("no key")
+            .to_string();
+        assert!(error.contains("--tls-key"), "{error}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -1393,12 +1453,7 @@ mod tests {
     /// with the same meaning (and still on loopback).
     #[test]
     fn dynamos_command_line_maps_onto_serve() {
-        #[derive(clap::Parser)]
-        struct Line {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let line = <Line as clap::Parser>::try_parse_from([
+        let line = <CommandLine as clap::Parser>::try_parse_from([
             "kvatlas-serve",
             "--port",
             "9100",

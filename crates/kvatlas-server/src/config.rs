@@ -369,10 +369,23 @@ impl ServerConfig {
                 )
             } else if !self.peers.is_empty() {
                 Some("--peers (a replica bootstraps from the bucket's snapshot)")
+            } else if self.min_initial_workers > 0 {
+                Some(
+                    "--min-initial-workers (or DYN_ROUTER_MIN_INITIAL_WORKERS; a replica \
+                     registers no workers, so it would never be ready: it is ready once it has \
+                     read the stream)",
+                )
             } else {
                 None
             };
             refuse_combination("--consume-from", conflict)?;
+        }
+        if self.min_initial_workers > self.limits.max_registered_ranks {
+            return Err(ConfigError::Invalid(format!(
+                "--min-initial-workers {} exceeds --max-registered-ranks {}: queries would \
+                 never be answered",
+                self.min_initial_workers, self.limits.max_registered_ranks
+            )));
         }
         if self.auth_tokens.is_none() && !self.allow_unauthenticated {
             for addr in [self.grpc_addr, self.http_addr] {
@@ -552,6 +565,29 @@ mod tests {
             error.contains("--publish-to") && error.contains("--data-dir"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_startup_gate_that_can_never_open_is_refused() {
+        let mut config = ServerConfig {
+            consume_from: Some(crate::nats::NatsLog::new("nats://127.0.0.1:4222")),
+            ..ServerConfig::default()
+        };
+        config.validate().expect("a replica");
+        config.min_initial_workers = 1;
+        let error = config
+            .validate()
+            .expect_err("a replica waits for none")
+            .to_string();
+        assert!(error.contains("--min-initial-workers"), "{error}");
+        config.consume_from = None;
+        config.validate().expect("a server that registers workers");
+        config.min_initial_workers = config.limits.max_registered_ranks + 1;
+        let error = config
+            .validate()
+            .expect_err("more than can register")
+            .to_string();
+        assert!(error.contains("--max-registered-ranks"), "{error}");
     }
 
     #[test]

@@ -118,7 +118,12 @@ impl NatsLog {
             return Err("the live path's confirmation wait must be at least a second".into());
         }
         if self.duplicate_window > self.max_age {
-            return Err("the NATS duplicate window cannot exceed the stream's max age".into());
+            return Err(format!(
+                "the stream's max age (--nats-max-age-secs {}) must be at least its duplicate \
+                 window, {} s (two ingests' copies of a batch within it are stored once)",
+                self.max_age.as_secs(),
+                self.duplicate_window.as_secs()
+            ));
         }
         Ok(())
     }
