@@ -789,6 +789,14 @@ impl IndexerService {
             .publish_order(&key, message.instance_id)
             .lock_owned()
             .await;
+        // Nothing is admitted once a shutdown has stopped waiting for admitted batches (a call
+        // the shutdown cut goes on running, and its batch would be applied after the final
+        // report, or its record refused by the closed log, uncounted).
+        if self.state.admitted_batches.is_closed() {
+            return Err(ServiceError::Unavailable(
+                "the server is shutting down: retry at another replica or after its restart".into(),
+            ));
+        }
         let prepared = publisher.prepare(message)?;
         let resync = match publisher.admit(&prepared)? {
             Admission::Duplicate => return Ok(()),

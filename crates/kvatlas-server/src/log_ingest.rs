@@ -416,7 +416,7 @@ pub(crate) async fn run_publisher(
     mut rx: mpsc::Receiver<Outgoing>,
     stats: Arc<LogStats>,
     stop: CancellationToken,
-    drain_deadline: Duration,
+    drain_until: Arc<std::sync::OnceLock<tokio::time::Instant>>,
 ) -> u64 {
     let mut live = log
         .live
@@ -533,7 +533,10 @@ pub(crate) async fn run_publisher(
             () = stop.cancelled(), if !stopping => {
                 stopping = true;
                 rx.close();
-                deadline = Some(tokio::time::Instant::now() + drain_deadline);
+                // Set before `stop` is cancelled (a second if not: a caller that did not say).
+                deadline = Some(drain_until.get().copied().unwrap_or_else(|| {
+                    tokio::time::Instant::now() + Duration::from_secs(1)
+                }));
             }
             () = async {
                 match deadline {

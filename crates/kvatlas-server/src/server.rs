@@ -179,8 +179,13 @@ pub struct RunningServer {
     bootstrap: Option<JoinHandle<Bootstrap>>,
     snapshots: Option<(DataDir, JoinHandle<()>)>,
     stop_snapshots: CancellationToken,
-    /// An ingest's publisher: stopped (and drained) after the feeds at shutdown.
-    log_publisher: Option<(CancellationToken, JoinHandle<u64>)>,
+    /// An ingest's publisher: stopped (and drained, until the deadline set first) after the
+    /// feeds at shutdown.
+    log_publisher: Option<(
+        CancellationToken,
+        Arc<std::sync::OnceLock<tokio::time::Instant>>,
+        JoinHandle<u64>,
+    )>,
     /// A replica's consumer.
     replica: Option<crate::log_replica::Replica>,
 }
@@ -226,16 +231,17 @@ impl RunningServer {
             registry =
                 registry.with_log(crate::registry::LogRole::Ingest(handle), Arc::clone(&stats));
             let stop = CancellationToken::new();
+            let drain_until = Arc::new(std::sync::OnceLock::new());
             let task = tokio::spawn(crate::log_ingest::run_publisher(
                 js,
                 log.clone(),
                 queue,
                 stats,
                 stop.clone(),
-                config.shutdown_timeout,
+                Arc::clone(&drain_until),
             ));
             tracing::info!(url = %log.url, stream = %log.stream, "ingest: publishing to the NATS event log");
-            log_publisher = Some((stop, task));
+            log_publisher = Some((stop, drain_until, task));
         }
         if let Some(log) = &config.consume_from {
             registry = registry.with_log(
@@ -460,10 +466,13 @@ impl RunningServer {
     pub async fn shutdown(self) -> ShutdownReport {
         self.state.begin_shutdown();
         self.stop_accepting.cancel();
+        // One deadline for the whole shutdown (each phase waited the whole timeout before: with
+        // JetStream down and the log full, three times it).
         let deadline = self.shutdown_timeout;
+        let until = tokio::time::Instant::now() + deadline;
         let grpc = self.grpc;
         let grpc_abort = grpc.abort_handle();
-        match tokio::time::timeout(deadline, grpc).await {
+        match tokio::time::timeout_at(until, grpc).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(error))) => tracing::warn!("the gRPC server ended with an error: {error}"),
             Ok(Err(error)) => tracing::warn!("the gRPC server task failed: {error}"),
@@ -475,7 +484,7 @@ impl RunningServer {
             }
         }
         let http_abort = self.http.abort_handle();
-        if tokio::time::timeout(deadline, self.http).await.is_err() {
+        if tokio::time::timeout_at(until, self.http).await.is_err() {
             http_abort.abort();
         }
         self.health.abort();
@@ -500,7 +509,7 @@ impl RunningServer {
         // report and the log's drain.
         let admitted = &self.state.admitted_batches;
         admitted.close();
-        if tokio::time::timeout(deadline, admitted.wait())
+        if tokio::time::timeout_at(until, admitted.wait())
             .await
             .is_err()
         {
@@ -515,7 +524,11 @@ impl RunningServer {
             .await
             .unwrap_or_default();
         // The feeds are stopped and their units applied: publish what the log still holds.
-        if let Some((stop, task)) = self.log_publisher {
+        if let Some((stop, drain_until, task)) = self.log_publisher {
+            // What is left of the shutdown's time, and a second at least: the records queued
+            // are what replicas will never get otherwise.
+            let _ =
+                drain_until.set(until.max(tokio::time::Instant::now() + Duration::from_secs(1)));
             stop.cancel();
             let left = match task.await {
                 Ok(left) => left,
@@ -526,7 +539,7 @@ impl RunningServer {
             };
             // What still waited for the log's room now finds it closed, and counts its record
             // as lost (a moment: the queue is gone).
-            let _ = tokio::time::timeout(Duration::from_secs(1), admitted.wait()).await;
+            let _ = tokio::time::timeout(Duration::from_millis(200), admitted.wait()).await;
             let lost = self
                 .state
                 .registry
