@@ -657,8 +657,8 @@ fn spawn_publish(
 }
 
 /// Creates the stream again after a publish found none for its subject (it was deleted, or
-/// nats-server lost its storage); counted in `kvatlas_log_stream_created_again_total` if this
-/// call created it.
+/// nats-server lost its storage); counted in `kvatlas_log_stream_created_again_total` if the
+/// create succeeded (an identical create racing another ingest's succeeds too).
 async fn create_again(js: jetstream::Context, log: NatsLog, stats: Arc<LogStats>) {
     if let Ok(stream) = js.get_stream(&log.stream).await {
         // Another ingest, or a replica, created it meanwhile; or it never took the subjects.

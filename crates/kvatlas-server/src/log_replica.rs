@@ -691,17 +691,21 @@ impl Consumer {
         self.forget_live();
     }
 
-    /// Whether the stream is still the one `applied` counts in (its creation time read now):
-    /// `Err` to have the consumer start again, which finds out what changed.
+    /// Whether the stream is still the one `applied` counts in, whole (its creation time and
+    /// end read now): `Err` to have the consumer start again, which finds out what changed. (A
+    /// stream that lost its tail and was written on since, past this replica's position,
+    /// cannot be told from one that did not.)
     async fn check_same_stream(&self) -> Result<(), String> {
         let info = tokio::time::timeout(Duration::from_secs(2), self.stream.get_info())
             .await
             .map_err(|_| "stream info: no answer within 2 s".to_owned())?
             .map_err(|e| format!("stream info: {e}"))?;
-        if created_nanos(&info) == self.stream_created {
-            Ok(())
-        } else {
+        if created_nanos(&info) != self.stream_created {
             Err("the stream was created again".into())
+        } else if info.state.last_sequence < self.applied {
+            Err("the stream ends below this replica's position".into())
+        } else {
+            Ok(())
         }
     }
 
@@ -1021,10 +1025,17 @@ impl Consumer {
         let (bucket, stats) = (self.bucket.clone(), Arc::clone(&self.stats));
         let (bucket_stream, bucket_name) =
             (self.bucket_stream.clone(), self.log.snapshot_bucket.clone());
+        let stream = self.stream.clone();
         self.snapshot_put = Some(tokio::spawn(async move {
             let put = put_snapshot(&bucket, images, covered, stream_created).await;
             if put.is_ok() {
-                prune_snapshots(&bucket, &bucket_stream, &bucket_name, stream_created).await;
+                // Ranked by the stream as it is now (created again during the put, the cut's
+                // stream would rank the new stream's snapshots last and delete them).
+                let current = match stream.get_info().await {
+                    Ok(info) => created_nanos(&info),
+                    Err(_) => stream_created,
+                };
+                prune_snapshots(&bucket, &bucket_stream, &bucket_name, current).await;
             }
             match put {
                 Ok(bytes) => {

@@ -261,6 +261,12 @@ impl Download {
         }
     }
 
+    /// Takes `waited` off the download's time: the reader made it wait (a full channel), and
+    /// the peer is not to blame.
+    fn excuse(&mut self, waited: Duration) {
+        self.started += waited;
+    }
+
     /// When the bytes received so far become too few for the minimum rate.
     fn rate_deadline(&self) -> tokio::time::Instant {
         let earned = Duration::from_secs_f64(self.received as f64 / self.min_rate as f64);
@@ -402,9 +408,11 @@ async fn try_peer(
         loop {
             match body.next_piece().await {
                 Ok(Some(piece)) => {
+                    let sending = tokio::time::Instant::now();
                     if sender.send(piece).await.is_err() {
                         break; // the reader refused the snapshot: its error says why
                     }
+                    body.excuse(sending.elapsed());
                 }
                 Ok(None) => break,
                 Err(why) => {
@@ -525,10 +533,10 @@ mod tests {
         let (outcome, _) = download(&trickling_peer(4000, 4000, Duration::ZERO, 1)).await;
         assert_eq!(outcome, Ok(4000));
 
-        // One that pauses longer than the idle timeout is given up as stalled (its first MiB
-        // bought it a second at the minimum rate: the pause, not the rate, gives it up).
+        // One that pauses longer than the idle timeout is given up as stalled (its first 4 MiB
+        // bought it 4 s at the minimum rate: the pause, not the rate, gives it up).
         let (outcome, _) =
-            download(&trickling_peer(4 << 20, 1 << 20, Duration::from_secs(2), 2)).await;
+            download(&trickling_peer(8 << 20, 4 << 20, Duration::from_secs(2), 2)).await;
         let why = outcome.expect_err("a peer pausing 2 s is given up");
         assert!(why.contains("stalled"), "{why}");
     }
