@@ -178,6 +178,15 @@ pub struct Tokens {
     tokens: Vec<Token>,
 }
 
+/// `value` for an error message, unless it is as long as a token could be.
+fn shown(value: &str) -> String {
+    if value.len() < MIN_TOKEN_BYTES {
+        format!("{value:?}")
+    } else {
+        format!("<{} bytes, not shown>", value.len())
+    }
+}
+
 fn sha256(bytes: &[u8]) -> [u8; 32] {
     let mut out = [0u8; 32];
     out.copy_from_slice(digest(&SHA256, bytes).as_ref());
@@ -204,6 +213,8 @@ impl Tokens {
     /// [`TokenFileError::Line`] or [`TokenFileError::Empty`].
     pub fn parse(text: &str, path: &str) -> Result<Self, TokenFileError> {
         let mut tokens = Vec::new();
+        // Each token's line, by its hash.
+        let mut lines = std::collections::HashMap::new();
         for (number, line) in text.lines().enumerate() {
             let line = without_comment(line).trim();
             if line.is_empty() {
@@ -216,6 +227,13 @@ impl Tokens {
             };
             let mut words = line.split_whitespace();
             let secret = words.next().unwrap_or_default();
+            if let Some((field, _)) = secret.split_once('=')
+                && ["tenants", "name", "max_requests"].contains(&field)
+            {
+                return Err(bad(format!(
+                    "the line starts with the field {field}=; the token goes first on its line"
+                )));
+            }
             if secret.len() < MIN_TOKEN_BYTES {
                 return Err(bad(format!(
                     "the token is {} bytes long; at least {MIN_TOKEN_BYTES} are required",
@@ -248,22 +266,40 @@ impl Tokens {
                         }
                         _ => {
                             return Err(bad(format!(
-                                "max_requests={limit} is not a number of requests of at least 1"
+                                "max_requests={} is not a number of requests of at least 1",
+                                shown(limit)
                             )));
                         }
                     },
                     _ => {
+                        // Named only if it cannot be a token: a line with its words out of
+                        // order has the token here.
+                        let field = word.split_once('=').map_or(word, |(key, _)| key);
+                        let what = if field.len() < MIN_TOKEN_BYTES
+                            && field.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+                        {
+                            format!("unknown field {field:?}")
+                        } else {
+                            format!(
+                                "an unexpected word of {} bytes (not shown: it may be a token; \
+                                 the token goes first on its line)",
+                                word.len()
+                            )
+                        };
                         return Err(bad(format!(
-                            "unknown field {word:?} (expected tenants=A,B, name=LABEL or \
-                             max_requests=N)"
+                            "{what} (expected tenants=A,B, name=LABEL or max_requests=N)"
                         )));
                     }
                 }
             }
-            tokens.push(Token {
-                sha256: sha256(secret.as_bytes()),
-                caller,
-            });
+            let sha256 = sha256(secret.as_bytes());
+            if let Some(first) = lines.insert(sha256, number + 1) {
+                return Err(bad(format!(
+                    "the same token as line {first} (one line per token: which tenants and \
+                     quota would it have?)"
+                )));
+            }
+            tokens.push(Token { sha256, caller });
         }
         if tokens.is_empty() {
             return Err(TokenFileError::Empty {
@@ -464,7 +500,19 @@ mod tests {
             ("0123456789abcdef role=admin", "unknown field"),
             ("0123456789abcdef max_requests=0", "at least 1"),
             ("0123456789abcdef max_requests=many", "at least 1"),
+            (
+                "0123456789abcdef max_requests=0123456789abcdef",
+                "at least 1",
+            ),
             ("# nothing\n", "holds no token"),
+            // Words out of order: the token is where a field was expected.
+            ("tenants=a,b 0123456789abcdef", "token goes first"),
+            ("name=abc 0123456789abcdef=", "token goes first"),
+            ("0123456789abcdef= 0123456789abcdef", "token goes first"),
+            (
+                "0123456789abcdef\n0123456789abcdef tenants=a",
+                "same token as line 1",
+            ),
         ] {
             let error = Tokens::parse(text, "f").expect_err(text).to_string();
             assert!(error.contains(needle), "{text}: {error}");
