@@ -297,11 +297,17 @@ fn mode_of(value: i32) -> Result<SocketMode, ServiceError> {
 /// file is there first (and again at unregistration): a token file, a TLS key, a snapshot.
 /// Such endpoints are for the operator's own `--workers … bind` and config file.
 ///
+/// A server without authentication (whose own listeners are on loopback) binds only on a
+/// loopback address over the API, unless `--allow-unauthenticated`: any local process may call
+/// it, and would otherwise open a socket on the network that takes events from anyone.
+///
 /// # Errors
-/// PERMISSION_DENIED for a bind by a tenant-limited caller or on anything but `tcp://`.
+/// PERMISSION_DENIED for a bind by a tenant-limited caller, on anything but `tcp://`, or beyond
+/// loopback on a server without authentication.
 fn check_remote_bind(
     caller: &Caller,
     registration: &WorkerRegistration,
+    authenticated_or_allowed: bool,
 ) -> Result<(), ServiceError> {
     if registration.mode != SocketMode::Bind {
         return Ok(());
@@ -322,7 +328,30 @@ fn check_remote_bind(
              `kvatlas serve --workers … bind` or the config file"
         )));
     }
+    if !authenticated_or_allowed && !on_loopback(endpoint) {
+        return Err(ServiceError::PermissionDenied(format!(
+            "this server has no authentication, so over the API it binds on loopback only, not \
+             {endpoint:?}: start it with --auth-tokens (and register with a token limited to no \
+             tenant), or with --allow-unauthenticated"
+        )));
+    }
     Ok(())
+}
+
+/// Whether a `tcp://HOST:PORT` endpoint's host is a loopback address (`localhost`, 127.0.0.0/8,
+/// `::1`); `*`, an interface name or any other address is not.
+fn on_loopback(endpoint: &str) -> bool {
+    let Some((host, _port)) = endpoint
+        .strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+    else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 pub(crate) fn registration_of(
@@ -502,7 +531,11 @@ impl Indexer for IndexerService {
             let _permit = self.state.admit(Rpc::RegisterWorker, &caller)?;
             let registration = registration_of(request.get_ref())?;
             caller.check(&registration.index.tenant)?;
-            check_remote_bind(&caller, &registration)?;
+            check_remote_bind(
+                &caller,
+                &registration,
+                self.state.tokens.is_some() || self.state.allow_unauthenticated,
+            )?;
             self.state.check_writable()?;
             let registry = Arc::clone(&self.state.registry);
             let registered = blocking(move || registry.register(registration)).await?;

@@ -250,12 +250,15 @@ impl RunningServer {
             );
         }
         let registry = Arc::new(registry);
-        let state = Arc::new(State::new(
-            Arc::clone(&registry),
-            config.limits,
-            tokens,
-            config.min_initial_workers,
-        ));
+        let state = Arc::new(
+            State::new(
+                Arc::clone(&registry),
+                config.limits,
+                tokens,
+                config.min_initial_workers,
+            )
+            .allowing_unauthenticated(config.allow_unauthenticated),
+        );
         let data_dir = match &config.persistence {
             Some(persistence) => Some(open_data_dir(persistence).await?),
             None => None,

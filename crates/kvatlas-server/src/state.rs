@@ -44,6 +44,9 @@ pub(crate) struct State {
     /// own: a call cut by the shutdown leaves it running, and the shutdown waits for it before
     /// its final report and the log's drain.
     pub(crate) admitted_batches: tokio_util::task::TaskTracker,
+    /// `--allow-unauthenticated`: without tokens, a registration over the API may still bind
+    /// beyond loopback.
+    pub(crate) allow_unauthenticated: bool,
 }
 
 /// How many bytes of memory a request message may take once decoded (its lists counted at their
@@ -93,7 +96,14 @@ impl State {
             bootstrapping: AtomicBool::new(false),
             dumps: Places::default(),
             admitted_batches: tokio_util::task::TaskTracker::new(),
+            allow_unauthenticated: false,
         }
+    }
+
+    /// The state with `--allow-unauthenticated` as `allow`.
+    pub(crate) fn allowing_unauthenticated(mut self, allow: bool) -> Self {
+        self.allow_unauthenticated = allow;
+        self
     }
 
     /// A place among the whole-state reads (`what` names the request for the error), for a

@@ -889,6 +889,59 @@ async fn api_registrations_bind_only_tcp_and_only_for_unrestricted_tokens() {
     h.server.shutdown().await;
 }
 
+/// A server without authentication (its listeners on loopback) binds over the API on loopback
+/// only: any local process may call it, and would otherwise open a socket on the network that
+/// takes events from anyone. `--allow-unauthenticated` lifts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_server_binds_on_loopback_only() {
+    let bind = |instance_id: u64, endpoint: &str| v1::RegisterWorkerRequest {
+        index: selector(MODEL, ""),
+        instance_id,
+        block_size: BLOCK,
+        endpoint: endpoint.to_owned(),
+        socket_mode: v1::SocketMode::Bind as i32,
+        ..v1::RegisterWorkerRequest::default()
+    };
+    let h = start(ServerConfig::default()).await;
+    let mut client = authed(&h.url, None).await;
+    for endpoint in [
+        "tcp://0.0.0.0:*",
+        "tcp://*:*",
+        "tcp://eth0:*",
+        "tcp://[::]:*",
+    ] {
+        let status = client
+            .raw()
+            .register_worker(bind(1, endpoint))
+            .await
+            .expect_err(endpoint);
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        assert!(
+            status.message().contains("binds on loopback only"),
+            "{status:?}"
+        );
+    }
+    client
+        .raw()
+        .register_worker(bind(2, "tcp://127.0.0.1:*"))
+        .await
+        .expect("a loopback bind");
+    h.server.shutdown().await;
+
+    let h = start(ServerConfig {
+        allow_unauthenticated: true,
+        ..ServerConfig::default()
+    })
+    .await;
+    let mut client = authed(&h.url, None).await;
+    client
+        .raw()
+        .register_worker(bind(3, "tcp://0.0.0.0:*"))
+        .await
+        .expect("allowed");
+    h.server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn public_addresses_without_auth_are_refused_at_start() {
     let config = ServerConfig {
