@@ -274,7 +274,12 @@ impl RunningServer {
         }
         // A replica with no state of its own bootstraps from a peer: its listeners start held.
         let bootstrap_from_peers = restored == Restored::Nothing && !config.peers.is_empty();
-        let peer_access = if bootstrap_from_peers {
+        // Read at every start, used or not: a typo in a path otherwise shows only on the day
+        // the data directory is empty, when the bootstrap is needed.
+        let peer_access = if !config.peers.is_empty()
+            || config.peer_token_file.is_some()
+            || config.peer_ca_cert.is_some()
+        {
             let read = |path: &std::path::Path, what: &str| {
                 std::fs::read(path).map_err(|e| {
                     StartError::PeerAccess(format!(

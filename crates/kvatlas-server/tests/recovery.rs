@@ -59,6 +59,29 @@ fn snapshot_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// A missing peer token file fails the start also when the data directory's snapshot makes a
+/// bootstrap unnecessary: a typo otherwise shows only on the day the directory is empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_access_files_are_read_at_every_start() {
+    let dir = temp_dir("peer-files");
+    let workers = [Worker::new(1, 0)];
+    let batches = script(27, MODEL, &workers, 50, BLOCK);
+    let mut h = start(persistent(&dir, None)).await;
+    publish_script(&mut h.client, &batches).await;
+    let report = h.server.shutdown().await;
+    assert!(matches!(report.snapshot, Some(Ok(_))), "{report:?}");
+    let missing = dir.join("no-such-token-file");
+    let error = kvatlas_server::RunningServer::start(ServerConfig {
+        peers: vec!["http://127.0.0.1:9".into()],
+        peer_token_file: Some(missing.clone()),
+        ..persistent(&dir, None)
+    })
+    .await
+    .expect_err("the token file is missing");
+    assert!(error.to_string().contains("no-such-token-file"), "{error}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_from_the_data_dir_continues_where_it_stopped() {
     let dir = temp_dir("restart");
