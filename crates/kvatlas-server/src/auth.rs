@@ -245,7 +245,7 @@ impl Tokens {
                 tenants: None,
                 quota: None,
             };
-            for word in words {
+            for (position, word) in words.enumerate() {
                 match word.split_once('=') {
                     Some(("tenants", list)) => {
                         let tenants: BTreeSet<String> = list
@@ -272,22 +272,13 @@ impl Tokens {
                         }
                     },
                     _ => {
-                        // Named only if it cannot be a token: a line with its words out of
-                        // order has the token here.
-                        let field = word.split_once('=').map_or(word, |(key, _)| key);
-                        let what = if field.len() < MIN_TOKEN_BYTES
-                            && field.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
-                        {
-                            format!("unknown field {field:?}")
-                        } else {
-                            format!(
-                                "an unexpected word of {} bytes (not shown: it may be a token; \
-                                 the token goes first on its line)",
-                                word.len()
-                            )
-                        };
+                        // Not shown: a line with its words out of order (or two tokens on one
+                        // line) has a token here.
                         return Err(bad(format!(
-                            "{what} (expected tenants=A,B, name=LABEL or max_requests=N)"
+                            "word {} is an unknown field or a misplaced token (not shown; the \
+                             token goes first on its line, then tenants=A,B, name=LABEL or \
+                             max_requests=N)",
+                            position + 2
                         )));
                     }
                 }
@@ -497,7 +488,7 @@ mod tests {
         for (text, needle) in [
             ("short", "at least 16"),
             ("0123456789abcdef tenants=", "no tenant"),
-            ("0123456789abcdef role=admin", "unknown field"),
+            ("0123456789abcdef role=admin", "word 2 is an unknown field"),
             ("0123456789abcdef max_requests=0", "at least 1"),
             ("0123456789abcdef max_requests=many", "at least 1"),
             (

@@ -338,8 +338,9 @@ fn check_remote_bind(
     Ok(())
 }
 
-/// Whether a `tcp://HOST:PORT` endpoint's host is a loopback address (`localhost`, 127.0.0.0/8,
-/// `::1`); `*`, an interface name or any other address is not.
+/// Whether a `tcp://HOST:PORT` endpoint's host is a loopback address (127.0.0.0/8, `::1`); `*`,
+/// an interface name or any other address is not (nor `localhost`: ZeroMQ binds names as
+/// interface names, not through DNS).
 fn on_loopback(endpoint: &str) -> bool {
     let Some((host, _port)) = endpoint
         .strip_prefix("tcp://")
@@ -348,10 +349,8 @@ fn on_loopback(endpoint: &str) -> bool {
         return false;
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    host.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
 }
 
 pub(crate) fn registration_of(
@@ -825,6 +824,9 @@ impl IndexerService {
         // Nothing is admitted once a shutdown has stopped waiting for admitted batches (a call
         // the shutdown cut goes on running, and its batch would be applied after the final
         // report, or its record refused by the closed log, uncounted).
+        // (Held until the batch is enqueued and logged here or handed to a tracked task: a
+        // shutdown that closes the tracker meanwhile waits for it.)
+        let _tracked = self.state.admitted_batches.token();
         if self.state.admitted_batches.is_closed() {
             return Err(ServiceError::Unavailable(
                 "the server is shutting down: retry at another replica or after its restart".into(),

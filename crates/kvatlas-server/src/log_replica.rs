@@ -692,10 +692,12 @@ impl Consumer {
     }
 
     /// Whether the stream is still the one `applied` counts in, whole (its creation time and
-    /// end read now): `Err` to have the consumer start again, which finds out what changed. (A
-    /// stream that lost its tail and was written on since, past this replica's position,
-    /// cannot be told from one that did not.)
-    async fn check_same_stream(&self) -> Result<(), String> {
+    /// end read now): `Err` to have the consumer start again, which finds out what changed. A
+    /// stream that lost its tail is handled here ([`Consumer::stream_shortened`]): by the time
+    /// the consumer starts again, the records stored after the outage may have taken the stream
+    /// past this replica's position. (One written on that far before this read cannot be told
+    /// from one that lost nothing.)
+    async fn check_same_stream(&mut self) -> Result<(), String> {
         let info = tokio::time::timeout(Duration::from_secs(2), self.stream.get_info())
             .await
             .map_err(|_| "stream info: no answer within 2 s".to_owned())?
@@ -703,6 +705,7 @@ impl Consumer {
         if created_nanos(&info) != self.stream_created {
             Err("the stream was created again".into())
         } else if info.state.last_sequence < self.applied {
+            self.stream_shortened(info.state.last_sequence);
             Err("the stream ends below this replica's position".into())
         } else {
             Ok(())
