@@ -32,9 +32,15 @@ use subtle::ConstantTimeEq;
 use crate::error::ServiceError;
 use crate::places::Places;
 
-/// The bearer token a client's token file holds: its first line, trimmed (empty if none).
+/// The bearer token a client's token file holds: the first word of its first line that is not
+/// blank or a comment (empty if none), so that a copy of a server's token file sends its first
+/// token, not its heading comment.
 pub(crate) fn token_of_file(text: &str) -> &str {
-    text.lines().next().unwrap_or_default().trim()
+    text.lines()
+        .map(|line| without_comment(line).trim())
+        .find(|line| !line.is_empty())
+        .and_then(|line| line.split_whitespace().next())
+        .unwrap_or_default()
 }
 
 /// The shortest token accepted, in bytes.
@@ -481,6 +487,17 @@ mod tests {
                 Err(ServiceError::Unauthenticated(_))
             ));
         }
+    }
+
+    #[test]
+    fn a_clients_token_file_gives_its_first_token() {
+        assert_eq!(token_of_file("0123456789abcdef\n"), "0123456789abcdef");
+        assert_eq!(
+            token_of_file("# kvatlas tokens\n\n  abc#def0123456789 tenants=a # the router\nx\n"),
+            "abc#def0123456789",
+            "a copy of a server's token file sends its first token"
+        );
+        assert_eq!(token_of_file("# only a comment\n\n"), "");
     }
 
     #[test]

@@ -698,7 +698,14 @@ impl ConnectArgs {
         let token = match &self.token_file {
             Some(path) => {
                 let text = String::from_utf8_lossy(&read_file(path)?).into_owned();
-                Some(crate::auth::token_of_file(&text).to_owned())
+                let token = crate::auth::token_of_file(&text);
+                if token.is_empty() {
+                    return Err(CliError::Config(format!(
+                        "the token file {} holds no token",
+                        path.display()
+                    )));
+                }
+                Some(token.to_owned())
             }
             None => None,
         };

@@ -328,7 +328,7 @@ fn check_remote_bind(
              `kvatlas serve --workers … bind` or the config file"
         )));
     }
-    if !authenticated_or_allowed && !on_loopback(endpoint) {
+    if !authenticated_or_allowed && !crate::registry::on_loopback(endpoint) {
         return Err(ServiceError::PermissionDenied(format!(
             "this server has no authentication, so over the API it binds on loopback only, not \
              {endpoint:?}: start it with --auth-tokens (and register with a token limited to no \
@@ -336,21 +336,6 @@ fn check_remote_bind(
         )));
     }
     Ok(())
-}
-
-/// Whether a `tcp://HOST:PORT` endpoint's host is a loopback address (127.0.0.0/8, `::1`); `*`,
-/// an interface name or any other address is not (nor `localhost`: ZeroMQ binds names as
-/// interface names, not through DNS).
-fn on_loopback(endpoint: &str) -> bool {
-    let Some((host, _port)) = endpoint
-        .strip_prefix("tcp://")
-        .and_then(|rest| rest.rsplit_once(':'))
-    else {
-        return false;
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host.parse::<std::net::IpAddr>()
-        .is_ok_and(|ip| ip.is_loopback())
 }
 
 pub(crate) fn registration_of(

@@ -559,13 +559,17 @@ impl IndexEntry {
             .collect()
     }
 
-    /// The counters of every feed, live and retired, summed (monotonic).
+    /// The counters of every feed, live and retired, summed (monotonic: a feed is retired
+    /// under the locks held here, so no sum misses it between its removal and its retirement;
+    /// lock order `feeds`, `retired`, the listeners').
     pub(crate) fn total_counters(&self) -> FeedCounters {
-        let mut total = self.retired.lock().clone();
+        let feeds = self.feeds.lock();
+        let retired = self.retired.lock();
+        let mut total = retired.clone();
         for state in self.listeners.list() {
             total.add(&FeedCounters::from(&state.counters));
         }
-        for feed in self.feeds.lock().values() {
+        for feed in feeds.values() {
             if let Feed::Grpc(grpc) = feed {
                 total.add(&grpc.counters);
             }
@@ -833,10 +837,19 @@ impl IndexEntry {
         let (removed, unfed): (Vec<(Worker, Feed)>, Vec<Worker>) = {
             let mut feeds = self.feeds.lock();
             let ranks: Vec<Worker> = feeds.keys().filter(|w| matches(w)).copied().collect();
-            let removed = ranks
+            let removed: Vec<(Worker, Feed)> = ranks
                 .into_iter()
                 .filter_map(|w| feeds.remove(&w).map(|f| (w, f)))
                 .collect();
+            // A PublishEvents feed's counters are retired as it leaves the map (a sum between
+            // the two saw them drop); a listener's, as it stops (below).
+            let mut retired = self.retired.lock();
+            for (_, feed) in &removed {
+                if let Feed::Grpc(grpc) = feed {
+                    retired.add(&grpc.counters);
+                }
+            }
+            drop(retired);
             let mut unfed = self.unfed.lock();
             let unfed_ranks: Vec<Worker> = unfed.keys().filter(|w| matches(w)).copied().collect();
             for worker in &unfed_ranks {
@@ -859,17 +872,15 @@ impl IndexEntry {
         }
         let mut listeners_stopped = 0;
         for (_, feed) in &removed {
-            let counters = match feed {
-                Feed::Zmq { listener, .. } => match self.listeners.stop(*listener) {
-                    Ok(state) => {
-                        listeners_stopped += 1;
-                        FeedCounters::from(&state.counters)
-                    }
-                    Err(_) => FeedCounters::default(),
-                },
-                Feed::Grpc(grpc) => grpc.counters.clone(),
-            };
-            self.retired.lock().add(&counters);
+            if let Feed::Zmq { listener, .. } = feed {
+                // Stopped under the retired counters' lock: a sum sees the listener in the list
+                // or its final counters retired, never neither.
+                let mut retired = self.retired.lock();
+                if let Ok(state) = self.listeners.stop(*listener) {
+                    listeners_stopped += 1;
+                    retired.add(&FeedCounters::from(&state.counters));
+                }
+            }
         }
         // The listeners are stopped: wait for what they queued (the flush applies it and records
         // its checkpoints), then remove the blocks and forget the checkpoints in one step, so
@@ -967,6 +978,21 @@ impl IndexEntry {
     }
 }
 
+/// Whether a `tcp://HOST:PORT` endpoint's host is a loopback address (127.0.0.0/8, `::1`); `*`,
+/// an interface name or any other address is not (nor `localhost`: ZeroMQ binds names as
+/// interface names, not through DNS).
+pub(crate) fn on_loopback(endpoint: &str) -> bool {
+    let Some((host, _port)) = endpoint
+        .strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+    else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// UNAVAILABLE: the index was taken out of the registry (a concurrent request that created it
 /// failed) after this request found it. Retried by [`Registry::register_with`]; a
 /// `PublishEvents` message is refused before its sequence number is admitted, so sending it
@@ -1014,6 +1040,9 @@ pub(crate) struct Registry {
     log_stats: Arc<LogStats>,
     /// `PublishEvents` order, striped by (index, worker instance) ([`Registry::publish_order`]).
     publish_order: Vec<Arc<tokio::sync::Mutex<()>>>,
+    /// Whether a listener recorded in a restored snapshot may bind beyond loopback (the server
+    /// authenticates, or `--allow-unauthenticated`): the rule a registration over the API meets.
+    binds_beyond_loopback: bool,
 }
 
 /// A server's part in the NATS event log.
@@ -1049,7 +1078,16 @@ impl Registry {
             publish_order: (0..PUBLISH_ORDER_STRIPES)
                 .map(|_| Arc::new(tokio::sync::Mutex::new(())))
                 .collect(),
+            binds_beyond_loopback: true,
         }
+    }
+
+    /// This registry with the rule for listeners a restored snapshot records: `allowed`, they
+    /// may bind beyond loopback; otherwise such a listener is not registered again (its rank
+    /// stays unfed, with the reason).
+    pub(crate) fn with_binds_beyond_loopback(mut self, allowed: bool) -> Self {
+        self.binds_beyond_loopback = allowed;
+        self
     }
 
     /// The lock a `PublishEvents` message of `instance_id` in `key` holds from before its index
@@ -1409,7 +1447,22 @@ impl Registry {
                 }
                 match feed {
                     RecordedFeed::Zmq(registration) => {
-                        if let Err(error) = self.register(registration.clone()) {
+                        let registered = if registration.mode == SocketMode::Bind
+                            && !self.binds_beyond_loopback
+                            && !on_loopback(&registration.endpoint)
+                        {
+                            // Recorded before this rule, or while the server authenticated.
+                            Err(ServiceError::PermissionDenied(format!(
+                                "the snapshot records a listener binding {:?}; this server has \
+                                 no authentication and binds registrations on loopback only: \
+                                 start it with --auth-tokens or --allow-unauthenticated, or \
+                                 register the worker again",
+                                registration.endpoint
+                            )))
+                        } else {
+                            self.register(registration.clone()).map(drop)
+                        };
+                        if let Err(error) = registered {
                             let feeds = entry.feeds.lock();
                             if !feeds.contains_key(&worker) {
                                 entry.unfed.lock().insert(

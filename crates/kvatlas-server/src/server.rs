@@ -216,7 +216,9 @@ impl RunningServer {
             .await
             .map_err(|e| StartError::Grpc(e.to_string()))??;
         let nats_timeout = Duration::from_secs(10);
-        let mut registry = Registry::new(config.index, config.limits);
+        let mut registry = Registry::new(config.index, config.limits).with_binds_beyond_loopback(
+            config.auth_tokens.is_some() || config.allow_unauthenticated,
+        );
         let mut log_publisher = None;
         if let Some(log) = &config.publish_to {
             let stats = Arc::new(crate::nats::LogStats::default());

@@ -940,6 +940,52 @@ async fn an_unauthenticated_server_binds_on_loopback_only() {
         .await
         .expect("allowed");
     h.server.shutdown().await;
+
+    // A bind beyond loopback recorded in the data directory's snapshot (registered while the
+    // server authenticated) is not bound again by a restart without authentication: its rank
+    // stays unfed, saying why.
+    let dir = temp_dir("bind-restore");
+    let persistence = Some(kvatlas_server::Persistence {
+        data_dir: dir.join("data"),
+        interval: None,
+    });
+    let h = start(ServerConfig {
+        auth_tokens: Some(token_file(&dir)),
+        persistence: persistence.clone(),
+        ..ServerConfig::default()
+    })
+    .await;
+    let mut admin = authed(&h.url, Some("admin-0123456789abcdef")).await;
+    admin
+        .raw()
+        .register_worker(bind(4, "tcp://0.0.0.0:*"))
+        .await
+        .expect("an authenticated server binds anywhere");
+    h.server.shutdown().await;
+    let h = start(ServerConfig {
+        persistence,
+        ..ServerConfig::default()
+    })
+    .await;
+    let mut client = authed(&h.url, None).await;
+    let workers = client
+        .raw()
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("listed")
+        .into_inner()
+        .workers;
+    let rank = workers
+        .iter()
+        .find(|w| w.instance_id == 4)
+        .expect("the recorded rank is listed");
+    assert!(
+        rank.last_error
+            .contains("binds registrations on loopback only"),
+        "{rank:?}"
+    );
+    h.server.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
