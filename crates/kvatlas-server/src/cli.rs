@@ -109,6 +109,11 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), CliError> {
 /// worker serves more queries than two (they share the cores with the writers and the clients)
 /// and more than a current-thread runtime.
 fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, CliError> {
+    if threads == Some(0) {
+        return Err(CliError::Config(
+            "--runtime-threads must be at least 1 (or unset: one per core but one)".into(),
+        ));
+    }
     let threads = threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map_or(1, |n| n.get().saturating_sub(1))
