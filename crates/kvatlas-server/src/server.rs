@@ -1009,22 +1009,45 @@ fn serve_http(
     // connection is not served after the final snapshot was written.
     Ok(tokio::spawn(async move {
         let mut connections = tokio::task::JoinSet::new();
+        let mut last_accept_warning = None;
         loop {
             let accepted = tokio::select! {
                 () = stop.cancelled() => break,
                 accepted = listener.accept() => accepted,
                 Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };
-            let Ok((tcp, _)) = accepted else {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
+            let (tcp, peer) = match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // (Out of descriptors, typically: the next accept is tried shortly; said
+                    // once a second at most.)
+                    if last_accept_warning.is_none_or(|at: tokio::time::Instant| {
+                        at.elapsed() >= Duration::from_secs(1)
+                    }) {
+                        last_accept_warning = Some(tokio::time::Instant::now());
+                        tracing::warn!("HTTPS: accepting a connection failed: {error}");
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
             };
             let (acceptor, router, stop) = (acceptor.clone(), router.clone(), stop.clone());
             connections.spawn(async move {
-                let Ok(Ok(tls)) =
-                    tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await
-                else {
-                    return;
+                let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp))
+                    .await
+                {
+                    Ok(Ok(tls)) => tls,
+                    // A client that does not trust the certificate, or speaks plain HTTP to the
+                    // TLS port, is the usual cause: worth a line at debug level, not a warning
+                    // per connection a scanner opens.
+                    Ok(Err(error)) => {
+                        tracing::debug!(%peer, "HTTPS: TLS handshake failed: {error}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "HTTPS: no TLS handshake within 10 s");
+                        return;
+                    }
                 };
                 let service = hyper_util::service::TowerToHyperService::new(router);
                 let builder = hyper_util::server::conn::auto::Builder::new(

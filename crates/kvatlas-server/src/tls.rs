@@ -65,7 +65,12 @@ impl TlsMaterial {
             .map_err(|e| e.to_string())?
             .with_no_client_auth()
             .with_single_cert(certs, key)
-            .map_err(|e| format!("the key does not fit the certificate: {e}"))?;
+            .map_err(|e| {
+                format!(
+                    "the certificate and key cannot serve TLS (a key of another certificate, or a \
+                     key type rustls does not support): {e}"
+                )
+            })?;
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(TlsAcceptor::from(Arc::new(config)))
     }
