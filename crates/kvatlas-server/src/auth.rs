@@ -265,7 +265,8 @@ impl Tokens {
                         }
                         caller.tenants = Some(Arc::new(tenants));
                     }
-                    Some(("name", label)) if !label.is_empty() => caller.name = Arc::from(label),
+                    Some(("name", "")) => return Err(bad("name= gives no label".into())),
+                    Some(("name", label)) => caller.name = Arc::from(label),
                     Some(("max_requests", limit)) => match limit.parse::<usize>() {
                         Ok(limit) if limit > 0 => {
                             caller.quota = Some(Arc::new(RequestQuota::new(limit)));

@@ -680,7 +680,7 @@ pub struct ConnectArgs {
     /// The server's gRPC address.
     #[arg(long, env = "KVATLAS_SERVER", default_value = "http://127.0.0.1:50051")]
     pub server: String,
-    /// A file holding the bearer token (its first line).
+    /// A file holding the bearer token (its first token: blank lines and `#` comments skipped).
     #[arg(long, env = "KVATLAS_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
     /// A PEM CA certificate to trust for an https:// server.

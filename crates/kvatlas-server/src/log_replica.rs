@@ -448,7 +448,7 @@ impl Consumer {
             let arrived = std::time::Instant::now();
             let info = message.info().map_err(|e| format!("message info: {e}"))?;
             if info.consumer != consumer_name {
-                self.check_same_stream().await?;
+                self.check_same_stream(Some(info.stream_sequence)).await?;
                 info.consumer.clone_into(&mut consumer_name);
             }
             let sequence = info.stream_sequence;
@@ -696,8 +696,11 @@ impl Consumer {
     /// stream that lost its tail is handled here ([`Consumer::stream_shortened`]): by the time
     /// the consumer starts again, the records stored after the outage may have taken the stream
     /// past this replica's position. (One written on that far before this read cannot be told
-    /// from one that lost nothing.)
-    async fn check_same_stream(&mut self) -> Result<(), String> {
+    /// from one that lost nothing.) `first`: the sequence of the first message of an ordered
+    /// consumer that re-created itself — nats-server starts it at the stream's end then, so the
+    /// records from it on were stored after the loss and are read (unless it is the stream's
+    /// first, where async-nats starts a consumer that had delivered nothing).
+    async fn check_same_stream(&mut self, first: Option<u64>) -> Result<(), String> {
         let info = tokio::time::timeout(Duration::from_secs(2), self.stream.get_info())
             .await
             .map_err(|_| "stream info: no answer within 2 s".to_owned())?
@@ -705,7 +708,12 @@ impl Consumer {
         if created_nanos(&info) != self.stream_created {
             Err("the stream was created again".into())
         } else if info.state.last_sequence < self.applied {
-            self.stream_shortened(info.state.last_sequence);
+            let last = info.state.last_sequence;
+            let read_on_after = match first {
+                Some(first) if first > info.state.first_sequence => (first - 1).min(last),
+                _ => last,
+            };
+            self.stream_shortened(read_on_after);
             Err("the stream ends below this replica's position".into())
         } else {
             Ok(())
@@ -725,7 +733,7 @@ impl Consumer {
     async fn diverged(&mut self) -> Result<(), String> {
         // A stream created again is not a divergence: the consumer starts again and keeps the
         // state.
-        self.check_same_stream().await?;
+        self.check_same_stream(None).await?;
         LogStats::bump(&self.stats.live_divergences);
         tracing::warn!(
             stream_sequence = self.applied,
@@ -772,7 +780,7 @@ impl Consumer {
     /// snapshot if it covers the hole (`true`: consume again after it), else counts the loss.
     async fn skipped(&mut self, sequence: u64) -> Result<bool, String> {
         // A stream created again skips too (the consumer starts again and reads it whole).
-        self.check_same_stream().await?;
+        self.check_same_stream(None).await?;
         LogStats::bump(&self.stats.rebootstraps);
         let lost = sequence - self.applied - 1;
         if let Some(covered) = newest_position(&self.bucket, self.stream_created).await

@@ -92,7 +92,8 @@ impl std::fmt::Debug for PeerAccess {
 }
 
 impl PeerAccess {
-    /// The token (the first line of its file, trimmed) and, when a peer is `https://`, a TLS
+    /// The token (the first token of its file: [`crate::auth::token_of_file`]) and, when a peer
+    /// is `https://`, a TLS
     /// connector trusting `ca_pem`'s certificates, else the system's roots.
     ///
     /// # Errors
@@ -106,7 +107,7 @@ impl PeerAccess {
             Some(text) => {
                 let token = crate::auth::token_of_file(text);
                 if token.is_empty() {
-                    return Err("the peer token file is empty".into());
+                    return Err("the peer token file holds no token".into());
                 }
                 Some(token.to_owned())
             }

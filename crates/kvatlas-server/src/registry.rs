@@ -559,9 +559,10 @@ impl IndexEntry {
             .collect()
     }
 
-    /// The counters of every feed, live and retired, summed (monotonic: a feed is retired
-    /// under the locks held here, so no sum misses it between its removal and its retirement;
-    /// lock order `feeds`, `retired`, the listeners').
+    /// The counters of every feed, live and retired, summed (monotonic but for a listener
+    /// being stopped: a `PublishEvents` feed is retired under the locks held here, so no sum
+    /// misses it; a listener's counters are missed while its stop waits for its poller; lock
+    /// order `feeds`, `retired`, the listeners').
     pub(crate) fn total_counters(&self) -> FeedCounters {
         let feeds = self.feeds.lock();
         let retired = self.retired.lock();
@@ -873,12 +874,14 @@ impl IndexEntry {
         let mut listeners_stopped = 0;
         for (_, feed) in &removed {
             if let Feed::Zmq { listener, .. } = feed {
-                // Stopped under the retired counters' lock: a sum sees the listener in the list
-                // or its final counters retired, never neither.
-                let mut retired = self.retired.lock();
+                // Retired once stopped. (Not under the retired counters' lock: a stop waits for
+                // the listener's poller, which may be waiting for room in any index's lanes or
+                // the event log; a sum taken meanwhile misses the listener's counters.)
                 if let Ok(state) = self.listeners.stop(*listener) {
                     listeners_stopped += 1;
-                    retired.add(&FeedCounters::from(&state.counters));
+                    self.retired
+                        .lock()
+                        .add(&FeedCounters::from(&state.counters));
                 }
             }
         }
@@ -1449,6 +1452,7 @@ impl Registry {
                     RecordedFeed::Zmq(registration) => {
                         let registered = if registration.mode == SocketMode::Bind
                             && !self.binds_beyond_loopback
+                            && registration.endpoint.starts_with("tcp://")
                             && !on_loopback(&registration.endpoint)
                         {
                             // Recorded before this rule, or while the server authenticated.
