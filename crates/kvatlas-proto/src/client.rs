@@ -108,9 +108,18 @@ impl ClientError {
     }
 }
 
-/// Adds `authorization: Bearer <token>` to every call (nothing without a token).
-#[derive(Debug, Clone, Default)]
+/// Adds `authorization: Bearer <token>` to every call (nothing without a token). Its `Debug`
+/// never shows the token.
+#[derive(Clone, Default)]
 pub struct BearerToken(Option<MetadataValue<Ascii>>);
+
+impl std::fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("BearerToken")
+            .field(&self.0.as_ref().map(|_| "…"))
+            .finish()
+    }
+}
 
 impl BearerToken {
     /// A token to send, or none.
@@ -120,9 +129,12 @@ impl BearerToken {
     pub fn new(token: Option<&str>) -> Result<Self, ClientError> {
         token
             .map(|t| {
-                format!("Bearer {}", t.trim())
+                let mut value: MetadataValue<Ascii> = format!("Bearer {}", t.trim())
                     .parse()
-                    .map_err(|_| ClientError::InvalidToken)
+                    .map_err(|_| ClientError::InvalidToken)?;
+                // Left out of HTTP/2's header compression tables and of debug output.
+                value.set_sensitive(true);
+                Ok(value)
             })
             .transpose()
             .map(Self)
@@ -143,8 +155,8 @@ impl Interceptor for BearerToken {
     }
 }
 
-/// How to connect.
-#[derive(Debug, Clone, Default)]
+/// How to connect. Its `Debug` never shows the token.
+#[derive(Clone, Default)]
 pub struct ConnectOptions {
     /// A bearer token sent with every call.
     pub token: Option<String>,
@@ -153,6 +165,20 @@ pub struct ConnectOptions {
     /// A PEM CA certificate to trust for `https://` addresses (the system roots are not used).
     #[cfg(feature = "tls")]
     pub ca_certificate_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for ConnectOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut out = f.debug_struct("ConnectOptions");
+        out.field("token", &self.token.as_ref().map(|_| "…"))
+            .field("timeout", &self.timeout);
+        #[cfg(feature = "tls")]
+        out.field(
+            "ca_certificate_pem",
+            &self.ca_certificate_pem.as_ref().map(Vec::len),
+        );
+        out.finish()
+    }
 }
 
 /// A prompt to score: the index it belongs to and its tokens.
@@ -376,5 +402,24 @@ impl Client {
                     .with_cache_salt(prompt.cache_salt)
             });
         hasher.local_hashes(prompt.tokens).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_never_shows_the_token() {
+        let token = "secret-0123456789abcdef";
+        let bearer = BearerToken::new(Some(token)).expect("a header value");
+        let options = ConnectOptions {
+            token: Some(token.to_owned()),
+            ..ConnectOptions::default()
+        };
+        for shown in [format!("{bearer:?}"), format!("{options:?}")] {
+            assert!(!shown.contains("secret"), "{shown}");
+            assert!(shown.contains('…'), "says a token is set: {shown}");
+        }
     }
 }

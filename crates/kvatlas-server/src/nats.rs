@@ -174,11 +174,32 @@ pub(crate) async fn connect(
         .map_err(|_| {
             format!(
                 "cannot reach NATS at {}: no answer within {timeout:?}",
-                log.url
+                shown_url(&log.url)
             )
         })?
-        .map_err(|e| format!("cannot reach NATS at {}: {e}", log.url))?;
+        .map_err(|e| format!("cannot reach NATS at {}: {e}", shown_url(&log.url)))?;
     Ok(jetstream::new(client))
+}
+
+/// `url` for logs and errors: credentials in it (`nats://user:password@host`) are replaced by
+/// `***`.
+pub(crate) fn shown_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    // Every server of a comma-separated list has its own credentials.
+    let servers: Vec<String> = rest[..authority_end]
+        .split(',')
+        .map(|server| match server.rsplit_once('@') {
+            Some((_, host)) => format!("***@{host}"),
+            None => server.to_owned(),
+        })
+        .collect();
+    let shown = format!("{}{}", servers.join(","), &rest[authority_end..]);
+    if scheme.is_empty() {
+        shown
+    } else {
+        format!("{scheme}://{shown}")
+    }
 }
 
 /// Counts and logs one event the NATS client reports.
@@ -557,6 +578,17 @@ impl LogStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_in_a_url_are_not_shown() {
+        assert_eq!(shown_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(
+            shown_url("nats://user:s3cret@nats.local:4222"),
+            "nats://***@nats.local:4222"
+        );
+        assert_eq!(shown_url("tok3n@h:1,h2:2"), "***@h:1,h2:2");
+        assert!(!shown_url("tls://a:b@h:1/x@y").contains('b'));
+    }
 
     #[test]
     fn the_clients_dropped_messages_and_lost_connections_are_counted_and_shown() {

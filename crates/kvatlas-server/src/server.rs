@@ -242,7 +242,7 @@ impl RunningServer {
                 stop.clone(),
                 Arc::clone(&drain_until),
             ));
-            tracing::info!(url = %log.url, stream = %log.stream, "ingest: publishing to the NATS event log");
+            tracing::info!(url = %crate::nats::shown_url(&log.url), stream = %log.stream, "ingest: publishing to the NATS event log");
             log_publisher = Some((stop, drain_until, task));
         }
         if let Some(log) = &config.consume_from {
@@ -394,7 +394,7 @@ impl RunningServer {
         });
         let replica = match &config.consume_from {
             Some(log) => {
-                tracing::info!(url = %log.url, stream = %log.stream, "replica: consuming the NATS event log");
+                tracing::info!(url = %crate::nats::shown_url(&log.url), stream = %log.stream, "replica: consuming the NATS event log");
                 Some(
                     crate::log_replica::start(Arc::clone(&state), log.clone(), nats_timeout)
                         .await
