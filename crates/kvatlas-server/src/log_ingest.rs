@@ -276,19 +276,28 @@ impl Flights {
     /// The next message whose task ended (`None`: none in flight).
     async fn next(&mut self) -> Option<Landed> {
         loop {
-            let (id, published) = match self.tasks.join_next_with_id().await? {
-                Ok((id, published)) => (id, Some(published)),
-                Err(error) => (error.id(), None),
-            };
-            // Every task is listed when spawned ([`spawn_publish`]).
-            let Some((lane, records)) = self.lanes.remove(&id) else {
-                continue;
-            };
-            return Some(match published {
-                Some(published) => Landed::Done(lane, published),
-                None => Landed::Panicked(lane, records),
-            });
+            let done = self.tasks.join_next_with_id().await?;
+            if let Some(landed) = self.landed(done) {
+                return Some(landed);
+            }
         }
+    }
+
+    /// A task's end as its lane's: `None` for a task not listed (every task is, when spawned:
+    /// [`spawn_publish`]).
+    fn landed(
+        &mut self,
+        done: Result<(tokio::task::Id, Published), tokio::task::JoinError>,
+    ) -> Option<Landed> {
+        let (id, published) = match done {
+            Ok((id, published)) => (id, Some(published)),
+            Err(error) => (error.id(), None),
+        };
+        let (lane, records) = self.lanes.remove(&id)?;
+        Some(match published {
+            Some(published) => Landed::Done(lane, published),
+            None => Landed::Panicked(lane, records),
+        })
     }
 }
 
@@ -552,15 +561,10 @@ pub(crate) async fn run_publisher(
     let in_flight: usize = {
         let mut n = 0;
         while let Some(done) = flights.tasks.try_join_next_with_id() {
-            let id = match &done {
-                Ok((id, _)) => *id,
-                Err(error) => error.id(),
-            };
-            let listed = flights.lanes.remove(&id).map_or(0, |(_, records)| records);
-            n += match done {
-                Ok((_, (_, Ok(_)))) => 0,
-                Ok((_, (records, Err(_)))) => records.len(),
-                Err(_) => listed,
+            n += match flights.landed(done) {
+                Some(Landed::Done(_, (records, Err(_)))) => records.len(),
+                Some(Landed::Panicked(_, lost)) => lost,
+                Some(Landed::Done(_, (_, Ok(_)))) | None => 0,
             };
         }
         n + flights

@@ -662,10 +662,16 @@ impl Consumer {
              state and reading the new stream from its start"
         );
         self.stream_created = created;
-        self.applied = 0;
+        self.read_on_after(0);
+    }
+
+    /// Reads the stream on after `sequence`, the live path's chains forgotten (they named
+    /// records of a stream that is no longer what this replica reads).
+    fn read_on_after(&mut self, sequence: u64) {
+        self.applied = sequence;
         self.stats
             .stream_sequence
-            .store(0, std::sync::atomic::Ordering::Relaxed);
+            .store(sequence, std::sync::atomic::Ordering::Relaxed);
         self.forget_live();
     }
 
@@ -684,11 +690,7 @@ impl Consumer {
             "the event-log stream ends below this replica's position: it lost records this \
              replica applied (replicas that had not read them lack them); reading on after its end"
         );
-        self.applied = last_sequence;
-        self.stats
-            .stream_sequence
-            .store(last_sequence, std::sync::atomic::Ordering::Relaxed);
-        self.forget_live();
+        self.read_on_after(last_sequence);
     }
 
     /// Whether the stream is still the one `applied` counts in, whole (its creation time and
