@@ -23,8 +23,10 @@
 //! `kvatlas.v1` RPC and `/metrics` do once a token file is given.
 
 use std::collections::BTreeSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
 
 use ring::digest::{SHA256, digest};
 use subtle::ConstantTimeEq;
@@ -184,6 +186,80 @@ pub struct Tokens {
     tokens: Vec<Token>,
 }
 
+/// The server's token file: the tokens in force, re-read while the server runs
+/// ([`TokenFile::reload`], on SIGHUP and every few seconds), so tokens are added, revoked and
+/// rotated without a restart.
+#[derive(Debug)]
+pub(crate) struct TokenFile {
+    path: PathBuf,
+    /// `--max-requests-per-token`, for the tokens without `max_requests=`.
+    default_quota: Option<usize>,
+    /// The text last loaded (a file that reads the same is not parsed again).
+    loaded: Mutex<String>,
+    current: RwLock<Arc<Tokens>>,
+}
+
+impl TokenFile {
+    /// Reads the token file at `path`.
+    ///
+    /// # Errors
+    /// [`TokenFileError`] naming the file and line (never the token).
+    pub(crate) fn load(path: &Path, default_quota: Option<usize>) -> Result<Self, TokenFileError> {
+        let text = read_text(path)?;
+        let tokens =
+            Tokens::parse(&text, &path.display().to_string())?.with_default_quota(default_quota);
+        Ok(Self {
+            path: path.to_owned(),
+            default_quota,
+            loaded: Mutex::new(text),
+            current: RwLock::new(Arc::new(tokens)),
+        })
+    }
+
+    /// Reads the file again; tokens that changed are in force from the next request on (a
+    /// request or stream already admitted keeps going). `Ok(None)`: the file reads as before;
+    /// `Ok(Some(n))`: `n` tokens are now in force.
+    ///
+    /// # Errors
+    /// [`TokenFileError`]; the tokens in force do not change.
+    pub(crate) fn reload(&self) -> Result<Option<usize>, TokenFileError> {
+        let text = read_text(&self.path)?;
+        if *self.loaded.lock() == text {
+            return Ok(None);
+        }
+        let tokens = Tokens::parse(&text, &self.path.display().to_string())?
+            .with_default_quota(self.default_quota);
+        let mut current = self.current.write();
+        let tokens = tokens.keeping_quotas_of(&current);
+        let count = tokens.len();
+        *current = Arc::new(tokens);
+        drop(current);
+        *self.loaded.lock() = text;
+        Ok(Some(count))
+    }
+
+    /// The file.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The caller of an `authorization` header value, by the tokens in force.
+    ///
+    /// # Errors
+    /// What [`Tokens::authorize_header`] answers.
+    pub(crate) fn authorize_header(&self, header: Option<&str>) -> Result<Caller, ServiceError> {
+        self.current.read().authorize_header(header)
+    }
+}
+
+/// A token file's text.
+fn read_text(path: &Path) -> Result<String, TokenFileError> {
+    std::fs::read_to_string(path).map_err(|source| TokenFileError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
 /// `value` for an error message, unless it is as long as a token could be.
 fn shown(value: &str) -> String {
     if value.len() < MIN_TOKEN_BYTES {
@@ -205,12 +281,7 @@ impl Tokens {
     /// # Errors
     /// [`TokenFileError`] naming the file and line (never the token).
     pub fn from_file(path: &Path) -> Result<Self, TokenFileError> {
-        let name = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| TokenFileError::Read {
-            path: name.clone(),
-            source,
-        })?;
-        Self::parse(&text, &name)
+        Self::parse(&read_text(path)?, &path.display().to_string())
     }
 
     /// Parses a token file's text; `path` names it in errors.
@@ -320,6 +391,36 @@ impl Tokens {
             }
         }
         self
+    }
+
+    /// The tokens, each keeping the quota it has in `old` (and with it the count of its requests
+    /// in flight) when `old` has the same token with the same limit: a reload of the file does
+    /// not give a token that holds its whole share a fresh one.
+    #[must_use]
+    fn keeping_quotas_of(mut self, old: &Tokens) -> Self {
+        for token in &mut self.tokens {
+            let Some(limit) = token.caller.quota.as_ref().map(|q| q.limit()) else {
+                continue;
+            };
+            let same = old.tokens.iter().find(|o| o.sha256 == token.sha256);
+            if let Some(quota) = same
+                .and_then(|o| o.caller.quota.as_ref())
+                .filter(|q| q.limit() == limit)
+            {
+                token.caller.quota = Some(Arc::clone(quota));
+            }
+        }
+        self
+    }
+
+    /// How many tokens there are.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether there are none (never, for tokens read from a file).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
     }
 
     /// The caller a bearer token authenticates, comparing against every token in constant time.
@@ -527,5 +628,60 @@ mod tests {
             assert!(error.contains(needle), "{text}: {error}");
             assert!(!error.contains("0123456789abcdef"), "{error}");
         }
+    }
+
+    #[test]
+    fn a_reload_swaps_the_tokens_and_keeps_the_quotas_of_unchanged_ones() {
+        let dir = std::env::temp_dir().join(format!("kvatlas-token-reload-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("tokens");
+        let (kept, resized, gone, added) = (
+            "kept-0123456789abcdef",
+            "resized-0123456789abcdef",
+            "gone-0123456789abcdef",
+            "added-0123456789abcdef",
+        );
+        std::fs::write(
+            &path,
+            format!("{kept} name=kept\n{resized} max_requests=2\n{gone} tenants=a\n"),
+        )
+        .expect("write");
+        let file = TokenFile::load(&path, Some(4)).expect("loads");
+        let bearer = |token: &str| format!("Bearer {token}");
+        let caller = |token: &str| file.authorize_header(Some(&bearer(token)));
+        let kept_quota = caller(kept).expect("kept").quota.expect("default quota");
+        assert!(kept_quota.take(), "one of its requests in flight");
+        let resized_quota = caller(resized).expect("resized").quota.expect("quota");
+        assert_eq!(file.reload().expect("reads"), None, "unchanged");
+
+        std::fs::write(
+            &path,
+            format!("{kept} name=kept\n{resized} max_requests=3\n{added}\n"),
+        )
+        .expect("write");
+        assert_eq!(file.reload().expect("reads"), Some(3));
+        let now = caller(kept).expect("kept").quota.expect("quota");
+        assert!(
+            Arc::ptr_eq(&now, &kept_quota),
+            "the same quota, its request still counted"
+        );
+        let now = caller(resized).expect("resized").quota.expect("quota");
+        assert!(
+            !Arc::ptr_eq(&now, &resized_quota) && now.limit() == 3,
+            "a new limit"
+        );
+        assert!(caller(gone).is_err(), "revoked");
+        assert!(caller(added).expect("added").may_use("b"), "every tenant");
+
+        // A line that is not valid: refused, the tokens in force stay.
+        std::fs::write(&path, format!("{kept}\n{added} tenants=\n")).expect("write");
+        let refused = file.reload().expect_err("invalid").to_string();
+        assert!(refused.contains("line 2"), "{refused}");
+        assert!(caller(added).is_ok() && caller(resized).is_ok());
+        // A file that cannot be read: the same.
+        std::fs::remove_file(&path).expect("remove");
+        assert!(matches!(file.reload(), Err(TokenFileError::Read { .. })));
+        assert!(caller(kept).is_ok());
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -238,13 +238,15 @@ pub struct ServeArgs {
     /// whole-state reads, the concurrent requests and its token's) [default: 30].
     #[arg(long, env = "KVATLAS_STALL_TIMEOUT_SECS")]
     pub stall_timeout_secs: Option<u64>,
-    /// Bearer-token file: one token per line, optionally `tenants=A,B` and `name=LABEL`.
+    /// Bearer-token file: one token per line, optionally `tenants=A,B`, `name=LABEL` and
+    /// `max_requests=N`. Read again on SIGHUP and every 10 s (an invalid version is refused).
     #[arg(long, env = "KVATLAS_AUTH_TOKENS")]
     pub auth_tokens: Option<PathBuf>,
     /// Accept listening beyond loopback without authentication.
     #[arg(long, env = "KVATLAS_ALLOW_UNAUTHENTICATED", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub allow_unauthenticated: Option<bool>,
-    /// TLS certificate chain (PEM) for both listeners.
+    /// TLS certificate chain (PEM) for both listeners. It and the key are read again on SIGHUP
+    /// and every 10 s (new connections get a changed pair; an invalid one is refused).
     #[arg(long, env = "KVATLAS_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
     /// TLS private key (PEM).

@@ -13,6 +13,7 @@
 //! | `kvatlas_requests_in_flight` | gauge | (gRPC requests and open streams, and HTTP requests but `/health`, `/ready`, `/metrics`) |
 //! | `kvatlas_auth_failures_total` | counter | (missing or unknown credentials) |
 //! | `kvatlas_http_requests_total` | counter | `route`, `status` |
+//! | `kvatlas_reloads_total` | counter | `file` (`tokens`, `tls`), `outcome` (`applied`; `refused`: a changed file that is not valid, counted at every check while it stays so — the server goes on with what it had) |
 //! | `kvatlas_ready` | gauge | (1 once the startup gate is open) |
 //! | `kvatlas_registered_ranks` | gauge | |
 //! | `kvatlas_index_memberships`, `_worker_ranks`, `_heap_bytes`, `_capacity`, `_queue_depth`, `_last_event_timestamp_seconds` | gauge | `model`, `tenant` |
@@ -236,6 +237,8 @@ pub(crate) struct Metrics {
     in_flight: Places,
     auth_failures: AtomicU64,
     http: Mutex<std::collections::BTreeMap<(&'static str, u16), u64>>,
+    /// Reloads by file and whether they were applied.
+    reloads: Mutex<std::collections::BTreeMap<(&'static str, bool), u64>>,
 }
 
 impl Default for Metrics {
@@ -246,6 +249,7 @@ impl Default for Metrics {
             in_flight: Places::default(),
             auth_failures: AtomicU64::new(0),
             http: Mutex::new(std::collections::BTreeMap::new()),
+            reloads: Mutex::new(std::collections::BTreeMap::new()),
         }
     }
 }
@@ -275,6 +279,11 @@ impl Metrics {
     /// Records a request refused for missing or unknown credentials.
     pub(crate) fn auth_failure(&self) {
         self.auth_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a changed `file` (`tokens`, `tls`) applied or refused.
+    pub(crate) fn reload(&self, file: &'static str, applied: bool) {
+        *self.reloads.lock().entry((file, applied)).or_insert(0) += 1;
     }
 
     /// The requests-in-flight gauge.
@@ -440,6 +449,19 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "kvatlas_http_requests_total{{route=\"{route}\",status=\"{status}\"}} {count}"
+            );
+        }
+        header(
+            out,
+            "kvatlas_reloads_total",
+            "counter",
+            "Changed token files and TLS certificates applied or refused while running.",
+        );
+        for ((file, applied), count) in self.reloads.lock().iter() {
+            let outcome = if *applied { "applied" } else { "refused" };
+            let _ = writeln!(
+                out,
+                "kvatlas_reloads_total{{file=\"{file}\",outcome=\"{outcome}\"}} {count}"
             );
         }
     }

@@ -40,7 +40,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
-use crate::auth::{TokenFileError, Tokens};
+use crate::auth::{TokenFile, TokenFileError};
 use crate::config::Persistence;
 use crate::config::{ConfigError, ServerConfig};
 use crate::error::ServiceError;
@@ -48,10 +48,11 @@ use crate::grpc::{IndexerService, OversizeStatus, authenticate};
 use crate::llmd::{PodScoresService, TokenizerError, Tokenizers};
 use crate::peers::Bootstrap;
 use crate::registry::{Feed, IndexKey, Registry, WorkerRegistration};
+use crate::reload::{Reloaded, Reloader};
 use crate::served_index::unix_micros_now;
 use crate::state::State;
 use crate::store::{DataDir, Written};
-use crate::tls::TlsMaterial;
+use crate::tls::ServerIdentity;
 
 /// HTTP/2 flow-control windows (per connection and per stream): large enough that busy
 /// connections rarely stop to send WINDOW_UPDATE frames.
@@ -188,6 +189,9 @@ pub struct RunningServer {
     )>,
     /// A replica's consumer.
     replica: Option<crate::log_replica::Replica>,
+    /// Reads the token file and the TLS certificate again (on SIGHUP, every few seconds, and
+    /// when [`RunningServer::reload`] asks).
+    reloader: Arc<Reloader>,
 }
 
 impl RunningServer {
@@ -200,17 +204,15 @@ impl RunningServer {
         let tokens = config
             .auth_tokens
             .as_deref()
-            .map(|path| {
-                Tokens::from_file(path)
-                    .map(|tokens| tokens.with_default_quota(config.limits.max_requests_per_token))
-            })
+            .map(|path| TokenFile::load(path, config.limits.max_requests_per_token))
             .transpose()?;
         let tls = config
             .tls
             .as_ref()
-            .map(TlsMaterial::load)
+            .map(ServerIdentity::load)
             .transpose()
-            .map_err(StartError::Tls)?;
+            .map_err(StartError::Tls)?
+            .map(Arc::new);
         let tokenizer_files = config.tokenizers.clone();
         let tokenizers = tokio::task::spawn_blocking(move || Tokenizers::load(&tokenizer_files))
             .await
@@ -361,18 +363,20 @@ impl RunningServer {
         }
         let (reporter, health_service) = tonic_health::server::health_reporter();
         let health = tokio::spawn(track_health(Arc::clone(&state), reporter));
+        let reloader = Arc::new(Reloader::new(Arc::clone(&state), tls.clone()));
+        tokio::spawn(Arc::clone(&reloader).watch(stop_accepting.clone()));
         let grpc = serve_grpc(
             &state,
             Arc::new(tokenizers),
             grpc_listener,
-            tls.as_ref(),
+            tls.as_deref(),
             health_service,
             stop_accepting.clone(),
         )?;
         let http = serve_http(
             crate::http::router(Arc::clone(&state)),
             http_listener,
-            tls.as_ref(),
+            tls.as_deref(),
             stop_accepting.clone(),
         )
         .map_err(StartError::Tls)?;
@@ -429,7 +433,18 @@ impl RunningServer {
             stop_snapshots,
             log_publisher,
             replica,
+            reloader,
         })
+    }
+
+    /// Reads the token file and the TLS certificate and key again now, as SIGHUP does (and a
+    /// check every few seconds): what changed and is valid is in force from the next request
+    /// or handshake on; what changed and is not is refused, and what was in force stays.
+    pub async fn reload(&self) -> Reloaded {
+        let reloader = Arc::clone(&self.reloader);
+        tokio::task::spawn_blocking(move || reloader.check())
+            .await
+            .unwrap_or_default()
     }
 
     /// Where the state this server started with came from.
@@ -907,7 +922,7 @@ fn serve_grpc(
     state: &Arc<State>,
     tokenizers: Arc<Tokenizers>,
     listener: TcpListener,
-    tls: Option<&TlsMaterial>,
+    tls: Option<&ServerIdentity>,
     health: tonic_health::pb::health_server::HealthServer<
         impl tonic_health::pb::health_server::Health,
     >,
@@ -963,11 +978,6 @@ fn serve_grpc(
         .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
         .initial_connection_window_size(Some(WINDOW_BYTES))
         .initial_stream_window_size(Some(WINDOW_BYTES));
-    if let Some(tls) = tls {
-        builder = builder
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(tls.identity()))
-            .map_err(|e| StartError::Tls(format!("gRPC TLS: {e}")))?;
-    }
     // Health and reflection (the API's schema, public in any case) need no token, so probes and
     // grpcurl work; every kvatlas.v1 RPC and llm-d's GetPodScores go through `authenticate`.
     let router = builder
@@ -979,16 +989,88 @@ fn serve_grpc(
     let incoming = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(GRPC_KEEPALIVE_INTERVAL));
+    let Some(tls) = tls else {
+        return Ok(tokio::spawn(
+            router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()),
+        ));
+    };
+    // TLS in front of tonic rather than tonic's own (which takes its certificate once): the
+    // handshake presents whatever certificate is current (a reload replaces it).
+    let acceptor = tls
+        .acceptor(&[b"h2"])
+        .map_err(|e| StartError::Tls(format!("gRPC TLS: {e}")))?;
+    let handshaken = tls_incoming(incoming, acceptor, stop.clone());
     Ok(tokio::spawn(router.serve_with_incoming_shutdown(
-        incoming,
+        handshaken,
         stop.cancelled_owned(),
     )))
+}
+
+/// How long a client has to complete its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The TLS connections of `incoming`, each handshaken in a task of its own (a slow client
+/// holds up nobody else) within [`TLS_HANDSHAKE_TIMEOUT`]; a failed handshake is logged at
+/// debug level and dropped. Accepting ends with `stop`.
+fn tls_incoming(
+    incoming: TcpIncoming,
+    acceptor: tokio_rustls::TlsAcceptor,
+    stop: CancellationToken,
+) -> impl tokio_stream::Stream<
+    Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+> {
+    use tokio_stream::StreamExt as _;
+    let (handshaken, receiver) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        let mut handshakes = tokio::task::JoinSet::new();
+        let mut last_accept_warning = None;
+        loop {
+            let accepted = tokio::select! {
+                () = stop.cancelled() => break,
+                accepted = incoming.next() => accepted,
+                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => continue,
+            };
+            let tcp = match accepted {
+                Some(Ok(tcp)) => tcp,
+                Some(Err(error)) => {
+                    warn_accept_failed("gRPC", &error, &mut last_accept_warning);
+                    continue;
+                }
+                None => break,
+            };
+            let (acceptor, handshaken) = (acceptor.clone(), handshaken.clone());
+            handshakes.spawn(async move {
+                let peer = tcp.peer_addr().ok();
+                match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = handshaken.send(Ok(tls)).await;
+                    }
+                    Ok(Err(error)) => {
+                        tracing::debug!(?peer, "gRPC: TLS handshake failed: {error}");
+                    }
+                    Err(_) => {
+                        tracing::debug!(?peer, "gRPC: no TLS handshake within 10 s");
+                    }
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(receiver)
+}
+
+/// Logs a failed accept (out of descriptors, typically) once a second at most.
+fn warn_accept_failed(what: &str, error: &std::io::Error, last: &mut Option<tokio::time::Instant>) {
+    if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+        *last = Some(tokio::time::Instant::now());
+        tracing::warn!("{what}: accepting a connection failed: {error}");
+    }
 }
 
 fn serve_http(
     router: axum::Router,
     listener: TcpListener,
-    tls: Option<&TlsMaterial>,
+    tls: Option<&ServerIdentity>,
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
     let Some(tls) = tls else {
@@ -1001,7 +1083,7 @@ fn serve_http(
             }
         }));
     };
-    let acceptor = tls.acceptor()?;
+    let acceptor = tls.acceptor(&[b"h2", b"http/1.1"])?;
     // As `axum::serve`'s graceful shutdown does for plain HTTP: once `stop` is cancelled no
     // connection is accepted, every open one finishes its request in flight and closes (HTTP/2:
     // GOAWAY), and the task ends when they all have (the caller's deadline aborts it, and with
@@ -1019,36 +1101,29 @@ fn serve_http(
             let (tcp, peer) = match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
-                    // (Out of descriptors, typically: the next accept is tried shortly; said
-                    // once a second at most.)
-                    if last_accept_warning.is_none_or(|at: tokio::time::Instant| {
-                        at.elapsed() >= Duration::from_secs(1)
-                    }) {
-                        last_accept_warning = Some(tokio::time::Instant::now());
-                        tracing::warn!("HTTPS: accepting a connection failed: {error}");
-                    }
+                    // (Out of descriptors, typically: the next accept is tried shortly.)
+                    warn_accept_failed("HTTPS", &error, &mut last_accept_warning);
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 }
             };
             let (acceptor, router, stop) = (acceptor.clone(), router.clone(), stop.clone());
             connections.spawn(async move {
-                let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp))
-                    .await
-                {
-                    Ok(Ok(tls)) => tls,
-                    // A client that does not trust the certificate, or speaks plain HTTP to the
-                    // TLS port, is the usual cause: worth a line at debug level, not a warning
-                    // per connection a scanner opens.
-                    Ok(Err(error)) => {
-                        tracing::debug!(%peer, "HTTPS: TLS handshake failed: {error}");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "HTTPS: no TLS handshake within 10 s");
-                        return;
-                    }
-                };
+                let tls =
+                    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => tls,
+                        // A client that does not trust the certificate, or speaks plain HTTP to the
+                        // TLS port, is the usual cause: worth a line at debug level, not a warning
+                        // per connection a scanner opens.
+                        Ok(Err(error)) => {
+                            tracing::debug!(%peer, "HTTPS: TLS handshake failed: {error}");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "HTTPS: no TLS handshake within 10 s");
+                            return;
+                        }
+                    };
                 let service = hyper_util::service::TowerToHyperService::new(router);
                 let builder = hyper_util::server::conn::auto::Builder::new(
                     hyper_util::rt::TokioExecutor::new(),

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::{Caller, RequestQuota, Tokens};
+use crate::auth::{Caller, RequestQuota, TokenFile};
 use crate::config::Limits;
 use crate::error::ServiceError;
 use crate::metrics::{Metrics, Rpc};
@@ -26,7 +26,7 @@ pub(crate) struct State {
     pub(crate) metrics: Metrics,
     pub(crate) limits: Limits,
     /// `None` = no authentication.
-    pub(crate) tokens: Option<Tokens>,
+    pub(crate) tokens: Option<TokenFile>,
     /// Registered ranks needed before queries are answered.
     pub(crate) min_initial_workers: usize,
     gate_open: AtomicBool,
@@ -68,7 +68,7 @@ impl State {
     pub(crate) fn new(
         registry: Arc<Registry>,
         limits: Limits,
-        tokens: Option<Tokens>,
+        tokens: Option<TokenFile>,
         min_initial_workers: usize,
     ) -> Self {
         // A query's ids over the limit are kept only up to the limit + 1, then refused (by the

@@ -1414,12 +1414,29 @@ async fn tls_serves_both_listeners() {
             .expect_err("plaintext against TLS");
     }
     // HTTPS on the HTTP listener.
+    assert_eq!(
+        https_get(server.http_addr(), &cert_pem, "/ready", None)
+            .await
+            .expect("TLS handshake"),
+        (200, "ready\n".to_owned())
+    );
+    server.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A GET over HTTPS trusting only `ca_pem`: the status and body, or the handshake's error.
+async fn https_get(
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+    path: &str,
+    token: Option<&str>,
+) -> Result<(u16, String), std::io::Error> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_rustls::rustls;
     use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
     let mut roots = rustls::RootCertStore::empty();
     roots
-        .add(CertificateDer::from_pem_slice(cert_pem.as_bytes()).expect("pem"))
+        .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).expect("pem"))
         .expect("root");
     let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
         rustls::crypto::ring::default_provider(),
@@ -1429,23 +1446,137 @@ async fn tls_serves_both_listeners() {
     .with_root_certificates(roots)
     .with_no_client_auth();
     let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(server.http_addr())
-        .await
-        .expect("tcp");
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("tcp");
     let mut tls = connector
         .connect(ServerName::try_from("127.0.0.1").expect("name"), tcp)
-        .await
-        .expect("TLS handshake");
-    tls.write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .await
-        .expect("write");
+        .await?;
+    let authorization = token
+        .map(|t| format!("authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    tls.write_all(
+        format!("GET {path} HTTP/1.1\r\nhost: x\r\n{authorization}connection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .expect("write");
     let mut response = String::new();
     tls.read_to_string(&mut response).await.ok();
+    Ok(parse_http(&response))
+}
+
+/// A self-signed certificate for 127.0.0.1 and its key written to `dir` (cert.pem, key.pem);
+/// the certificate's and the key's PEM.
+fn write_certificate(dir: &std::path::Path) -> (String, String) {
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
+    let pair = (certified.cert.pem(), certified.signing_key.serialize_pem());
+    std::fs::write(dir.join("cert.pem"), &pair.0).expect("write");
+    std::fs::write(dir.join("key.pem"), &pair.1).expect("write");
+    pair
+}
+
+/// A certificate rotated and a token file rewritten in place are in force without a restart
+/// (SIGHUP and the periodic check call the same reload; the binary's test sends SIGHUP): new
+/// handshakes on both listeners present the new certificate, a revoked token is refused on a
+/// connection opened before, and files that became invalid are refused while what was in
+/// force stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_certificate_and_token_file_are_served_without_a_restart() {
+    use kvatlas_server::{ReloadOutcome, Reloaded};
+    let dir = temp_dir("tls-reload");
+    let (first_pem, first_key) = write_certificate(&dir);
+    let tokens = dir.join("tokens");
+    let (old, new) = ("old-token-0123456789", "new-token-0123456789");
+    std::fs::write(&tokens, format!("{old} name=old\n")).expect("write");
+    let server = RunningServer::start(ServerConfig {
+        tls: Some(TlsFiles {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+        }),
+        auth_tokens: Some(tokens.clone()),
+        ..ServerConfig::ephemeral()
+    })
+    .await
+    .expect("starts with TLS");
+    let url = format!("https://{}", server.grpc_addr());
+    let client = |ca: &str, token: &str| {
+        let options = ConnectOptions {
+            ca_certificate_pem: Some(ca.as_bytes().to_vec()),
+            token: Some(token.to_owned()),
+            ..ConnectOptions::default()
+        };
+        let url = url.clone();
+        async move { Client::connect_with(&url, &options).await }
+    };
+    let list = |mut client: Client| async move {
+        client
+            .raw()
+            .list_indexes(v1::ListIndexesRequest::default())
+            .await
+            .map(|_| ())
+    };
+    let opened_before = client(&first_pem, old).await.expect("connects");
+    list(opened_before.clone())
+        .await
+        .expect("the first pair and token");
     assert_eq!(
-        parse_http(&response),
-        (200, "ready\n".to_owned()),
-        "{response}"
+        server.reload().await,
+        Reloaded {
+            tokens: Some(ReloadOutcome::Unchanged),
+            tls: Some(ReloadOutcome::Unchanged)
+        }
     );
+
+    let (second_pem, _) = write_certificate(&dir);
+    std::fs::write(&tokens, format!("{new} name=new\n")).expect("write");
+    assert_eq!(
+        server.reload().await,
+        Reloaded {
+            tokens: Some(ReloadOutcome::Applied),
+            tls: Some(ReloadOutcome::Applied)
+        }
+    );
+    // The old token is refused, also on the connection opened before the reload.
+    let refused = list(opened_before).await.expect_err("revoked");
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    // New handshakes present the new certificate: a client trusting only the first fails.
+    if let Ok(stale) = client(&first_pem, new).await {
+        list(stale)
+            .await
+            .expect_err("the first certificate is no longer presented");
+    }
+    list(client(&second_pem, new).await.expect("connects"))
+        .await
+        .expect("the second pair and the new token");
+    assert!(
+        https_get(server.http_addr(), &first_pem, "/ready", None)
+            .await
+            .is_err(),
+        "HTTPS presents the new certificate too"
+    );
+    let (status, metrics) = https_get(server.http_addr(), &second_pem, "/metrics", Some(new))
+        .await
+        .expect("HTTPS with the second certificate");
+    assert_eq!(status, 200, "{metrics}");
+    for file in ["tokens", "tls"] {
+        let series = format!("kvatlas_reloads_total{{file=\"{file}\",outcome=\"applied\"}}");
+        assert_eq!(metric(&metrics, &series), Some(1.0), "{series}\n{metrics}");
+    }
+
+    // The first certificate's key with the second certificate, and a token file with a bad
+    // line: both refused, saying why; the second pair and the new token stay in force.
+    std::fs::write(dir.join("key.pem"), &first_key).expect("write");
+    std::fs::write(&tokens, format!("{new}\nshort\n")).expect("write");
+    let reloaded = server.reload().await;
+    let said = |outcome: Option<ReloadOutcome>| match outcome {
+        Some(ReloadOutcome::Refused(why)) => why,
+        other => panic!("not refused: {other:?}"),
+    };
+    assert!(said(reloaded.tls).contains("cannot serve TLS"));
+    assert!(said(reloaded.tokens).contains("line 2"));
+    list(client(&second_pem, new).await.expect("connects"))
+        .await
+        .expect("what was in force stays");
     server.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -8,9 +8,11 @@
 //!   payloads, its block counts equal the engine's own cache model, and at shutdown its digest
 //!   equals the reference's;
 //! - **Python clients**: grpcio stubs generated at test time from the repository's .proto,
-//!   grpcio-health-checking, grpcio-reflection (v1alpha), with a bearer token;
+//!   grpcio-health-checking, grpcio-reflection (v1alpha), with a bearer token, in plaintext
+//!   and over TLS;
 //! - **grpcurl**: reflection listing and description and a health check (both without a token),
-//!   unary calls with JSON in and out, and a call refused without the token.
+//!   unary calls with JSON in and out, and a call refused without the token; over TLS, before
+//!   and after the certificate is rotated.
 
 mod common;
 #[path = "../../../xtask/interop/driver.rs"]
@@ -297,11 +299,37 @@ fn token_file(test: &str) -> PathBuf {
 #[test]
 #[ignore = "needs the Python clients and grpcurl: run `cargo xtask interop`"]
 fn python_grpcio_clients_with_health_and_reflection() {
+    python_grpcio_clients(None);
+    let dir = std::env::temp_dir().join(format!("kvatlas-interop-tls-{}", std::process::id()));
+    python_grpcio_clients(Some(certificate(&dir)));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A self-signed certificate for 127.0.0.1 and its key, written to `dir` (cert.pem, key.pem).
+fn certificate(dir: &std::path::Path) -> kvatlas_server::TlsFiles {
+    std::fs::create_dir_all(dir).expect("dir");
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
+    let files = kvatlas_server::TlsFiles {
+        cert: dir.join("cert.pem"),
+        key: dir.join("key.pem"),
+    };
+    std::fs::write(&files.cert, certified.cert.pem()).expect("write");
+    std::fs::write(&files.key, certified.signing_key.serialize_pem()).expect("write");
+    files
+}
+
+/// The Python clients' scenario against a server, over TLS with `tls`.
+fn python_grpcio_clients(tls: Option<kvatlas_server::TlsFiles>) {
     let runtime = runtime();
-    let h = runtime.block_on(start(ServerConfig {
-        auth_tokens: Some(token_file("python")),
-        ..ServerConfig::default()
-    }));
+    // (The harness's plaintext client would not connect to a TLS server.)
+    let server = runtime
+        .block_on(kvatlas_server::RunningServer::start(ServerConfig {
+            auth_tokens: Some(token_file("python")),
+            tls: tls.clone(),
+            ..ServerConfig::ephemeral()
+        }))
+        .expect("the server starts");
     let block = 4u32;
     let tokens = |n: u32, base: u32| -> Vec<u32> { (base..base + n * block).collect() };
     let stores = [(1u64, tokens(3, 1)), (2, tokens(2, 1)), (3, tokens(2, 500))];
@@ -350,10 +378,11 @@ fn python_grpcio_clients_with_health_and_reflection() {
     let scratch = std::env::temp_dir().join(format!("kvatlas-py-stubs-{}", std::process::id()));
     let mut child = Command::new(dir.join("venv/bin/python"))
         .arg(&script)
-        .arg(h.server.grpc_addr().to_string())
+        .arg(server.grpc_addr().to_string())
         .arg(&proto)
         .arg(&scratch)
         .arg(TOKEN)
+        .args(tls.iter().map(|files| &files.cert))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -400,7 +429,7 @@ fn python_grpcio_clients_with_health_and_reflection() {
             [3, "WORKER_SOURCE_GRPC"]
         ])
     );
-    runtime.block_on(h.server.shutdown());
+    runtime.block_on(server.shutdown());
     let _ = std::fs::remove_dir_all(scratch);
 }
 
@@ -495,6 +524,51 @@ fn grpcurl_lists_describes_and_calls() {
     assert_eq!(answer["matches"][0]["deviceBlocks"], 2);
     assert_eq!(answer["blockSize"], 2);
     runtime.block_on(h.server.shutdown());
+
+    // Over TLS, and again after the certificate is rotated in place and reloaded: grpcurl
+    // trusting the first certificate is refused, trusting the second it is served.
+    let dir = std::env::temp_dir().join(format!("kvatlas-grpcurl-tls-{}", std::process::id()));
+    let files = certificate(&dir);
+    let first = dir.join("first.pem");
+    std::fs::copy(&files.cert, &first).expect("copy");
+    let server = runtime
+        .block_on(kvatlas_server::RunningServer::start(ServerConfig {
+            auth_tokens: Some(token_file("grpcurl-tls")),
+            tls: Some(files.clone()),
+            ..ServerConfig::ephemeral()
+        }))
+        .expect("the server starts");
+    let addr = server.grpc_addr().to_string();
+    let list = |ca: &std::path::Path| {
+        grpcurl(&[
+            "-cacert",
+            &ca.display().to_string(),
+            "-H",
+            &auth,
+            "-d",
+            "{}",
+            &addr,
+            "kvatlas.v1.Indexer/ListIndexes",
+        ])
+    };
+    let (ok, out) = list(&first);
+    assert!(ok, "over TLS: {out}");
+    certificate(&dir);
+    let reloaded = runtime.block_on(server.reload());
+    assert_eq!(
+        reloaded.tls,
+        Some(kvatlas_server::ReloadOutcome::Applied),
+        "{reloaded:?}"
+    );
+    let (ok, out) = list(&first);
+    assert!(
+        !ok && out.contains("certificate"),
+        "the first certificate is gone: {out}"
+    );
+    let (ok, out) = list(&files.cert);
+    assert!(ok, "the second certificate: {out}");
+    runtime.block_on(server.shutdown());
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -697,3 +697,71 @@ fn a_request_that_would_decode_to_too_much_memory_is_refused_before_decoding() {
         assert_eq!(applied.messages_applied, 2, "{applied:?}");
     });
 }
+
+/// SIGHUP makes `serve` read its token file again: a token added works at once, a token taken
+/// out is refused, and a file that became invalid is refused while the tokens in force stay.
+#[test]
+fn sighup_reloads_the_token_file() {
+    let dir = std::env::temp_dir().join(format!("kvatlas-cli-hup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let (old, new) = ("old-token-0123456789", "new-token-0123456789");
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, format!("{old} name=old\n")).expect("write");
+    let served = Served::start(&["--auth-tokens", &tokens.display().to_string()]);
+    let lists_with = |token: &str| {
+        let file = dir.join("client-token");
+        std::fs::write(&file, token).expect("write");
+        let out = kvatlas(
+            &[
+                "indexes",
+                "--server",
+                &served.grpc,
+                "--token-file",
+                &file.display().to_string(),
+            ],
+            None,
+        );
+        (out.status.success(), text(&out.stderr))
+    };
+    assert!(lists_with(old).0, "the token of the file at start");
+    let (ok, said) = lists_with(new);
+    assert!(!ok && said.contains("unknown bearer token"), "{said}");
+    let hangup = || {
+        let status = Command::new("kill")
+            .args(["-HUP", &served.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    };
+    let wait_for_log = |what: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let line = served
+                .stderr
+                .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+                .unwrap_or_else(|_| panic!("no log line with {what:?}"));
+            if line.contains(what) {
+                return line;
+            }
+        }
+    };
+    std::fs::write(&tokens, format!("{new} name=new\n")).expect("write");
+    hangup();
+    wait_for_log("reloaded the token file");
+    assert!(lists_with(new).0, "the new token is in force");
+    let (ok, said) = lists_with(old);
+    assert!(
+        !ok && said.contains("unknown bearer token"),
+        "the old one is not: {said}"
+    );
+
+    // A file with a line that is not a token: refused, said, and the tokens stay.
+    std::fs::write(&tokens, format!("{new} name=new\nshort\n")).expect("write");
+    hangup();
+    let line = wait_for_log("not reloaded");
+    assert!(line.contains("line 2"), "{line}");
+    assert!(lists_with(new).0, "the tokens in force stay");
+    let (status, _) = served.terminate();
+    assert!(status.success());
+    let _ = std::fs::remove_dir_all(dir);
+}

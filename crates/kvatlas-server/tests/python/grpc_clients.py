@@ -1,6 +1,7 @@
 """Drives a kvatlas server with the gRPC clients a Python router team would use.
 
-Usage: grpc_clients.py <server host:port> <proto dir> <scratch dir> [token]   (spec on stdin)
+Usage: grpc_clients.py <server host:port> <proto dir> <scratch dir> [token [CA certificate]]
+       (spec on stdin; with a CA certificate, over TLS trusting it)
 
 1. Generates the kvatlas.v1 stubs from the repository's .proto with grpcio-tools (at test time,
    so they always match the server's API).
@@ -23,6 +24,7 @@ from pathlib import Path
 def main() -> int:
     address, proto_dir, scratch = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     token = sys.argv[4] if len(sys.argv) > 4 else None
+    ca_certificate = Path(sys.argv[5]).read_bytes() if len(sys.argv) > 5 else None
     spec = json.load(sys.stdin)
     scratch.mkdir(parents=True, exist_ok=True)
     subprocess.run(
@@ -42,7 +44,11 @@ def main() -> int:
     from kvatlas.v1 import indexer_pb2_grpc as rpc
 
     metadata = [("authorization", f"Bearer {token}")] if token else []
-    channel = grpc.insecure_channel(address)
+    if ca_certificate is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca_certificate)
+        channel = grpc.secure_channel(address, credentials)
     result = {}
 
     health = health_pb2_grpc.HealthStub(channel)
