@@ -25,6 +25,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -33,6 +34,7 @@ use subtle::ConstantTimeEq;
 
 use crate::error::ServiceError;
 use crate::places::Places;
+use crate::reload::settled;
 
 /// The bearer token a client's token file holds: the first word of its first line that is not
 /// blank or a comment (empty if none), so that a copy of a server's token file sends its first
@@ -83,8 +85,9 @@ pub enum TokenFileError {
 /// in flight at once, so one client cannot hold every place of `--max-concurrent-requests`.
 #[derive(Debug)]
 pub struct RequestQuota {
-    limit: usize,
-    /// Requests of the token in flight (at most `limit`: see [`Places`]).
+    /// The most at once (changed in place when a reload of the token file changes it).
+    limit: AtomicUsize,
+    /// Requests of the token in flight (at most `limit` when taken: see [`Places`]).
     in_flight: Places,
 }
 
@@ -92,19 +95,19 @@ impl RequestQuota {
     /// A quota of `limit` requests at once.
     pub fn new(limit: usize) -> Self {
         Self {
-            limit,
+            limit: AtomicUsize::new(limit),
             in_flight: Places::default(),
         }
     }
 
     /// The most requests at once.
     pub fn limit(&self) -> usize {
-        self.limit
+        self.limit.load(Ordering::Relaxed)
     }
 
     /// Takes a place; `false` (nothing taken) when all `limit` are held.
     pub(crate) fn take(&self) -> bool {
-        self.in_flight.take(self.limit)
+        self.in_flight.take(self.limit())
     }
 
     /// Gives back a place [`RequestQuota::take`] took.
@@ -194,8 +197,10 @@ pub(crate) struct TokenFile {
     path: PathBuf,
     /// `--max-requests-per-token`, for the tokens without `max_requests=`.
     default_quota: Option<usize>,
-    /// The text last loaded (a file that reads the same is not parsed again).
-    loaded: Mutex<String>,
+    /// The SHA-256 of the text last loaded (a file that reads the same is not parsed again;
+    /// the text itself, tokens in the clear, is not kept). Held by a reload from its read to
+    /// its swap, so that two reloads cannot put an older file back in force.
+    loaded: Mutex<[u8; 32]>,
     current: RwLock<Arc<Tokens>>,
 }
 
@@ -211,20 +216,23 @@ impl TokenFile {
         Ok(Self {
             path: path.to_owned(),
             default_quota,
-            loaded: Mutex::new(text),
+            loaded: Mutex::new(sha256(text.as_bytes())),
             current: RwLock::new(Arc::new(tokens)),
         })
     }
 
-    /// Reads the file again; tokens that changed are in force from the next request on (a
-    /// request or stream already admitted keeps going). `Ok(None)`: the file reads as before;
-    /// `Ok(Some(n))`: `n` tokens are now in force.
+    /// Reads the file again (blocking: a changed file is read twice, [`crate::reload::SETTLE`] apart);
+    /// tokens that changed are in force from the next request on (a request or stream already
+    /// admitted keeps going). `Ok(None)`: the file reads as before, or is still being written
+    /// (it read differently twice); `Ok(Some(n))`: `n` tokens are now in force.
     ///
     /// # Errors
     /// [`TokenFileError`]; the tokens in force do not change.
     pub(crate) fn reload(&self) -> Result<Option<usize>, TokenFileError> {
+        let mut loaded = self.loaded.lock();
         let text = read_text(&self.path)?;
-        if *self.loaded.lock() == text {
+        let digest = sha256(text.as_bytes());
+        if *loaded == digest || !settled(&text, || read_text(&self.path))? {
             return Ok(None);
         }
         let tokens = Tokens::parse(&text, &self.path.display().to_string())?
@@ -233,8 +241,7 @@ impl TokenFile {
         let tokens = tokens.keeping_quotas_of(&current);
         let count = tokens.len();
         *current = Arc::new(tokens);
-        drop(current);
-        *self.loaded.lock() = text;
+        *loaded = digest;
         Ok(Some(count))
     }
 
@@ -394,8 +401,8 @@ impl Tokens {
     }
 
     /// The tokens, each keeping the quota it has in `old` (and with it the count of its requests
-    /// in flight) when `old` has the same token with the same limit: a reload of the file does
-    /// not give a token that holds its whole share a fresh one.
+    /// in flight, under its new limit) when `old` has the same token with a quota: a reload of
+    /// the file does not give a token that holds its whole share a fresh one.
     #[must_use]
     fn keeping_quotas_of(mut self, old: &Tokens) -> Self {
         for token in &mut self.tokens {
@@ -403,10 +410,8 @@ impl Tokens {
                 continue;
             };
             let same = old.tokens.iter().find(|o| o.sha256 == token.sha256);
-            if let Some(quota) = same
-                .and_then(|o| o.caller.quota.as_ref())
-                .filter(|q| q.limit() == limit)
-            {
+            if let Some(quota) = same.and_then(|o| o.caller.quota.as_ref()) {
+                quota.limit.store(limit, Ordering::Relaxed);
                 token.caller.quota = Some(Arc::clone(quota));
             }
         }
@@ -666,10 +671,8 @@ mod tests {
             "the same quota, its request still counted"
         );
         let now = caller(resized).expect("resized").quota.expect("quota");
-        assert!(
-            !Arc::ptr_eq(&now, &resized_quota) && now.limit() == 3,
-            "a new limit"
-        );
+        assert!(Arc::ptr_eq(&now, &resized_quota), "the same quota");
+        assert_eq!(now.limit(), 3, "under its new limit");
         assert!(caller(gone).is_err(), "revoked");
         assert!(caller(added).expect("added").may_use("b"), "every tenant");
 

@@ -130,6 +130,16 @@ fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime, CliError> 
 // serve
 // ---------------------------------------------------------------------------------------------
 
+/// Which of `serve`'s settings came from an environment variable rather than a flag, where
+/// it matters: a port from the environment does not change an address from the command line.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ArgSources {
+    /// `--http-addr` is `KVATLAS_HTTP_ADDR`'s.
+    pub http_addr_from_env: bool,
+    /// `--port` is `KVATLAS_PORT`'s.
+    pub port_from_env: bool,
+}
+
 /// `kvatlas serve`: run the index service.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeArgs {
@@ -145,9 +155,14 @@ pub struct ServeArgs {
     #[arg(long, env = "KVATLAS_HTTP_ADDR")]
     pub http_addr: Option<SocketAddr>,
     /// The HTTP port on the HTTP address's host (Dynamo's `--port`; kvatlas still listens on
-    /// loopback unless --http-addr says otherwise).
+    /// loopback unless --http-addr says otherwise). `KVATLAS_PORT` does not change an
+    /// `--http-addr` given on the command line.
     #[arg(long, env = "KVATLAS_PORT")]
     pub port: Option<u16>,
+    /// Which of the settings above came from the environment rather than the command line
+    /// ([`ServeArgs::note_sources`]; without it, all count as flags).
+    #[arg(skip)]
+    pub sources: ArgSources,
     /// Workers to register at start: `ID[:DP_RANK]=ENDPOINT,...` (Dynamo's form), each
     /// optionally followed by `replay=ENDPOINT`, `topic=PREFIX`, `engine=vllm|sglang`, `bind`,
     /// `pod=NAME` (the pod it answers as in llm-d's `GetPodScores`).
@@ -239,19 +254,25 @@ pub struct ServeArgs {
     #[arg(long, env = "KVATLAS_STALL_TIMEOUT_SECS")]
     pub stall_timeout_secs: Option<u64>,
     /// Bearer-token file: one token per line, optionally `tenants=A,B`, `name=LABEL` and
-    /// `max_requests=N`. Read again on SIGHUP and every 10 s (an invalid version is refused).
+    /// `max_requests=N`. Read again on SIGHUP and every --reload-check-secs (an invalid version
+    /// is refused).
     #[arg(long, env = "KVATLAS_AUTH_TOKENS")]
     pub auth_tokens: Option<PathBuf>,
     /// Accept listening beyond loopback without authentication.
     #[arg(long, env = "KVATLAS_ALLOW_UNAUTHENTICATED", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
     pub allow_unauthenticated: Option<bool>,
     /// TLS certificate chain (PEM) for both listeners. It and the key are read again on SIGHUP
-    /// and every 10 s (new connections get a changed pair; an invalid one is refused).
+    /// and every --reload-check-secs (new connections get a changed pair; an invalid one is
+    /// refused).
     #[arg(long, env = "KVATLAS_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
     /// TLS private key (PEM).
     #[arg(long, env = "KVATLAS_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
+    /// Seconds between checks of the token file and the TLS certificate for changes; 0 reads
+    /// them again on SIGHUP only [default: 10].
+    #[arg(long, env = "KVATLAS_RELOAD_CHECK_SECS")]
+    pub reload_check_secs: Option<u64>,
     /// Seconds a graceful shutdown may take [default: 10].
     #[arg(long, env = "KVATLAS_SHUTDOWN_TIMEOUT")]
     pub shutdown_timeout_secs: Option<u64>,
@@ -343,6 +364,7 @@ struct ServeFile {
     allow_unauthenticated: Option<bool>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
+    reload_check_secs: Option<u64>,
     shutdown_timeout_secs: Option<u64>,
     runtime_threads: Option<usize>,
     busy_poll: Option<bool>,
@@ -362,6 +384,21 @@ struct ServeFile {
 }
 
 impl ServeArgs {
+    /// Records which settings came from the environment, from the command line's matches of
+    /// `serve` (the binary calls it; the derive's parse cannot tell).
+    pub fn note_sources(&mut self, matches: &clap::ArgMatches) {
+        let from_env = |id: &str| {
+            matches!(
+                matches.value_source(id),
+                Some(clap::parser::ValueSource::EnvVariable)
+            )
+        };
+        self.sources = ArgSources {
+            http_addr_from_env: from_env("http_addr"),
+            port_from_env: from_env("port"),
+        };
+    }
+
     /// The server configuration and runtime threads: flags and environment, then the file,
     /// then the defaults.
     ///
@@ -382,13 +419,19 @@ impl ServeArgs {
         let defaults = ServerConfig::default();
         let limits = Limits::default();
         let index = IndexSettings::default();
-        // Flags (and the environment) win over the file as a whole: `--http-addr` is not
-        // changed by the file's `port`, and `--port` changes whichever address wins.
+        // Flags win over the environment, and both over the file, as a whole: an address is
+        // not changed by a port from a layer below it (`--http-addr` by `KVATLAS_PORT` or the
+        // file's `port`), and a port changes whichever address wins otherwise.
         let mut http_addr = self
             .http_addr
             .or(file.http_addr)
             .unwrap_or(defaults.http_addr);
-        if let Some(port) = self.port.or(file.port.filter(|_| self.http_addr.is_none())) {
+        let address_from_flag = self.http_addr.is_some() && !self.sources.http_addr_from_env;
+        let port = self
+            .port
+            .filter(|_| !(address_from_flag && self.sources.port_from_env))
+            .or(file.port.filter(|_| self.http_addr.is_none()));
+        if let Some(port) = port {
             http_addr.set_port(port);
         }
         let min_initial_workers = match self.min_initial_workers.or(file.min_initial_workers) {
@@ -491,6 +534,11 @@ impl ServeArgs {
                 }
             },
             workers: Vec::new(),
+            reload_check: match self.reload_check_secs.or(file.reload_check_secs) {
+                Some(0) => None,
+                Some(secs) => Some(Duration::from_secs(secs)),
+                None => defaults.reload_check,
+            },
             shutdown_timeout: self
                 .shutdown_timeout_secs
                 .or(file.shutdown_timeout_secs)
@@ -624,8 +672,10 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     let (config, threads) = args.resolve()?;
     let runtime = runtime(threads)?;
     let report = runtime.block_on(async {
+        // Taken before the start: a SIGTERM while it starts stops it gracefully.
+        let signal = crate::shutdown_signal();
         let server = RunningServer::start(config).await?;
-        Ok::<_, CliError>(server.run_until_signal().await)
+        Ok::<_, CliError>(server.run_until(signal).await)
     })?;
     print!("{}", shutdown_summary(&report));
     Ok(())
@@ -1409,6 +1459,50 @@ mod tests {
             http_port(&["--tls-cert", "/c.pem"]),
             9000,
             "the file's port"
+        );
+        // A port from the environment does not change an address from the command line; a
+        // port flag changes an address from the environment.
+        let port_with = |flags: &[&str], sources: ArgSources| {
+            let file = file.display().to_string();
+            let mut line = vec!["serve", "--config", &file, "--tls-cert", "/c.pem"];
+            line.extend_from_slice(flags);
+            let mut line = <CommandLine as clap::Parser>::try_parse_from(line).expect("parses");
+            line.serve.sources = sources;
+            line.serve.resolve().expect("resolves").0.http_addr.port()
+        };
+        let both = ["--http-addr", "127.0.0.1:7100", "--port", "7200"];
+        let env_port = ArgSources {
+            port_from_env: true,
+            ..ArgSources::default()
+        };
+        assert_eq!(
+            port_with(&both, env_port),
+            7100,
+            "KVATLAS_PORT under --http-addr"
+        );
+        assert_eq!(port_with(&both, ArgSources::default()), 7200, "--port");
+        let env_address = ArgSources {
+            http_addr_from_env: true,
+            ..ArgSources::default()
+        };
+        assert_eq!(
+            port_with(&both, env_address),
+            7200,
+            "--port over KVATLAS_HTTP_ADDR"
+        );
+        let env_both = ArgSources {
+            http_addr_from_env: true,
+            port_from_env: true,
+        };
+        assert_eq!(
+            port_with(&both, env_both),
+            7200,
+            "both from the environment"
+        );
+        assert_eq!(
+            port_with(&["--port", "7200"], env_port),
+            7200,
+            "over the file's address"
         );
         // A flag turns off what the file turned on (a bare flag still turns it on).
         let config = with(&["--tls-cert", "/c.pem", "--busy-poll=false"]).expect("resolves");

@@ -187,6 +187,9 @@ pub struct ServerConfig {
     pub tls: Option<TlsFiles>,
     /// Worker ranks registered at start.
     pub workers: Vec<WorkerRegistration>,
+    /// How often the token file and the TLS certificate are checked for changes (`None`: on
+    /// SIGHUP and [`crate::RunningServer::reload`] only).
+    pub reload_check: Option<Duration>,
     /// How long a graceful shutdown may take before open streams are cut.
     pub shutdown_timeout: Duration,
     /// Snapshots in a data directory (`None`: the state lives in memory only).
@@ -216,6 +219,9 @@ pub struct ServerConfig {
     pub busy_poll: bool,
 }
 
+/// How often the token file and the TLS certificate are checked for changes by default.
+pub const DEFAULT_RELOAD_CHECK: Duration = Duration::from_secs(10);
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -228,6 +234,7 @@ impl Default for ServerConfig {
             allow_unauthenticated: false,
             tls: None,
             workers: Vec::new(),
+            reload_check: Some(DEFAULT_RELOAD_CHECK),
             shutdown_timeout: Duration::from_secs(10),
             persistence: None,
             peers: Vec::new(),

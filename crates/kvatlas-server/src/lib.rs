@@ -67,9 +67,9 @@ mod tls;
 
 pub use auth::{Caller, MIN_TOKEN_BYTES, TokenFileError, Tokens};
 pub use config::{
-    ConfigError, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_SNAPSHOT_INTERVAL, IndexSettings,
-    Limits, Persistence, ServerConfig, TlsFiles, TokenizerFile, WorkerDefaults, parse_engine,
-    parse_peer_list, parse_worker_list,
+    ConfigError, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_RELOAD_CHECK,
+    DEFAULT_SNAPSHOT_INTERVAL, IndexSettings, Limits, Persistence, ServerConfig, TlsFiles,
+    TokenizerFile, WorkerDefaults, parse_engine, parse_peer_list, parse_worker_list,
 };
 pub use error::ServiceError;
 pub use llmd::TokenizerError;
@@ -77,4 +77,6 @@ pub use nats::{DEFAULT_SNAPSHOT_BUCKET, DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, 
 pub use peers::Bootstrap;
 pub use registry::{DEFAULT_TENANT, FeedCounters, IndexKey, MAX_NAME_BYTES, WorkerRegistration};
 pub use reload::{ReloadOutcome, Reloaded};
-pub use server::{IndexReport, Restored, RunningServer, ShutdownReport, StartError};
+pub use server::{
+    IndexReport, Restored, RunningServer, ShutdownReport, StartError, shutdown_signal,
+};

@@ -1,10 +1,15 @@
 //! Re-reading the token file and the TLS certificate and key while the server runs: on SIGHUP,
-//! and every [`RELOAD_CHECK`] (a Kubernetes secret or a cert-manager certificate is rewritten
-//! in place, with no signal). A file that reads as before changes nothing; one that changed and
-//! is valid is in force from the next request or handshake on; one that changed and is not is
-//! refused — the server goes on with what it had, logs why (once per distinct problem) and
+//! and every `--reload-check-secs` (a Kubernetes secret or a cert-manager certificate is
+//! rewritten with no signal). A file that reads as before changes nothing; one that changed is
+//! read again [`SETTLE`] later, and taken only if it reads the same (a file being written in
+//! place, or a certificate written before its key, waits for the next check); one that changed
+//! and is valid is in force from the next request or handshake on; one that changed and is not
+//! is refused — the server goes on with what it had, logs why (once per distinct problem) and
 //! counts it (`kvatlas_reloads_total{file,outcome}`). Requests, streams and connections already
 //! admitted keep the token and certificate they were admitted with.
+//!
+//! SIGHUP never ends the server (its default action would): it is taken from the server's
+//! start on, and only logged when there is nothing to read again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,13 +19,27 @@ use tokio_util::sync::CancellationToken;
 use crate::state::State;
 use crate::tls::ServerIdentity;
 
-/// How often the files are checked without a signal.
-pub(crate) const RELOAD_CHECK: Duration = Duration::from_secs(10);
+/// How long after a changed file's read it is read again, to tell a file being written from
+/// one that was.
+pub(crate) const SETTLE: Duration = Duration::from_millis(100);
+
+/// Whether a file that read as `first` reads the same [`SETTLE`] later (`read` reads it again;
+/// blocking).
+///
+/// # Errors
+/// `read`'s.
+pub(crate) fn settled<T: PartialEq, E>(
+    first: &T,
+    read: impl FnOnce() -> Result<T, E>,
+) -> Result<bool, E> {
+    std::thread::sleep(SETTLE);
+    Ok(read()? == *first)
+}
 
 /// What one check of a file found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReloadOutcome {
-    /// It reads as the one in force.
+    /// It reads as the one in force (or is still being written: the next check takes it).
     Unchanged,
     /// It changed and is in force now.
     Applied,
@@ -98,6 +117,24 @@ impl Reloader {
         Reloaded { tokens, tls }
     }
 
+    /// [`Reloader::check`] on a blocking thread; a check that failed (panicked) is reported as
+    /// a refusal of every file it would have read.
+    pub(crate) async fn check_off_the_runtime(self: &Arc<Self>) -> Reloaded {
+        let reloader = Arc::clone(self);
+        match tokio::task::spawn_blocking(move || reloader.check()).await {
+            Ok(reloaded) => reloaded,
+            Err(error) => {
+                let why = format!("the check failed: {error}");
+                tracing::warn!("reading the token file and the TLS certificate again: {why}");
+                let refused = || ReloadOutcome::Refused(why.clone());
+                Reloaded {
+                    tokens: self.state.tokens.as_ref().map(|_| refused()),
+                    tls: self.tls.as_ref().map(|_| refused()),
+                }
+            }
+        }
+    }
+
     /// Counts `outcome` of file `which` and logs a refusal unless it was the last one logged.
     fn record(&self, which: usize, file: &'static str, outcome: &ReloadOutcome) {
         let mut said = self.said.lock();
@@ -117,38 +154,70 @@ impl Reloader {
         }
     }
 
-    /// Checks the files on SIGHUP and every [`RELOAD_CHECK`] until `stop`.
-    pub(crate) async fn watch(self: Arc<Self>, stop: CancellationToken) {
-        if !self.configured() {
-            return;
-        }
+    /// Checks the files on SIGHUP and every `every` (`None`: on SIGHUP only) until `stop`.
+    /// SIGHUP is taken from this call on, before the future first runs (a signal in between
+    /// would end the process).
+    pub(crate) fn watch(
+        self: Arc<Self>,
+        every: Option<Duration>,
+        stop: CancellationToken,
+    ) -> impl std::future::Future<Output = ()> + Send {
         #[cfg(unix)]
         let mut hangup =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-        loop {
-            #[cfg(unix)]
-            let signalled = async {
-                match hangup.as_mut() {
-                    Some(signal) => signal.recv().await,
-                    None => std::future::pending().await,
+        #[cfg(not(unix))]
+        let mut hangup: Option<()> = None;
+        async move {
+            let every = every.filter(|_| self.configured());
+            loop {
+                let signalled = async {
+                    #[cfg(unix)]
+                    if let Some(signal) = hangup.as_mut() {
+                        return signal.recv().await;
+                    }
+                    let _ = &mut hangup;
+                    std::future::pending().await
+                };
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = sleep_or_never(every) => {}
+                    Some(()) = signalled => {
+                        if !self.configured() {
+                            tracing::info!(
+                                "SIGHUP: nothing to read again (no --auth-tokens, no --tls-cert)"
+                            );
+                            continue;
+                        }
+                        tracing::info!(
+                            "SIGHUP: reading the token file and the TLS certificate again"
+                        );
+                    }
                 }
-            };
-            #[cfg(not(unix))]
-            let signalled = std::future::pending::<Option<()>>();
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(RELOAD_CHECK) => {}
-                Some(()) = signalled => {
-                    tracing::info!("SIGHUP: reading the token file and the TLS certificate again");
-                }
-            }
-            let reloader = Arc::clone(&self);
-            if tokio::task::spawn_blocking(move || reloader.check())
-                .await
-                .is_err()
-            {
-                tracing::warn!("a check of the token file and the TLS certificate failed");
+                self.check_off_the_runtime().await;
             }
         }
+    }
+}
+
+async fn sleep_or_never(every: Option<Duration>) {
+    match every {
+        Some(every) => tokio::time::sleep(every).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_is_settled_when_it_reads_the_same_twice() {
+        assert_eq!(settled(&"a", || Ok::<_, ()>("a")), Ok(true));
+        assert_eq!(
+            settled(&"a", || Ok::<_, ()>("ab")),
+            Ok(false),
+            "still being written"
+        );
+        assert_eq!(settled(&"a", || Err::<&str, _>("gone")), Err("gone"));
     }
 }

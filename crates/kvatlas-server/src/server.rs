@@ -364,7 +364,7 @@ impl RunningServer {
         let (reporter, health_service) = tonic_health::server::health_reporter();
         let health = tokio::spawn(track_health(Arc::clone(&state), reporter));
         let reloader = Arc::new(Reloader::new(Arc::clone(&state), tls.clone()));
-        tokio::spawn(Arc::clone(&reloader).watch(stop_accepting.clone()));
+        tokio::spawn(Arc::clone(&reloader).watch(config.reload_check, stop_accepting.clone()));
         let grpc = serve_grpc(
             &state,
             Arc::new(tokenizers),
@@ -441,10 +441,7 @@ impl RunningServer {
     /// check every few seconds): what changed and is valid is in force from the next request
     /// or handshake on; what changed and is not is refused, and what was in force stays.
     pub async fn reload(&self) -> Reloaded {
-        let reloader = Arc::clone(&self.reloader);
-        tokio::task::spawn_blocking(move || reloader.check())
-            .await
-            .unwrap_or_default()
+        self.reloader.check_off_the_runtime().await
     }
 
     /// Where the state this server started with came from.
@@ -480,9 +477,16 @@ impl RunningServer {
         self.state.ready()
     }
 
-    /// Runs until SIGINT or SIGTERM, then shuts down gracefully.
+    /// Runs until SIGINT or SIGTERM, then shuts down gracefully. The signals are taken from
+    /// this call on: [`shutdown_signal`], called before [`RunningServer::start`], takes them
+    /// from the start on ([`RunningServer::run_until`]).
     pub async fn run_until_signal(self) -> ShutdownReport {
-        wait_for_signal().await;
+        self.run_until(shutdown_signal()).await
+    }
+
+    /// Runs until `signal` completes, then shuts down gracefully.
+    pub async fn run_until(self, signal: impl std::future::Future<Output = ()>) -> ShutdownReport {
+        signal.await;
         tracing::info!("shutdown signal received: stopping gracefully");
         self.shutdown().await
     }
@@ -1034,7 +1038,9 @@ fn tls_incoming(
             let tcp = match accepted {
                 Some(Ok(tcp)) => tcp,
                 Some(Err(error)) => {
+                    // (Out of descriptors, typically: the next accept is tried shortly.)
                     warn_accept_failed("gRPC", &error, &mut last_accept_warning);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 }
                 None => break,
@@ -1144,26 +1150,38 @@ fn serve_http(
     }))
 }
 
-/// Waits for SIGINT (Ctrl-C) or SIGTERM.
-async fn wait_for_signal() {
-    let ctrl_c = async {
+/// Completes on SIGINT (Ctrl-C) or SIGTERM. The signals are taken from the call on, not from
+/// the future's first poll: called before a server starts, a signal that comes while it starts
+/// (a supervisor stopping it at once) ends it gracefully instead of by the signal's default
+/// action. Call it within a tokio runtime.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt()).ok();
+        let mut terminate = signal(SignalKind::terminate()).ok();
+        async move {
+            tokio::select! {
+                () = received(interrupt.as_mut()) => {}
+                () = received(terminate.as_mut()) => {}
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    }
+}
+
+/// Completes when `signal` is received (never without one).
+#[cfg(unix)]
+async fn received(signal: Option<&mut tokio::signal::unix::Signal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
         }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
+        None => std::future::pending::<()>().await,
     }
 }

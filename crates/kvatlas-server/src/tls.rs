@@ -14,6 +14,7 @@ use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{self, pki_types};
 
 use crate::config::TlsFiles;
+use crate::reload::settled;
 
 /// The certificate chain and key as read from the files (PEM), to tell a changed file from the
 /// same one.
@@ -23,12 +24,27 @@ struct Pem {
     key: Vec<u8>,
 }
 
+impl Pem {
+    /// A digest of both files (a copy of the key is not kept beside rustls's).
+    fn digest(&self) -> [u8; 32] {
+        let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+        for part in [&self.cert, &self.key] {
+            context.update(&(part.len() as u64).to_le_bytes());
+            context.update(part);
+        }
+        let mut out = [0u8; 32];
+        out.copy_from_slice(context.finish().as_ref());
+        out
+    }
+}
+
 /// The server's certificate and key: the files they come from, and what handshakes present.
 pub(crate) struct ServerIdentity {
     files: TlsFiles,
-    /// What the files held when they were last loaded (a file that reads the same is not
-    /// parsed again).
-    loaded: Mutex<Pem>,
+    /// The digest of what the files held when they were last loaded (files that read the same
+    /// are not parsed again). Held by a reload from its read to its swap, so that two reloads
+    /// cannot put an older pair back in force.
+    loaded: Mutex<[u8; 32]>,
     current: Arc<CurrentCertificate>,
 }
 
@@ -71,24 +87,28 @@ impl ServerIdentity {
         let key = certified_key(&pem).map_err(|e| in_files(files, &e))?;
         Ok(Self {
             files: files.clone(),
-            loaded: Mutex::new(pem),
+            loaded: Mutex::new(pem.digest()),
             current: Arc::new(CurrentCertificate(RwLock::new(Arc::new(key)))),
         })
     }
 
-    /// Reads the files again; a certificate and key that changed and form a usable identity
-    /// are presented by every handshake from now on. `Ok(false)`: they read as before.
+    /// Reads the files again (blocking: changed files are read twice,
+    /// [`crate::reload::SETTLE`] apart); a certificate and key that changed and form a usable
+    /// identity are presented by every handshake from now on. `Ok(false)`: they read as
+    /// before, or are still being written (they read differently twice).
     ///
     /// # Errors
     /// A message naming the files and the problem; the certificate served does not change.
     pub(crate) fn reload(&self) -> Result<bool, String> {
+        let mut loaded = self.loaded.lock();
         let pem = read(&self.files)?;
-        if *self.loaded.lock() == pem {
+        let digest = pem.digest();
+        if *loaded == digest || !settled(&pem, || read(&self.files))? {
             return Ok(false);
         }
         let key = certified_key(&pem).map_err(|e| in_files(&self.files, &e))?;
         *self.current.0.write() = Arc::new(key);
-        *self.loaded.lock() = pem;
+        *loaded = digest;
         Ok(true)
     }
 
@@ -186,10 +206,7 @@ mod tests {
         assert_eq!(identity.reload(), Ok(false), "unchanged files");
         assert_eq!(served(&identity), first);
 
-        let (_, first_key) = {
-            let pem = identity.loaded.lock().clone();
-            (pem.cert, pem.key)
-        };
+        let first_key = std::fs::read(dir.join("key.pem")).expect("read");
         write_pair(&dir, "second.example");
         assert_eq!(identity.reload(), Ok(true), "a new pair");
         let second = served(&identity);

@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvatlas_fleet::demo;
 use kvatlas_server::cli;
 
@@ -50,7 +50,16 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let args = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut args = Cli::from_arg_matches(&matches)
+        .map_err(|error| error.format(&mut Cli::command()))
+        .unwrap_or_else(|error| error.exit());
+    if let (Command::Serve(serve), Some(("serve", serve_matches))) =
+        (&mut args.command, matches.subcommand())
+    {
+        // (A port from the environment must not change an address from the command line.)
+        serve.note_sources(serve_matches);
+    }
     if let Err(error) = cli::init_logging(args.log_format, &args.log) {
         eprintln!("kvatlas: {error}");
         return ExitCode::from(error.exit_code());

@@ -707,7 +707,13 @@ fn sighup_reloads_the_token_file() {
     let (old, new) = ("old-token-0123456789", "new-token-0123456789");
     let tokens = dir.join("tokens");
     std::fs::write(&tokens, format!("{old} name=old\n")).expect("write");
-    let served = Served::start(&["--auth-tokens", &tokens.display().to_string()]);
+    // No periodic check: only the signal can make the server read the file again.
+    let served = Served::start(&[
+        "--auth-tokens",
+        &tokens.display().to_string(),
+        "--reload-check-secs",
+        "0",
+    ]);
     let lists_with = |token: &str| {
         let file = dir.join("client-token");
         std::fs::write(&file, token).expect("write");
@@ -764,4 +770,21 @@ fn sighup_reloads_the_token_file() {
     let (status, _) = served.terminate();
     assert!(status.success());
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `KVATLAS_PORT` in the environment (a container's) does not change an `--http-addr` given on
+/// the command line: the server starts on the flag's address, not on the variable's port
+/// (taken here, so that binding it would fail).
+#[test]
+fn the_port_variable_does_not_change_the_http_address_flag() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    let served = Served::start_with_env(&[], &[("KVATLAS_PORT", &port)]);
+    assert!(
+        !served.http.ends_with(&format!(":{port}")),
+        "{}",
+        served.http
+    );
+    let (status, _) = served.terminate();
+    assert!(status.success());
 }
