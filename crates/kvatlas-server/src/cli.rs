@@ -331,7 +331,7 @@ pub struct ServeArgs {
 }
 
 /// The TOML file of `--config`: the same settings.
-#[derive(Debug, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ServeFile {
     grpc_addr: Option<SocketAddr>,
@@ -405,6 +405,17 @@ impl ServeArgs {
     /// # Errors
     /// [`CliError::Config`] for an unreadable or malformed file or an invalid setting.
     pub fn resolve(&self) -> Result<(ServerConfig, Option<usize>), CliError> {
+        self.resolve_noting_unused()
+            .map(|resolved| (resolved.config, resolved.runtime_threads))
+    }
+
+    /// As [`ServeArgs::resolve`], and the settings given that have no effect with the others
+    /// (`serve` logs them as warnings: a `--snapshot-interval-secs` without `--data-dir` is
+    /// more likely a forgotten `--data-dir` than a wish).
+    ///
+    /// # Errors
+    /// What [`ServeArgs::resolve`] returns.
+    pub fn resolve_noting_unused(&self) -> Result<Resolved, CliError> {
         let file: ServeFile = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
@@ -416,6 +427,8 @@ impl ServeArgs {
             }
             None => ServeFile::default(),
         };
+        // (What the file gave, for the settings without effect: `file` is taken apart below.)
+        let given_by_file = file.clone();
         let defaults = ServerConfig::default();
         let limits = Limits::default();
         let index = IndexSettings::default();
@@ -648,8 +661,125 @@ impl ServeArgs {
             config.workers = parse_worker_list(&list, &defaults)?;
         }
         config.validate()?;
-        Ok((config, self.runtime_threads.or(file.runtime_threads)))
+        let without_effect = self.without_effect(&given_by_file, &config);
+        Ok(Resolved {
+            config,
+            runtime_threads: self.runtime_threads.or(file.runtime_threads),
+            without_effect,
+        })
     }
+
+    /// The settings given (by a flag, a variable or the file) that have no effect with the
+    /// resolved `config`, each with what it needs.
+    fn without_effect(&self, file: &ServeFile, config: &ServerConfig) -> Vec<String> {
+        let mut unused = Vec::new();
+        let mut note = |given: bool, flag: &str, needs: &str| {
+            if given {
+                unused.push(format!("{flag} has no effect without {needs}"));
+            }
+        };
+        let log = config.publish_to.is_some() || config.consume_from.is_some();
+        let replica = config.consume_from.is_some();
+        for (given, flag) in [
+            (
+                self.nats_stream.is_some() || file.nats_stream.is_some(),
+                "--nats-stream",
+            ),
+            (
+                self.nats_subject_prefix.is_some() || file.nats_subject_prefix.is_some(),
+                "--nats-subject-prefix",
+            ),
+            (
+                self.nats_max_age_secs.or(file.nats_max_age_secs).is_some(),
+                "--nats-max-age-secs",
+            ),
+            (
+                self.nats_max_bytes.or(file.nats_max_bytes).is_some(),
+                "--nats-max-bytes",
+            ),
+            (
+                self.nats_no_live.or(file.nats_no_live).is_some(),
+                "--nats-no-live",
+            ),
+            (
+                self.nats_live_confirm_secs
+                    .or(file.nats_live_confirm_secs)
+                    .is_some(),
+                "--nats-live-confirm-secs",
+            ),
+        ] {
+            note(given && !log, flag, "--publish-to or --consume-from");
+        }
+        for (given, flag) in [
+            (
+                self.nats_snapshot_bucket.is_some() || file.nats_snapshot_bucket.is_some(),
+                "--nats-snapshot-bucket",
+            ),
+            (
+                self.nats_snapshot_interval_secs
+                    .or(file.nats_snapshot_interval_secs)
+                    .is_some(),
+                "--nats-snapshot-interval-secs",
+            ),
+        ] {
+            note(
+                given && !replica,
+                flag,
+                "--consume-from (replicas write and read the bucket)",
+            );
+        }
+        note(
+            self.snapshot_interval_secs
+                .or(file.snapshot_interval_secs)
+                .is_some()
+                && config.persistence.is_none(),
+            "--snapshot-interval-secs",
+            "--data-dir",
+        );
+        note(
+            self.max_requests_per_token
+                .or(file.max_requests_per_token)
+                .is_some()
+                && config.auth_tokens.is_none(),
+            "--max-requests-per-token",
+            "--auth-tokens",
+        );
+        note(
+            self.reload_check_secs.or(file.reload_check_secs).is_some()
+                && config.auth_tokens.is_none()
+                && config.tls.is_none(),
+            "--reload-check-secs",
+            "--auth-tokens or --tls-cert",
+        );
+        let workers = config.workers.is_empty();
+        for (given, flag) in [
+            (self.model.is_some() || file.model.is_some(), "--model"),
+            (self.tenant.is_some() || file.tenant.is_some(), "--tenant"),
+            (
+                self.block_size.or(file.block_size).is_some(),
+                "--block-size",
+            ),
+            (self.engine.is_some() || file.engine.is_some(), "--engine"),
+        ] {
+            note(
+                given && workers,
+                flag,
+                "--workers (it applies to them only)",
+            );
+        }
+        unused
+    }
+}
+
+/// What [`ServeArgs::resolve_noting_unused`] makes of the settings.
+#[derive(Debug)]
+pub struct Resolved {
+    /// The server's configuration.
+    pub config: ServerConfig,
+    /// `--runtime-threads`.
+    pub runtime_threads: Option<usize>,
+    /// Settings given that have no effect with the others, each saying what it needs.
+    pub without_effect: Vec<String>,
 }
 
 /// Dynamo's `DYN_ROUTER_MIN_INITIAL_WORKERS`, or 0 if unset.
@@ -669,7 +799,14 @@ fn dynamo_min_initial_workers() -> Result<usize, CliError> {
 /// # Errors
 /// A bad setting, or a server that cannot start.
 pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
-    let (config, threads) = args.resolve()?;
+    let Resolved {
+        config,
+        runtime_threads: threads,
+        without_effect,
+    } = args.resolve_noting_unused()?;
+    for setting in &without_effect {
+        tracing::warn!("{setting}");
+    }
     let runtime = runtime(threads)?;
     let report = runtime.block_on(async {
         // Taken before the start: a SIGTERM while it starts stops it gracefully.
@@ -1398,6 +1535,66 @@ mod tests {
     struct CommandLine {
         #[command(flatten)]
         serve: ServeArgs,
+    }
+
+    #[test]
+    fn settings_without_effect_are_named_with_what_they_need() {
+        let unused = |flags: &[&str]| {
+            let mut line = vec!["serve"];
+            line.extend_from_slice(flags);
+            <CommandLine as clap::Parser>::try_parse_from(line)
+                .expect("parses")
+                .serve
+                .resolve_noting_unused()
+                .expect("resolves")
+                .without_effect
+        };
+        assert!(unused(&[]).is_empty());
+        assert_eq!(
+            unused(&[
+                "--snapshot-interval-secs",
+                "5",
+                "--nats-stream",
+                "s",
+                "--model",
+                "m",
+                "--max-requests-per-token",
+                "4",
+                "--reload-check-secs",
+                "0",
+            ]),
+            [
+                "--nats-stream has no effect without --publish-to or --consume-from",
+                "--snapshot-interval-secs has no effect without --data-dir",
+                "--max-requests-per-token has no effect without --auth-tokens",
+                "--reload-check-secs has no effect without --auth-tokens or --tls-cert",
+                "--model has no effect without --workers (it applies to them only)",
+            ]
+        );
+        // With what they need, nothing is named; an ingest's snapshot bucket is a replica's.
+        let dir = std::env::temp_dir().join(format!("kvatlas-unused-{}", std::process::id()));
+        let data = dir.display().to_string();
+        assert!(unused(&["--snapshot-interval-secs", "5", "--data-dir", &data]).is_empty());
+        assert_eq!(
+            unused(&[
+                "--publish-to",
+                "nats://127.0.0.1:4222",
+                "--nats-stream",
+                "s",
+                "--nats-snapshot-bucket",
+                "b",
+                "--model",
+                "m",
+                "--block-size",
+                "16",
+                "--workers",
+                "1=tcp://127.0.0.1:5557",
+            ]),
+            [
+                "--nats-snapshot-bucket has no effect without --consume-from (replicas write and \
+                 read the bucket)"
+            ]
+        );
     }
 
     #[test]
