@@ -966,11 +966,17 @@ fn cycle_above(
     at
 }
 
-/// The events of one index in 1.6.1's `RouterEvent` JSON: per rank and tier, one `stored` event
-/// per run of blocks (each block's parent the one before it), parents before children; event ids
-/// count from 0 per tier, as 1.6.1 numbers them.
-pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
-    let mut events = Vec::new();
+/// The events of one index in 1.6.1's `RouterEvent` JSON, each handed to `emit` as it is made
+/// (one run of blocks in memory at a time): per rank and tier, one `stored` event per run of
+/// blocks (each block's parent the one before it), parents before children; event ids count
+/// from 0 per tier, as 1.6.1 numbers them.
+///
+/// # Errors
+/// The first of `emit`'s, which ends the walk.
+fn each_dump_event<E>(
+    snapshot: &Snapshot,
+    mut emit: impl FnMut(&Value) -> Result<(), E>,
+) -> Result<(), E> {
     for tier in Tier::ALL {
         let mut event_id = 0u64;
         for worker in &snapshot.workers {
@@ -1045,7 +1051,7 @@ pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
                         })
                     })
                     .collect();
-                events.push(json!({
+                emit(&json!({
                     "worker_id": worker.worker.worker_id,
                     "storage_tier": tier_name(tier),
                     "residency_domain": "worker",
@@ -1058,42 +1064,75 @@ pub(crate) fn dump_events(snapshot: &Snapshot) -> Vec<Value> {
                         }},
                         "dp_rank": worker.worker.dp_rank,
                     },
-                }));
+                }))?;
                 event_id += 1;
             }
         }
     }
-    events
+    Ok(())
 }
 
-/// `/dump` for `images`: `{"model:tenant": {"block_size": n, "model": .., "tenant": .., "events": [...]}}`.
+/// Writes `/dump` for `images`: `{"model:tenant": {"block_size": n, "events": [...], "model":
+/// .., "tenant": ..}}`, keys in order, as `serde_json` orders a map's. The events are written
+/// as they are made, so the dump never holds more than one run of blocks as JSON values (a
+/// whole dump built as one value took hundreds of bytes per block).
 ///
 /// The key is Dynamo's; `model` and `tenant` are kvatlas's additions (Dynamo's reader ignores
 /// them) because the key is ambiguous when a name holds a colon (`llama3:8b`). Two indexes whose
 /// keys coincide (model `a:b` tenant `c`, model `a` tenant `b:c`) are both written: the second
 /// under its key with `#2` (`#3`, ...) appended, which kvatlas's reader does not need (it reads
 /// `model` and `tenant`), where a plain insert kept only the last.
-pub(crate) fn dump(images: &[IndexImage]) -> Value {
-    let mut out = serde_json::Map::new();
+///
+/// # Errors
+/// The sink's.
+pub(crate) fn write_dump(
+    images: &[IndexImage],
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
+    let mut keyed: BTreeMap<String, &IndexImage> = BTreeMap::new();
     for image in images {
         let plain = format!("{}:{}", image.key.model, image.key.tenant);
         let mut key = plain.clone();
         let mut copy = 1;
-        while out.contains_key(&key) {
+        while keyed.contains_key(&key) {
             copy += 1;
             key = format!("{plain}#{copy}");
         }
-        out.insert(
-            key,
-            json!({
-                "block_size": image.block_size.get(),
-                "model": image.key.model,
-                "tenant": image.key.tenant,
-                "events": dump_events(&image.snapshot),
-            }),
-        );
+        keyed.insert(key, image);
     }
-    Value::Object(out)
+    out.write_all(b"{")?;
+    for (at, (key, image)) in keyed.iter().enumerate() {
+        if at > 0 {
+            out.write_all(b",")?;
+        }
+        serde_json::to_writer(&mut *out, key)?;
+        write!(
+            out,
+            ":{{\"block_size\":{},\"events\":[",
+            image.block_size.get()
+        )?;
+        let mut first = true;
+        each_dump_event(&image.snapshot, |event| {
+            if !std::mem::take(&mut first) {
+                out.write_all(b",")?;
+            }
+            serde_json::to_writer(&mut *out, event).map_err(std::io::Error::from)
+        })?;
+        out.write_all(b"],\"model\":")?;
+        serde_json::to_writer(&mut *out, &image.key.model)?;
+        out.write_all(b",\"tenant\":")?;
+        serde_json::to_writer(&mut *out, &image.key.tenant)?;
+        out.write_all(b"}")?;
+    }
+    out.write_all(b"}")
+}
+
+/// `/dump` for `images` as one JSON value (what [`write_dump`] writes, read back).
+#[cfg(test)]
+pub(crate) fn dump(images: &[IndexImage]) -> Value {
+    let mut bytes = Vec::new();
+    write_dump(images, &mut bytes).expect("a Vec takes every write");
+    serde_json::from_slice(&bytes).expect("write_dump writes JSON")
 }
 
 /// `GET /dump`: built under a place among the whole-state reads, then streamed by a task that
@@ -1114,23 +1153,23 @@ pub(crate) async fn dump_route(
         Err(refused) => return service_error(&refused),
     };
     let registry = Arc::clone(&state.registry);
-    // The build holds the places: a client that goes away meanwhile does not free them while
-    // the images are in memory.
-    let body = tokio::task::spawn_blocking(move || {
+    // The images are taken under the places: a client that goes away meanwhile does not free
+    // them while the images are in memory. Their JSON is written as the reader takes it.
+    let images = tokio::task::spawn_blocking(move || {
         let images: Vec<IndexImage> = registry
             .all()
             .iter()
             .filter(|e| caller.may_use(&e.key.tenant))
             .map(|e| e.image())
             .collect();
-        (dump(&images), held)
+        (images, held)
     })
     .await;
-    match body {
-        Ok((body, held)) => {
+    match images {
+        Ok((images, held)) => {
             let chunks = crate::snapshot_stream::stream_written(
                 move |sink| {
-                    serde_json::to_writer(sink, &body)
+                    write_dump(&images, sink)
                         .map_err(|e| format!("the dump could not be written: {e}"))
                 },
                 held,

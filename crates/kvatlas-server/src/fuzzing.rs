@@ -458,7 +458,7 @@ mod tests {
                 };
                 if as_dump {
                     let mut bytes = vec![4];
-                    bytes.extend(crate::dynamo::dump(&[image]).to_string().into_bytes());
+                    crate::dynamo::write_dump(&[image], &mut bytes).expect("a Vec takes it");
                     bytes
                 } else {
                     let mut writer = crate::snapshot::Writer::new(vec![3], 0).expect("a writer");
