@@ -34,7 +34,7 @@ use subtle::ConstantTimeEq;
 
 use crate::error::ServiceError;
 use crate::places::Places;
-use crate::reload::settled;
+use crate::reload::{Reread, reread};
 
 /// The bearer token a client's token file holds: the first word of its first line that is not
 /// blank or a comment (empty if none), so that a copy of a server's token file sends its first
@@ -221,28 +221,32 @@ impl TokenFile {
         })
     }
 
-    /// Reads the file again (blocking: a changed file is read twice, [`crate::reload::SETTLE`] apart);
-    /// tokens that changed are in force from the next request on (a request or stream already
-    /// admitted keeps going). `Ok(None)`: the file reads as before, or is still being written
-    /// (it read differently twice); `Ok(Some(n))`: `n` tokens are now in force.
+    /// Reads the file again ([`crate::reload::reread`]: blocking, a changed file is read until
+    /// two reads agree); tokens that changed are in force from the next request on (a request
+    /// or stream already admitted keeps going). `Changed(n)`: `n` tokens are now in force.
     ///
     /// # Errors
     /// [`TokenFileError`]; the tokens in force do not change.
-    pub(crate) fn reload(&self) -> Result<Option<usize>, TokenFileError> {
+    pub(crate) fn reload(&self) -> Result<Reread<usize>, TokenFileError> {
         let mut loaded = self.loaded.lock();
-        let text = read_text(&self.path)?;
-        let digest = sha256(text.as_bytes());
-        if *loaded == digest || !settled(&text, || read_text(&self.path))? {
-            return Ok(None);
-        }
+        let text = match reread(
+            &loaded,
+            |t: &String| sha256(t.as_bytes()),
+            || read_text(&self.path),
+        )? {
+            Reread::Changed(text) => text,
+            Reread::Same => return Ok(Reread::Same),
+            Reread::Unsettled => return Ok(Reread::Unsettled),
+        };
         let tokens = Tokens::parse(&text, &self.path.display().to_string())?
             .with_default_quota(self.default_quota);
-        let mut current = self.current.write();
-        let tokens = tokens.keeping_quotas_of(&current);
+        // Matched with the tokens in force under the read lock (requests go on), swapped under
+        // the write lock: `loaded` keeps every other reload out in between.
+        let tokens = tokens.keeping_quotas_of(&self.current.read());
         let count = tokens.len();
-        *current = Arc::new(tokens);
-        *loaded = digest;
-        Ok(Some(count))
+        *self.current.write() = Arc::new(tokens);
+        *loaded = sha256(text.as_bytes());
+        Ok(Reread::Changed(count))
     }
 
     /// The file.
@@ -405,12 +409,16 @@ impl Tokens {
     /// the file does not give a token that holds its whole share a fresh one.
     #[must_use]
     fn keeping_quotas_of(mut self, old: &Tokens) -> Self {
+        let quotas: std::collections::HashMap<&[u8; 32], &Arc<RequestQuota>> = old
+            .tokens
+            .iter()
+            .filter_map(|o| o.caller.quota.as_ref().map(|q| (&o.sha256, q)))
+            .collect();
         for token in &mut self.tokens {
             let Some(limit) = token.caller.quota.as_ref().map(|q| q.limit()) else {
                 continue;
             };
-            let same = old.tokens.iter().find(|o| o.sha256 == token.sha256);
-            if let Some(quota) = same.and_then(|o| o.caller.quota.as_ref()) {
+            if let Some(quota) = quotas.get(&token.sha256) {
                 quota.limit.store(limit, Ordering::Relaxed);
                 token.caller.quota = Some(Arc::clone(quota));
             }
@@ -657,14 +665,14 @@ mod tests {
         let kept_quota = caller(kept).expect("kept").quota.expect("default quota");
         assert!(kept_quota.take(), "one of its requests in flight");
         let resized_quota = caller(resized).expect("resized").quota.expect("quota");
-        assert_eq!(file.reload().expect("reads"), None, "unchanged");
+        assert_eq!(file.reload().expect("reads"), Reread::Same, "unchanged");
 
         std::fs::write(
             &path,
             format!("{kept} name=kept\n{resized} max_requests=3\n{added}\n"),
         )
         .expect("write");
-        assert_eq!(file.reload().expect("reads"), Some(3));
+        assert_eq!(file.reload().expect("reads"), Reread::Changed(3));
         let now = caller(kept).expect("kept").quota.expect("quota");
         assert!(
             Arc::ptr_eq(&now, &kept_quota),

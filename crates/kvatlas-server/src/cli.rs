@@ -809,12 +809,22 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     }
     let runtime = runtime(threads)?;
     let report = runtime.block_on(async {
-        // Taken before the start: a SIGTERM while it starts stops it gracefully.
+        // Taken before the start: a SIGTERM while the server starts (a restore, NATS being
+        // reached) stops the start at once, and one after it stops the server gracefully.
         let signal = crate::shutdown_signal();
-        let server = RunningServer::start(config).await?;
-        Ok::<_, CliError>(server.run_until(signal).await)
+        tokio::pin!(signal);
+        let server = tokio::select! {
+            started = RunningServer::start(config) => started?,
+            () = &mut signal => {
+                tracing::info!("shutdown signal received while starting: stopping");
+                return Ok(None);
+            }
+        };
+        Ok::<_, CliError>(Some(server.run_until(signal).await))
     })?;
-    print!("{}", shutdown_summary(&report));
+    if let Some(report) = report {
+        print!("{}", shutdown_summary(&report));
+    }
     Ok(())
 }
 

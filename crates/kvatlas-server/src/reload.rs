@@ -1,9 +1,9 @@
 //! Re-reading the token file and the TLS certificate and key while the server runs: on SIGHUP,
 //! and every `--reload-check-secs` (a Kubernetes secret or a cert-manager certificate is
 //! rewritten with no signal). A file that reads as before changes nothing; one that changed is
-//! read again [`SETTLE`] later, and taken only if it reads the same (a file being written in
-//! place, or a certificate written before its key, waits for the next check); one that changed
-//! and is valid is in force from the next request or handshake on; one that changed and is not
+//! read again every [`SETTLE`] until two reads agree (a file being written in place, or a key
+//! written shortly after its certificate, is taken once written; one still changing after
+//! [`SETTLE_READS`] reads waits for the next check); one that changed and is valid is in force from the next request or handshake on; one that changed and is not
 //! is refused — the server goes on with what it had, logs why (once per distinct problem) and
 //! counts it (`kvatlas_reloads_total{file,outcome}`). Requests, streams and connections already
 //! admitted keep the token and certificate they were admitted with.
@@ -23,24 +23,57 @@ use crate::tls::ServerIdentity;
 /// one that was.
 pub(crate) const SETTLE: Duration = Duration::from_millis(100);
 
-/// Whether a file that read as `first` reads the same [`SETTLE`] later (`read` reads it again;
-/// blocking).
+/// Reads of a changed file, [`SETTLE`] apart, before it is given up as still being written.
+pub(crate) const SETTLE_READS: usize = 10;
+
+/// What reading a file again found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Reread<T> {
+    /// It reads as the one loaded.
+    Same,
+    /// It read differently at each of [`SETTLE_READS`] reads.
+    Unsettled,
+    /// It changed and read the same twice in a row: this.
+    Changed(T),
+}
+
+/// Reads a file with `read` (blocking): [`Reread::Same`] when its `digest` is `loaded`;
+/// otherwise it is read again every [`SETTLE`] until two reads in a row agree.
 ///
 /// # Errors
 /// `read`'s.
-pub(crate) fn settled<T: PartialEq, E>(
-    first: &T,
-    read: impl FnOnce() -> Result<T, E>,
-) -> Result<bool, E> {
-    std::thread::sleep(SETTLE);
-    Ok(read()? == *first)
+pub(crate) fn reread<T: PartialEq, E>(
+    loaded: &[u8; 32],
+    digest: impl Fn(&T) -> [u8; 32],
+    mut read: impl FnMut() -> Result<T, E>,
+) -> Result<Reread<T>, E> {
+    let mut last = read()?;
+    if digest(&last) == *loaded {
+        return Ok(Reread::Same);
+    }
+    for _ in 1..SETTLE_READS {
+        std::thread::sleep(SETTLE);
+        let again = read()?;
+        if again == last {
+            return Ok(if digest(&again) == *loaded {
+                Reread::Same
+            } else {
+                Reread::Changed(again)
+            });
+        }
+        last = again;
+    }
+    Ok(Reread::Unsettled)
 }
 
 /// What one check of a file found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReloadOutcome {
-    /// It reads as the one in force (or is still being written: the next check takes it).
+    /// It reads as the one in force.
     Unchanged,
+    /// It changed, and read differently at each read for about a second (still being
+    /// written): the one in force stays, the next check or SIGHUP reads it again.
+    Unsettled,
     /// It changed and is in force now.
     Applied,
     /// It changed and was refused (why); the one in force stays.
@@ -85,8 +118,9 @@ impl Reloader {
     pub(crate) fn check(&self) -> Reloaded {
         let tokens = self.state.tokens.as_ref().map(|file| {
             let outcome = match file.reload() {
-                Ok(None) => ReloadOutcome::Unchanged,
-                Ok(Some(count)) => {
+                Ok(Reread::Same) => ReloadOutcome::Unchanged,
+                Ok(Reread::Unsettled) => ReloadOutcome::Unsettled,
+                Ok(Reread::Changed(count)) => {
                     tracing::info!(
                         file = %file.path().display(),
                         tokens = count,
@@ -101,8 +135,9 @@ impl Reloader {
         });
         let tls = self.tls.as_ref().map(|identity| {
             let outcome = match identity.reload() {
-                Ok(false) => ReloadOutcome::Unchanged,
-                Ok(true) => {
+                Ok(Reread::Same) => ReloadOutcome::Unchanged,
+                Ok(Reread::Unsettled) => ReloadOutcome::Unsettled,
+                Ok(Reread::Changed(())) => {
                     tracing::info!(
                         cert = %identity.files().cert.display(),
                         "reloaded the TLS certificate and key: new connections get them"
@@ -140,6 +175,10 @@ impl Reloader {
         let mut said = self.said.lock();
         match outcome {
             ReloadOutcome::Unchanged => said[which] = None,
+            ReloadOutcome::Unsettled => tracing::info!(
+                "the {file} file(s) changed at every read for a second (still being written?): \
+                 the next check or SIGHUP reads them again"
+            ),
             ReloadOutcome::Applied => {
                 said[which] = None;
                 self.state.metrics.reload(file, true);
@@ -154,48 +193,58 @@ impl Reloader {
         }
     }
 
-    /// Checks the files on SIGHUP and every `every` (`None`: on SIGHUP only) until `stop`.
-    /// SIGHUP is taken from this call on, before the future first runs (a signal in between
-    /// would end the process).
-    pub(crate) fn watch(
+    /// Checks the files on `hangup` and every `every` (`None`: on SIGHUP only) until `stop`.
+    pub(crate) async fn watch(
         self: Arc<Self>,
+        mut hangup: Hangup,
         every: Option<Duration>,
         stop: CancellationToken,
-    ) -> impl std::future::Future<Output = ()> + Send {
-        #[cfg(unix)]
-        let mut hangup =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-        #[cfg(not(unix))]
-        let mut hangup: Option<()> = None;
-        async move {
-            let every = every.filter(|_| self.configured());
-            loop {
-                let signalled = async {
-                    #[cfg(unix)]
-                    if let Some(signal) = hangup.as_mut() {
-                        return signal.recv().await;
-                    }
-                    let _ = &mut hangup;
-                    std::future::pending().await
-                };
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = sleep_or_never(every) => {}
-                    Some(()) = signalled => {
-                        if !self.configured() {
-                            tracing::info!(
-                                "SIGHUP: nothing to read again (no --auth-tokens, no --tls-cert)"
-                            );
-                            continue;
-                        }
+    ) {
+        let every = every.filter(|_| self.configured());
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = sleep_or_never(every) => {}
+                Some(()) = hangup.received() => {
+                    if !self.configured() {
                         tracing::info!(
-                            "SIGHUP: reading the token file and the TLS certificate again"
+                            "SIGHUP: nothing to read again (no --auth-tokens, no --tls-cert)"
                         );
+                        continue;
                     }
+                    tracing::info!("SIGHUP: reading the token file and the TLS certificate again");
                 }
-                self.check_off_the_runtime().await;
             }
+            self.check_off_the_runtime().await;
         }
+    }
+}
+
+/// SIGHUP, taken from [`Hangup::take`] on: its default action, ending the process, no longer
+/// applies (a rotation tool that signals a server still starting does not kill it; a signal
+/// before the server watches is dropped, and the periodic check finds what changed).
+#[derive(Debug)]
+pub(crate) struct Hangup {
+    #[cfg(unix)]
+    signal: Option<tokio::signal::unix::Signal>,
+}
+
+impl Hangup {
+    /// Takes SIGHUP from now on (within a tokio runtime).
+    pub(crate) fn take() -> Self {
+        Self {
+            #[cfg(unix)]
+            signal: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok(),
+        }
+    }
+
+    /// The next SIGHUP (`None` once no more can come; never without the signal).
+    async fn received(&mut self) -> Option<()> {
+        #[cfg(unix)]
+        if let Some(signal) = self.signal.as_mut() {
+            return signal.recv().await;
+        }
+        std::future::pending().await
     }
 }
 
@@ -211,13 +260,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_file_is_settled_when_it_reads_the_same_twice() {
-        assert_eq!(settled(&"a", || Ok::<_, ()>("a")), Ok(true));
+    fn a_changed_file_is_taken_once_it_reads_the_same_twice() {
+        let digest = |text: &&str| [text.len() as u8; 32];
+        let reads = |texts: &'static [&'static str]| {
+            let mut texts = texts.iter();
+            move || texts.next().copied().ok_or("no more reads")
+        };
+        assert_eq!(reread(&[1; 32], digest, reads(&["a"])), Ok(Reread::Same));
         assert_eq!(
-            settled(&"a", || Ok::<_, ()>("ab")),
-            Ok(false),
-            "still being written"
+            reread(&[1; 32], digest, reads(&["ab", "abc", "abc"])),
+            Ok(Reread::Changed("abc")),
+            "written while read"
         );
-        assert_eq!(settled(&"a", || Err::<&str, _>("gone")), Err("gone"));
+        assert_eq!(
+            reread(&[1; 32], digest, reads(&["ab", "b", "b"])),
+            Ok(Reread::Same),
+            "back to the one loaded"
+        );
+        let growing: &'static [&'static str] = &[
+            "a",
+            "aa",
+            "aaa",
+            "aaaa",
+            "aaaaa",
+            "aaaaaa",
+            "aaaaaaa",
+            "aaaaaaaa",
+            "aaaaaaaaa",
+            "aaaaaaaaaa",
+        ];
+        assert_eq!(
+            reread(&[0; 32], digest, reads(growing)),
+            Ok(Reread::Unsettled)
+        );
+        assert_eq!(
+            reread(&[0; 32], digest, reads(&["a"])),
+            Err("no more reads")
+        );
     }
 }

@@ -200,6 +200,9 @@ impl RunningServer {
     /// # Errors
     /// [`StartError`], naming the setting, file, address or worker at fault.
     pub async fn start(config: ServerConfig) -> Result<Self, StartError> {
+        // SIGHUP is taken before anything else (a rotation tool signalling a server that is
+        // still restoring its state must not end it).
+        let hangup = crate::reload::Hangup::take();
         config.validate()?;
         let tokens = config
             .auth_tokens
@@ -364,7 +367,11 @@ impl RunningServer {
         let (reporter, health_service) = tonic_health::server::health_reporter();
         let health = tokio::spawn(track_health(Arc::clone(&state), reporter));
         let reloader = Arc::new(Reloader::new(Arc::clone(&state), tls.clone()));
-        tokio::spawn(Arc::clone(&reloader).watch(config.reload_check, stop_accepting.clone()));
+        tokio::spawn(Arc::clone(&reloader).watch(
+            hangup,
+            config.reload_check,
+            stop_accepting.clone(),
+        ));
         let grpc = serve_grpc(
             &state,
             Arc::new(tokenizers),
@@ -1150,10 +1157,11 @@ fn serve_http(
     }))
 }
 
-/// Completes on SIGINT (Ctrl-C) or SIGTERM. The signals are taken from the call on, not from
-/// the future's first poll: called before a server starts, a signal that comes while it starts
-/// (a supervisor stopping it at once) ends it gracefully instead of by the signal's default
-/// action. Call it within a tokio runtime.
+/// Completes on SIGINT (Ctrl-C) or SIGTERM. On unix the signals are taken from the call on,
+/// not from the future's first poll: called before a server starts, a signal that comes while
+/// it starts (a supervisor stopping it at once) is not met by the signal's default action
+/// (`kvatlas serve` stops the start at once). Elsewhere, Ctrl-C from the first poll. Call it
+/// within a tokio runtime.
 pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
     #[cfg(unix)]
     {

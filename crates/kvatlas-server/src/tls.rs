@@ -14,7 +14,7 @@ use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{self, pki_types};
 
 use crate::config::TlsFiles;
-use crate::reload::settled;
+use crate::reload::{Reread, reread};
 
 /// The certificate chain and key as read from the files (PEM), to tell a changed file from the
 /// same one.
@@ -92,24 +92,23 @@ impl ServerIdentity {
         })
     }
 
-    /// Reads the files again (blocking: changed files are read twice,
-    /// [`crate::reload::SETTLE`] apart); a certificate and key that changed and form a usable
-    /// identity are presented by every handshake from now on. `Ok(false)`: they read as
-    /// before, or are still being written (they read differently twice).
+    /// Reads the files again ([`crate::reload::reread`]: blocking, changed files are read
+    /// until two reads agree); a certificate and key that changed and form a usable identity
+    /// are presented by every handshake from now on.
     ///
     /// # Errors
     /// A message naming the files and the problem; the certificate served does not change.
-    pub(crate) fn reload(&self) -> Result<bool, String> {
+    pub(crate) fn reload(&self) -> Result<Reread<()>, String> {
         let mut loaded = self.loaded.lock();
-        let pem = read(&self.files)?;
-        let digest = pem.digest();
-        if *loaded == digest || !settled(&pem, || read(&self.files))? {
-            return Ok(false);
-        }
+        let pem = match reread(&loaded, Pem::digest, || read(&self.files))? {
+            Reread::Changed(pem) => pem,
+            Reread::Same => return Ok(Reread::Same),
+            Reread::Unsettled => return Ok(Reread::Unsettled),
+        };
         let key = certified_key(&pem).map_err(|e| in_files(&self.files, &e))?;
         *self.current.0.write() = Arc::new(key);
-        *loaded = digest;
-        Ok(true)
+        *loaded = pem.digest();
+        Ok(Reread::Changed(()))
     }
 
     /// The files, for messages.
@@ -203,12 +202,12 @@ mod tests {
         };
         let identity = ServerIdentity::load(&files).expect("loads");
         let first = served(&identity);
-        assert_eq!(identity.reload(), Ok(false), "unchanged files");
+        assert_eq!(identity.reload(), Ok(Reread::Same), "unchanged files");
         assert_eq!(served(&identity), first);
 
         let first_key = std::fs::read(dir.join("key.pem")).expect("read");
         write_pair(&dir, "second.example");
-        assert_eq!(identity.reload(), Ok(true), "a new pair");
+        assert_eq!(identity.reload(), Ok(Reread::Changed(())), "a new pair");
         let second = served(&identity);
         assert_ne!(second, first);
 

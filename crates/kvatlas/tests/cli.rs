@@ -788,3 +788,46 @@ fn the_port_variable_does_not_change_the_http_address_flag() {
     let (status, _) = served.terminate();
     assert!(status.success());
 }
+
+/// SIGTERM while `serve` starts (here: waiting for a NATS server that accepted the connection
+/// and says nothing) stops the start at once and exits cleanly; before, the signal's default
+/// action killed the process (its handler was installed once the server served).
+#[test]
+fn sigterm_while_starting_stops_the_start() {
+    use std::io::BufRead;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("nats://{}", silent.local_addr().expect("addr"));
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
+        .args(["--publish-to", &url])
+        .env_remove("KVATLAS_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvatlas serve starts");
+    // The server is in its start once it connected to the silent "NATS server".
+    let (_connection, _) = silent.accept().expect("the server connects");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let stderr = child.stderr.take().expect("stderr");
+    let log: Vec<String> = std::io::BufReader::new(stderr)
+        .lines()
+        .map_while(Result::ok)
+        .collect();
+    let status = child.wait().expect("exits");
+    assert!(status.success(), "{status:?}: {log:?}");
+    assert!(
+        log.iter()
+            .any(|l| l.contains("shutdown signal received while starting")),
+        "{log:?}"
+    );
+}
