@@ -701,12 +701,6 @@ impl ServeArgs {
                 self.nats_no_live.or(file.nats_no_live).is_some(),
                 "--nats-no-live",
             ),
-            (
-                self.nats_live_confirm_secs
-                    .or(file.nats_live_confirm_secs)
-                    .is_some(),
-                "--nats-live-confirm-secs",
-            ),
         ] {
             note(given && !log, flag, "--publish-to or --consume-from");
         }
@@ -727,6 +721,26 @@ impl ServeArgs {
                 flag,
                 "--consume-from (replicas write and read the bucket)",
             );
+        }
+        let live_confirm = self
+            .nats_live_confirm_secs
+            .or(file.nats_live_confirm_secs)
+            .is_some();
+        note(
+            live_confirm && !replica,
+            "--nats-live-confirm-secs",
+            "--consume-from (a replica confirms live records)",
+        );
+        note(
+            live_confirm && config.consume_from.as_ref().is_some_and(|log| !log.live),
+            "--nats-live-confirm-secs",
+            "the live path (--nats-no-live turns it off)",
+        );
+        for (given, flag) in [
+            (config.peer_token_file.is_some(), "--peer-token-file"),
+            (config.peer_ca_cert.is_some(), "--peer-ca-cert"),
+        ] {
+            note(given && config.peers.is_empty(), flag, "--peers");
         }
         note(
             self.snapshot_interval_secs
@@ -822,8 +836,12 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         };
         Ok::<_, CliError>(Some(server.run_until(signal).await))
     })?;
-    if let Some(report) = report {
-        print!("{}", shutdown_summary(&report));
+    match report {
+        Some(report) => print!("{}", shutdown_summary(&report)),
+        // Stopped while starting: what the start left running on blocking threads (a restore
+        // reading a snapshot, engines' sockets being set up) is not waited for (dropping the
+        // runtime would wait for it); it reads, or sets up what the exit closes.
+        None => runtime.shutdown_background(),
     }
     Ok(())
 }
@@ -1579,6 +1597,34 @@ mod tests {
                 "--max-requests-per-token has no effect without --auth-tokens",
                 "--reload-check-secs has no effect without --auth-tokens or --tls-cert",
                 "--model has no effect without --workers (it applies to them only)",
+            ]
+        );
+        assert_eq!(
+            unused(&[
+                "--consume-from",
+                "nats://127.0.0.1:4222",
+                "--nats-no-live",
+                "--nats-live-confirm-secs",
+                "5",
+                "--peer-token-file",
+                "/t",
+            ]),
+            [
+                "--nats-live-confirm-secs has no effect without the live path (--nats-no-live \
+                 turns it off)",
+                "--peer-token-file has no effect without --peers",
+            ]
+        );
+        assert_eq!(
+            unused(&[
+                "--publish-to",
+                "nats://127.0.0.1:4222",
+                "--nats-live-confirm-secs",
+                "5"
+            ]),
+            [
+                "--nats-live-confirm-secs has no effect without --consume-from (a replica confirms \
+              live records)"
             ]
         );
         // With what they need, nothing is named; an ingest's snapshot bucket is a replica's.

@@ -811,19 +811,53 @@ fn sigterm_while_starting_stops_the_start() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("kvatlas serve starts");
-    // The server is in its start once it connected to the silent "NATS server".
-    let (_connection, _) = silent.accept().expect("the server connects");
+    // The server is in its start once it connected to the silent "NATS server" (waited for
+    // with a deadline: a server that failed first never connects).
+    let (connected, accepted) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = connected.send(silent.accept().map(|(connection, _)| connection));
+        std::thread::sleep(std::time::Duration::from_secs(30));
+    });
+    let stderr = child.stderr.take().expect("stderr");
+    let (lines, log) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines.send(line);
+        }
+    });
+    let wait = std::time::Duration::from_secs(20);
+    // Held open (and silent) until the end.
+    let Ok(Ok(_connection)) = accepted.recv_timeout(wait) else {
+        let _ = child.kill();
+        panic!(
+            "the server never connected: {:?}",
+            log.try_iter().collect::<Vec<_>>()
+        );
+    };
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
         .expect("kill");
     assert!(status.success());
-    let stderr = child.stderr.take().expect("stderr");
-    let log: Vec<String> = std::io::BufReader::new(stderr)
-        .lines()
-        .map_while(Result::ok)
+    let deadline = std::time::Instant::now() + wait;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waits") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("still running after SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let log: Vec<String> = log
+        .recv_timeout(wait)
+        .into_iter()
+        .chain(log.try_iter())
         .collect();
-    let status = child.wait().expect("exits");
     assert!(status.success(), "{status:?}: {log:?}");
     assert!(
         log.iter()
