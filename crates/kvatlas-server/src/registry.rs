@@ -24,7 +24,8 @@
 //! - a rank is in `feeds` or in `unfed`, never both; `unfed` is only changed with `feeds`
 //!   locked (lock order: `feeds`, then `unfed`), so a rank moves between them atomically;
 //! - counters never go backwards: a stopped feed's counters are kept in the index's retired
-//!   totals.
+//!   totals; a listener being stopped counts in a sum with its counters as they were when its
+//!   stop began, and with its final ones once stopped.
 //!
 //! Queries do not go through any of this: they take the index's `Arc` and read the
 //! `ConcurrentAtlas` inline (see `query`).
@@ -433,8 +434,20 @@ pub(crate) struct IndexEntry {
     /// Unregistrations that removed something (for the snapshot writer to see a change that
     /// moved no event counter, such as removing a rank nobody fed).
     pub(crate) unregistrations: std::sync::atomic::AtomicU64,
-    /// Counters of feeds that were stopped.
-    retired: Mutex<FeedCounters>,
+    /// Counters of feeds that were stopped, and of listeners being stopped.
+    retired: Mutex<Retired>,
+}
+
+/// The counters of feeds no longer in an index's feeds.
+#[derive(Debug, Default)]
+struct Retired {
+    /// Of feeds that were stopped.
+    stopped: FeedCounters,
+    /// Of listeners being stopped, as they were when their stop began: a sum counts these
+    /// instead of their live counters (a stop takes the listener out of the listeners' list
+    /// before it waits for its poller, which may wait for room in any lane or the event log,
+    /// so the sum cannot wait for it under this lock), and their final counters once stopped.
+    stopping: HashMap<ListenerId, FeedCounters>,
 }
 
 impl fmt::Debug for IndexEntry {
@@ -497,7 +510,7 @@ impl IndexEntry {
             removed: std::sync::atomic::AtomicBool::new(false),
             unfed: Mutex::new(BTreeMap::new()),
             unregistrations: std::sync::atomic::AtomicU64::new(0),
-            retired: Mutex::new(FeedCounters::default()),
+            retired: Mutex::new(Retired::default()),
         })
     }
 
@@ -559,16 +572,21 @@ impl IndexEntry {
             .collect()
     }
 
-    /// The counters of every feed, live and retired, summed (monotonic but for a listener
-    /// being stopped: a `PublishEvents` feed is retired under the locks held here, so no sum
-    /// misses it; a listener's counters are missed while its stop waits for its poller; lock
-    /// order `feeds`, `retired`, the listeners').
+    /// The counters of every feed, live and retired, summed: monotonic (a `PublishEvents`
+    /// feed is retired under the locks held here; a listener being stopped counts as it was
+    /// when its stop began, see [`Retired::stopping`]); lock order `feeds`, `retired`, the
+    /// listeners'.
     pub(crate) fn total_counters(&self) -> FeedCounters {
         let feeds = self.feeds.lock();
         let retired = self.retired.lock();
-        let mut total = retired.clone();
+        let mut total = retired.stopped.clone();
+        for counters in retired.stopping.values() {
+            total.add(counters);
+        }
         for state in self.listeners.list() {
-            total.add(&FeedCounters::from(&state.counters));
+            if !retired.stopping.contains_key(&state.id) {
+                total.add(&FeedCounters::from(&state.counters));
+            }
         }
         for feed in feeds.values() {
             if let Feed::Grpc(grpc) = feed {
@@ -847,7 +865,7 @@ impl IndexEntry {
             let mut retired = self.retired.lock();
             for (_, feed) in &removed {
                 if let Feed::Grpc(grpc) = feed {
-                    retired.add(&grpc.counters);
+                    retired.stopped.add(&grpc.counters);
                 }
             }
             drop(retired);
@@ -874,14 +892,26 @@ impl IndexEntry {
         let mut listeners_stopped = 0;
         for (_, feed) in &removed {
             if let Feed::Zmq { listener, .. } = feed {
-                // Retired once stopped. (Not under the retired counters' lock: a stop waits for
-                // the listener's poller, which may be waiting for room in any index's lanes or
-                // the event log; a sum taken meanwhile misses the listener's counters.)
-                if let Ok(state) = self.listeners.stop(*listener) {
+                // Its counters as they are now count in a sum while it stops (not under the
+                // retired counters' lock: a stop waits for the listener's poller, which may be
+                // waiting for room in any index's lanes or the event log), its final ones once
+                // stopped; a counter only grows, so no sum goes back.
+                // (Read under the lock a sum holds: read before it, a sum in between could see
+                // more than what is recorded.)
+                {
+                    let mut retired = self.retired.lock();
+                    if let Ok(state) = self.listeners.state(*listener) {
+                        retired
+                            .stopping
+                            .insert(*listener, FeedCounters::from(&state.counters));
+                    }
+                }
+                let stopped = self.listeners.stop(*listener);
+                let mut retired = self.retired.lock();
+                retired.stopping.remove(listener);
+                if let Ok(state) = stopped {
                     listeners_stopped += 1;
-                    self.retired
-                        .lock()
-                        .add(&FeedCounters::from(&state.counters));
+                    retired.stopped.add(&FeedCounters::from(&state.counters));
                 }
             }
         }
