@@ -1049,6 +1049,7 @@ impl Consumer {
                     Err(_) => stream_created,
                 };
                 prune_snapshots(&bucket, &bucket_stream, &bucket_name, current).await;
+                purge_orphan_chunks(&bucket, &bucket_stream, &bucket_name, ORPHAN_CHUNK_AGE).await;
             }
             match put {
                 Ok(bytes) => {
@@ -1427,6 +1428,78 @@ async fn prune_snapshots(
     }
 }
 
+/// How long ago the last chunk of an object no metadata names must have been stored before
+/// [`purge_orphan_chunks`] takes it for the leftover of a put cut off (a put under way stores
+/// its chunks before its metadata: one of another replica's, writing now, is not touched).
+pub(crate) const ORPHAN_CHUNK_AGE: Duration = Duration::from_secs(600);
+
+/// Purges the bucket's chunks that no object's metadata names and that were last written more
+/// than `older_than` ago: what a put cut off (a replica killed mid-put, a connection lost) left
+/// behind. The object store never removes them (a put cut off has no name to delete by), and
+/// each is up to a snapshot's size, in a bucket without a size bound. Returns how many objects'
+/// chunks were purged; failures are logged (the next snapshot's put tries again).
+pub(crate) async fn purge_orphan_chunks(
+    bucket: &jetstream::object_store::ObjectStore,
+    bucket_stream: &jetstream::stream::Stream,
+    bucket_name: &str,
+    older_than: Duration,
+) -> usize {
+    let named = async {
+        let mut named = std::collections::HashSet::new();
+        let mut list = bucket.list().await.map_err(|e| e.to_string())?;
+        while let Some(info) = list.next().await {
+            named.insert(info.map_err(|e| e.to_string())?.nuid);
+        }
+        // The chunk subjects are listed after the names: a put that ends in between has its
+        // chunks listed and its name not, and is spared by its age.
+        let mut subjects = Vec::new();
+        let mut listed = bucket_stream
+            .info_with_subjects(format!("$O.{bucket_name}.C.>"))
+            .await
+            .map_err(|e| e.to_string())?;
+        while let Some(subject) = listed.next().await {
+            subjects.push(subject.map_err(|e| e.to_string())?.0);
+        }
+        Ok::<_, String>((named, subjects))
+    };
+    let (named, subjects) = match named.await {
+        Ok(found) => found,
+        Err(error) => {
+            tracing::warn!("looking for chunks of snapshot puts cut off: {error}");
+            return 0;
+        }
+    };
+    let now = time_now_nanos();
+    let mut purged = 0;
+    for subject in subjects {
+        let nuid = subject.rsplit('.').next().unwrap_or_default();
+        if named.contains(nuid) {
+            continue;
+        }
+        let written = match bucket_stream
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
+            Ok(last) => last.time.unix_timestamp_nanos(),
+            Err(error) => {
+                tracing::warn!(%subject, "reading an unnamed chunk's age: {error}");
+                continue;
+            }
+        };
+        if now - written < i128::try_from(older_than.as_nanos()).unwrap_or(i128::MAX) {
+            continue;
+        }
+        match bucket_stream.purge().filter(subject.clone()).await {
+            Ok(_) => {
+                purged += 1;
+                tracing::info!(%subject, "purged the chunks of a snapshot put cut off");
+            }
+            Err(error) => tracing::warn!(%subject, "purging a put's leftover chunks: {error}"),
+        }
+    }
+    purged
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1682,5 +1755,128 @@ mod tests {
         assert!(object(3, None).rank(7) > object(42, Some(8)).rank(7));
         assert!(object(3, Some(7)).rank(7) > object(99, None).rank(7));
         assert!(object(3, Some(6)).rank(7) > object(42, Some(5)).rank(7));
+    }
+
+    /// A `nats-server` with JetStream on a free loopback port and a fresh store (killed and
+    /// removed when dropped): `KVATLAS_NATS_SERVER`, else `nats-server` on `PATH`, else
+    /// Debian's `/usr/sbin/nats-server` (`.ci/run` installs it).
+    struct TestNats {
+        child: std::process::Child,
+        store: std::path::PathBuf,
+        url: String,
+    }
+
+    impl TestNats {
+        async fn start() -> Self {
+            let binary = std::env::var_os("KVATLAS_NATS_SERVER")
+                .map(std::path::PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("PATH").and_then(|paths| {
+                        std::env::split_paths(&paths)
+                            .map(|dir| dir.join("nats-server"))
+                            .find(|path| path.is_file())
+                    })
+                })
+                .unwrap_or_else(|| "/usr/sbin/nats-server".into());
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            let store =
+                std::env::temp_dir().join(format!("kvatlas-orphans-{}-{port}", std::process::id()));
+            let child = std::process::Command::new(&binary)
+                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+                .arg(&store)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("{} runs: {e}", binary.display()));
+            let url = format!("nats://127.0.0.1:{port}");
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "nats-server is not ready"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Self { child, store, url }
+        }
+    }
+
+    impl Drop for TestNats {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.store);
+        }
+    }
+
+    /// The chunks of a put cut off (stored, with no metadata naming them) are purged once old
+    /// enough; a fresh one (a put under way) and every named object's chunks are not. With a
+    /// real nats-server and async-nats' object store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chunks_of_a_put_cut_off_are_purged_once_old() {
+        let nats = TestNats::start().await;
+        let client = async_nats::connect(&nats.url).await.expect("connects");
+        let js = jetstream::new(client);
+        let mut log = NatsLog::new(nats.url.clone());
+        log.snapshot_bucket = "orphans".into();
+        let bucket = crate::nats::snapshot_bucket(&js, &log)
+            .await
+            .expect("bucket");
+        let kept = vec![7u8; 300 * 1024];
+        bucket
+            .put("kept", &mut kept.as_slice())
+            .await
+            .expect("a whole put");
+        // A put cut off after its chunks: two chunks on a subject no metadata names.
+        let orphan = "$O.orphans.C.cutoffputnuid0000000000";
+        for _ in 0..2 {
+            js.publish(orphan, vec![1u8; 1024].into())
+                .await
+                .expect("published")
+                .await
+                .expect("stored");
+        }
+        let bucket_stream = js
+            .get_stream("OBJ_orphans")
+            .await
+            .expect("the bucket's stream");
+        let chunk_subjects = || async {
+            let mut listed = bucket_stream
+                .info_with_subjects("$O.orphans.C.>")
+                .await
+                .expect("info");
+            let mut subjects = Vec::new();
+            while let Some(subject) = listed.next().await {
+                subjects.push(subject.expect("a subject").0);
+            }
+            subjects
+        };
+        assert_eq!(chunk_subjects().await.len(), 2);
+        // Fresh: spared (another replica's put could be under way).
+        assert_eq!(
+            purge_orphan_chunks(&bucket, &bucket_stream, "orphans", ORPHAN_CHUNK_AGE).await,
+            0
+        );
+        assert_eq!(chunk_subjects().await.len(), 2);
+        // Old enough: purged; the named object is whole.
+        assert_eq!(
+            purge_orphan_chunks(&bucket, &bucket_stream, "orphans", Duration::ZERO).await,
+            1
+        );
+        let left = chunk_subjects().await;
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert!(!left[0].ends_with("cutoffputnuid0000000000"), "{left:?}");
+        let mut read = Vec::new();
+        bucket
+            .get("kept")
+            .await
+            .expect("the kept object")
+            .read_to_end(&mut read)
+            .await
+            .expect("read whole");
+        assert_eq!(read, kept);
     }
 }
