@@ -1428,9 +1428,10 @@ async fn prune_snapshots(
     }
 }
 
-/// How long ago the last chunk of an object no metadata names must have been stored before
-/// [`purge_orphan_chunks`] takes it for the leftover of a put cut off (a put under way stores
-/// its chunks before its metadata: one of another replica's, writing now, is not touched).
+/// How long before the bucket's last message the last chunk of an object no metadata names
+/// must have been stored for [`purge_orphan_chunks`] to take it for the leftover of a put cut
+/// off (a put under way stores its chunks before its metadata: one of another replica's,
+/// writing now, is not touched).
 pub(crate) const ORPHAN_CHUNK_AGE: Duration = Duration::from_secs(600);
 
 /// Purges the bucket's chunks that no object's metadata names and that were last written more
@@ -1451,25 +1452,29 @@ pub(crate) async fn purge_orphan_chunks(
             named.insert(info.map_err(|e| e.to_string())?.nuid);
         }
         // The chunk subjects are listed after the names: a put that ends in between has its
-        // chunks listed and its name not, and is spared by its age.
-        let mut subjects = Vec::new();
+        // chunks listed and its name not, and is spared by its age. (A set: the listing comes
+        // in pages, and a subject added between two shifts the second by one.)
+        let mut subjects = std::collections::BTreeSet::new();
         let mut listed = bucket_stream
             .info_with_subjects(format!("$O.{bucket_name}.C.>"))
             .await
             .map_err(|e| e.to_string())?;
+        // Ages are measured on nats-server's clock (a chunk's time is its; this replica's own
+        // clock running ahead would make another replica's put under way look old): the
+        // stream's last message, at least this replica's own put just made, is "now".
+        let now = listed.info.state.last_timestamp.unix_timestamp_nanos();
         while let Some(subject) = listed.next().await {
-            subjects.push(subject.map_err(|e| e.to_string())?.0);
+            subjects.insert(subject.map_err(|e| e.to_string())?.0);
         }
-        Ok::<_, String>((named, subjects))
+        Ok::<_, String>((named, subjects, now))
     };
-    let (named, subjects) = match named.await {
+    let (named, subjects, now) = match named.await {
         Ok(found) => found,
         Err(error) => {
             tracing::warn!("looking for chunks of snapshot puts cut off: {error}");
             return 0;
         }
     };
-    let now = time_now_nanos();
     let mut purged = 0;
     for subject in subjects {
         let nuid = subject.rsplit('.').next().unwrap_or_default();
@@ -1768,15 +1773,19 @@ mod tests {
 
     impl TestNats {
         async fn start() -> Self {
-            let binary = std::env::var_os("KVATLAS_NATS_SERVER")
-                .map(std::path::PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("PATH").and_then(|paths| {
-                        std::env::split_paths(&paths)
-                            .map(|dir| dir.join("nats-server"))
-                            .find(|path| path.is_file())
-                    })
+            let on_path = |name: &std::ffi::OsStr| {
+                if std::path::Path::new(name).components().count() > 1 {
+                    return Some(std::path::PathBuf::from(name));
+                }
+                std::env::var_os("PATH").and_then(|paths| {
+                    std::env::split_paths(&paths)
+                        .map(|dir| dir.join(name))
+                        .find(|path| path.is_file())
                 })
+            };
+            let binary = std::env::var_os("KVATLAS_NATS_SERVER")
+                .and_then(|name| on_path(&name))
+                .or_else(|| on_path("nats-server".as_ref()))
                 .unwrap_or_else(|| "/usr/sbin/nats-server".into());
             let port = std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
@@ -1784,16 +1793,24 @@ mod tests {
                 .port();
             let store =
                 std::env::temp_dir().join(format!("kvatlas-orphans-{}-{port}", std::process::id()));
-            let child = std::process::Command::new(&binary)
+            let mut child = std::process::Command::new(&binary)
                 .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
                 .arg(&store)
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .spawn()
-                .unwrap_or_else(|e| panic!("{} runs: {e}", binary.display()));
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{} runs ({e}): install nats-server (Debian's package; .ci/run does)",
+                        binary.display()
+                    )
+                });
             let url = format!("nats://127.0.0.1:{port}");
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("nats-server on port {port} exited: {status}");
+                }
                 assert!(
                     std::time::Instant::now() < deadline,
                     "nats-server is not ready"
