@@ -1010,7 +1010,7 @@ fn serve_grpc(
     let acceptor = tls
         .acceptor(&[b"h2"])
         .map_err(|e| StartError::Tls(format!("gRPC TLS: {e}")))?;
-    let handshaken = tls_incoming(incoming, acceptor, stop.clone());
+    let handshaken = tls_incoming("gRPC", incoming, acceptor, stop.clone());
     Ok(tokio::spawn(router.serve_with_incoming_shutdown(
         handshaken,
         stop.cancelled_owned(),
@@ -1020,10 +1020,13 @@ fn serve_grpc(
 /// How long a client has to complete its TLS handshake.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The TLS connections of `incoming`, each handshaken in a task of its own (a slow client
-/// holds up nobody else) within [`TLS_HANDSHAKE_TIMEOUT`]; a failed handshake is logged at
-/// debug level and dropped. Accepting ends with `stop`.
+/// The TLS connections of `incoming` (the `what` listener's), each handshaken in a task of its
+/// own (a slow client holds up nobody else) within [`TLS_HANDSHAKE_TIMEOUT`]; a failed
+/// handshake is logged at debug level and dropped (a client that does not trust the
+/// certificate, or speaks plaintext to the TLS port, is the usual cause: not a warning per
+/// connection a scanner opens). Accepting ends with `stop`, and handshakes under way with it.
 fn tls_incoming(
+    what: &'static str,
     incoming: TcpIncoming,
     acceptor: tokio_rustls::TlsAcceptor,
     stop: CancellationToken,
@@ -1046,7 +1049,7 @@ fn tls_incoming(
                 Some(Ok(tcp)) => tcp,
                 Some(Err(error)) => {
                     // (Out of descriptors, typically: the next accept is tried shortly.)
-                    warn_accept_failed("gRPC", &error, &mut last_accept_warning);
+                    warn_accept_failed(what, &error, &mut last_accept_warning);
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 }
@@ -1060,10 +1063,10 @@ fn tls_incoming(
                         let _ = handshaken.send(Ok(tls)).await;
                     }
                     Ok(Err(error)) => {
-                        tracing::debug!(?peer, "gRPC: TLS handshake failed: {error}");
+                        tracing::debug!(?peer, "{what}: TLS handshake failed: {error}");
                     }
                     Err(_) => {
-                        tracing::debug!(?peer, "gRPC: no TLS handshake within 10 s");
+                        tracing::debug!(?peer, "{what}: no TLS handshake within 10 s");
                     }
                 }
             });
@@ -1102,41 +1105,28 @@ fn serve_http(
     // GOAWAY), and the task ends when they all have (the caller's deadline aborts it, and with
     // it the connections, past `--shutdown-timeout-secs`). So a request on an open HTTPS
     // connection is not served after the final snapshot was written.
+    let handshaken = tls_incoming(
+        "HTTPS",
+        TcpIncoming::from(listener).with_nodelay(Some(true)),
+        acceptor,
+        stop.clone(),
+    );
     Ok(tokio::spawn(async move {
+        use tokio_stream::StreamExt as _;
+        let mut handshaken = std::pin::pin!(handshaken);
         let mut connections = tokio::task::JoinSet::new();
-        let mut last_accept_warning = None;
         loop {
-            let accepted = tokio::select! {
+            let tls = tokio::select! {
                 () = stop.cancelled() => break,
-                accepted = listener.accept() => accepted,
+                next = handshaken.next() => match next {
+                    Some(Ok(tls)) => tls,
+                    Some(Err(_)) => continue,
+                    None => break,
+                },
                 Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };
-            let (tcp, peer) = match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // (Out of descriptors, typically: the next accept is tried shortly.)
-                    warn_accept_failed("HTTPS", &error, &mut last_accept_warning);
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-            };
-            let (acceptor, router, stop) = (acceptor.clone(), router.clone(), stop.clone());
+            let (router, stop) = (router.clone(), stop.clone());
             connections.spawn(async move {
-                let tls =
-                    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => tls,
-                        // A client that does not trust the certificate, or speaks plain HTTP to the
-                        // TLS port, is the usual cause: worth a line at debug level, not a warning
-                        // per connection a scanner opens.
-                        Ok(Err(error)) => {
-                            tracing::debug!(%peer, "HTTPS: TLS handshake failed: {error}");
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!(%peer, "HTTPS: no TLS handshake within 10 s");
-                            return;
-                        }
-                    };
                 let service = hyper_util::service::TowerToHyperService::new(router);
                 let builder = hyper_util::server::conn::auto::Builder::new(
                     hyper_util::rt::TokioExecutor::new(),
