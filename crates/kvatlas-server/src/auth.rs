@@ -34,7 +34,7 @@ use subtle::ConstantTimeEq;
 
 use crate::error::ServiceError;
 use crate::places::Places;
-use crate::reload::{Reread, reread};
+use crate::reload::{Reread, reload_file};
 
 /// The bearer token a client's token file holds: the first word of its first line that is not
 /// blank or a comment (empty if none), so that a copy of a server's token file sends its first
@@ -228,25 +228,21 @@ impl TokenFile {
     /// # Errors
     /// [`TokenFileError`]; the tokens in force do not change.
     pub(crate) fn reload(&self) -> Result<Reread<usize>, TokenFileError> {
-        let mut loaded = self.loaded.lock();
-        let text = match reread(
-            &loaded,
-            |t: &String| sha256(t.as_bytes()),
+        reload_file(
+            &self.loaded,
+            |text: &String| sha256(text.as_bytes()),
             || read_text(&self.path),
-        )? {
-            Reread::Changed(text) => text,
-            Reread::Same => return Ok(Reread::Same),
-            Reread::Unsettled => return Ok(Reread::Unsettled),
-        };
-        let tokens = Tokens::parse(&text, &self.path.display().to_string())?
-            .with_default_quota(self.default_quota);
-        // Matched with the tokens in force under the read lock (requests go on), swapped under
-        // the write lock: `loaded` keeps every other reload out in between.
-        let tokens = tokens.keeping_quotas_of(&self.current.read());
-        let count = tokens.len();
-        *self.current.write() = Arc::new(tokens);
-        *loaded = sha256(text.as_bytes());
-        Ok(Reread::Changed(count))
+            |text| {
+                let tokens = Tokens::parse(text, &self.path.display().to_string())?
+                    .with_default_quota(self.default_quota);
+                // Matched with the tokens in force under the read lock (requests go on),
+                // swapped under the write lock: `loaded` keeps every other reload out.
+                let tokens = tokens.keeping_quotas_of(&self.current.read());
+                let count = tokens.len();
+                *self.current.write() = Arc::new(tokens);
+                Ok(count)
+            },
+        )
     }
 
     /// The file.

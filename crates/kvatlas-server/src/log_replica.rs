@@ -1431,7 +1431,10 @@ async fn prune_snapshots(
 /// How long before the bucket's last message the last chunk of an object no metadata names
 /// must have been stored for [`purge_orphan_chunks`] to take it for the leftover of a put cut
 /// off (a put under way stores its chunks before its metadata: one of another replica's,
-/// writing now, is not touched).
+/// writing now, is not touched). A put paused longer than this between two chunks (its
+/// replica stopped, not killed) would lose its first chunks and then name a snapshot that
+/// cannot be read: a replica starting from it fails to start until a newer snapshot ranks
+/// first (known, not handled: the next object is not tried).
 pub(crate) const ORPHAN_CHUNK_AGE: Duration = Duration::from_secs(600);
 
 /// Purges the bucket's chunks that no object's metadata names and that were last written more

@@ -281,6 +281,15 @@ impl Metrics {
         self.auth_failures.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Shows `file`'s reload series at 0 until something happens (an alert on the increase of
+    /// `refused` needs the series before its first refusal).
+    pub(crate) fn declare_reloads(&self, file: &'static str) {
+        let mut reloads = self.reloads.lock();
+        for applied in [true, false] {
+            reloads.entry((file, applied)).or_insert(0);
+        }
+    }
+
     /// Records a changed `file` (`tokens`, `tls`) applied or refused.
     pub(crate) fn reload(&self, file: &'static str, applied: bool) {
         *self.reloads.lock().entry((file, applied)).or_insert(0) += 1;

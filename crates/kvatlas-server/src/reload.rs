@@ -3,8 +3,8 @@
 //! rewritten with no signal). A file that reads as before changes nothing; one that changed is
 //! read again every [`SETTLE`] until two reads agree (a file being written in place, or a key
 //! written shortly after its certificate, is taken once written; one still changing after
-//! [`SETTLE_READS`] reads waits for the next check); one that changed and is valid is in force from the next request or handshake on; one that changed and is not
-//! is refused — the server goes on with what it had, logs why (once per distinct problem) and
+//! [`SETTLE_READS`] reads waits for the next check); one that changed and is valid is in force
+//! from the next request or handshake on; one that changed and is not is refused — the server goes on with what it had, logs why (once per distinct problem) and
 //! counts it (`kvatlas_reloads_total{file,outcome}`). Requests, streams and connections already
 //! admitted keep the token and certificate they were admitted with.
 //!
@@ -66,6 +66,29 @@ pub(crate) fn reread<T: PartialEq, E>(
     Ok(Reread::Unsettled)
 }
 
+/// Reads a file again with `read` ([`reread`]) under `loaded` (the digest of what is in force,
+/// held from the read to the swap, so that two reloads cannot put an older file back in force);
+/// a changed one goes to `apply`, and its digest is recorded once applied.
+///
+/// # Errors
+/// `read`'s or `apply`'s; what is in force and `loaded` do not change.
+pub(crate) fn reload_file<T: PartialEq, R, E>(
+    loaded: &parking_lot::Mutex<[u8; 32]>,
+    digest: impl Fn(&T) -> [u8; 32],
+    read: impl FnMut() -> Result<T, E>,
+    apply: impl FnOnce(&T) -> Result<R, E>,
+) -> Result<Reread<R>, E> {
+    let mut loaded = loaded.lock();
+    let content = match reread(&loaded, &digest, read)? {
+        Reread::Changed(content) => content,
+        Reread::Same => return Ok(Reread::Same),
+        Reread::Unsettled => return Ok(Reread::Unsettled),
+    };
+    let applied = apply(&content)?;
+    *loaded = digest(&content);
+    Ok(Reread::Changed(applied))
+}
+
 /// What one check of a file found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReloadOutcome {
@@ -102,6 +125,12 @@ pub(crate) struct Reloader {
 impl Reloader {
     /// A reloader of `state`'s token file and of `tls`.
     pub(crate) fn new(state: Arc<State>, tls: Option<Arc<ServerIdentity>>) -> Self {
+        if state.tokens.is_some() {
+            state.metrics.declare_reloads("tokens");
+        }
+        if tls.is_some() {
+            state.metrics.declare_reloads("tls");
+        }
         Self {
             state,
             tls,

@@ -195,7 +195,9 @@ pub struct RunningServer {
 }
 
 impl RunningServer {
-    /// Checks `config`, registers its workers, binds and starts serving.
+    /// Checks `config`, registers its workers, binds and starts serving. It takes SIGHUP for
+    /// the whole process from its call on (to read the token file and the certificate again,
+    /// `docs/server.md` §4): a process embedding a server no longer ends on SIGHUP.
     ///
     /// # Errors
     /// [`StartError`], naming the setting, file, address or worker at fault.
@@ -1030,8 +1032,8 @@ fn tls_incoming(
     incoming: TcpIncoming,
     acceptor: tokio_rustls::TlsAcceptor,
     stop: CancellationToken,
-) -> impl tokio_stream::Stream<
-    Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+) -> tokio_stream::wrappers::ReceiverStream<
+    Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
 > {
     use tokio_stream::StreamExt as _;
     let (handshaken, receiver) = tokio::sync::mpsc::channel(64);
@@ -1057,16 +1059,21 @@ fn tls_incoming(
             };
             let (acceptor, handshaken) = (acceptor.clone(), handshaken.clone());
             handshakes.spawn(async move {
-                let peer = tcp.peer_addr().ok();
+                let peer = tcp
+                    .peer_addr()
+                    .map_or_else(|_| "an unknown peer".to_owned(), |peer| peer.to_string());
                 match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => {
                         let _ = handshaken.send(Ok(tls)).await;
                     }
                     Ok(Err(error)) => {
-                        tracing::debug!(?peer, "{what}: TLS handshake failed: {error}");
+                        tracing::debug!(%peer, "{what}: TLS handshake failed: {error}");
                     }
                     Err(_) => {
-                        tracing::debug!(?peer, "{what}: no TLS handshake within 10 s");
+                        tracing::debug!(
+                            %peer,
+                            "{what}: no TLS handshake within {TLS_HANDSHAKE_TIMEOUT:?}"
+                        );
                     }
                 }
             });
@@ -1113,7 +1120,7 @@ fn serve_http(
     );
     Ok(tokio::spawn(async move {
         use tokio_stream::StreamExt as _;
-        let mut handshaken = std::pin::pin!(handshaken);
+        let mut handshaken = handshaken;
         let mut connections = tokio::task::JoinSet::new();
         loop {
             let tls = tokio::select! {
@@ -1143,6 +1150,8 @@ fn serve_http(
                 }
             });
         }
+        // Connections handshaken and not taken are closed now, not when the others end.
+        drop(handshaken);
         while connections.join_next().await.is_some() {}
     }))
 }
@@ -1150,8 +1159,10 @@ fn serve_http(
 /// Completes on SIGINT (Ctrl-C) or SIGTERM. On unix the signals are taken from the call on,
 /// not from the future's first poll: called before a server starts, a signal that comes while
 /// it starts (a supervisor stopping it at once) is not met by the signal's default action
-/// (`kvatlas serve` stops the start at once). Elsewhere, Ctrl-C from the first poll. Call it
-/// within a tokio runtime.
+/// (`kvatlas serve` stops the start at once). Elsewhere, Ctrl-C from the first poll.
+///
+/// # Panics
+/// Outside a tokio runtime (tokio's signal handling needs one).
 pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
     #[cfg(unix)]
     {

@@ -15,7 +15,7 @@ use crate::registry::Registry;
 use crate::snapshot_stream::Held;
 
 /// Reads of the whole state (`/dump`, `/snapshot`, the `Snapshot` RPC) allowed at once: each
-/// holds images of the indexes it reads (and `/dump` their JSON), so their number, not only
+/// holds images of the indexes it reads until its answer is written, so their number, not only
 /// their size, bounds the memory they take.
 pub(crate) const MAX_CONCURRENT_DUMPS: usize = 2;
 

@@ -14,7 +14,7 @@ use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{self, pki_types};
 
 use crate::config::TlsFiles;
-use crate::reload::{Reread, reread};
+use crate::reload::{Reread, reload_file};
 
 /// The certificate chain and key as read from the files (PEM), to tell a changed file from the
 /// same one.
@@ -99,16 +99,16 @@ impl ServerIdentity {
     /// # Errors
     /// A message naming the files and the problem; the certificate served does not change.
     pub(crate) fn reload(&self) -> Result<Reread<()>, String> {
-        let mut loaded = self.loaded.lock();
-        let pem = match reread(&loaded, Pem::digest, || read(&self.files))? {
-            Reread::Changed(pem) => pem,
-            Reread::Same => return Ok(Reread::Same),
-            Reread::Unsettled => return Ok(Reread::Unsettled),
-        };
-        let key = certified_key(&pem).map_err(|e| in_files(&self.files, &e))?;
-        *self.current.0.write() = Arc::new(key);
-        *loaded = pem.digest();
-        Ok(Reread::Changed(()))
+        reload_file(
+            &self.loaded,
+            Pem::digest,
+            || read(&self.files),
+            |pem| {
+                let key = certified_key(pem).map_err(|e| in_files(&self.files, &e))?;
+                *self.current.0.write() = Arc::new(key);
+                Ok(())
+            },
+        )
     }
 
     /// The files, for messages.

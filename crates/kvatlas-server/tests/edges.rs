@@ -1375,11 +1375,7 @@ async fn metrics_tell_what_happened() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_serves_both_listeners() {
     let dir = temp_dir("tls");
-    let certified =
-        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
-    let cert_pem = certified.cert.pem();
-    std::fs::write(dir.join("cert.pem"), &cert_pem).expect("write");
-    std::fs::write(dir.join("key.pem"), certified.signing_key.serialize_pem()).expect("write");
+    let (cert_pem, _) = write_certificate(&dir);
     let server = RunningServer::start(ServerConfig {
         tls: Some(TlsFiles {
             cert: dir.join("cert.pem"),
@@ -1467,12 +1463,8 @@ async fn https_get(
 /// A self-signed certificate for 127.0.0.1 and its key written to `dir` (cert.pem, key.pem);
 /// the certificate's and the key's PEM.
 fn write_certificate(dir: &std::path::Path) -> (String, String) {
-    let certified =
-        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
-    let pair = (certified.cert.pem(), certified.signing_key.serialize_pem());
-    std::fs::write(dir.join("cert.pem"), &pair.0).expect("write");
-    std::fs::write(dir.join("key.pem"), &pair.1).expect("write");
-    pair
+    let (files, cert) = self_signed_certificate(dir);
+    (cert, std::fs::read_to_string(files.key).expect("read"))
 }
 
 /// A certificate rotated and a token file rewritten in place are in force without a restart

@@ -307,16 +307,7 @@ fn python_grpcio_clients_with_health_and_reflection() {
 
 /// A self-signed certificate for 127.0.0.1 and its key, written to `dir` (cert.pem, key.pem).
 fn certificate(dir: &std::path::Path) -> kvatlas_server::TlsFiles {
-    std::fs::create_dir_all(dir).expect("dir");
-    let certified =
-        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
-    let files = kvatlas_server::TlsFiles {
-        cert: dir.join("cert.pem"),
-        key: dir.join("key.pem"),
-    };
-    std::fs::write(&files.cert, certified.cert.pem()).expect("write");
-    std::fs::write(&files.key, certified.signing_key.serialize_pem()).expect("write");
-    files
+    common::self_signed_certificate(dir).0
 }
 
 /// The Python clients' scenario against a server, over TLS with `tls`.

@@ -640,10 +640,7 @@ async fn a_replica_bootstraps_from_a_tls_peer_with_a_token() {
     publish_script(&mut loader.client, &batches).await;
     loader.server.shutdown().await;
 
-    let certified =
-        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
-    std::fs::write(dir.join("cert.pem"), certified.cert.pem()).expect("write");
-    std::fs::write(dir.join("key.pem"), certified.signing_key.serialize_pem()).expect("write");
+    self_signed_certificate(&dir);
     std::fs::write(
         dir.join("tokens"),
         "admin-0123456789abcdef name=admin\nteam-0123456789abcdef tenants=a name=team\n",

@@ -649,3 +649,19 @@ pub fn vllm_batch_at(events: &[VllmEvent], dp_rank: Option<u32>, ts: f64) -> Vec
     }
     w
 }
+
+/// A self-signed certificate for 127.0.0.1 and its key, written to `dir` as cert.pem and
+/// key.pem (the directory made if missing); the files and the certificate's PEM.
+pub fn self_signed_certificate(dir: &std::path::Path) -> (kvatlas_server::TlsFiles, String) {
+    std::fs::create_dir_all(dir).expect("dir");
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).expect("certificate");
+    let files = kvatlas_server::TlsFiles {
+        cert: dir.join("cert.pem"),
+        key: dir.join("key.pem"),
+    };
+    let pem = certified.cert.pem();
+    std::fs::write(&files.cert, &pem).expect("write");
+    std::fs::write(&files.key, certified.signing_key.serialize_pem()).expect("write");
+    (files, pem)
+}
