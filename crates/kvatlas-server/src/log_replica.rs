@@ -1293,22 +1293,32 @@ pub(crate) async fn restore_newest(
             Err(error) => return Err(format!("reading the snapshot object: {error}")),
         }
     };
+    // An object that cannot be read or restored is named, with what the operator can do: a
+    // replica does not start from it (the next best is not tried: see ORPHAN_CHUNK_AGE).
+    let (name, bucket_name) = (object.info.name.clone(), object.info.bucket.clone());
+    let named = move |error: String| {
+        format!(
+            "the snapshot object {name:?} of bucket {bucket_name:?}: {error} (delete it, e.g. \
+             `nats object rm {bucket_name} {name}`, and the replica starts from the next \
+             snapshot, or from the stream's start)"
+        )
+    };
     let mut bytes = Vec::new();
     object
         .read_to_end(&mut bytes)
         .await
-        .map_err(|e| format!("reading the snapshot object: {e}"))?;
+        .map_err(|e| named(format!("reading it: {e}")))?;
     let registry = Arc::clone(registry);
     tokio::task::spawn_blocking(move || {
         let rest = bytes
             .strip_prefix(SNAPSHOT_MAGIC.as_slice())
-            .ok_or("the snapshot object is not a kvatlas replica snapshot")?;
+            .ok_or_else(|| named("not a kvatlas replica snapshot".into()))?;
         let (covered, snapshot) = rest
             .split_first_chunk::<8>()
-            .ok_or("the snapshot object is truncated")?;
+            .ok_or_else(|| named("truncated".into()))?;
         let covered = u64::from_le_bytes(*covered);
         let (_, images) = crate::snapshot::read_within(snapshot, registry.read_limits())
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| named(e.to_string()))?;
         for entry in registry.all() {
             entry.pool.flush();
         }
@@ -1433,8 +1443,9 @@ async fn prune_snapshots(
 /// off (a put under way stores its chunks before its metadata: one of another replica's,
 /// writing now, is not touched). A put paused longer than this between two chunks (its
 /// replica stopped, not killed) would lose its first chunks and then name a snapshot that
-/// cannot be read: a replica starting from it fails to start until a newer snapshot ranks
-/// first (known, not handled: the next object is not tried).
+/// cannot be read: a replica starting from it fails to start, naming the object and how to
+/// delete it, until a newer snapshot ranks first (known, not handled: the next object is not
+/// tried).
 pub(crate) const ORPHAN_CHUNK_AGE: Duration = Duration::from_secs(600);
 
 /// Purges the bucket's chunks that no object's metadata names and that were last written more
@@ -1898,5 +1909,36 @@ mod tests {
             .await
             .expect("read whole");
         assert_eq!(read, kept);
+    }
+
+    /// A snapshot object a replica cannot restore is named in the error, with what to do.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreadable_snapshot_is_named_with_what_to_do() {
+        let nats = TestNats::start().await;
+        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
+        let mut log = NatsLog::new(nats.url.clone());
+        log.snapshot_bucket = "broken".into();
+        let bucket = crate::nats::snapshot_bucket(&js, &log)
+            .await
+            .expect("bucket");
+        let meta = jetstream::object_store::ObjectMetadata {
+            name: snapshot_name(7),
+            description: Some(snapshot_description(7, 1)),
+            ..Default::default()
+        };
+        bucket
+            .put(meta, &mut b"not a snapshot".as_slice())
+            .await
+            .expect("put");
+        let registry = Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits::default(),
+        ));
+        let error = restore_newest(&registry, &bucket, 1)
+            .await
+            .expect_err("garbage is not restored");
+        assert!(error.contains(&snapshot_name(7)), "{error}");
+        assert!(error.contains("nats object rm broken"), "{error}");
+        assert!(registry.all().is_empty(), "nothing restored");
     }
 }
