@@ -74,18 +74,29 @@ impl Served {
     }
 
     /// SIGTERM, then the exit status and stdout.
-    pub fn terminate(self) -> (std::process::ExitStatus, String) {
+    pub fn terminate(mut self) -> (std::process::ExitStatus, String) {
         let status = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
             .expect("kill");
         assert!(status.success());
-        let output = self.child.wait_with_output().expect("exits");
-        drop(self.stderr);
-        (
-            output.status,
-            String::from_utf8_lossy(&output.stdout).into_owned(),
-        )
+        let mut stdout = Vec::new();
+        if let Some(mut pipe) = self.child.stdout.take() {
+            std::io::Read::read_to_end(&mut pipe, &mut stdout).expect("stdout");
+        }
+        let status = self.child.wait().expect("exits");
+        (status, String::from_utf8_lossy(&stdout).into_owned())
+    }
+}
+
+impl Drop for Served {
+    /// A server a test did not stop (it returned without `terminate`, or panicked) is killed:
+    /// it outlived its test before, for good.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
     }
 }
 
