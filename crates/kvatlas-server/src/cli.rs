@@ -672,6 +672,12 @@ impl ServeArgs {
     /// The settings given (by a flag, a variable or the file) that have no effect with the
     /// resolved `config`, each with what it needs.
     fn without_effect(&self, file: &ServeFile, config: &ServerConfig) -> Vec<String> {
+        // Whether a setting was given, by a flag, a variable or the file.
+        macro_rules! given {
+            ($field:ident) => {
+                self.$field.is_some() || file.$field.is_some()
+            };
+        }
         let mut unused = Vec::new();
         let mut note = |given: bool, flag: &str, needs: &str| {
             if given {
@@ -681,38 +687,18 @@ impl ServeArgs {
         let log = config.publish_to.is_some() || config.consume_from.is_some();
         let replica = config.consume_from.is_some();
         for (given, flag) in [
-            (
-                self.nats_stream.is_some() || file.nats_stream.is_some(),
-                "--nats-stream",
-            ),
-            (
-                self.nats_subject_prefix.is_some() || file.nats_subject_prefix.is_some(),
-                "--nats-subject-prefix",
-            ),
-            (
-                self.nats_max_age_secs.or(file.nats_max_age_secs).is_some(),
-                "--nats-max-age-secs",
-            ),
-            (
-                self.nats_max_bytes.or(file.nats_max_bytes).is_some(),
-                "--nats-max-bytes",
-            ),
-            (
-                self.nats_no_live.or(file.nats_no_live).is_some(),
-                "--nats-no-live",
-            ),
+            (given!(nats_stream), "--nats-stream"),
+            (given!(nats_subject_prefix), "--nats-subject-prefix"),
+            (given!(nats_max_age_secs), "--nats-max-age-secs"),
+            (given!(nats_max_bytes), "--nats-max-bytes"),
+            (given!(nats_no_live), "--nats-no-live"),
         ] {
             note(given && !log, flag, "--publish-to or --consume-from");
         }
         for (given, flag) in [
+            (given!(nats_snapshot_bucket), "--nats-snapshot-bucket"),
             (
-                self.nats_snapshot_bucket.is_some() || file.nats_snapshot_bucket.is_some(),
-                "--nats-snapshot-bucket",
-            ),
-            (
-                self.nats_snapshot_interval_secs
-                    .or(file.nats_snapshot_interval_secs)
-                    .is_some(),
+                given!(nats_snapshot_interval_secs),
                 "--nats-snapshot-interval-secs",
             ),
         ] {
@@ -722,10 +708,7 @@ impl ServeArgs {
                 "--consume-from (replicas write and read the bucket)",
             );
         }
-        let live_confirm = self
-            .nats_live_confirm_secs
-            .or(file.nats_live_confirm_secs)
-            .is_some();
+        let live_confirm = given!(nats_live_confirm_secs);
         note(
             live_confirm && !replica,
             "--nats-live-confirm-secs",
@@ -743,37 +726,26 @@ impl ServeArgs {
             note(given && config.peers.is_empty(), flag, "--peers");
         }
         note(
-            self.snapshot_interval_secs
-                .or(file.snapshot_interval_secs)
-                .is_some()
-                && config.persistence.is_none(),
+            given!(snapshot_interval_secs) && config.persistence.is_none(),
             "--snapshot-interval-secs",
             "--data-dir",
         );
         note(
-            self.max_requests_per_token
-                .or(file.max_requests_per_token)
-                .is_some()
-                && config.auth_tokens.is_none(),
+            given!(max_requests_per_token) && config.auth_tokens.is_none(),
             "--max-requests-per-token",
             "--auth-tokens",
         );
         note(
-            self.reload_check_secs.or(file.reload_check_secs).is_some()
-                && config.auth_tokens.is_none()
-                && config.tls.is_none(),
+            given!(reload_check_secs) && config.auth_tokens.is_none() && config.tls.is_none(),
             "--reload-check-secs",
             "--auth-tokens or --tls-cert",
         );
         let workers = config.workers.is_empty();
         for (given, flag) in [
-            (self.model.is_some() || file.model.is_some(), "--model"),
-            (self.tenant.is_some() || file.tenant.is_some(), "--tenant"),
-            (
-                self.block_size.or(file.block_size).is_some(),
-                "--block-size",
-            ),
-            (self.engine.is_some() || file.engine.is_some(), "--engine"),
+            (given!(model), "--model"),
+            (given!(tenant), "--tenant"),
+            (given!(block_size), "--block-size"),
+            (given!(engine), "--engine"),
         ] {
             note(
                 given && workers,

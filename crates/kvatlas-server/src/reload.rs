@@ -4,8 +4,8 @@
 //! read again every [`SETTLE`] until two reads agree (a file being written in place, or a key
 //! written shortly after its certificate, is taken once written; one still changing after
 //! [`SETTLE_READS`] reads waits for the next check); one that changed and is valid is in force
-//! from the next request or handshake on; one that changed and is not is refused — the server goes on with what it had, logs why (once per distinct problem) and
-//! counts it (`kvatlas_reloads_total{file,outcome}`). Requests, streams and connections already
+//! from the next request or handshake on; one that changed and is not is refused — the server
+//! goes on with what it had, logs why (once per distinct problem) and counts it (`kvatlas_reloads_total{file,outcome}`). Requests, streams and connections already
 //! admitted keep the token and certificate they were admitted with.
 //!
 //! SIGHUP never ends the server (its default action would): it is taken from the server's
@@ -89,6 +89,22 @@ pub(crate) fn reload_file<T: PartialEq, R, E>(
     Ok(Reread::Changed(applied))
 }
 
+/// What a file's reload found; `applied` says what a change put in force.
+fn outcome_of<R, E: std::fmt::Display>(
+    reloaded: Result<Reread<R>, E>,
+    applied: impl FnOnce(R),
+) -> ReloadOutcome {
+    match reloaded {
+        Ok(Reread::Same) => ReloadOutcome::Unchanged,
+        Ok(Reread::Unsettled) => ReloadOutcome::Unsettled,
+        Ok(Reread::Changed(what)) => {
+            applied(what);
+            ReloadOutcome::Applied
+        }
+        Err(error) => ReloadOutcome::Refused(error.to_string()),
+    }
+}
+
 /// What one check of a file found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReloadOutcome {
@@ -146,35 +162,23 @@ impl Reloader {
     /// Reads the files once (blocking file reads: call it off the runtime's workers).
     pub(crate) fn check(&self) -> Reloaded {
         let tokens = self.state.tokens.as_ref().map(|file| {
-            let outcome = match file.reload() {
-                Ok(Reread::Same) => ReloadOutcome::Unchanged,
-                Ok(Reread::Unsettled) => ReloadOutcome::Unsettled,
-                Ok(Reread::Changed(count)) => {
-                    tracing::info!(
-                        file = %file.path().display(),
-                        tokens = count,
-                        "reloaded the token file: {count} token(s) in force"
-                    );
-                    ReloadOutcome::Applied
-                }
-                Err(error) => ReloadOutcome::Refused(error.to_string()),
-            };
+            let outcome = outcome_of(file.reload(), |count| {
+                tracing::info!(
+                    file = %file.path().display(),
+                    tokens = count,
+                    "reloaded the token file: {count} token(s) in force"
+                );
+            });
             self.record(0, "tokens", &outcome);
             outcome
         });
         let tls = self.tls.as_ref().map(|identity| {
-            let outcome = match identity.reload() {
-                Ok(Reread::Same) => ReloadOutcome::Unchanged,
-                Ok(Reread::Unsettled) => ReloadOutcome::Unsettled,
-                Ok(Reread::Changed(())) => {
-                    tracing::info!(
-                        cert = %identity.files().cert.display(),
-                        "reloaded the TLS certificate and key: new connections get them"
-                    );
-                    ReloadOutcome::Applied
-                }
-                Err(error) => ReloadOutcome::Refused(error),
-            };
+            let outcome = outcome_of(identity.reload(), |()| {
+                tracing::info!(
+                    cert = %identity.files().cert.display(),
+                    "reloaded the TLS certificate and key: new connections get them"
+                );
+            });
             self.record(1, "tls", &outcome);
             outcome
         });

@@ -73,7 +73,9 @@ impl ResolvesServerCert for CurrentCertificate {
     }
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+/// The crypto provider of every TLS configuration here, the server's and the peers' client's
+/// (ring).
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 

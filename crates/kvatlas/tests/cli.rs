@@ -797,18 +797,7 @@ fn sigterm_while_starting_stops_the_start() {
     use std::io::BufRead;
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let url = format!("nats://{}", silent.local_addr().expect("addr"));
-    let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--http-addr",
-            "127.0.0.1:0",
-        ])
-        .args(["--publish-to", &url])
-        .env_remove("KVATLAS_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    let mut child = common::serve_command(&["--publish-to", &url])
         .spawn()
         .expect("kvatlas serve starts");
     // The server is in its start once it connected to the silent "NATS server" (waited for

@@ -24,6 +24,20 @@ pub struct Served {
     pub startup_log: Vec<String>,
 }
 
+/// `kvatlas serve` on ephemeral loopback ports with `args`, no config file from the
+/// environment, stdout and stderr piped (not started).
+pub fn serve_command(args: &[&str]) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .arg("serve")
+        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("KVATLAS_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
 impl Served {
     pub fn start(args: &[&str]) -> Self {
         Self::start_with_env(args, &[])
@@ -31,14 +45,8 @@ impl Served {
 
     /// As [`Served::start`], with these environment variables.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(BIN)
-            .arg("serve")
-            .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
-            .args(args)
-            .env_remove("KVATLAS_CONFIG")
+        let mut child = serve_command(args)
             .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
             .spawn()
             .expect("kvatlas serve starts");
         let (tx, stderr) = mpsc::channel();
