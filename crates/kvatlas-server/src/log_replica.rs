@@ -254,7 +254,9 @@ pub(crate) async fn start(
         .map_err(|e| format!("the snapshot bucket's stream: {e}"))?;
     state.set_bootstrapping(true);
     let stream_created = created_nanos(stream.cached_info());
-    let covered = restore_newest(&state.registry, &bucket, stream_created).await?;
+    let reads_from = stream.cached_info().state.first_sequence;
+    let covered =
+        restore_newest(&state.registry, &bucket, stream_created, reads_from, &stats).await?;
     let live = if log.live {
         let client = js.client();
         let live = client
@@ -761,9 +763,22 @@ impl Consumer {
         })
         .await
         .map_err(|e| e.to_string())?;
-        self.applied = restore_newest(&self.state.registry, &self.bucket, self.stream_created)
-            .await?
-            .unwrap_or(0);
+        // Where the stream begins: an older snapshot than the best is restored only if the
+        // stream continues it (without the stream's answer, none is).
+        let reads_from = tokio::time::timeout(Duration::from_secs(2), self.stream.get_info())
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map_or(u64::MAX, |info| info.state.first_sequence);
+        self.applied = restore_newest(
+            &self.state.registry,
+            &self.bucket,
+            self.stream_created,
+            reads_from,
+            &self.stats,
+        )
+        .await?
+        .unwrap_or(0);
         Ok(())
     }
 
@@ -794,8 +809,14 @@ impl Consumer {
                 covered,
                 "the stream no longer holds the next records: re-bootstrapping from the newest snapshot"
             );
-            if let Some(covered) =
-                restore_newest(&self.state.registry, &self.bucket, self.stream_created).await?
+            if let Some(covered) = restore_newest(
+                &self.state.registry,
+                &self.bucket,
+                self.stream_created,
+                sequence,
+                &self.stats,
+            )
+            .await?
             {
                 self.sources.clear();
                 // The snapshot replaced what the live path applied: nothing is pending.
@@ -1261,48 +1282,130 @@ async fn newest_position(
         .map(|object| object.position_in(current))
 }
 
-/// Restores the newest snapshot of the bucket, if any: where a replica of the stream created
-/// at `current` reads on ([`SnapshotObject::position_in`]).
+/// Restores the best snapshot of the bucket that can be read and restored: where a replica of
+/// the stream created at `current` reads on ([`SnapshotObject::position_in`]); `None`: the
+/// bucket has none (or only objects a newer put pruned while they were read), and the replica
+/// reads the stream from its start.
+///
+/// The best-ranked object is tried first, whatever it covers (as when it is the only one). If
+/// it cannot be read or restored (a damaged store, a put cut off whose first chunks were
+/// purged), it is named in a warning with how to delete it and counted
+/// (`snapshots_unreadable`), and the next is tried — but only an object after which the
+/// replica reads on from `reads_from` or before (the stream's first sequence: an older cut
+/// would leave records the stream no longer holds unread). With none such and `reads_from` ≤
+/// 1 (the stream holds every record), the replica starts from the stream's start (`None`),
+/// which loses nothing either; the indexes must then be empty (at a start, or emptied by the
+/// caller). Otherwise the best one's error is returned: a replica does not start from a state
+/// with a hole.
 pub(crate) async fn restore_newest(
     registry: &Arc<Registry>,
     bucket: &jetstream::object_store::ObjectStore,
     current: i128,
+    reads_from: u64,
+    stats: &LogStats,
 ) -> Result<Option<u64>, String> {
+    // Objects that could not be restored, the best first: (name, what went wrong).
+    let mut unreadable: Vec<(String, String)> = Vec::new();
     // A newer put prunes older objects: the one listed may be gone when it is read, and the
     // list is read again (a few times: each prune needs a newer snapshot).
-    let mut attempts = 0;
-    let (mut object, same_stream) = loop {
-        let Some(newest) = newest_snapshot(bucket, current).await? else {
-            return Ok(None);
-        };
-        match bucket.get(&newest.info.name).await {
-            // Judged by what was read (a put of the same name may have replaced the listed one).
-            Ok(object) => {
-                let stream = stream_of(object.info.description.as_deref());
-                break (object, stream.is_none_or(|stream| stream == current));
-            }
-            Err(error)
-                if error.kind() == jetstream::object_store::GetErrorKind::NotFound
-                    && attempts < 3 =>
+    let mut listings = 0;
+    'listing: loop {
+        listings += 1;
+        let listed = snapshots(bucket, current).await?;
+        for candidate in &listed {
+            if unreadable
+                .iter()
+                .any(|(name, _)| *name == candidate.info.name)
             {
-                attempts += 1;
+                continue;
             }
-            Err(error) if error.kind() == jetstream::object_store::GetErrorKind::NotFound => {
-                return Ok(None);
+            // Once the best has failed, only a cut the stream still continues.
+            if !unreadable.is_empty()
+                && candidate.position_in(current).saturating_add(1) < reads_from
+            {
+                continue;
             }
-            Err(error) => return Err(format!("reading the snapshot object: {error}")),
+            let object = match bucket.get(&candidate.info.name).await {
+                Ok(object) => object,
+                Err(error) if error.kind() == jetstream::object_store::GetErrorKind::NotFound => {
+                    if listings <= 3 {
+                        continue 'listing;
+                    }
+                    continue;
+                }
+                Err(error) => {
+                    let error = named_snapshot(
+                        &candidate.info.name,
+                        &candidate.info.bucket,
+                        &format!("reading it: {error}"),
+                    );
+                    unreadable_snapshot(stats, &error);
+                    unreadable.push((candidate.info.name.clone(), error));
+                    continue;
+                }
+            };
+            match restore_object(registry, object, current).await {
+                Ok(position) => {
+                    if !unreadable.is_empty() {
+                        tracing::warn!(
+                            object = candidate.info.name,
+                            stream_sequence = position,
+                            "restored an older replica snapshot: {} newer one(s) could not be \
+                             (named above)",
+                            unreadable.len()
+                        );
+                    }
+                    return Ok(Some(position));
+                }
+                Err(error) => {
+                    unreadable_snapshot(stats, &error);
+                    unreadable.push((candidate.info.name.clone(), error));
+                }
+            }
         }
+        break;
+    }
+    let Some((_, best)) = unreadable.into_iter().next() else {
+        return Ok(None);
     };
-    // An object that cannot be read or restored is named, with what the operator can do: a
-    // replica does not start from it (the next best is not tried: see ORPHAN_CHUNK_AGE).
+    if reads_from <= 1 {
+        tracing::warn!(
+            "no replica snapshot could be restored (named above): reading the stream from its \
+             start, which holds every record"
+        );
+        return Ok(None);
+    }
+    Err(best)
+}
+
+/// Names a snapshot object that cannot be read or restored, with what the operator can do.
+fn named_snapshot(name: &str, bucket: &str, error: &str) -> String {
+    format!(
+        "the snapshot object {name:?} of bucket {bucket:?}: {error} (delete it, e.g. `nats \
+         object rm {bucket} {name}`, and the replica starts from the next snapshot, or from the \
+         stream's start)"
+    )
+}
+
+/// Counts and logs a snapshot object that could not be restored ([`named_snapshot`]).
+fn unreadable_snapshot(stats: &LogStats, error: &str) {
+    LogStats::bump(&stats.snapshots_unreadable);
+    tracing::warn!("{error}: trying an older one");
+}
+
+/// Reads and restores one snapshot object: where a replica of the stream created at `current`
+/// reads on after it. Nothing is changed unless the whole object restores
+/// ([`Registry::restore_images`]).
+async fn restore_object(
+    registry: &Arc<Registry>,
+    mut object: jetstream::object_store::Object,
+    current: i128,
+) -> Result<u64, String> {
+    // Judged by what was read (a put of the same name may have replaced the listed one).
+    let same_stream =
+        stream_of(object.info.description.as_deref()).is_none_or(|stream| stream == current);
     let (name, bucket_name) = (object.info.name.clone(), object.info.bucket.clone());
-    let named = move |error: String| {
-        format!(
-            "the snapshot object {name:?} of bucket {bucket_name:?}: {error} (delete it, e.g. \
-             `nats object rm {bucket_name} {name}`, and the replica starts from the next \
-             snapshot, or from the stream's start)"
-        )
-    };
+    let named = move |error: String| named_snapshot(&name, &bucket_name, &error);
     let mut bytes = Vec::new();
     object
         .read_to_end(&mut bytes)
@@ -1324,7 +1427,7 @@ pub(crate) async fn restore_newest(
         }
         registry
             .restore_images(&images, None)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| named(format!("restoring it: {e}")))?;
         let memberships: u64 = images
             .iter()
             .map(crate::snapshot::IndexImage::memberships)
@@ -1333,17 +1436,17 @@ pub(crate) async fn restore_newest(
             tracing::info!(
                 stream_sequence = covered,
                 memberships,
-                "restored the newest replica snapshot"
+                "restored a replica snapshot"
             );
         } else {
             tracing::warn!(
                 stream_sequence = covered,
                 memberships,
-                "restored the newest replica snapshot, cut from the stream before it was \
-                 created again: reading the stream from its start"
+                "restored a replica snapshot cut from the stream before it was created \
+                 again: reading the stream from its start"
             );
         }
-        Ok(Some(if same_stream { covered } else { 0 }))
+        Ok(if same_stream { covered } else { 0 })
     })
     .await
     .map_err(|e| e.to_string())?
@@ -1934,11 +2037,101 @@ mod tests {
             crate::config::IndexSettings::default(),
             crate::config::Limits::default(),
         ));
-        let error = restore_newest(&registry, &bucket, 1)
+        // The stream begins after the first record: no snapshot, no start without a hole.
+        let stats = LogStats::default();
+        let error = restore_newest(&registry, &bucket, 1, 2, &stats)
             .await
             .expect_err("garbage is not restored");
         assert!(error.contains(&snapshot_name(7)), "{error}");
         assert!(error.contains("nats object rm broken"), "{error}");
         assert!(registry.all().is_empty(), "nothing restored");
+        assert_eq!(
+            stats
+                .snapshots_unreadable
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        // The stream holds every record: read from its start.
+        assert_eq!(
+            restore_newest(&registry, &bucket, 1, 1, &stats).await,
+            Ok(None)
+        );
+        assert!(registry.all().is_empty(), "nothing restored");
+    }
+
+    /// A newest snapshot object that cannot be read does not keep a replica from starting from
+    /// the next one — when the stream continues that one; one it does not continue (records
+    /// dropped by retention between the two) is not restored, and the error names the newest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_older_snapshot_is_restored_when_the_newest_cannot_be_read() {
+        use kvatlas_index::{Snapshot, SnapshotBlock, Tier, TierSet, WorkerSnapshot};
+        let nats = TestNats::start().await;
+        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
+        let mut log = NatsLog::new(nats.url.clone());
+        log.snapshot_bucket = "fallback".into();
+        let bucket = crate::nats::snapshot_bucket(&js, &log)
+            .await
+            .expect("bucket");
+        let worker = Worker::new(3, 0);
+        let image = crate::snapshot::IndexImage {
+            key: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
+            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
+            capacity: None,
+            feeds: Vec::new(),
+            marks: std::collections::BTreeMap::new(),
+            snapshot: Snapshot {
+                workers: vec![WorkerSnapshot {
+                    worker,
+                    blocks: vec![SnapshotBlock {
+                        external: kvatlas_index::ExternalBlockHash::new(30),
+                        local: kvatlas_hash::LocalBlockHash::new(300),
+                        parent: None,
+                        tiers: TierSet::only(Tier::Device),
+                    }],
+                }],
+            },
+        };
+        put_snapshot(&bucket, vec![image], 7, 1)
+            .await
+            .expect("the older snapshot");
+        let newest = jetstream::object_store::ObjectMetadata {
+            name: snapshot_name(9),
+            description: Some(snapshot_description(9, 1)),
+            ..Default::default()
+        };
+        bucket
+            .put(newest, &mut b"cut off".as_slice())
+            .await
+            .expect("put");
+        let registry = || {
+            Arc::new(Registry::new(
+                crate::config::IndexSettings::default(),
+                crate::config::Limits::default(),
+            ))
+        };
+
+        // The stream still holds sequence 8: the older cut is continued.
+        let (restored, stats) = (registry(), LogStats::default());
+        assert_eq!(
+            restore_newest(&restored, &bucket, 1, 8, &stats).await,
+            Ok(Some(7))
+        );
+        assert_eq!(
+            stats
+                .snapshots_unreadable
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        let entries = restored.all();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].image().snapshot.workers[0].worker, worker);
+
+        // The stream begins at 9: restoring 7 would leave sequence 8 unread.
+        let (untouched, stats) = (registry(), LogStats::default());
+        let error = restore_newest(&untouched, &bucket, 1, 9, &stats)
+            .await
+            .expect_err("no snapshot the stream continues can be read");
+        assert!(error.contains(&snapshot_name(9)), "{error}");
+        assert!(untouched.all().is_empty(), "nothing restored");
     }
 }

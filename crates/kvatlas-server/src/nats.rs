@@ -355,6 +355,8 @@ pub(crate) struct LogStats {
     pub(crate) snapshots_written: AtomicU64,
     pub(crate) snapshots_skipped: AtomicU64,
     pub(crate) snapshots_failed: AtomicU64,
+    /// Snapshot objects a replica could not read or restore (an older one was tried).
+    pub(crate) snapshots_unreadable: AtomicU64,
     /// Live path, at an ingest: records published live, and left out (the live queue full).
     pub(crate) live_published: AtomicU64,
     pub(crate) live_dropped: AtomicU64,
@@ -387,7 +389,7 @@ impl LogStats {
     pub(crate) fn render(&self, out: &mut String, role: &str) {
         use std::fmt::Write as _;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let counters: [(&str, &str, u64); 25] = [
+        let counters: [(&str, &str, u64); 26] = [
             (
                 "published_bytes",
                 "bytes of the records stored (subject, headers, payload)",
@@ -502,6 +504,11 @@ impl LogStats {
                 "live_divergences",
                 "streams that delivered something else than a live record applied (re-bootstraps)",
                 get(&self.live_divergences),
+            ),
+            (
+                "snapshots_unreadable",
+                "snapshot objects that could not be read or restored (an older one was tried)",
+                get(&self.snapshots_unreadable),
             ),
             (
                 "nats_slow_consumer",

@@ -1098,6 +1098,14 @@ fn serve_http(
 ) -> Result<JoinHandle<()>, String> {
     let Some(tls) = tls else {
         return Ok(tokio::spawn(async move {
+            use axum::serve::ListenerExt as _;
+            // As gRPC's and HTTPS's connections: an answer is not held back by Nagle's
+            // algorithm behind an unacknowledged earlier one.
+            let listener = listener.tap_io(|tcp| {
+                if let Err(error) = tcp.set_nodelay(true) {
+                    tracing::debug!("HTTP: setting TCP_NODELAY failed: {error}");
+                }
+            });
             let served = axum::serve(listener, router)
                 .with_graceful_shutdown(stop.cancelled_owned())
                 .await;
