@@ -1306,6 +1306,9 @@ pub(crate) async fn restore_newest(
 ) -> Result<Option<u64>, String> {
     // Objects that could not be restored, the best first: (name, what went wrong).
     let mut unreadable: Vec<(String, String)> = Vec::new();
+    // Whether the best of a listing was passed over (unreadable, or gone on the last listing):
+    // from then on only a cut the stream continues is tried.
+    let mut past_best = false;
     // A newer put prunes older objects: the one listed may be gone when it is read, and the
     // list is read again (a few times: each prune needs a newer snapshot).
     let mut listings = 0;
@@ -1319,10 +1322,8 @@ pub(crate) async fn restore_newest(
             {
                 continue;
             }
-            // Once the best has failed, only a cut the stream still continues.
-            if !unreadable.is_empty()
-                && candidate.position_in(current).saturating_add(1) < reads_from
-            {
+            // Once the best was passed over, only a cut the stream still continues.
+            if past_best && candidate.position_in(current).saturating_add(1) < reads_from {
                 continue;
             }
             let object = match bucket.get(&candidate.info.name).await {
@@ -1331,6 +1332,7 @@ pub(crate) async fn restore_newest(
                     if listings <= 3 {
                         continue 'listing;
                     }
+                    past_best = true;
                     continue;
                 }
                 Err(error) => {
@@ -1341,6 +1343,7 @@ pub(crate) async fn restore_newest(
                     );
                     unreadable_snapshot(stats, &error);
                     unreadable.push((candidate.info.name.clone(), error));
+                    past_best = true;
                     continue;
                 }
             };
@@ -1351,7 +1354,7 @@ pub(crate) async fn restore_newest(
                             object = candidate.info.name,
                             stream_sequence = position,
                             "restored an older replica snapshot: {} newer one(s) could not be \
-                             (named above)",
+                             read or restored (named above)",
                             unreadable.len()
                         );
                     }
@@ -1360,6 +1363,7 @@ pub(crate) async fn restore_newest(
                 Err(error) => {
                     unreadable_snapshot(stats, &error);
                     unreadable.push((candidate.info.name.clone(), error));
+                    past_best = true;
                 }
             }
         }
@@ -1387,10 +1391,10 @@ fn named_snapshot(name: &str, bucket: &str, error: &str) -> String {
     )
 }
 
-/// Counts and logs a snapshot object that could not be restored ([`named_snapshot`]).
+/// Counts and logs a snapshot object that could not be read or restored ([`named_snapshot`]).
 fn unreadable_snapshot(stats: &LogStats, error: &str) {
     LogStats::bump(&stats.snapshots_unreadable);
-    tracing::warn!("{error}: trying an older one");
+    tracing::warn!("{error}");
 }
 
 /// Reads and restores one snapshot object: where a replica of the stream created at `current`
@@ -1546,9 +1550,9 @@ async fn prune_snapshots(
 /// off (a put under way stores its chunks before its metadata: one of another replica's,
 /// writing now, is not touched). A put paused longer than this between two chunks (its
 /// replica stopped, not killed) would lose its first chunks and then name a snapshot that
-/// cannot be read: a replica starting from it fails to start, naming the object and how to
-/// delete it, until a newer snapshot ranks first (known, not handled: the next object is not
-/// tried).
+/// cannot be read: a replica starting from it names the object and how to delete it, and
+/// restores the next best if the stream still continues that one, or else fails to start until
+/// a newer snapshot ranks first ([`restore_newest`]).
 pub(crate) const ORPHAN_CHUNK_AGE: Duration = Duration::from_secs(600);
 
 /// Purges the bucket's chunks that no object's metadata names and that were last written more
@@ -2133,5 +2137,12 @@ mod tests {
             .expect_err("no snapshot the stream continues can be read");
         assert!(error.contains(&snapshot_name(9)), "{error}");
         assert!(untouched.all().is_empty(), "nothing restored");
+        assert_eq!(
+            stats
+                .snapshots_unreadable
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "the older one was not tried"
+        );
     }
 }

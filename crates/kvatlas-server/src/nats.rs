@@ -355,7 +355,8 @@ pub(crate) struct LogStats {
     pub(crate) snapshots_written: AtomicU64,
     pub(crate) snapshots_skipped: AtomicU64,
     pub(crate) snapshots_failed: AtomicU64,
-    /// Snapshot objects a replica could not read or restore (an older one was tried).
+    /// Failed attempts of a replica to read or restore a snapshot object (an older one is tried
+    /// when the stream continues it; a replica that cannot start counts each attempt).
     pub(crate) snapshots_unreadable: AtomicU64,
     /// Live path, at an ingest: records published live, and left out (the live queue full).
     pub(crate) live_published: AtomicU64,
@@ -507,7 +508,7 @@ impl LogStats {
             ),
             (
                 "snapshots_unreadable",
-                "snapshot objects that could not be read or restored (an older one was tried)",
+                "failed attempts to read or restore a snapshot object (an older one is tried when the stream continues it)",
                 get(&self.snapshots_unreadable),
             ),
             (
