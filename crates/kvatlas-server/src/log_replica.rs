@@ -2018,29 +2018,47 @@ mod tests {
         assert_eq!(read, kept);
     }
 
-    /// A snapshot object a replica cannot restore is named in the error, with what to do.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_unreadable_snapshot_is_named_with_what_to_do() {
+    /// A nats-server and its snapshot bucket named `name`.
+    async fn nats_with_bucket(name: &str) -> (TestNats, jetstream::object_store::ObjectStore) {
         let nats = TestNats::start().await;
         let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
         let mut log = NatsLog::new(nats.url.clone());
-        log.snapshot_bucket = "broken".into();
+        log.snapshot_bucket = name.into();
         let bucket = crate::nats::snapshot_bucket(&js, &log)
             .await
             .expect("bucket");
+        (nats, bucket)
+    }
+
+    /// Puts `bytes` in `bucket` as the snapshot object covering `covered` of the stream created
+    /// at 1 (not a snapshot: what a damaged store or a put cut off leaves).
+    async fn put_garbage_snapshot(
+        bucket: &jetstream::object_store::ObjectStore,
+        covered: u64,
+        bytes: &[u8],
+    ) {
         let meta = jetstream::object_store::ObjectMetadata {
-            name: snapshot_name(7),
-            description: Some(snapshot_description(7, 1)),
+            name: snapshot_name(covered),
+            description: Some(snapshot_description(covered, 1)),
             ..Default::default()
         };
-        bucket
-            .put(meta, &mut b"not a snapshot".as_slice())
-            .await
-            .expect("put");
-        let registry = Arc::new(Registry::new(
+        bucket.put(meta, &mut &*bytes).await.expect("put");
+    }
+
+    /// An empty registry with the default settings and limits.
+    fn empty_registry() -> Arc<Registry> {
+        Arc::new(Registry::new(
             crate::config::IndexSettings::default(),
             crate::config::Limits::default(),
-        ));
+        ))
+    }
+
+    /// A snapshot object a replica cannot restore is named in the error, with what to do.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreadable_snapshot_is_named_with_what_to_do() {
+        let (_nats, bucket) = nats_with_bucket("broken").await;
+        put_garbage_snapshot(&bucket, 7, b"not a snapshot").await;
+        let registry = empty_registry();
         // The stream begins after the first record: no snapshot, no start without a hole.
         let stats = LogStats::default();
         let error = restore_newest(&registry, &bucket, 1, 2, &stats)
@@ -2069,13 +2087,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_older_snapshot_is_restored_when_the_newest_cannot_be_read() {
         use kvatlas_index::{Snapshot, SnapshotBlock, Tier, TierSet, WorkerSnapshot};
-        let nats = TestNats::start().await;
-        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
-        let mut log = NatsLog::new(nats.url.clone());
-        log.snapshot_bucket = "fallback".into();
-        let bucket = crate::nats::snapshot_bucket(&js, &log)
-            .await
-            .expect("bucket");
+        let (_nats, bucket) = nats_with_bucket("fallback").await;
         let worker = Worker::new(3, 0);
         let image = crate::snapshot::IndexImage {
             key: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
@@ -2098,24 +2110,10 @@ mod tests {
         put_snapshot(&bucket, vec![image], 7, 1)
             .await
             .expect("the older snapshot");
-        let newest = jetstream::object_store::ObjectMetadata {
-            name: snapshot_name(9),
-            description: Some(snapshot_description(9, 1)),
-            ..Default::default()
-        };
-        bucket
-            .put(newest, &mut b"cut off".as_slice())
-            .await
-            .expect("put");
-        let registry = || {
-            Arc::new(Registry::new(
-                crate::config::IndexSettings::default(),
-                crate::config::Limits::default(),
-            ))
-        };
+        put_garbage_snapshot(&bucket, 9, b"cut off").await;
 
         // The stream still holds sequence 8: the older cut is continued.
-        let (restored, stats) = (registry(), LogStats::default());
+        let (restored, stats) = (empty_registry(), LogStats::default());
         assert_eq!(
             restore_newest(&restored, &bucket, 1, 8, &stats).await,
             Ok(Some(7))
@@ -2131,7 +2129,7 @@ mod tests {
         assert_eq!(entries[0].image().snapshot.workers[0].worker, worker);
 
         // The stream begins at 9: restoring 7 would leave sequence 8 unread.
-        let (untouched, stats) = (registry(), LogStats::default());
+        let (untouched, stats) = (empty_registry(), LogStats::default());
         let error = restore_newest(&untouched, &bucket, 1, 9, &stats)
             .await
             .expect_err("no snapshot the stream continues can be read");

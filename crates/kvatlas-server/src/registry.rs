@@ -1447,7 +1447,9 @@ impl Registry {
     ///
     /// # Errors
     /// What [`Registry::check_images`] finds (also against the configured registrations),
-    /// before anything is changed.
+    /// before anything is changed; or what creating an index meets after the check (the index
+    /// limit reached meanwhile, a listener thread that does not start), before any image is
+    /// restored (indexes created for the others stay, empty).
     pub(crate) fn restore_images(
         &self,
         images: &[IndexImage],
@@ -1455,9 +1457,16 @@ impl Registry {
     ) -> Result<Vec<(WorkerRegistration, ServiceError)>, ServiceError> {
         let configured = adopt_feeds.unwrap_or_default();
         self.check_images(images, configured)?;
+        // Every index found or created before any is restored: creating one can still fail
+        // after the check (another index created meanwhile reaching the limit, a listener
+        // thread that does not start), and then no image is restored, so a caller trying
+        // another snapshot does not restore it over a part of this one.
+        let entries = images
+            .iter()
+            .map(|image| Ok(self.index_for(&image.key, Some(image.block_size))?.0))
+            .collect::<Result<Vec<_>, ServiceError>>()?;
         let mut failed = Vec::new();
-        for image in images {
-            let (entry, _) = self.index_for(&image.key, Some(image.block_size))?;
+        for (image, entry) in images.iter().zip(entries) {
             entry.index().restore_image(&image.snapshot, &image.marks);
             {
                 // What was not fed refers to the state the image replaces.
