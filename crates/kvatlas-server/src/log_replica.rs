@@ -703,8 +703,9 @@ impl Consumer {
     /// from one that lost nothing.) `first`: the sequence of the first message of an ordered
     /// consumer that re-created itself — nats-server starts it at the stream's end then, so the
     /// records from it on were stored after the loss and are read (unless it is the stream's
-    /// first, where async-nats starts a consumer that had delivered nothing).
-    async fn check_same_stream(&mut self, first: Option<u64>) -> Result<(), String> {
+    /// first, where async-nats starts a consumer that had delivered nothing). `Ok`: the
+    /// stream's first sequence, as read.
+    async fn check_same_stream(&mut self, first: Option<u64>) -> Result<u64, String> {
         let info = tokio::time::timeout(Duration::from_secs(2), self.stream.get_info())
             .await
             .map_err(|_| "stream info: no answer within 2 s".to_owned())?
@@ -720,7 +721,7 @@ impl Consumer {
             self.stream_shortened(read_on_after);
             Err("the stream ends below this replica's position".into())
         } else {
-            Ok(())
+            Ok(info.state.first_sequence)
         }
     }
 
@@ -736,8 +737,9 @@ impl Consumer {
     /// every index, restore the newest snapshot and consume again from after it.
     async fn diverged(&mut self) -> Result<(), String> {
         // A stream created again is not a divergence: the consumer starts again and keeps the
-        // state.
-        self.check_same_stream(None).await?;
+        // state. Where the stream begins: an older snapshot than the best is restored only if
+        // the stream continues it.
+        let reads_from = self.check_same_stream(None).await?;
         LogStats::bump(&self.stats.live_divergences);
         tracing::warn!(
             stream_sequence = self.applied,
@@ -763,13 +765,6 @@ impl Consumer {
         })
         .await
         .map_err(|e| e.to_string())?;
-        // Where the stream begins: an older snapshot than the best is restored only if the
-        // stream continues it (without the stream's answer, none is).
-        let reads_from = tokio::time::timeout(Duration::from_secs(2), self.stream.get_info())
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .map_or(u64::MAX, |info| info.state.first_sequence);
         self.applied = restore_newest(
             &self.state.registry,
             &self.bucket,
@@ -1304,8 +1299,9 @@ pub(crate) async fn restore_newest(
     reads_from: u64,
     stats: &LogStats,
 ) -> Result<Option<u64>, String> {
-    // Objects that could not be restored, the best first: (name, what went wrong).
-    let mut unreadable: Vec<(String, String)> = Vec::new();
+    // Objects that could not be read or restored, and the best one's error.
+    let mut unreadable: Vec<String> = Vec::new();
+    let mut best_error = None;
     // Whether the best of a listing was passed over (unreadable, or gone on the last listing):
     // from then on only a cut the stream continues is tried.
     let mut past_best = false;
@@ -1316,39 +1312,15 @@ pub(crate) async fn restore_newest(
         listings += 1;
         let listed = snapshots(bucket, current).await?;
         for candidate in &listed {
-            if unreadable
-                .iter()
-                .any(|(name, _)| *name == candidate.info.name)
-            {
+            if unreadable.contains(&candidate.info.name) {
                 continue;
             }
             // Once the best was passed over, only a cut the stream still continues.
             if past_best && candidate.position_in(current).saturating_add(1) < reads_from {
                 continue;
             }
-            let object = match bucket.get(&candidate.info.name).await {
-                Ok(object) => object,
-                Err(error) if error.kind() == jetstream::object_store::GetErrorKind::NotFound => {
-                    if listings <= 3 {
-                        continue 'listing;
-                    }
-                    past_best = true;
-                    continue;
-                }
-                Err(error) => {
-                    let error = named_snapshot(
-                        &candidate.info.name,
-                        &candidate.info.bucket,
-                        &format!("reading it: {error}"),
-                    );
-                    unreadable_snapshot(stats, &error);
-                    unreadable.push((candidate.info.name.clone(), error));
-                    past_best = true;
-                    continue;
-                }
-            };
-            match restore_object(registry, object, current).await {
-                Ok(position) => {
+            match restore_object(registry, bucket, &candidate.info, current).await {
+                Ok(Some(position)) => {
                     if !unreadable.is_empty() {
                         tracing::warn!(
                             object = candidate.info.name,
@@ -1360,16 +1332,21 @@ pub(crate) async fn restore_newest(
                     }
                     return Ok(Some(position));
                 }
+                // Pruned by a newer put since the listing.
+                Ok(None) if listings <= 3 => continue 'listing,
+                Ok(None) => past_best = true,
                 Err(error) => {
-                    unreadable_snapshot(stats, &error);
-                    unreadable.push((candidate.info.name.clone(), error));
+                    LogStats::bump(&stats.snapshots_unreadable);
+                    tracing::warn!("{error}");
+                    best_error.get_or_insert(error);
+                    unreadable.push(candidate.info.name.clone());
                     past_best = true;
                 }
             }
         }
         break;
     }
-    let Some((_, best)) = unreadable.into_iter().next() else {
+    let Some(best) = best_error else {
         return Ok(None);
     };
     if reads_from <= 1 {
@@ -1391,25 +1368,28 @@ fn named_snapshot(name: &str, bucket: &str, error: &str) -> String {
     )
 }
 
-/// Counts and logs a snapshot object that could not be read or restored ([`named_snapshot`]).
-fn unreadable_snapshot(stats: &LogStats, error: &str) {
-    LogStats::bump(&stats.snapshots_unreadable);
-    tracing::warn!("{error}");
-}
-
-/// Reads and restores one snapshot object: where a replica of the stream created at `current`
-/// reads on after it. Nothing is changed unless the whole object restores
-/// ([`Registry::restore_images`]).
+/// Reads and restores the snapshot object `listed`: where a replica of the stream created at
+/// `current` reads on after it; `None` if the object is gone (a newer put pruned it). Nothing is
+/// changed unless the whole object restores ([`Registry::restore_images`]); an error names the
+/// object ([`named_snapshot`]).
 async fn restore_object(
     registry: &Arc<Registry>,
-    mut object: jetstream::object_store::Object,
+    bucket: &jetstream::object_store::ObjectStore,
+    listed: &jetstream::object_store::ObjectInfo,
     current: i128,
-) -> Result<u64, String> {
+) -> Result<Option<u64>, String> {
+    let (name, bucket_name) = (listed.name.clone(), listed.bucket.clone());
+    let named = move |error: String| named_snapshot(&name, &bucket_name, &error);
+    let mut object = match bucket.get(&listed.name).await {
+        Ok(object) => object,
+        Err(error) if error.kind() == jetstream::object_store::GetErrorKind::NotFound => {
+            return Ok(None);
+        }
+        Err(error) => return Err(named(format!("reading it: {error}"))),
+    };
     // Judged by what was read (a put of the same name may have replaced the listed one).
     let same_stream =
         stream_of(object.info.description.as_deref()).is_none_or(|stream| stream == current);
-    let (name, bucket_name) = (object.info.name.clone(), object.info.bucket.clone());
-    let named = move |error: String| named_snapshot(&name, &bucket_name, &error);
     let mut bytes = Vec::new();
     object
         .read_to_end(&mut bytes)
@@ -1450,7 +1430,7 @@ async fn restore_object(
                  again: reading the stream from its start"
             );
         }
-        Ok(if same_stream { covered } else { 0 })
+        Ok(Some(if same_stream { covered } else { 0 }))
     })
     .await
     .map_err(|e| e.to_string())?
@@ -1927,8 +1907,10 @@ mod tests {
                     )
                 });
             let url = format!("nats://127.0.0.1:{port}");
+            // Ready once a NATS client connects (an open port alone was not enough: a client
+            // connecting just after it was reset, once in a few runs).
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            while async_nats::connect(&url).await.is_err() {
                 if let Ok(Some(status)) = child.try_wait() {
                     panic!("nats-server on port {port} exited: {status}");
                 }
