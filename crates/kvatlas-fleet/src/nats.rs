@@ -88,6 +88,15 @@ pub enum NatsError {
         /// The last lines of its log.
         log: String,
     },
+    /// The server did not log that it reloaded its configuration in time (it refused the
+    /// new text, or it does not run).
+    #[error("nats-server on port {port} did not reload its configuration; its log:\n{log}")]
+    NotReloaded {
+        /// Its port.
+        port: u16,
+        /// The last lines of its log.
+        log: String,
+    },
 }
 
 /// The log of one run of the server: its last [`LOG_LINES`] lines, and whether it said it is
@@ -195,6 +204,60 @@ impl NatsServer {
     /// As [`NatsServer::start`], or if the file cannot be written.
     pub fn start_with_max_payload(bytes: u32) -> Result<Self, NatsError> {
         Self::start_configured(Some(format!("max_payload: {bytes}\n")))
+    }
+
+    /// As [`NatsServer::start`], with `config` (nats-server's configuration syntax: an
+    /// `authorization` or `tls` block, …) in a configuration file in its store directory.
+    /// The command line's address, port and JetStream store still apply.
+    ///
+    /// # Errors
+    /// As [`NatsServer::start`], or if the file cannot be written.
+    pub fn start_with_config(config: &str) -> Result<Self, NatsError> {
+        Self::start_configured(Some(config.to_owned()))
+    }
+
+    /// Replaces the configuration file's text with `config` and has the running server reload
+    /// it (SIGHUP): changed credentials are enforced at once (nats-server disconnects the
+    /// clients whose credentials it no longer accepts). Returns when the server logged that it
+    /// reloaded (at most 10 s).
+    ///
+    /// # Errors
+    /// If the server was not started with a configuration file or does not run, the file cannot
+    /// be written, or the server does not log the reload in time (its log in the error).
+    pub fn reload_config(&mut self, config: &str) -> Result<(), NatsError> {
+        let (Some(path), Some(pid)) = (self.config.clone(), self.pid()) else {
+            return Err(NatsError::NotReloaded {
+                port: self.port,
+                log: "(no running server started with a configuration file)".into(),
+            });
+        };
+        std::fs::write(&path, config).map_err(|source| NatsError::Io {
+            what: format!("writing {}", path.display()),
+            source,
+        })?;
+        let reloads = || {
+            self.log_tail()
+                .iter()
+                .filter(|line| line.contains("Reloaded server configuration"))
+                .count()
+        };
+        let before = reloads();
+        let _ = Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while reloads() == before {
+            if Instant::now() >= deadline {
+                return Err(NatsError::NotReloaded {
+                    port: self.port,
+                    log: self.log_tail().join("\n"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     fn start_configured(config: Option<String>) -> Result<Self, NatsError> {

@@ -23,7 +23,7 @@ use crate::config::{
     ConfigError, DEFAULT_SNAPSHOT_INTERVAL, IndexSettings, Limits, Persistence, ServerConfig,
     TlsFiles, TokenizerFile, WorkerDefaults, parse_engine, parse_peer_list, parse_worker_list,
 };
-use crate::nats::NatsLog;
+use crate::nats::{NatsAccess, NatsLog};
 use crate::registry::{DEFAULT_TENANT, IndexKey};
 use crate::server::{RunningServer, ShutdownReport, StartError};
 
@@ -328,6 +328,29 @@ pub struct ServeArgs {
     /// to the stream's state [default: 30].
     #[arg(long, env = "KVATLAS_NATS_LIVE_CONFIRM_SECS")]
     pub nats_live_confirm_secs: Option<u64>,
+    /// A file holding the token of a nats-server with `authorization { token }`, read at
+    /// start and at every reconnection (a rotated token is used once NATS asks again).
+    #[arg(
+        long,
+        env = "KVATLAS_NATS_TOKEN_FILE",
+        conflicts_with = "nats_nkey_file"
+    )]
+    pub nats_token_file: Option<PathBuf>,
+    /// A file holding an NKey seed (`SU…`) whose public key nats-server authorizes, read at
+    /// start and at every reconnection.
+    #[arg(long, env = "KVATLAS_NATS_NKEY_FILE")]
+    pub nats_nkey_file: Option<PathBuf>,
+    /// CA certificates (PEM) the NATS server's certificate must chain to (a private CA);
+    /// the connection must then be TLS [default: the system's roots for a tls:// URL].
+    #[arg(long, env = "KVATLAS_NATS_CA_CERT")]
+    pub nats_ca_cert: Option<PathBuf>,
+    /// A client certificate (PEM) for a nats-server that verifies clients (`tls { verify:
+    /// true }`), with --nats-tls-key.
+    #[arg(long, env = "KVATLAS_NATS_TLS_CERT")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --nats-tls-cert.
+    #[arg(long, env = "KVATLAS_NATS_TLS_KEY")]
+    pub nats_tls_key: Option<PathBuf>,
 }
 
 /// The TOML file of `--config`: the same settings.
@@ -381,6 +404,11 @@ struct ServeFile {
     nats_snapshot_interval_secs: Option<u64>,
     nats_no_live: Option<bool>,
     nats_live_confirm_secs: Option<u64>,
+    nats_token_file: Option<PathBuf>,
+    nats_nkey_file: Option<PathBuf>,
+    nats_ca_cert: Option<PathBuf>,
+    nats_tls_cert: Option<PathBuf>,
+    nats_tls_key: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -578,9 +606,42 @@ impl ServeArgs {
             publish_only: self.publish_only.or(file.publish_only).unwrap_or(false),
             busy_poll: self.busy_poll.or(file.busy_poll).unwrap_or(false),
         };
+        let nats_access = NatsAccess {
+            token_file: self
+                .nats_token_file
+                .clone()
+                .or_else(|| file.nats_token_file.clone()),
+            nkey_file: self
+                .nats_nkey_file
+                .clone()
+                .or_else(|| file.nats_nkey_file.clone()),
+            ca_cert: self
+                .nats_ca_cert
+                .clone()
+                .or_else(|| file.nats_ca_cert.clone()),
+            client_tls: match (
+                self.nats_tls_cert
+                    .clone()
+                    .or_else(|| file.nats_tls_cert.clone()),
+                self.nats_tls_key
+                    .clone()
+                    .or_else(|| file.nats_tls_key.clone()),
+            ) {
+                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+                (None, None) => None,
+                _ => {
+                    return Err(CliError::Config(
+                        "a NATS client certificate needs both --nats-tls-cert and \
+                         --nats-tls-key"
+                            .into(),
+                    ));
+                }
+            },
+        };
         let nats = |url: String| {
             let defaults = NatsLog::new(url);
             NatsLog {
+                access: nats_access.clone(),
                 stream: self
                     .nats_stream
                     .clone()
@@ -692,6 +753,10 @@ impl ServeArgs {
             (given!(nats_max_age_secs), "--nats-max-age-secs"),
             (given!(nats_max_bytes), "--nats-max-bytes"),
             (given!(nats_no_live), "--nats-no-live"),
+            (given!(nats_token_file), "--nats-token-file"),
+            (given!(nats_nkey_file), "--nats-nkey-file"),
+            (given!(nats_ca_cert), "--nats-ca-cert"),
+            (given!(nats_tls_cert), "--nats-tls-cert"),
         ] {
             note(given && !log, flag, "--publish-to or --consume-from");
         }
@@ -1535,6 +1600,91 @@ mod tests {
     struct CommandLine {
         #[command(flatten)]
         serve: ServeArgs,
+    }
+
+    #[test]
+    fn nats_access_settings_reach_both_roles_and_conflicts_are_refused() {
+        let resolve = |flags: &[&str]| {
+            let mut line = vec!["serve"];
+            line.extend_from_slice(flags);
+            <CommandLine as clap::Parser>::try_parse_from(line)
+                .expect("parses")
+                .serve
+                .resolve_noting_unused()
+                .map_err(|e| e.to_string())
+        };
+        let tls = [
+            "--nats-ca-cert",
+            "/ca.pem",
+            "--nats-tls-cert",
+            "/c.pem",
+            "--nats-tls-key",
+            "/k.pem",
+        ];
+        let mut flags = vec!["--consume-from", "tls://127.0.0.1:4222"];
+        flags.extend_from_slice(&["--nats-token-file", "/t"]);
+        flags.extend_from_slice(&tls);
+        let resolved = resolve(&flags).expect("resolves");
+        let access = &resolved.config.consume_from.expect("a replica").access;
+        assert_eq!(access.token_file.as_deref(), Some(Path::new("/t")));
+        assert_eq!(access.nkey_file, None);
+        assert_eq!(access.ca_cert.as_deref(), Some(Path::new("/ca.pem")));
+        assert_eq!(
+            access.client_tls,
+            Some(TlsFiles {
+                cert: "/c.pem".into(),
+                key: "/k.pem".into()
+            })
+        );
+        assert!(resolved.without_effect.is_empty());
+        let ingest = resolve(&["--publish-to", "nats://h:4222", "--nats-nkey-file", "/s.nk"])
+            .expect("resolves");
+        let access = &ingest.config.publish_to.expect("an ingest").access;
+        assert_eq!(access.nkey_file.as_deref(), Some(Path::new("/s.nk")));
+
+        // Each refused with what to do.
+        for (flags, expected) in [
+            (
+                &["--publish-to", "nats://h:4222", "--nats-tls-cert", "/c.pem"][..],
+                "--nats-tls-key",
+            ),
+            (
+                &[
+                    "--publish-to",
+                    "nats://u:secret@h:4222",
+                    "--nats-token-file",
+                    "/t",
+                ][..],
+                "carries credentials",
+            ),
+        ] {
+            let error = resolve(flags).expect_err("refused");
+            assert!(error.contains(expected), "{flags:?}: {error}");
+            assert!(!error.contains("secret"), "{error}");
+        }
+        // Both a token and a seed: clap refuses the flags; a config file's keys are refused
+        // by the check.
+        let both = ["serve", "--nats-token-file", "/t", "--nats-nkey-file", "/s"];
+        assert!(<CommandLine as clap::Parser>::try_parse_from(both).is_err());
+        let dir = std::env::temp_dir().join(format!("kvatlas-nats-access-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("serve.toml");
+        std::fs::write(
+            &file,
+            "consume_from = \"nats://h:4222\"\nnats_token_file = \"/t\"\n\
+             nats_nkey_file = \"/s\"\n",
+        )
+        .expect("write");
+        let error = resolve(&["--config", &file.display().to_string()]).expect_err("both");
+        assert!(error.contains("give one"), "{error}");
+        let _ = std::fs::remove_dir_all(&dir);
+        // Without a role they do nothing, and are named.
+        assert_eq!(
+            resolve(&["--nats-ca-cert", "/ca.pem"])
+                .expect("resolves")
+                .without_effect,
+            ["--nats-ca-cert has no effect without --publish-to or --consume-from"]
+        );
     }
 
     #[test]

@@ -73,7 +73,9 @@ pub use config::{
 };
 pub use error::ServiceError;
 pub use llmd::TokenizerError;
-pub use nats::{DEFAULT_SNAPSHOT_BUCKET, DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, NatsLog};
+pub use nats::{
+    DEFAULT_SNAPSHOT_BUCKET, DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, NatsAccess, NatsLog,
+};
 pub use peers::Bootstrap;
 pub use registry::{DEFAULT_TENANT, FeedCounters, IndexKey, MAX_NAME_BYTES, WorkerRegistration};
 pub use reload::{ReloadOutcome, Reloaded};

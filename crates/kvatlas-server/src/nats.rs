@@ -11,12 +11,14 @@
 //! Debian's nats-server is 2.9: only streams, ordered consumers, message-id deduplication and
 //! object stores are used (no 2.10 features).
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
 
+use crate::config::TlsFiles;
 use crate::metrics::Histogram;
 
 /// The default stream name.
@@ -56,6 +58,184 @@ pub struct NatsLog {
     /// How long a replica waits for the stream's copy of a live record it applied before it
     /// takes the record for one its ingest never stored and goes back to the stream's state.
     pub live_confirm_timeout: Duration,
+    /// How this server proves itself to NATS and checks NATS's certificate, besides a user
+    /// and password in the URL.
+    pub access: NatsAccess,
+}
+
+/// How a server proves itself to NATS and checks NATS's certificate (`--nats-token-file`,
+/// `--nats-nkey-file`, `--nats-ca-cert`, `--nats-tls-cert` and `--nats-tls-key`). A user and
+/// password go in the URL (`nats://user:password@host:4222`).
+///
+/// The token and seed files are read at start (a missing or empty one stops the start) and
+/// again at every reconnection, so a rotated token or seed is used once NATS asks for it (a
+/// nats-server reloaded with new credentials disconnects the clients whose old ones it no
+/// longer accepts). The CA and client certificate are read at start only.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct NatsAccess {
+    /// A file holding the token of a nats-server with `authorization { token: … }` (its
+    /// first word that is not a comment, as a peer token file).
+    pub token_file: Option<PathBuf>,
+    /// A file holding an NKey seed (`SU…`, as `nk -gen user` writes it) whose public key is
+    /// one of nats-server's `authorization { users: [{ nkey: U… }] }`.
+    pub nkey_file: Option<PathBuf>,
+    /// CA certificates (PEM) NATS's certificate must chain to, instead of the system's
+    /// roots. Given, the connection must be TLS (a plain nats-server is refused).
+    pub ca_cert: Option<PathBuf>,
+    /// A client certificate and key (PEM) presented to a nats-server that verifies its
+    /// clients (`tls { verify: true }`). Given, the connection must be TLS.
+    pub client_tls: Option<TlsFiles>,
+}
+
+impl std::fmt::Debug for NatsAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Paths only: the files' contents are never read into a printed value.
+        f.debug_struct("NatsAccess")
+            .field("token_file", &self.token_file)
+            .field("nkey_file", &self.nkey_file)
+            .field("ca_cert", &self.ca_cert)
+            .field("client_tls", &self.client_tls)
+            .finish()
+    }
+}
+
+impl NatsAccess {
+    /// Whether the connection must be TLS (a CA or a client certificate is given).
+    fn requires_tls(&self) -> bool {
+        self.ca_cert.is_some() || self.client_tls.is_some()
+    }
+
+    /// What the token or seed file gives for a connection whose server sent `nonce` (`None`:
+    /// neither file is given; the URL's user and password, if any, are used).
+    ///
+    /// # Errors
+    /// The file's setting and path and what is wrong (an unreadable or empty file, a seed
+    /// that is not one); never the file's content.
+    fn credentials(&self, nonce: &[u8]) -> Result<Option<async_nats::Auth>, String> {
+        let mut auth = async_nats::Auth::new();
+        if let Some(path) = &self.token_file {
+            auth.token = Some(secret_of_file(path, "--nats-token-file", "token")?);
+        } else if let Some(path) = &self.nkey_file {
+            let seed = secret_of_file(path, "--nats-nkey-file", "NKey seed")?;
+            let pair = nkeys::KeyPair::from_seed(&seed).map_err(|e| {
+                format!(
+                    "--nats-nkey-file {}: not an NKey seed (a user's seed starts with SU): {e}",
+                    path.display()
+                )
+            })?;
+            let signature = pair.sign(nonce).map_err(|e| {
+                format!(
+                    "--nats-nkey-file {}: cannot sign with the seed: {e}",
+                    path.display()
+                )
+            })?;
+            auth.nkey = Some(pair.public_key());
+            auth.signature = Some(signature);
+        } else {
+            return Ok(None);
+        }
+        Ok(Some(auth))
+    }
+
+    /// The TLS configuration of the connection, if it must be TLS.
+    ///
+    /// # Errors
+    /// What is wrong with the CA file or the client certificate and key.
+    fn tls_config(&self) -> Result<Option<tokio_rustls::rustls::ClientConfig>, String> {
+        if !self.requires_tls() {
+            return Ok(None);
+        }
+        let ca_pem = match &self.ca_cert {
+            Some(path) => Some(
+                std::fs::read(path)
+                    .map_err(|e| format!("cannot read --nats-ca-cert {}: {e}", path.display()))?,
+            ),
+            None => None,
+        };
+        crate::tls::client_config(
+            ca_pem.as_deref(),
+            "--nats-ca-cert",
+            self.client_tls.as_ref(),
+        )
+        .map(Some)
+    }
+}
+
+/// The secret a token or seed file holds: its first word that is not a comment
+/// ([`crate::auth::token_of_file`]).
+fn secret_of_file(path: &Path, flag: &str, what: &str) -> Result<String, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
+    let secret = crate::auth::token_of_file(&text);
+    if secret.is_empty() {
+        return Err(format!("{flag} {} holds no {what}", path.display()));
+    }
+    Ok(secret.to_owned())
+}
+
+/// Whether a server of `url` carries a user (and password) or token (`nats://user:pw@host`).
+fn url_has_credentials(url: &str) -> bool {
+    url_userinfo(url).any(|userinfo| userinfo.is_some())
+}
+
+/// The credentials before each server's `@` in `url` (a comma-separated list, each server with
+/// or without its scheme), `None` for a server without.
+fn url_userinfo(url: &str) -> impl Iterator<Item = Option<&str>> {
+    url.split(',').map(|server| {
+        let rest = server.split_once("://").map_or(server, |(_, rest)| rest);
+        let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+        authority.rsplit_once('@').map(|(userinfo, _)| userinfo)
+    })
+}
+
+/// The credentials a NATS URL carries, as NATS clients read them: `user:password@` a user and
+/// password, `token@` a token (percent-encoded characters decoded).
+#[derive(Clone, PartialEq, Eq)]
+enum UrlCredentials {
+    UserPassword(String, String),
+    Token(String),
+}
+
+impl UrlCredentials {
+    /// The credentials of `url`'s servers (async-nats does not send a URL's own: they are
+    /// set on the connection from here).
+    ///
+    /// # Errors
+    /// When servers of the list carry different credentials (one connection sends one set), or
+    /// a part is not UTF-8 once decoded; the message never holds the credentials.
+    fn of(url: &str) -> Result<Option<Self>, String> {
+        let decode = |part: &str| {
+            percent_encoding::percent_decode_str(part)
+                .decode_utf8()
+                .map(std::borrow::Cow::into_owned)
+                .map_err(|_| {
+                    format!(
+                        "the credentials of the NATS URL {} are not UTF-8 once decoded",
+                        shown_url(url)
+                    )
+                })
+        };
+        let mut found: Option<&str> = None;
+        for userinfo in url_userinfo(url).flatten() {
+            match found {
+                Some(first) if first != userinfo => {
+                    return Err(format!(
+                        "the servers of the NATS URL {} carry different credentials: one \
+                         connection sends one set",
+                        shown_url(url)
+                    ));
+                }
+                _ => found = Some(userinfo),
+            }
+        }
+        let Some(userinfo) = found else {
+            return Ok(None);
+        };
+        Ok(Some(match userinfo.split_once(':') {
+            Some((user, password)) => Self::UserPassword(decode(user)?, decode(password)?),
+            None => Self::Token(decode(userinfo)?),
+        }))
+    }
 }
 
 impl NatsLog {
@@ -73,6 +253,7 @@ impl NatsLog {
             snapshot_interval: Some(Duration::from_secs(30)),
             live: true,
             live_confirm_timeout: Duration::from_secs(30),
+            access: NatsAccess::default(),
         }
     }
 
@@ -117,6 +298,22 @@ impl NatsLog {
         if self.live_confirm_timeout.is_zero() {
             return Err("the live path's confirmation wait must be at least a second".into());
         }
+        if self.access.token_file.is_some() && self.access.nkey_file.is_some() {
+            return Err(
+                "--nats-token-file and --nats-nkey-file: give one (a nats-server \
+                        authorizes a client by one of them)"
+                    .into(),
+            );
+        }
+        if (self.access.token_file.is_some() || self.access.nkey_file.is_some())
+            && url_has_credentials(&self.url)
+        {
+            return Err(format!(
+                "the NATS URL {} carries credentials and --nats-token-file or \
+                 --nats-nkey-file is given: give one",
+                shown_url(&self.url)
+            ));
+        }
         if self.duplicate_window > self.max_age {
             return Err(format!(
                 "the stream's max age (--nats-max-age-secs {}) must be at least its duplicate \
@@ -156,7 +353,33 @@ pub(crate) async fn connect(
     timeout: Duration,
     stats: Arc<LogStats>,
 ) -> Result<jetstream::Context, String> {
-    let options = async_nats::ConnectOptions::new()
+    let access = Arc::new(log.access.clone());
+    // Read the files once now: a missing or malformed one stops the start with its name.
+    let tls = access.tls_config()?;
+    let mut options = match access.credentials(b"")? {
+        None => match UrlCredentials::of(&log.url)? {
+            None => async_nats::ConnectOptions::new(),
+            Some(UrlCredentials::UserPassword(user, password)) => {
+                async_nats::ConnectOptions::with_user_and_password(user, password)
+            }
+            Some(UrlCredentials::Token(token)) => async_nats::ConnectOptions::with_token(token),
+        },
+        Some(_) => {
+            let access = Arc::clone(&access);
+            // At every (re)connection: a rotated token or seed is read then.
+            async_nats::ConnectOptions::with_auth_callback(move |nonce| {
+                let given = access.credentials(&nonce);
+                std::future::ready(given.map(Option::unwrap_or_default).map_err(|problem| {
+                    tracing::warn!("NATS: {problem}");
+                    async_nats::AuthError::new(problem)
+                }))
+            })
+        }
+    };
+    if let Some(config) = tls {
+        options = options.tls_client_config(config).require_tls(true);
+    }
+    let options = options
         .name("kvatlas")
         .event_callback(move |event| {
             count_client_event(&stats, &event);
@@ -177,29 +400,46 @@ pub(crate) async fn connect(
                 shown_url(&log.url)
             )
         })?
-        .map_err(|e| format!("cannot reach NATS at {}: {e}", shown_url(&log.url)))?;
+        .map_err(|e| {
+            let refused = matches!(
+                e.kind(),
+                async_nats::ConnectErrorKind::AuthorizationViolation
+                    | async_nats::ConnectErrorKind::Authentication
+            );
+            let hint = if refused {
+                " (NATS refused the credentials: check --nats-token-file, --nats-nkey-file or \
+                 the URL's user and password)"
+            } else {
+                ""
+            };
+            format!("cannot reach NATS at {}: {e}{hint}", shown_url(&log.url))
+        })?;
     Ok(jetstream::new(client))
 }
 
 /// `url` for logs and errors: credentials in it (`nats://user:password@host`) are replaced by
 /// `***`.
 pub(crate) fn shown_url(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    // Every server of a comma-separated list has its own credentials.
-    let servers: Vec<String> = rest[..authority_end]
-        .split(',')
-        .map(|server| match server.rsplit_once('@') {
-            Some((_, host)) => format!("***@{host}"),
-            None => server.to_owned(),
+    // Every server of a comma-separated list, with or without its scheme, has its own
+    // credentials. All up to a server's last '@' is hidden, a '/' in a password not encoded
+    // as %2F included.
+    url.split(',')
+        .map(|server| {
+            let (scheme, rest) = match server.split_once("://") {
+                Some((scheme, rest)) => (Some(scheme), rest),
+                None => (None, server),
+            };
+            let shown = match rest.rsplit_once('@') {
+                Some((_, host)) => format!("***@{host}"),
+                None => rest.to_owned(),
+            };
+            match scheme {
+                Some(scheme) => format!("{scheme}://{shown}"),
+                None => shown,
+            }
         })
-        .collect();
-    let shown = format!("{}{}", servers.join(","), &rest[authority_end..]);
-    if scheme.is_empty() {
-        shown
-    } else {
-        format!("{scheme}://{shown}")
-    }
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Counts and logs one event the NATS client reports.
@@ -596,6 +836,39 @@ mod tests {
         );
         assert_eq!(shown_url("tok3n@h:1,h2:2"), "***@h:1,h2:2");
         assert!(!shown_url("tls://a:b@h:1/x@y").contains('b'));
+        assert_eq!(
+            shown_url("nats://a:s3cret@h:1,nats://b:0ther@h2:2"),
+            "nats://***@h:1,nats://***@h2:2"
+        );
+        assert_eq!(shown_url("nats://u:p/ss@h:1"), "nats://***@h:1");
+    }
+
+    #[test]
+    fn a_urls_credentials_are_read_as_nats_clients_read_them() {
+        let of = |url: &str| UrlCredentials::of(url);
+        assert!(of("nats://127.0.0.1:4222,h2:4222").expect("none").is_none());
+        assert!(
+            of("nats://u:p%40ss@h:1").expect("user")
+                == Some(UrlCredentials::UserPassword("u".into(), "p@ss".into()))
+        );
+        assert!(
+            of("tls://t0ken@h:1").expect("token") == Some(UrlCredentials::Token("t0ken".into()))
+        );
+        // One connection sends one set: servers with the same, or some without, are fine.
+        assert!(
+            of("nats://u:p@h:1,nats://u:p@h2:2,h3:3")
+                .expect("same")
+                .is_some()
+        );
+        let Err(error) = of("nats://u:p@h:1,nats://v:s3cret@h2:2") else {
+            panic!("different credentials taken");
+        };
+        assert!(
+            error.contains("different credentials") && !error.contains("s3cret"),
+            "{error}"
+        );
+        assert!(url_has_credentials("h:1,nats://u:p@h2:2"));
+        assert!(!url_has_credentials("nats://h:1/x"));
     }
 
     #[test]

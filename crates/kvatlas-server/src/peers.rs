@@ -24,7 +24,7 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
-use tokio_rustls::rustls::{self, pki_types};
+use tokio_rustls::rustls::pki_types;
 
 use crate::dynamo;
 use crate::registry::Registry;
@@ -124,38 +124,7 @@ impl PeerAccess {
 
 /// A rustls client trusting `ca_pem`'s certificates, or the system's roots without it.
 fn connector(ca_pem: Option<&[u8]>) -> Result<TlsConnector, String> {
-    use pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    match ca_pem {
-        Some(pem) => {
-            for cert in pki_types::CertificateDer::pem_slice_iter(pem) {
-                let cert = cert.map_err(|e| format!("bad CA certificate PEM: {e}"))?;
-                roots
-                    .add(cert)
-                    .map_err(|e| format!("unusable CA certificate: {e}"))?;
-            }
-            if roots.is_empty() {
-                return Err("the peer CA file holds no certificate".into());
-            }
-        }
-        None => {
-            let found = rustls_native_certs::load_native_certs();
-            let (added, _) = roots.add_parsable_certificates(found.certs);
-            if added == 0 {
-                // Every https:// peer will then fail its handshake, each saying so.
-                tracing::warn!(
-                    errors = found.errors.len(),
-                    "no system root certificates to check https:// peers with: give \
-                     --peer-ca-cert"
-                );
-            }
-        }
-    }
-    let config = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let config = crate::tls::client_config(ca_pem, "--peer-ca-cert", None)?;
     Ok(TlsConnector::from(Arc::new(config)))
 }
 

@@ -135,6 +135,63 @@ impl ServerIdentity {
     }
 }
 
+/// A TLS client configuration (the peers' client, the NATS connection): it trusts the
+/// certificates of `ca_pem` if given, else the system's roots, and presents `client`'s
+/// certificate to a server that asks for one (mutual TLS) if given. `ca_flag` names the
+/// setting of the CA file in messages.
+///
+/// # Errors
+/// A message naming the problem: a CA file without a usable certificate, a client certificate
+/// and key that cannot be read or do not belong together.
+pub(crate) fn client_config(
+    ca_pem: Option<&[u8]>,
+    ca_flag: &str,
+    client: Option<&TlsFiles>,
+) -> Result<rustls::ClientConfig, String> {
+    use pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_pem {
+        Some(pem) => {
+            for cert in pki_types::CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| format!("{ca_flag}: bad CA certificate PEM: {e}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("{ca_flag}: unusable CA certificate: {e}"))?;
+            }
+            if roots.is_empty() {
+                return Err(format!("the CA file of {ca_flag} holds no certificate"));
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                // Every TLS connection will then fail its handshake, each saying so.
+                tracing::warn!(
+                    errors = found.errors.len(),
+                    "no system root certificates to check TLS servers with: give {ca_flag}"
+                );
+            }
+        }
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    match client {
+        None => Ok(builder.with_no_client_auth()),
+        Some(files) => {
+            let (certs, key) = chain_and_key(&read(files)?).map_err(|e| in_files(files, &e))?;
+            builder.with_client_auth_cert(certs, key).map_err(|e| {
+                in_files(
+                    files,
+                    &format!("the certificate and key cannot be presented: {e}"),
+                )
+            })
+        }
+    }
+}
+
 fn in_files(files: &TlsFiles, problem: &str) -> String {
     format!(
         "TLS certificate {} and key {}: {problem}",
@@ -154,8 +211,14 @@ fn read(files: &TlsFiles) -> Result<Pem, String> {
     })
 }
 
-/// The certificate chain and key of `pem`, checked to belong together.
-fn certified_key(pem: &Pem) -> Result<CertifiedKey, String> {
+/// A certificate chain and its private key, as DER.
+type ChainAndKey = (
+    Vec<pki_types::CertificateDer<'static>>,
+    pki_types::PrivateKeyDer<'static>,
+);
+
+/// The certificate chain and key of `pem`, parsed (not checked to belong together).
+fn chain_and_key(pem: &Pem) -> Result<ChainAndKey, String> {
     use pki_types::pem::PemObject;
     let certs: Vec<pki_types::CertificateDer<'static>> =
         pki_types::CertificateDer::pem_slice_iter(&pem.cert)
@@ -166,6 +229,12 @@ fn certified_key(pem: &Pem) -> Result<CertifiedKey, String> {
     }
     let key = pki_types::PrivateKeyDer::from_pem_slice(&pem.key)
         .map_err(|e| format!("bad private key PEM: {e}"))?;
+    Ok((certs, key))
+}
+
+/// The certificate chain and key of `pem`, checked to belong together.
+fn certified_key(pem: &Pem) -> Result<CertifiedKey, String> {
+    let (certs, key) = chain_and_key(pem)?;
     CertifiedKey::from_der(certs, key, &provider()).map_err(|e| {
         format!(
             "the certificate and key cannot serve TLS (a key of another certificate, or a key \

@@ -902,3 +902,181 @@ fn a_record_too_large_for_nats_is_refused_and_the_next_ones_are_published() {
     replica.kill_9();
     ingest.kill_9();
 }
+
+/// A private CA and, signed by it, a server certificate for 127.0.0.1 and a client
+/// certificate, written as PEM files into `dir`: (ca, server cert, server key, client cert,
+/// client key).
+fn private_ca(dir: &std::path::Path) -> [std::path::PathBuf; 5] {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    std::fs::create_dir_all(dir).expect("dir");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_key = KeyPair::generate().expect("CA key");
+    let ca_cert = ca_params.self_signed(&ca_key).expect("CA certificate");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |name: &str| {
+        let key = KeyPair::generate().expect("key");
+        let cert = CertificateParams::new(vec![name.to_owned()])
+            .expect("params")
+            .signed_by(&key, &issuer)
+            .expect("signed");
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf("127.0.0.1");
+    let (client_cert, client_key) = leaf("kvatlas");
+    let files = [
+        ("ca.pem", ca_cert.pem()),
+        ("server.pem", server_cert),
+        ("server-key.pem", server_key),
+        ("client.pem", client_cert),
+        ("client-key.pem", client_key),
+    ];
+    files.map(|(name, pem)| {
+        let path = dir.join(name);
+        std::fs::write(&path, pem).expect("write");
+        path
+    })
+}
+
+/// A scratch directory for one test's files (removed first if a run left it).
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvatlas-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// `kvatlas serve` with `args` that must not start: its exit status and everything it logged.
+fn refused_start(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let output = common::serve_command(args)
+        .output()
+        .expect("kvatlas serve runs");
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn an_ingest_and_a_replica_reach_a_nats_with_mutual_tls_an_nkey_and_a_password() {
+    let dir = scratch("nats-tls");
+    let [ca, server_cert, server_key, client_cert, client_key] = private_ca(&dir);
+    let user = nkeys::KeyPair::new_user();
+    let seed_file = dir.join("ingest.nk");
+    std::fs::write(&seed_file, format!("{}\n", user.seed().expect("seed"))).expect("write");
+    let nats = NatsServer::start_with_config(&format!(
+        "tls {{\n  cert_file: {server_cert:?}\n  key_file: {server_key:?}\n  ca_file: {ca:?}\n  \
+         verify: true\n}}\nauthorization {{\n  users: [\n    {{ nkey: {:?} }}\n    \
+         {{ user: \"replica\", password: \"pw-0123456789\" }}\n  ]\n}}\n",
+        user.public_key()
+    ))
+    .expect("nats-server starts with TLS and users");
+    let (ca, client_cert, client_key, seed_file) = (
+        ca.display().to_string(),
+        client_cert.display().to_string(),
+        client_key.display().to_string(),
+        seed_file.display().to_string(),
+    );
+    let tls = [
+        "--nats-ca-cert",
+        &ca,
+        "--nats-tls-cert",
+        &client_cert,
+        "--nats-tls-key",
+        &client_key,
+    ];
+    let mut fleet = Fleet::new();
+    let mut extra = vec!["--nats-nkey-file", seed_file.as_str()];
+    extra.extend_from_slice(&tls);
+    let ingest = ingest_with(&nats, &fleet, &extra);
+    fleet.wait_subscribed(1);
+    let replica_url = format!("nats://replica:pw-0123456789@127.0.0.1:{}", nats.port());
+    fn replica_with<'a>(url: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+        let mut args = vec!["--consume-from", url];
+        args.extend_from_slice(more);
+        args
+    }
+    let replica = Served::start(&replica_with(&replica_url, &tls));
+    fleet.serve(200);
+    converges(&replica, &fleet, "the replica through mutual TLS");
+    converges(&ingest, &fleet, "the ingest");
+
+    // What NATS refuses, a server says at start, naming what to check.
+    let wrong_password = format!("nats://replica:wrong-password@127.0.0.1:{}", nats.port());
+    let no_client_cert = ["--nats-ca-cert", ca.as_str()];
+    for (args, expected) in [
+        (
+            replica_with(&wrong_password, &tls),
+            "refused the credentials",
+        ),
+        (
+            replica_with(&replica_url, &no_client_cert),
+            "cannot reach NATS",
+        ),
+        // Without the private CA, the system's roots do not know the server's certificate.
+        (replica_with(&replica_url, &tls[2..]), "cannot reach NATS"),
+    ] {
+        let (status, log) = refused_start(&args);
+        assert!(!status.success(), "{args:?} started: {log}");
+        assert!(log.contains(expected), "{args:?}: {log}");
+        assert!(
+            !log.contains("pw-0123456789") && !log.contains("wrong-password"),
+            "{log}"
+        );
+    }
+    replica.kill_9();
+    ingest.kill_9();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rotated_nats_token_is_read_again_at_the_reconnection() {
+    let dir = scratch("nats-token");
+    let token_file = dir.join("nats.token");
+    let first = "first-token-0123456789";
+    std::fs::write(&token_file, format!("# the NATS token\n{first}\n")).expect("write");
+    let config = |token: &str| format!("authorization {{\n  token: {token:?}\n}}\n");
+    let mut nats = NatsServer::start_with_config(&config(first)).expect("nats-server starts");
+    let token_arg = token_file.display().to_string();
+    let token = ["--nats-token-file", token_arg.as_str()];
+    let mut fleet = Fleet::new();
+    let ingest = ingest_with(&nats, &fleet, &token);
+    fleet.wait_subscribed(1);
+    let replica = Served::start(&["--consume-from", &nats.url(), token[0], token[1]]);
+    fleet.serve(200);
+    converges(&replica, &fleet, "the replica with the first token");
+
+    // The token is rotated: the file first, then the server, which drops the connections
+    // its new token does not authorize; both reconnect with the file's new token.
+    let second = "second-token-9876543210";
+    std::fs::write(&token_file, format!("{second}\n")).expect("write");
+    nats.reload_config(&config(second))
+        .expect("nats-server reloads");
+    for (server, name) in [(&ingest, "the ingest"), (&replica, "the replica")] {
+        eventually(&format!("{name} lost its connection"), || {
+            metric(server, "kvatlas_log_nats_disconnects_total") >= 1
+        });
+    }
+    fleet.serve(200);
+    converges(&replica, &fleet, "the replica with the rotated token");
+
+    // A token NATS does not take, and a file without one, stop a start with what to check.
+    let stale = dir.join("stale.token");
+    std::fs::write(&stale, format!("{first}\n")).expect("write");
+    let empty = dir.join("empty.token");
+    std::fs::write(&empty, "# nothing yet\n").expect("write");
+    for (file, expected) in [
+        (&stale, "refused the credentials"),
+        (&empty, "holds no token"),
+    ] {
+        let file = file.display().to_string();
+        let (status, log) =
+            refused_start(&["--consume-from", &nats.url(), "--nats-token-file", &file]);
+        assert!(!status.success(), "{file} started: {log}");
+        assert!(log.contains(expected), "{file}: {log}");
+        assert!(!log.contains(first), "the token is never logged: {log}");
+    }
+    replica.kill_9();
+    ingest.kill_9();
+    let _ = std::fs::remove_dir_all(&dir);
+}
