@@ -330,16 +330,20 @@ pub struct ServeArgs {
     pub nats_live_confirm_secs: Option<u64>,
     /// A file holding the token of a nats-server with `authorization { token }`, read at
     /// start and at every reconnection (a rotated token is used once NATS asks again).
-    #[arg(
-        long,
-        env = "KVATLAS_NATS_TOKEN_FILE",
-        conflicts_with = "nats_nkey_file"
-    )]
+    #[arg(long, env = "KVATLAS_NATS_TOKEN_FILE", conflicts_with_all = ["nats_nkey_file", "nats_creds_file"])]
     pub nats_token_file: Option<PathBuf>,
     /// A file holding an NKey seed (`SU…`) whose public key nats-server authorizes, read at
     /// start and at every reconnection.
-    #[arg(long, env = "KVATLAS_NATS_NKEY_FILE")]
+    #[arg(
+        long,
+        env = "KVATLAS_NATS_NKEY_FILE",
+        conflicts_with = "nats_creds_file"
+    )]
     pub nats_nkey_file: Option<PathBuf>,
+    /// A NATS credentials file (a user JWT and its seed, as `nsc` writes it) for a nats-server
+    /// in operator mode, read at start and at every reconnection.
+    #[arg(long, env = "KVATLAS_NATS_CREDS_FILE")]
+    pub nats_creds_file: Option<PathBuf>,
     /// CA certificates (PEM) the NATS server's certificate must chain to (a private CA);
     /// the connection must then be TLS [default: the system's roots for a tls:// URL].
     #[arg(long, env = "KVATLAS_NATS_CA_CERT")]
@@ -406,6 +410,7 @@ struct ServeFile {
     nats_live_confirm_secs: Option<u64>,
     nats_token_file: Option<PathBuf>,
     nats_nkey_file: Option<PathBuf>,
+    nats_creds_file: Option<PathBuf>,
     nats_ca_cert: Option<PathBuf>,
     nats_tls_cert: Option<PathBuf>,
     nats_tls_key: Option<PathBuf>,
@@ -615,6 +620,10 @@ impl ServeArgs {
                 .nats_nkey_file
                 .clone()
                 .or_else(|| file.nats_nkey_file.clone()),
+            creds_file: self
+                .nats_creds_file
+                .clone()
+                .or_else(|| file.nats_creds_file.clone()),
             ca_cert: self
                 .nats_ca_cert
                 .clone()
@@ -755,6 +764,7 @@ impl ServeArgs {
             (given!(nats_no_live), "--nats-no-live"),
             (given!(nats_token_file), "--nats-token-file"),
             (given!(nats_nkey_file), "--nats-nkey-file"),
+            (given!(nats_creds_file), "--nats-creds-file"),
             (given!(nats_ca_cert), "--nats-ca-cert"),
             (given!(nats_tls_cert), "--nats-tls-cert"),
         ] {
@@ -1664,15 +1674,21 @@ mod tests {
         }
         // Both a token and a seed: clap refuses the flags; a config file's keys are refused
         // by the check.
-        let both = ["serve", "--nats-token-file", "/t", "--nats-nkey-file", "/s"];
-        assert!(<CommandLine as clap::Parser>::try_parse_from(both).is_err());
+        for both in [
+            ["--nats-token-file", "/t", "--nats-nkey-file", "/s"],
+            ["--nats-nkey-file", "/s", "--nats-creds-file", "/c"],
+            ["--nats-creds-file", "/c", "--nats-token-file", "/t"],
+        ] {
+            let line = [&["serve"][..], &both[..]].concat();
+            assert!(<CommandLine as clap::Parser>::try_parse_from(line).is_err());
+        }
         let dir = std::env::temp_dir().join(format!("kvatlas-nats-access-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let file = dir.join("serve.toml");
         std::fs::write(
             &file,
             "consume_from = \"nats://h:4222\"\nnats_token_file = \"/t\"\n\
-             nats_nkey_file = \"/s\"\n",
+             nats_creds_file = \"/s\"\n",
         )
         .expect("write");
         let error = resolve(&["--config", &file.display().to_string()]).expect_err("both");

@@ -79,6 +79,9 @@ pub struct NatsAccess {
     /// A file holding an NKey seed (`SU…`, as `nk -gen user` writes it) whose public key is
     /// one of nats-server's `authorization { users: [{ nkey: U… }] }`.
     pub nkey_file: Option<PathBuf>,
+    /// A NATS credentials file (`.creds`: a user JWT and its NKey seed, as `nsc` writes it)
+    /// for a nats-server in operator mode (accounts and users as JWTs).
+    pub creds_file: Option<PathBuf>,
     /// CA certificates (PEM) NATS's certificate must chain to, instead of the system's
     /// roots. Given, the connection must be TLS (a plain nats-server is refused).
     pub ca_cert: Option<PathBuf>,
@@ -93,6 +96,7 @@ impl std::fmt::Debug for NatsAccess {
         f.debug_struct("NatsAccess")
             .field("token_file", &self.token_file)
             .field("nkey_file", &self.nkey_file)
+            .field("creds_file", &self.creds_file)
             .field("ca_cert", &self.ca_cert)
             .field("client_tls", &self.client_tls)
             .finish()
@@ -117,33 +121,39 @@ impl NatsAccess {
             auth.token = Some(secret_of_file(path, "--nats-token-file", "token")?);
         } else if let Some(path) = &self.nkey_file {
             let seed = secret_of_file(path, "--nats-nkey-file", "NKey seed")?;
-            let pair = nkeys::KeyPair::from_seed(&seed).map_err(|e| {
-                format!(
-                    "--nats-nkey-file {}: not an NKey seed (a user's seed starts with SU): {e}",
-                    path.display()
-                )
-            })?;
-            let signature = pair.sign(nonce).map_err(|e| {
-                format!(
-                    "--nats-nkey-file {}: cannot sign with the seed: {e}",
-                    path.display()
-                )
-            })?;
+            let pair = key_pair(&seed, path, "--nats-nkey-file")?;
+            auth.signature = Some(signed(&pair, nonce, path, "--nats-nkey-file")?);
             auth.nkey = Some(pair.public_key());
-            auth.signature = Some(signature);
+        } else if let Some(path) = &self.creds_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read --nats-creds-file {}: {e}", path.display()))?;
+            let (Some(jwt), Some(seed)) =
+                (creds_block(&text, "JWT"), creds_block(&text, "NKEY SEED"))
+            else {
+                return Err(format!(
+                    "--nats-creds-file {}: not a NATS credentials file (a user JWT and its \
+                     NKey seed, each between -----BEGIN and ------END lines)",
+                    path.display()
+                ));
+            };
+            let pair = key_pair(seed, path, "--nats-creds-file")?;
+            auth.signature = Some(signed(&pair, nonce, path, "--nats-creds-file")?);
+            auth.jwt = Some(jwt.to_owned());
         } else {
             return Ok(None);
         }
         Ok(Some(auth))
     }
 
-    /// The TLS configuration of the connection, if it must be TLS.
+    /// Checks that the CA file and the client certificate and key, if given, form a TLS
+    /// client configuration (async-nats reads them again at each connection, and its own
+    /// messages do not name the setting).
     ///
     /// # Errors
     /// What is wrong with the CA file or the client certificate and key.
-    fn tls_config(&self) -> Result<Option<tokio_rustls::rustls::ClientConfig>, String> {
+    fn check_tls(&self) -> Result<(), String> {
         if !self.requires_tls() {
-            return Ok(None);
+            return Ok(());
         }
         let ca_pem = match &self.ca_cert {
             Some(path) => Some(
@@ -157,8 +167,34 @@ impl NatsAccess {
             "--nats-ca-cert",
             self.client_tls.as_ref(),
         )
-        .map(Some)
+        .map(|_| ())
     }
+}
+
+/// The key pair of an NKey `seed` read from `path` (given with `flag`).
+fn key_pair(seed: &str, path: &Path, flag: &str) -> Result<nkeys::KeyPair, String> {
+    nkeys::KeyPair::from_seed(seed).map_err(|e| {
+        format!(
+            "{flag} {}: not an NKey seed (a user's seed starts with SU): {e}",
+            path.display()
+        )
+    })
+}
+
+/// `nonce` signed with `pair` (the seed of `path`, given with `flag`).
+fn signed(pair: &nkeys::KeyPair, nonce: &[u8], path: &Path, flag: &str) -> Result<Vec<u8>, String> {
+    pair.sign(nonce)
+        .map_err(|e| format!("{flag} {}: cannot sign with the seed: {e}", path.display()))
+}
+
+/// The first line of a credentials file's block whose `-----BEGIN …-----` line names `label`
+/// (`JWT`, `NKEY SEED`): the format `nsc` writes, a decorated block per item.
+fn creds_block<'a>(text: &'a str, label: &str) -> Option<&'a str> {
+    let mut lines = text.lines().map(str::trim);
+    lines.find(|line| line.starts_with("---") && line.contains("BEGIN") && line.contains(label))?;
+    lines
+        .find(|line| !line.is_empty())
+        .filter(|line| !line.starts_with("---"))
 }
 
 /// The secret a token or seed file holds: its first word that is not a comment
@@ -173,68 +209,100 @@ fn secret_of_file(path: &Path, flag: &str, what: &str) -> Result<String, String>
     Ok(secret.to_owned())
 }
 
-/// Whether a server of `url` carries a user (and password) or token (`nats://user:pw@host`).
-fn url_has_credentials(url: &str) -> bool {
-    url_userinfo(url).any(|userinfo| userinfo.is_some())
-}
-
-/// The credentials before each server's `@` in `url` (a comma-separated list, each server with
-/// or without its scheme), `None` for a server without.
-fn url_userinfo(url: &str) -> impl Iterator<Item = Option<&str>> {
-    url.split(',').map(|server| {
-        let rest = server.split_once("://").map_or(server, |(_, rest)| rest);
-        let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
-        authority.rsplit_once('@').map(|(userinfo, _)| userinfo)
-    })
-}
-
 /// The credentials a NATS URL carries, as NATS clients read them: `user:password@` a user and
-/// password, `token@` a token (percent-encoded characters decoded).
+/// password, `token@` a token (percent-encoded characters decoded). No `Debug`: never printed.
 #[derive(Clone, PartialEq, Eq)]
 enum UrlCredentials {
     UserPassword(String, String),
     Token(String),
 }
 
-impl UrlCredentials {
-    /// The credentials of `url`'s servers (async-nats does not send a URL's own: they are
-    /// set on the connection from here).
+/// The servers of a NATS URL (a comma-separated list), each parsed as async-nats parses one
+/// (`nats://` when no scheme is given, port 4222 when none), with their credentials taken out:
+/// async-nats neither splits a list nor sends a URL's credentials, and its debug log prints a
+/// server's URL whole.
+struct NatsServers {
+    /// The servers, without credentials.
+    addresses: Vec<async_nats::ServerAddr>,
+    /// The credentials the servers carry (the same for every server that carries some).
+    credentials: Option<UrlCredentials>,
+}
+
+impl NatsServers {
+    /// Parses `list`.
     ///
     /// # Errors
-    /// When servers of the list carry different credentials (one connection sends one set), or
-    /// a part is not UTF-8 once decoded; the message never holds the credentials.
-    fn of(url: &str) -> Result<Option<Self>, String> {
+    /// A server that does not parse (named by its place in the list, not its text, which may
+    /// hold a password), a scheme other than `nats://` or `tls://`, servers with different
+    /// credentials, credentials that are not UTF-8 once decoded.
+    fn parse(list: &str) -> Result<Self, String> {
         let decode = |part: &str| {
             percent_encoding::percent_decode_str(part)
                 .decode_utf8()
                 .map(std::borrow::Cow::into_owned)
-                .map_err(|_| {
-                    format!(
-                        "the credentials of the NATS URL {} are not UTF-8 once decoded",
-                        shown_url(url)
-                    )
-                })
+                .map_err(|_| "the NATS URL's credentials are not UTF-8 once decoded".to_owned())
         };
-        let mut found: Option<&str> = None;
-        for userinfo in url_userinfo(url).flatten() {
-            match found {
-                Some(first) if first != userinfo => {
+        let servers: Vec<&str> = list.split(',').map(str::trim).collect();
+        let mut addresses = Vec::with_capacity(servers.len());
+        let mut credentials = None;
+        for (place, server) in servers.iter().enumerate() {
+            let which = || {
+                if servers.len() == 1 {
+                    "the NATS URL".to_owned()
+                } else {
+                    format!("server {} of the NATS URL list", place + 1)
+                }
+            };
+            let mut url = server
+                .parse::<async_nats::ServerAddr>()
+                .map_err(|e| {
+                    // The parser's message names the problem, not the text.
+                    format!(
+                        "{} does not parse ({e}); write a ',', '@', '/' or '#' in a password \
+                         as %2C, %40, %2F, %23",
+                        which()
+                    )
+                })?
+                .into_inner();
+            if url.host_str().is_none_or(str::is_empty) {
+                return Err(format!("{} does not parse: no host", which()));
+            }
+            if !matches!(url.scheme(), "nats" | "tls") {
+                return Err(format!(
+                    "{}: scheme {}:// is not supported (nats:// or tls://)",
+                    which(),
+                    url.scheme()
+                ));
+            }
+            let carried = match (url.username(), url.password()) {
+                ("", None) => None,
+                (user, Some(password)) => Some(UrlCredentials::UserPassword(
+                    decode(user)?,
+                    decode(password)?,
+                )),
+                (token, None) => Some(UrlCredentials::Token(decode(token)?)),
+            };
+            if let Some(carried) = carried {
+                if credentials.as_ref().is_some_and(|found| *found != carried) {
                     return Err(format!(
-                        "the servers of the NATS URL {} carry different credentials: one \
-                         connection sends one set",
-                        shown_url(url)
+                        "the servers of the NATS URL list {} carry different credentials: \
+                         one connection sends one set",
+                        shown_url(list)
                     ));
                 }
-                _ => found = Some(userinfo),
+                credentials = Some(carried);
+                // A URL with a host always takes these.
+                let _ = url.set_username("");
+                let _ = url.set_password(None);
             }
+            addresses.push(
+                async_nats::ServerAddr::from_url(url).map_err(|e| format!("{}: {e}", which()))?,
+            );
         }
-        let Some(userinfo) = found else {
-            return Ok(None);
-        };
-        Ok(Some(match userinfo.split_once(':') {
-            Some((user, password)) => Self::UserPassword(decode(user)?, decode(password)?),
-            None => Self::Token(decode(userinfo)?),
-        }))
+        Ok(Self {
+            addresses,
+            credentials,
+        })
     }
 }
 
@@ -298,19 +366,28 @@ impl NatsLog {
         if self.live_confirm_timeout.is_zero() {
             return Err("the live path's confirmation wait must be at least a second".into());
         }
-        if self.access.token_file.is_some() && self.access.nkey_file.is_some() {
-            return Err(
-                "--nats-token-file and --nats-nkey-file: give one (a nats-server \
-                        authorizes a client by one of them)"
-                    .into(),
-            );
+        let files = [
+            (&self.access.token_file, "--nats-token-file"),
+            (&self.access.nkey_file, "--nats-nkey-file"),
+            (&self.access.creds_file, "--nats-creds-file"),
+        ];
+        let given: Vec<&str> = files
+            .iter()
+            .filter(|(file, _)| file.is_some())
+            .map(|(_, flag)| *flag)
+            .collect();
+        if given.len() > 1 {
+            return Err(format!(
+                "{}: give one (a connection authenticates one way)",
+                given.join(" and ")
+            ));
         }
-        if (self.access.token_file.is_some() || self.access.nkey_file.is_some())
-            && url_has_credentials(&self.url)
+        let servers = NatsServers::parse(&self.url)?;
+        if let Some(flag) = given.first()
+            && servers.credentials.is_some()
         {
             return Err(format!(
-                "the NATS URL {} carries credentials and --nats-token-file or \
-                 --nats-nkey-file is given: give one",
+                "the NATS URL {} carries credentials and {flag} is given: give one",
                 shown_url(&self.url)
             ));
         }
@@ -354,10 +431,11 @@ pub(crate) async fn connect(
     stats: Arc<LogStats>,
 ) -> Result<jetstream::Context, String> {
     let access = Arc::new(log.access.clone());
+    let servers = NatsServers::parse(&log.url)?;
     // Read the files once now: a missing or malformed one stops the start with its name.
-    let tls = access.tls_config()?;
+    access.check_tls()?;
     let mut options = match access.credentials(b"")? {
-        None => match UrlCredentials::of(&log.url)? {
+        None => match servers.credentials {
             None => async_nats::ConnectOptions::new(),
             Some(UrlCredentials::UserPassword(user, password)) => {
                 async_nats::ConnectOptions::with_user_and_password(user, password)
@@ -366,18 +444,32 @@ pub(crate) async fn connect(
         },
         Some(_) => {
             let access = Arc::clone(&access);
+            let failures = AtomicU64::new(0);
             // At every (re)connection: a rotated token or seed is read then.
             async_nats::ConnectOptions::with_auth_callback(move |nonce| {
                 let given = access.credentials(&nonce);
                 std::future::ready(given.map(Option::unwrap_or_default).map_err(|problem| {
-                    tracing::warn!("NATS: {problem}");
+                    // Reconnections are tried every few seconds for ever: one line per power
+                    // of two.
+                    let failed = failures.fetch_add(1, Ordering::Relaxed) + 1;
+                    if failed.is_power_of_two() {
+                        tracing::warn!(failed, "NATS: {problem}");
+                    }
                     async_nats::AuthError::new(problem)
                 }))
             })
         }
     };
-    if let Some(config) = tls {
-        options = options.tls_client_config(config).require_tls(true);
+    // async-nats reads these files at every connection (a rotated CA or client certificate
+    // is taken then), and with a CA file given it does not read the system's roots.
+    if let Some(ca) = &log.access.ca_cert {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let Some(files) = &log.access.client_tls {
+        options = options.add_client_certificate(files.cert.clone(), files.key.clone());
+    }
+    if log.access.requires_tls() {
+        options = options.require_tls(true);
     }
     let options = options
         .name("kvatlas")
@@ -392,7 +484,7 @@ pub(crate) async fn connect(
         .subscription_capacity(SUBSCRIPTION_CAPACITY)
         // Reconnect forever: a restarted nats-server is waited for, never given up on.
         .max_reconnects(None);
-    let client = tokio::time::timeout(timeout, options.connect(log.url.as_str()))
+    let client = tokio::time::timeout(timeout, options.connect(servers.addresses.as_slice()))
         .await
         .map_err(|_| {
             format!(
@@ -407,7 +499,8 @@ pub(crate) async fn connect(
                     | async_nats::ConnectErrorKind::Authentication
             );
             let hint = if refused {
-                " (NATS refused the credentials: check --nats-token-file, --nats-nkey-file or \
+                " (NATS refused the credentials: check --nats-token-file, --nats-nkey-file, \
+                 --nats-creds-file or \
                  the URL's user and password)"
             } else {
                 ""
@@ -417,27 +510,33 @@ pub(crate) async fn connect(
     Ok(jetstream::new(client))
 }
 
-/// `url` for logs and errors: credentials in it (`nats://user:password@host`) are replaced by
-/// `***`.
+/// `url` (a comma-separated list of servers) for logs and errors: each server that parses as
+/// `scheme://host:port`, with `***@` before the host where it carries credentials; one that
+/// does not parse is named by its place only (its text may hold a password).
 pub(crate) fn shown_url(url: &str) -> String {
-    // Every server of a comma-separated list, with or without its scheme, has its own
-    // credentials. All up to a server's last '@' is hidden, a '/' in a password not encoded
-    // as %2F included.
     url.split(',')
-        .map(|server| {
-            let (scheme, rest) = match server.split_once("://") {
-                Some((scheme, rest)) => (Some(scheme), rest),
-                None => (None, server),
-            };
-            let shown = match rest.rsplit_once('@') {
-                Some((_, host)) => format!("***@{host}"),
-                None => rest.to_owned(),
-            };
-            match scheme {
-                Some(scheme) => format!("{scheme}://{shown}"),
-                None => shown,
-            }
-        })
+        .map(str::trim)
+        .enumerate()
+        .map(
+            |(place, server)| match server.parse::<async_nats::ServerAddr>() {
+                Ok(address) => {
+                    let hidden = if address.has_user_pass() || address.password().is_some() {
+                        "***@"
+                    } else {
+                        ""
+                    };
+                    let url = address.into_inner();
+                    // An IPv6 host keeps its brackets.
+                    format!(
+                        "{}://{hidden}{}:{}",
+                        url.scheme(),
+                        url.host_str().unwrap_or_default(),
+                        url.port_or_known_default().unwrap_or(4222)
+                    )
+                }
+                Err(_) => format!("(server {} does not parse)", place + 1),
+            },
+        )
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -834,41 +933,63 @@ mod tests {
             shown_url("nats://user:s3cret@nats.local:4222"),
             "nats://***@nats.local:4222"
         );
-        assert_eq!(shown_url("tok3n@h:1,h2:2"), "***@h:1,h2:2");
-        assert!(!shown_url("tls://a:b@h:1/x@y").contains('b'));
+        assert_eq!(shown_url("tok3n@h:1, h2"), "nats://***@h:1,nats://h2:4222");
+        assert_eq!(shown_url("tls://a:b@h:1/x@y"), "tls://***@h:1");
         assert_eq!(
-            shown_url("nats://a:s3cret@h:1,nats://b:0ther@h2:2"),
-            "nats://***@h:1,nats://***@h2:2"
+            shown_url("nats://a:s3cret@h:1,nats://b:0ther@[::1]:2"),
+            "nats://***@h:1,nats://***@[::1]:2"
         );
-        assert_eq!(shown_url("nats://u:p/ss@h:1"), "nats://***@h:1");
+        assert_eq!(shown_url("nats://:s3cret@h:1"), "nats://***@h:1");
+        // A comma in a password splits the list where async-nats's parser would not take it:
+        // neither part is shown.
+        let shown = shown_url("nats://u:pa,ss@h:4222");
+        assert_eq!(shown, "(server 1 does not parse),nats://***@h:4222");
+        assert!(!shown_url("nats://u:p w@h:1").contains("p w"));
     }
 
     #[test]
-    fn a_urls_credentials_are_read_as_nats_clients_read_them() {
-        let of = |url: &str| UrlCredentials::of(url);
-        assert!(of("nats://127.0.0.1:4222,h2:4222").expect("none").is_none());
-        assert!(
-            of("nats://u:p%40ss@h:1").expect("user")
-                == Some(UrlCredentials::UserPassword("u".into(), "p@ss".into()))
-        );
-        assert!(
-            of("tls://t0ken@h:1").expect("token") == Some(UrlCredentials::Token("t0ken".into()))
-        );
+    fn a_urls_servers_and_credentials_are_read_as_nats_clients_read_them() {
+        let parse = |url: &str| NatsServers::parse(url);
+        let plain = parse("nats://127.0.0.1:4222, h2:4223").expect("two servers");
+        assert!(plain.credentials.is_none());
+        let shown: Vec<String> = plain
+            .addresses
+            .iter()
+            .map(|a| format!("{}:{}", a.host(), a.port()))
+            .collect();
+        assert_eq!(shown, ["127.0.0.1:4222", "h2:4223"]);
+        let user = parse("nats://u:p%40ss%2C@h:1").expect("user");
+        assert!(user.credentials == Some(UrlCredentials::UserPassword("u".into(), "p@ss,".into())));
+        // The addresses handed to async-nats carry no credentials (its debug log prints them).
+        assert!(!user.addresses[0].has_user_pass() && user.addresses[0].password().is_none());
+        let token = parse("tls://t0ken@h:1").expect("token");
+        assert!(token.credentials == Some(UrlCredentials::Token("t0ken".into())));
+        assert!(token.addresses[0].tls_required());
         // One connection sends one set: servers with the same, or some without, are fine.
         assert!(
-            of("nats://u:p@h:1,nats://u:p@h2:2,h3:3")
+            parse("nats://u:p@h:1,nats://u:p@h2:2,h3:3")
                 .expect("same")
+                .credentials
                 .is_some()
         );
-        let Err(error) = of("nats://u:p@h:1,nats://v:s3cret@h2:2") else {
-            panic!("different credentials taken");
-        };
-        assert!(
-            error.contains("different credentials") && !error.contains("s3cret"),
-            "{error}"
-        );
-        assert!(url_has_credentials("h:1,nats://u:p@h2:2"));
-        assert!(!url_has_credentials("nats://h:1/x"));
+        for (url, expected) in [
+            (
+                "nats://u:p@h:1,nats://v:s3cret@h2:2",
+                "different credentials",
+            ),
+            ("ws://u:s3cret@h:1", "not supported"),
+            ("nats://u:s3cret@h:port", "does not parse"),
+            (
+                "nats://h:1,,h2:2",
+                "server 2 of the NATS URL list does not parse",
+            ),
+        ] {
+            let Err(error) = parse(url) else {
+                panic!("{url} taken");
+            };
+            assert!(error.contains(expected), "{url}: {error}");
+            assert!(!error.contains("s3cret"), "{error}");
+        }
     }
 
     #[test]

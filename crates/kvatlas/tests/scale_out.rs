@@ -946,15 +946,33 @@ fn scratch(name: &str) -> std::path::PathBuf {
     dir
 }
 
-/// `kvatlas serve` with `args` that must not start: its exit status and everything it logged.
+/// `kvatlas serve` with `args` that must not start: its exit status and everything it logged
+/// (killed, and the test failed, if it still runs after 20 s).
 fn refused_start(args: &[&str]) -> (std::process::ExitStatus, String) {
-    let output = common::serve_command(args)
-        .output()
+    let mut child = common::serve_command(args)
+        .stdout(std::process::Stdio::null())
+        .spawn()
         .expect("kvatlas serve runs");
-    (
-        output.status,
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    // Its log is read on a thread: a pipe left unread could block it.
+    let mut stderr = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut log = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+        log
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waits") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvatlas serve {args:?} still runs after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, reader.join().expect("the log"))
 }
 
 #[test]
@@ -996,10 +1014,24 @@ fn an_ingest_and_a_replica_reach_a_nats_with_mutual_tls_an_nkey_and_a_password()
         args.extend_from_slice(more);
         args
     }
-    let replica = Served::start(&replica_with(&replica_url, &tls));
+    // With the debug log, in which async-nats prints each server's address as it connects.
+    let mut debug = replica_with(&replica_url, &tls);
+    debug.extend_from_slice(&["--log", "debug"]);
+    let replica = Served::start(&debug);
     fleet.serve(200);
     converges(&replica, &fleet, "the replica through mutual TLS");
     converges(&ingest, &fleet, "the ingest");
+    let logged = [replica.startup_log.clone(), replica.log_lines()].concat();
+    assert!(
+        logged
+            .iter()
+            .any(|line| line.contains("attempting connection")),
+        "the debug log is on"
+    );
+    assert!(
+        !logged.iter().any(|line| line.contains("pw-0123456789")),
+        "the password is never logged"
+    );
 
     // What NATS refuses, a server says at start, naming what to check.
     let wrong_password = format!("nats://replica:wrong-password@127.0.0.1:{}", nats.port());
@@ -1011,14 +1043,17 @@ fn an_ingest_and_a_replica_reach_a_nats_with_mutual_tls_an_nkey_and_a_password()
         ),
         (
             replica_with(&replica_url, &no_client_cert),
-            "cannot reach NATS",
+            "BadCertificate",
         ),
         // Without the private CA, the system's roots do not know the server's certificate.
-        (replica_with(&replica_url, &tls[2..]), "cannot reach NATS"),
+        (replica_with(&replica_url, &tls[2..]), "UnknownIssuer"),
     ] {
         let (status, log) = refused_start(&args);
         assert!(!status.success(), "{args:?} started: {log}");
-        assert!(log.contains(expected), "{args:?}: {log}");
+        assert!(
+            log.contains("cannot reach NATS") && log.contains(expected),
+            "{args:?}: {log}"
+        );
         assert!(
             !log.contains("pw-0123456789") && !log.contains("wrong-password"),
             "{log}"
@@ -1076,6 +1111,128 @@ fn a_rotated_nats_token_is_read_again_at_the_reconnection() {
         assert!(log.contains(expected), "{file}: {log}");
         assert!(!log.contains(first), "the token is never logged: {log}");
     }
+    replica.kill_9();
+    ingest.kill_9();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A NATS JWT (`ed25519-nkey`) of `claims`, signed by `issuer` (its `iss`).
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, nats: serde_json::Value) -> String {
+    use base64::Engine;
+    let encode = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    let header = encode(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let claims = serde_json::json!({
+        "jti": format!("KVATLAS{subject}"),
+        "iat": 1_700_000_000u64,
+        "iss": issuer.public_key(),
+        "name": "kvatlas-test",
+        "sub": subject,
+        "nats": nats,
+    });
+    let body = format!("{header}.{}", encode(claims.to_string().as_bytes()));
+    let signature = issuer.sign(body.as_bytes()).expect("signs");
+    format!("{body}.{}", encode(&signature))
+}
+
+/// nats-server in operator mode: an operator, an account with JetStream (preloaded into a
+/// memory resolver) and a user of it. The configuration's text and the user's credentials
+/// file's text (as `nsc` writes it).
+fn operator_mode() -> (String, String) {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    // JetStream in operator mode needs a system account.
+    let system = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let operator_jwt = nats_jwt(
+        &operator,
+        &operator.public_key(),
+        serde_json::json!({ "type": "operator", "version": 2 }),
+    );
+    let account_jwt = nats_jwt(
+        &operator,
+        &account.public_key(),
+        serde_json::json!({
+            "limits": {
+                "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                "wildcards": true, "conn": -1, "leaf": -1,
+                "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+            },
+            "type": "account",
+            "version": 2,
+        }),
+    );
+    let system_jwt = nats_jwt(
+        &operator,
+        &system.public_key(),
+        serde_json::json!({ "type": "account", "version": 2 }),
+    );
+    let user_jwt = nats_jwt(
+        &account,
+        &user.public_key(),
+        serde_json::json!({
+            "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+            "type": "user", "version": 2,
+        }),
+    );
+    let config = format!(
+        "operator: {operator_jwt:?}\nsystem_account: {system}\nresolver: MEMORY\n\
+         resolver_preload: {{\n  {account}: {account_jwt:?}\n  {system}: {system_jwt:?}\n}}\n",
+        account = account.public_key(),
+        system = system.public_key(),
+    );
+    let creds = format!(
+        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+         ************************* IMPORTANT *************************\n\
+         NKEY Seed printed below can be used to sign and prove identity.\n\n\
+         -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n\n\
+         *************************************************************\n",
+        user.seed().expect("seed")
+    );
+    (config, creds)
+}
+
+#[test]
+fn a_credentials_file_reaches_a_nats_in_operator_mode() {
+    let dir = scratch("nats-creds");
+    let (config, creds) = operator_mode();
+    let nats = NatsServer::start_with_config(&config).expect("nats-server starts in operator mode");
+    let creds_file = dir.join("kvatlas.creds");
+    std::fs::write(&creds_file, creds).expect("write");
+    let creds_arg = creds_file.display().to_string();
+    let mut fleet = Fleet::new();
+    let ingest = ingest_with(&nats, &fleet, &["--nats-creds-file", &creds_arg]);
+    fleet.wait_subscribed(1);
+    let replica = Served::start(&[
+        "--consume-from",
+        &nats.url(),
+        "--nats-creds-file",
+        &creds_arg,
+    ]);
+    fleet.serve(200);
+    converges(&replica, &fleet, "the replica with a credentials file");
+    // Without credentials, and with a file that is not one, a start is refused.
+    let (status, log) = refused_start(&["--consume-from", &nats.url()]);
+    assert!(
+        !status.success() && log.contains("refused the credentials"),
+        "{log}"
+    );
+    let not_creds = dir.join("not.creds");
+    std::fs::write(
+        &not_creds,
+        "SUAIO3FHUX5PNV2LQIIP7TZ3N4L7TX3W53MQGEIVYFIGA635OZCKEYHFLM\n",
+    )
+    .expect("write");
+    let not_creds = not_creds.display().to_string();
+    let (status, log) = refused_start(&[
+        "--consume-from",
+        &nats.url(),
+        "--nats-creds-file",
+        &not_creds,
+    ]);
+    assert!(
+        !status.success() && log.contains("not a NATS credentials file"),
+        "{log}"
+    );
     replica.kill_9();
     ingest.kill_9();
     let _ = std::fs::remove_dir_all(&dir);
