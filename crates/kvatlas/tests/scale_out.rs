@@ -1202,14 +1202,19 @@ fn a_credentials_file_reaches_a_nats_in_operator_mode() {
     let mut fleet = Fleet::new();
     let ingest = ingest_with(&nats, &fleet, &["--nats-creds-file", &creds_arg]);
     fleet.wait_subscribed(1);
-    let replica = Served::start(&[
-        "--consume-from",
-        &nats.url(),
-        "--nats-creds-file",
-        &creds_arg,
-    ]);
+    // A list of servers, the first of which does not answer (a closed port).
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let list = format!("127.0.0.1:{closed}, {}", nats.url());
+    let replica = Served::start(&["--consume-from", &list, "--nats-creds-file", &creds_arg]);
     fleet.serve(200);
-    converges(&replica, &fleet, "the replica with a credentials file");
+    converges(
+        &replica,
+        &fleet,
+        "the replica with a credentials file and a list",
+    );
     // Without credentials, and with a file that is not one, a start is refused.
     let (status, log) = refused_start(&["--consume-from", &nats.url()]);
     assert!(
