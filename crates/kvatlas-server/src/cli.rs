@@ -1612,17 +1612,19 @@ mod tests {
         serve: ServeArgs,
     }
 
+    /// `serve` with `flags`, resolved (the flags must parse).
+    fn resolve(flags: &[&str]) -> Result<Resolved, String> {
+        let mut line = vec!["serve"];
+        line.extend_from_slice(flags);
+        <CommandLine as clap::Parser>::try_parse_from(line)
+            .expect("parses")
+            .serve
+            .resolve_noting_unused()
+            .map_err(|e| e.to_string())
+    }
+
     #[test]
     fn nats_access_settings_reach_both_roles_and_conflicts_are_refused() {
-        let resolve = |flags: &[&str]| {
-            let mut line = vec!["serve"];
-            line.extend_from_slice(flags);
-            <CommandLine as clap::Parser>::try_parse_from(line)
-                .expect("parses")
-                .serve
-                .resolve_noting_unused()
-                .map_err(|e| e.to_string())
-        };
         let tls = [
             "--nats-ca-cert",
             "/ca.pem",
@@ -1705,16 +1707,7 @@ mod tests {
 
     #[test]
     fn settings_without_effect_are_named_with_what_they_need() {
-        let unused = |flags: &[&str]| {
-            let mut line = vec!["serve"];
-            line.extend_from_slice(flags);
-            <CommandLine as clap::Parser>::try_parse_from(line)
-                .expect("parses")
-                .serve
-                .resolve_noting_unused()
-                .expect("resolves")
-                .without_effect
-        };
+        let unused = |flags: &[&str]| resolve(flags).expect("resolves").without_effect;
         assert!(unused(&[]).is_empty());
         assert_eq!(
             unused(&[
