@@ -64,13 +64,14 @@ pub struct NatsLog {
 }
 
 /// How a server proves itself to NATS and checks NATS's certificate (`--nats-token-file`,
-/// `--nats-nkey-file`, `--nats-ca-cert`, `--nats-tls-cert` and `--nats-tls-key`). A user and
-/// password go in the URL (`nats://user:password@host:4222`).
+/// `--nats-nkey-file`, `--nats-creds-file`, `--nats-ca-cert`, `--nats-tls-cert` and
+/// `--nats-tls-key`). A user and password go in the URL (`nats://user:password@host:4222`).
 ///
-/// The token and seed files are read at start (a missing or empty one stops the start) and
-/// again at every reconnection, so a rotated token or seed is used once NATS asks for it (a
-/// nats-server reloaded with new credentials disconnects the clients whose old ones it no
-/// longer accepts). The CA and client certificate are read at start only.
+/// The token, seed and credentials files are read at start (a missing or malformed one stops
+/// the start) and again at every reconnection, so a rotated token or seed is used once NATS
+/// asks for it (a nats-server reloaded with new credentials disconnects the clients whose old
+/// ones it no longer accepts). The CA and client certificate are checked at start and read by
+/// the NATS client at every connection.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct NatsAccess {
     /// A file holding the token of a nats-server with `authorization { token: … }` (its
@@ -190,6 +191,7 @@ fn signed(pair: &nkeys::KeyPair, nonce: &[u8], path: &Path, flag: &str) -> Resul
 /// The first line of a credentials file's block whose `-----BEGIN …-----` line names `label`
 /// (`JWT`, `NKEY SEED`): the format `nsc` writes, a decorated block per item.
 fn creds_block<'a>(text: &'a str, label: &str) -> Option<&'a str> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut lines = text.lines().map(str::trim);
     lines.find(|line| line.starts_with("---") && line.contains("BEGIN") && line.contains(label))?;
     lines
@@ -274,12 +276,20 @@ impl NatsServers {
                     url.scheme()
                 ));
             }
+            // `user:@host` is a user with an empty password, as NATS clients read it (the URL
+            // parser drops an empty password).
+            let empty_password = server
+                .rsplit_once('@')
+                .is_some_and(|(userinfo, _)| userinfo.ends_with(':'));
             let carried = match (url.username(), url.password()) {
                 ("", None) => None,
                 (user, Some(password)) => Some(UrlCredentials::UserPassword(
                     decode(user)?,
                     decode(password)?,
                 )),
+                (user, None) if empty_password => {
+                    Some(UrlCredentials::UserPassword(decode(user)?, String::new()))
+                }
                 (token, None) => Some(UrlCredentials::Token(decode(token)?)),
             };
             if let Some(carried) = carried {
@@ -432,6 +442,10 @@ pub(crate) async fn connect(
 ) -> Result<jetstream::Context, String> {
     let access = Arc::new(log.access.clone());
     let servers = NatsServers::parse(&log.url)?;
+    let count = u32::try_from(servers.addresses.len().max(1)).unwrap_or(u32::MAX);
+    let per_server = (timeout / count).max(Duration::from_secs(2));
+    // The first connection tries each server once, one after the other.
+    let wait = timeout.max(per_server.saturating_mul(count));
     // Read the files once now: a missing or malformed one stops the start with its name.
     access.check_tls()?;
     let mut options = match access.credentials(b"")? {
@@ -477,18 +491,20 @@ pub(crate) async fn connect(
             count_client_event(&stats, &event);
             std::future::ready(())
         })
-        .connection_timeout(timeout)
+        // Each server of a list gets its share of the wait (at least 2 s), so one that drops
+        // connection attempts does not use it all before the next is tried.
+        .connection_timeout(per_server)
         // Messages buffered per subscription before NATS drops them (async-nats's default is
         // 65,536): a replica does not read its live subscription while it restores a snapshot,
         // and a live record left off costs only its early application (the stream carries it).
         .subscription_capacity(SUBSCRIPTION_CAPACITY)
         // Reconnect forever: a restarted nats-server is waited for, never given up on.
         .max_reconnects(None);
-    let client = tokio::time::timeout(timeout, options.connect(servers.addresses.as_slice()))
+    let client = tokio::time::timeout(wait, options.connect(servers.addresses.as_slice()))
         .await
         .map_err(|_| {
             format!(
-                "cannot reach NATS at {}: no answer within {timeout:?}",
+                "cannot reach NATS at {}: no answer within {wait:?}",
                 shown_url(&log.url)
             )
         })?
@@ -948,6 +964,30 @@ mod tests {
     }
 
     #[test]
+    fn a_credentials_files_blocks_are_found_as_nsc_writes_them() {
+        let jwt = "eyJ0eXAiOiJKV1QiLCJhbGciOiJlZDI1NTE5LW5rZXkifQ.e30.c2ln";
+        let seed = "SUAIO3FHUX5PNV2LQIIP7TZ3N4L7TX3W53MQGEIVYFIGA635OZCKEYHFLM";
+        let file = format!(
+            "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\
+             NKEY Seed printed below can be used to sign and prove identity.\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        );
+        for text in [
+            file.clone(),
+            file.replace('\n', "\r\n"),
+            format!("\u{feff}{file}"),
+        ] {
+            assert_eq!(creds_block(&text, "JWT"), Some(jwt));
+            assert_eq!(creds_block(&text, "NKEY SEED"), Some(seed));
+        }
+        // An empty block is no block (the next block's line is not taken for it).
+        let empty = "-----BEGIN NATS USER JWT-----\n------END NATS USER JWT------\n";
+        assert_eq!(creds_block(empty, "JWT"), None);
+        assert_eq!(creds_block(seed, "NKEY SEED"), None);
+    }
+
+    #[test]
     fn a_urls_servers_and_credentials_are_read_as_nats_clients_read_them() {
         let parse = |url: &str| NatsServers::parse(url);
         let plain = parse("nats://127.0.0.1:4222, h2:4223").expect("two servers");
@@ -964,6 +1004,9 @@ mod tests {
         assert!(!user.addresses[0].has_user_pass() && user.addresses[0].password().is_none());
         let token = parse("tls://t0ken@h:1").expect("token");
         assert!(token.credentials == Some(UrlCredentials::Token("t0ken".into())));
+        assert!(!token.addresses[0].has_user_pass());
+        let empty = parse("nats://u:@h:1").expect("an empty password");
+        assert!(empty.credentials == Some(UrlCredentials::UserPassword("u".into(), String::new())));
         assert!(token.addresses[0].tls_required());
         // One connection sends one set: servers with the same, or some without, are fine.
         assert!(
