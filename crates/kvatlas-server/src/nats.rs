@@ -110,12 +110,12 @@ impl NatsAccess {
         self.ca_cert.is_some() || self.client_tls.is_some()
     }
 
-    /// What the token or seed file gives for a connection whose server sent `nonce` (`None`:
-    /// neither file is given; the URL's user and password, if any, are used).
+    /// What the token, seed or credentials file gives for a connection whose server sent
+    /// `nonce` (`None`: no such file is given; the URL's credentials, if any, are used).
     ///
     /// # Errors
-    /// The file's setting and path and what is wrong (an unreadable or empty file, a seed
-    /// that is not one); never the file's content.
+    /// The file's setting and path and what is wrong (an unreadable or empty file, a seed or
+    /// credentials file that is not one); never the file's content.
     fn credentials(&self, nonce: &[u8]) -> Result<Option<async_nats::Auth>, String> {
         let mut auth = async_nats::Auth::new();
         if let Some(path) = &self.token_file {
@@ -459,7 +459,7 @@ pub(crate) async fn connect(
         Some(_) => {
             let access = Arc::clone(&access);
             let failures = AtomicU64::new(0);
-            // At every (re)connection: a rotated token or seed is read then.
+            // At every (re)connection: a rotated token, seed or credentials file is read then.
             async_nats::ConnectOptions::with_auth_callback(move |nonce| {
                 let given = access.credentials(&nonce);
                 std::future::ready(given.map(Option::unwrap_or_default).map_err(|problem| {
