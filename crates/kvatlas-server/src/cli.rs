@@ -567,18 +567,11 @@ impl ServeArgs {
                 .allow_unauthenticated
                 .or(file.allow_unauthenticated)
                 .unwrap_or(false),
-            tls: match (
+            tls: tls_pair(
                 self.tls_cert.clone().or(file.tls_cert),
                 self.tls_key.clone().or(file.tls_key),
-            ) {
-                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
-                (None, None) => None,
-                _ => {
-                    return Err(CliError::Config(
-                        "TLS needs both a certificate (--tls-cert) and a key (--tls-key)".into(),
-                    ));
-                }
-            },
+                "TLS needs both a certificate (--tls-cert) and a key (--tls-key)",
+            )?,
             workers: Vec::new(),
             reload_check: match self.reload_check_secs.or(file.reload_check_secs) {
                 Some(0) => None,
@@ -628,24 +621,15 @@ impl ServeArgs {
                 .nats_ca_cert
                 .clone()
                 .or_else(|| file.nats_ca_cert.clone()),
-            client_tls: match (
+            client_tls: tls_pair(
                 self.nats_tls_cert
                     .clone()
                     .or_else(|| file.nats_tls_cert.clone()),
                 self.nats_tls_key
                     .clone()
                     .or_else(|| file.nats_tls_key.clone()),
-            ) {
-                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
-                (None, None) => None,
-                _ => {
-                    return Err(CliError::Config(
-                        "a NATS client certificate needs both --nats-tls-cert and \
-                         --nats-tls-key"
-                            .into(),
-                    ));
-                }
-            },
+                "a NATS client certificate needs both --nats-tls-cert and --nats-tls-key",
+            )?,
         };
         let nats = |url: String| {
             let defaults = NatsLog::new(url);
@@ -1589,6 +1573,22 @@ pub fn unregister(args: &UnregisterArgs) -> Result<String, CliError> {
             response.blocks_removed
         )
     })
+}
+
+/// A certificate and its key given together (`None` if neither is given).
+///
+/// # Errors
+/// `missing` when only one of them is given.
+fn tls_pair(
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    missing: &str,
+) -> Result<Option<TlsFiles>, CliError> {
+    match (cert, key) {
+        (Some(cert), Some(key)) => Ok(Some(TlsFiles { cert, key })),
+        (None, None) => Ok(None),
+        _ => Err(CliError::Config(missing.into())),
+    }
 }
 
 #[cfg(test)]

@@ -71,8 +71,8 @@ pub struct NatsLog {
 /// the start) and again at every reconnection, so a rotated token or seed is used once NATS
 /// asks for it (a nats-server reloaded with new credentials disconnects the clients whose old
 /// ones it no longer accepts). The CA and client certificate are checked at start and read by
-/// the NATS client at every connection.
-#[derive(Clone, Default, PartialEq, Eq)]
+/// the NATS client at every connection. Holds paths only (a `Debug` print shows no secret).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsAccess {
     /// A file holding the token of a nats-server with `authorization { token: … }` (its
     /// first word that is not a comment, as a peer token file).
@@ -89,19 +89,6 @@ pub struct NatsAccess {
     /// A client certificate and key (PEM) presented to a nats-server that verifies its
     /// clients (`tls { verify: true }`). Given, the connection must be TLS.
     pub client_tls: Option<TlsFiles>,
-}
-
-impl std::fmt::Debug for NatsAccess {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Paths only: the files' contents are never read into a printed value.
-        f.debug_struct("NatsAccess")
-            .field("token_file", &self.token_file)
-            .field("nkey_file", &self.nkey_file)
-            .field("creds_file", &self.creds_file)
-            .field("ca_cert", &self.ca_cert)
-            .field("client_tls", &self.client_tls)
-            .finish()
-    }
 }
 
 impl NatsAccess {
