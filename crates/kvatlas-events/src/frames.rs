@@ -27,6 +27,10 @@ pub enum FrameError {
     /// A 4-frame replay reply whose first frame is not the empty delimiter.
     #[error("4-frame replay reply without the empty delimiter frame")]
     MissingDelimiter,
+    /// A live batch numbered with the end-marker sequence number, which no engine reaches (it
+    /// would also pin the source's next expected number at the top of the range).
+    #[error("live batch with the reserved end-marker sequence number")]
+    ReservedSeq,
     /// The end-marker sequence number with a non-empty payload.
     #[error("end-marker sequence number with a {len}-byte payload")]
     EndMarkerWithPayload {
@@ -49,12 +53,16 @@ pub struct LiveMessage<'a> {
 /// Parses a live PUB message: exactly 3 frames `[topic, seq, payload]`.
 ///
 /// # Errors
-/// [`FrameError::FrameCount`] or [`FrameError::SeqLength`].
+/// [`FrameError::FrameCount`], [`FrameError::SeqLength`], or [`FrameError::ReservedSeq`] for
+/// the sequence number [`REPLAY_END_SEQ`].
 pub fn decode_live_message<'a>(frames: &[&'a [u8]]) -> Result<LiveMessage<'a>, FrameError> {
     match frames {
         [topic, seq, payload] => Ok(LiveMessage {
             topic,
-            seq: decode_seq(seq)?,
+            seq: match decode_seq(seq)? {
+                REPLAY_END_SEQ => return Err(FrameError::ReservedSeq),
+                seq => seq,
+            },
             payload,
         }),
         _ => Err(FrameError::FrameCount {
@@ -159,6 +167,13 @@ mod tests {
             decode_live_message(&[b"", &SEQ3[1..], b"x"]),
             Err(FrameError::SeqLength { len: 7 })
         );
+        assert_eq!(
+            decode_live_message(&[b"", &END, b"x"]),
+            Err(FrameError::ReservedSeq)
+        );
+        let below_end = (REPLAY_END_SEQ - 1).to_be_bytes();
+        let m = decode_live_message(&[b"", &below_end, b"x"]).expect("valid");
+        assert_eq!(m.seq, REPLAY_END_SEQ - 1);
     }
 
     #[test]

@@ -638,8 +638,11 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return;
         };
         self.replay = None;
-        if !replay.open_ended {
-            self.skip_to(replay.to.max(self.next), ResyncReason::ReplayFailed);
+        // Only a hole still open is lost: an answer (or live batches) that already filled it
+        // before the end marker went missing lost nothing, and clearing the source's blocks then
+        // would drop what its engine still holds.
+        if !replay.open_ended && self.next < replay.to {
+            self.skip_to(replay.to, ResyncReason::ReplayFailed);
         }
         self.request_replay_if_needed();
     }
@@ -667,11 +670,31 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             return;
         }
         if self.pending.len() >= self.config.max_buffered {
+            // Give up the holes below this batch and apply it in its place. If it lies below
+            // every buffered batch (a late one filling a hole out of order), that frees no room
+            // and the next batch would overflow again, with a second resync undoing what was
+            // applied after the first: then the whole buffer is flushed, holes given up.
             self.counters.overflow_resyncs += 1;
             self.replay = None;
-            self.skip_to(seq, ResyncReason::BufferOverflow);
-            self.apply(seq, payload, fingerprint, from_replay);
-            self.drain_contiguous();
+            self.pending.insert(
+                seq,
+                Buffered {
+                    payload,
+                    fingerprint,
+                },
+            );
+            let above = self
+                .pending
+                .range((std::ops::Bound::Excluded(seq), std::ops::Bound::Unbounded))
+                .count();
+            let upto = if above >= self.config.max_buffered {
+                self.pending.keys().next_back().copied().unwrap_or(seq)
+            } else {
+                seq
+            };
+            // Applies everything below `upto`, then `upto` (the next to apply) and what follows
+            // it without a hole.
+            self.skip_to(upto, ResyncReason::BufferOverflow);
             return;
         }
         self.pending.insert(

@@ -310,6 +310,43 @@ fn a_failed_replay_resyncs() {
     assert_eq!(h.seq.counters().stale_replay_frames, 1);
 }
 
+/// A replay whose answer filled the hole but whose end marker never came (lost, or late past
+/// the deadline) lost nothing: its failure, reported or timed out, must not clear the source.
+#[test]
+fn a_replay_that_fails_after_filling_its_hole_changes_nothing() {
+    let start = Instant::now();
+    let mut h = Harness::new();
+    h.live([0]);
+    assert_eq!(h.live([3]), vec![Replay(0, 3)]);
+    assert_eq!(
+        h.replay([0, 1, 2], false),
+        vec![Apply(1), Apply(2), Apply(3)]
+    );
+    let id = h.replay_id();
+    h.seq.handle_replay_failed(id);
+    assert_eq!(h.drain(), vec![]);
+    assert_eq!(h.seq.outstanding_replay(), None);
+    assert_eq!(h.live([4]), vec![Apply(4)]);
+
+    // The same through the deadline.
+    assert_eq!(h.live([6]), vec![Replay(4, 6)]);
+    let id = h.replay_id();
+    h.seq
+        .set_replay_deadline(id, start + Duration::from_millis(100));
+    assert_eq!(h.replay([4, 5], false), vec![Apply(5), Apply(6)]);
+    assert_eq!(
+        h.seq.handle_timeout(start + Duration::from_millis(100)),
+        Some(id)
+    );
+    assert_eq!(h.drain(), vec![]);
+    let c = *h.seq.counters();
+    assert_eq!(
+        (c.resyncs, c.replay_resyncs, c.replay_timeouts),
+        (0, 0, 1),
+        "{c:?}"
+    );
+}
+
 #[test]
 fn a_new_gap_during_a_replay_is_requested_after_it() {
     let mut h = Harness::new();
@@ -347,6 +384,32 @@ fn buffer_overflow_resyncs_and_flushes() {
     assert_eq!(h.seq.buffered(), 0);
     assert_eq!(h.seq.outstanding_replay(), None);
     assert_eq!(h.seq.counters().overflow_resyncs, 1);
+}
+
+/// A full buffer overflowed by a batch below the buffered ones (a late batch filling a hole out
+/// of order) is flushed whole, that batch in its place: one resync, not one per later batch.
+#[test]
+fn an_overflow_by_a_batch_below_the_buffered_ones_flushes_them_all() {
+    let mut h = Harness::with(SequencerConfig {
+        max_buffered: 2,
+        recent_window: 16,
+    });
+    h.live([0]);
+    assert_eq!(h.live([4, 5]), vec![Replay(0, 4)]);
+    assert_eq!(h.seq.buffered(), 2);
+    assert_eq!(
+        h.live([2]),
+        vec![
+            Resync(ResyncReason::BufferOverflow),
+            Apply(2),
+            Apply(4),
+            Apply(5)
+        ]
+    );
+    assert_eq!(h.seq.buffered(), 0);
+    assert_eq!(h.seq.outstanding_replay(), None);
+    assert_eq!(h.live([6, 7]), vec![Apply(6), Apply(7)]);
+    assert_eq!(h.seq.counters().resyncs, 1);
 }
 
 /// A buffer overflow inside a replay's answer ends that replay; the hole it leaves behind the
