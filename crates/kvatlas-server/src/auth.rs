@@ -25,7 +25,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -126,6 +126,12 @@ pub struct Caller {
     /// Its share of the server's concurrency (`None` = only the server's limit), shared by
     /// every request that presents the same token.
     pub quota: Option<Arc<RequestQuota>>,
+    /// The SHA-256 of its token (`None` without authentication), so that a stream can find
+    /// the token again after the token file changed ([`TokenFile::recheck`]).
+    pub(crate) token: Option<[u8; 32]>,
+    /// The version of the token file it was authenticated by (0 for the file read at start,
+    /// one more at every reload that changed it).
+    pub(crate) generation: u64,
 }
 
 impl Caller {
@@ -135,6 +141,8 @@ impl Caller {
             name: Arc::from("anonymous"),
             tenants: None,
             quota: None,
+            token: None,
+            generation: 0,
         }
     }
 
@@ -187,6 +195,8 @@ struct Token {
 #[derive(Debug)]
 pub struct Tokens {
     tokens: Vec<Token>,
+    /// Which version of the token file these are ([`Caller::generation`]).
+    generation: u64,
 }
 
 /// The server's token file: the tokens in force, re-read while the server runs
@@ -202,6 +212,10 @@ pub(crate) struct TokenFile {
     /// its swap, so that two reloads cannot put an older file back in force.
     loaded: Mutex<[u8; 32]>,
     current: RwLock<Arc<Tokens>>,
+    /// The generation of the tokens in `current`, readable without its lock: a stream compares
+    /// its caller's generation with it at every message, and looks its token up again only
+    /// when the file changed ([`TokenFile::recheck`]).
+    generation: AtomicU64,
 }
 
 impl TokenFile {
@@ -218,12 +232,15 @@ impl TokenFile {
             default_quota,
             loaded: Mutex::new(sha256(text.as_bytes())),
             current: RwLock::new(Arc::new(tokens)),
+            generation: AtomicU64::new(0),
         })
     }
 
     /// Reads the file again ([`crate::reload::reread`]: blocking, a changed file is read until
-    /// two reads agree); tokens that changed are in force from the next request on (a request
-    /// or stream already admitted keeps going). `Changed(n)`: `n` tokens are now in force.
+    /// two reads agree); tokens that changed are in force from the next request on, and from
+    /// the next message of a stream already open (`QueryStream` and `PublishEvents` call
+    /// [`TokenFile::recheck`]; a unary request already admitted finishes). `Changed(n)`: `n`
+    /// tokens are now in force.
     ///
     /// # Errors
     /// [`TokenFileError`]; the tokens in force do not change.
@@ -237,9 +254,12 @@ impl TokenFile {
                     .with_default_quota(self.default_quota);
                 // Matched with the tokens in force under the read lock (requests go on),
                 // swapped under the write lock: `loaded` keeps every other reload out.
-                let tokens = tokens.keeping_quotas_of(&self.current.read());
+                let mut tokens = tokens.keeping_quotas_of(&self.current.read());
                 let count = tokens.len();
-                *self.current.write() = Arc::new(tokens);
+                let mut current = self.current.write();
+                tokens.set_generation(current.generation + 1);
+                self.generation.store(tokens.generation, Ordering::Release);
+                *current = Arc::new(tokens);
                 Ok(count)
             },
         )
@@ -256,6 +276,31 @@ impl TokenFile {
     /// What [`Tokens::authorize_header`] answers.
     pub(crate) fn authorize_header(&self, header: Option<&str>) -> Result<Caller, ServiceError> {
         self.current.read().authorize_header(header)
+    }
+
+    /// For a stream's next message: `caller` as the tokens in force now have it. Unchanged
+    /// (one atomic load) unless the file changed since `caller` was authenticated; then its
+    /// token's current line replaces it (new tenants and name; the stream keeps the place it
+    /// took in the quota).
+    ///
+    /// # Errors
+    /// UNAUTHENTICATED when the token is no longer in the file.
+    pub(crate) fn recheck(&self, caller: &mut Caller) -> Result<(), ServiceError> {
+        if self.generation.load(Ordering::Acquire) == caller.generation {
+            return Ok(());
+        }
+        let current = self.current.read();
+        match caller.token.and_then(|token| current.caller_of(&token)) {
+            Some(now) => {
+                *caller = now;
+                Ok(())
+            }
+            None => Err(ServiceError::Unauthenticated(
+                "the token of this stream was revoked (the server's token file changed): open \
+                 a new stream with a valid token"
+                    .into(),
+            )),
+        }
     }
 }
 
@@ -324,10 +369,13 @@ impl Tokens {
                     secret.len()
                 )));
             }
+            let sha256 = sha256(secret.as_bytes());
             let mut caller = Caller {
                 name: Arc::from(format!("line {}", number + 1)),
                 tenants: None,
                 quota: None,
+                token: Some(sha256),
+                generation: 0,
             };
             for (position, word) in words.enumerate() {
                 match word.split_once('=') {
@@ -368,7 +416,6 @@ impl Tokens {
                     }
                 }
             }
-            let sha256 = sha256(secret.as_bytes());
             if let Some(first) = lines.insert(sha256, number + 1) {
                 return Err(bad(format!(
                     "the same token as line {first} (one line per token: which tenants and \
@@ -382,7 +429,27 @@ impl Tokens {
                 path: path.to_owned(),
             });
         }
-        Ok(Self { tokens })
+        Ok(Self {
+            tokens,
+            generation: 0,
+        })
+    }
+
+    /// Marks these tokens (and the callers they authenticate) as version `generation` of the
+    /// file.
+    fn set_generation(&mut self, generation: u64) {
+        self.generation = generation;
+        for token in &mut self.tokens {
+            token.caller.generation = generation;
+        }
+    }
+
+    /// The caller of the token whose SHA-256 is `token`, if it is one of these.
+    fn caller_of(&self, token: &[u8; 32]) -> Option<Caller> {
+        self.tokens
+            .iter()
+            .find(|t| t.sha256 == *token)
+            .map(|t| t.caller.clone())
     }
 
     /// Gives every token without `max_requests=` a quota of `limit` requests at once (each

@@ -725,7 +725,7 @@ impl IndexerService {
         &self,
         request: Request<Streaming<v1::PublishEventsRequest>>,
     ) -> Result<Response<v1::PublishEventsResponse>, Status> {
-        let caller = caller_of(&request).map_err(status)?;
+        let mut caller = caller_of(&request).map_err(status)?;
         let _permit = self
             .state
             .admit(Rpc::PublishEvents, &caller)
@@ -747,7 +747,13 @@ impl IndexerService {
                 Ok(None) => break None,
                 Err(status) => break Some(inbound_status(status)),
             };
-            if let Err(error) = self.publish_one(&caller, &mut publisher, &message).await {
+            // A token revoked (or its tenants changed) since the stream opened: from this
+            // message on.
+            let checked = self.state.recheck(&mut caller);
+            if let Err(error) = match checked {
+                Ok(()) => self.publish_one(&caller, &mut publisher, &message).await,
+                Err(error) => Err(error),
+            } {
                 let applied = publisher.counts.messages_applied;
                 break Some(status(match error {
                     ServiceError::InvalidArgument(m) => ServiceError::InvalidArgument(format!(
@@ -960,6 +966,13 @@ impl Stream for QueryAnswers {
         }
         match Pin::new(&mut self.inbound).poll_next(cx) {
             Poll::Ready(Some(Ok(request))) => {
+                // A token revoked since the stream opened ends it; new tenants apply from this
+                // query on.
+                let this = &mut *self;
+                if let Err(error) = this.service.state.recheck(&mut this.caller) {
+                    self.done = true;
+                    return Poll::Ready(Some(Err(status(error))));
+                }
                 let started = Instant::now();
                 let outcome = match self.service.answer(&self.caller, &request) {
                     Ok(response) => {

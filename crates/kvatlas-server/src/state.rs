@@ -249,6 +249,17 @@ impl State {
         }
     }
 
+    /// For a stream's next message: its caller as the tokens in force now have it
+    /// ([`crate::auth::TokenFile::recheck`]); UNAUTHENTICATED once its token was revoked.
+    pub(crate) fn recheck(&self, caller: &mut Caller) -> Result<(), ServiceError> {
+        match &self.tokens {
+            None => Ok(()),
+            Some(tokens) => tokens.recheck(caller).inspect_err(|_| {
+                self.metrics.auth_failure();
+            }),
+        }
+    }
+
     /// A fresh stream id.
     pub(crate) fn next_stream_id(&self) -> u64 {
         self.next_stream.fetch_add(1, Ordering::Relaxed)

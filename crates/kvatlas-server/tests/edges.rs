@@ -1201,6 +1201,125 @@ async fn a_token_holds_at_most_its_share_of_the_requests() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A token revoked, or its tenants narrowed, while a `QueryStream` or a `PublishEvents` stream
+/// is open takes effect at the stream's next message (before, an open stream kept the rights
+/// it was opened with for as long as its connection lived).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_revoked_or_narrowed_reaches_its_open_streams() {
+    let dir = temp_dir("revoked-streams");
+    let tokens = dir.join("tokens");
+    let (admin, team) = ("admin-0123456789abcdef", "team-0123456789abcdef");
+    let write = |team_line: &str| {
+        std::fs::write(&tokens, format!("{admin} name=admin\n{team_line}\n")).expect("write");
+    };
+    write(&format!("{team} name=team tenants=a,b"));
+    let h = start(ServerConfig {
+        auth_tokens: Some(tokens.clone()),
+        // Only the test's reloads.
+        reload_check: None,
+        ..ServerConfig::default()
+    })
+    .await;
+    let hasher = kvatlas_hash::BlockHasher::new(BLOCK).expect("size");
+    let store = |tenant: &str, hash: u64, symbol: u64| v1::PublishEventsRequest {
+        index: selector(MODEL, tenant),
+        instance_id: 1,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: vec![hash],
+                local_hashes: hasher
+                    .local_hashes(&prompt_tokens(&[symbol], BLOCK))
+                    .map(|l| l.get())
+                    .collect(),
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    };
+    let admin_raw = authed(&h.url, Some(admin)).await.raw().clone();
+    let matches = |symbol: u64| {
+        let mut raw = admin_raw.clone();
+        async move {
+            raw.query(token_query(MODEL, "a", prompt_tokens(&[symbol], BLOCK)))
+                .await
+                .map_or(0, |answer| answer.into_inner().matches.len())
+        }
+    };
+
+    // Both streams open with tenants a and b; each is used once.
+    let mut team_client = authed(&h.url, Some(team)).await;
+    let (query_tx, query_rx) = tokio::sync::mpsc::channel::<v1::QueryRequest>(1);
+    let mut answers = team_client
+        .raw()
+        .query_stream(tokio_stream::wrappers::ReceiverStream::new(query_rx))
+        .await
+        .expect("stream opens")
+        .into_inner();
+    let (publish_tx, publish_rx) = tokio::sync::mpsc::channel::<v1::PublishEventsRequest>(1);
+    let mut publisher = team_client.raw().clone();
+    let published = tokio::spawn(async move {
+        publisher
+            .publish_events(tokio_stream::wrappers::ReceiverStream::new(publish_rx))
+            .await
+    });
+    publish_tx.send(store("a", 1, 1)).await.expect("sends");
+    wait_until("the first batch to be applied", || async {
+        matches(1).await == 1
+    })
+    .await;
+    let mut ask = async |tenant: &str| {
+        query_tx
+            .send(token_query(MODEL, tenant, prompt_tokens(&[1], BLOCK)))
+            .await
+            .expect("sends");
+        answers.message().await
+    };
+    let outcome = |answer: Result<Option<v1::QueryStreamResponse>, tonic::Status>| match answer
+        .expect("answered")
+        .and_then(|a| a.outcome)
+    {
+        Some(v1::query_stream_response::Outcome::Response(_)) => Code::Ok,
+        Some(v1::query_stream_response::Outcome::Error(e)) => Code::from(e.code as i32),
+        None => Code::Unknown,
+    };
+    assert_ne!(
+        outcome(ask("b").await),
+        Code::PermissionDenied,
+        "tenant b, before"
+    );
+
+    // Narrowed to tenant a: the open query stream may no longer ask tenant b.
+    write(&format!("{team} name=team tenants=a"));
+    h.server.reload().await;
+    assert_eq!(
+        outcome(ask("b").await),
+        Code::PermissionDenied,
+        "tenant b, after"
+    );
+    assert_eq!(outcome(ask("a").await), Code::Ok, "tenant a still");
+
+    // Revoked: both streams end at their next message, which is not applied.
+    write("");
+    h.server.reload().await;
+    let ended = ask("a").await.expect_err("the query stream ends");
+    assert_eq!(ended.code(), Code::Unauthenticated, "{ended:?}");
+    assert!(ended.message().contains("revoked"), "{ended:?}");
+    publish_tx.send(store("a", 2, 2)).await.expect("sends");
+    let refused = published
+        .await
+        .expect("joins")
+        .expect_err("the publish stream ends");
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    assert_eq!(
+        matches(2).await,
+        0,
+        "the message after the revocation was not applied"
+    );
+    assert_eq!(matches(1).await, 1, "the one before it was");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A client that asks for `/dump` and stops reading loses its request's place, and its
 /// token's, with the stall timeout: with `max_requests=1`, its token is refused (429) while
 /// the dump is being written and served again once the writing is abandoned, though the stalled
