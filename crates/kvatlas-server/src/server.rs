@@ -947,12 +947,14 @@ fn serve_grpc(
         move |request| authenticate(&state, request)
     };
     // A message over the size limit is RESOURCE_EXHAUSTED (`OversizeStatus`), as gRPC's other
-    // implementations answer it.
+    // implementations answer it. The limit is on what the server accepts, not on its answers:
+    // those are its own, bounded by its state's limits (an answer over it — a `Snapshot` chunk
+    // is 1 MiB — failed as OUT_OF_RANGE in the trailers, the answer lost).
     let service = InterceptedService::new(
         OversizeStatus(
             IndexerServer::new(IndexerService::new(Arc::clone(state)))
                 .max_decoding_message_size(limits.max_message_bytes)
-                .max_encoding_message_size(limits.max_message_bytes),
+                .max_encoding_message_size(usize::MAX),
         ),
         auth.clone(),
     );
@@ -961,7 +963,7 @@ fn serve_grpc(
         OversizeStatus(
             IndexerServiceServer::new(PodScoresService::new(Arc::clone(state), tokenizers))
                 .max_decoding_message_size(limits.max_message_bytes)
-                .max_encoding_message_size(limits.max_message_bytes),
+                .max_encoding_message_size(usize::MAX),
         ),
         auth,
     );

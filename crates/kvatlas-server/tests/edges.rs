@@ -1201,6 +1201,69 @@ async fn a_token_holds_at_most_its_share_of_the_requests() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `--max-message-bytes` bounds what the server accepts, not its answers: a snapshot larger than
+/// it comes back whole (its 1 MiB chunks failed with OUT_OF_RANGE in the trailers under any
+/// smaller limit, the answer lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_larger_than_the_message_limit_are_sent() {
+    let limit = 4096;
+    let mut h = start(ServerConfig {
+        limits: Limits {
+            max_message_bytes: limit,
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    // 8 ranks of 150 blocks each, every message under the limit.
+    let messages: Vec<v1::PublishEventsRequest> = (0..8u64)
+        .map(|instance| v1::PublishEventsRequest {
+            index: selector(MODEL, ""),
+            instance_id: instance + 1,
+            block_size: BLOCK,
+            events: vec![v1::KvEvent {
+                event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                    block_hashes: (0..150)
+                        .map(|i| (instance << 40) ^ (i * 0x9E37_79B9))
+                        .collect(),
+                    local_hashes: (0..150).map(|i| (instance << 32) + i).collect(),
+                    ..v1::BlocksStored::default()
+                })),
+            }],
+            ..v1::PublishEventsRequest::default()
+        })
+        .collect();
+    h.client
+        .publish_events(tokio_stream::iter(messages))
+        .await
+        .expect("applied");
+    let mut stream = h
+        .client
+        .snapshot(v1::SnapshotRequest::default())
+        .await
+        .expect("snapshot")
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .expect("a chunk larger than the limit")
+    {
+        bytes.extend_from_slice(&chunk.data);
+    }
+    assert!(bytes.len() > limit, "{} bytes", bytes.len());
+    let (_, images) = kvatlas_server::snapshot::read(&bytes[..]).expect("a valid snapshot");
+    assert_eq!(images.len(), 1);
+    let listed = h
+        .client
+        .list_workers(v1::ListWorkersRequest::default())
+        .await
+        .expect("listed")
+        .into_inner();
+    assert_eq!(listed.workers.len(), 8);
+    h.server.shutdown().await;
+}
+
 /// A token revoked, or its tenants narrowed, while a `QueryStream` or a `PublishEvents` stream
 /// is open takes effect at the stream's next message (before, an open stream kept the rights
 /// it was opened with for as long as its connection lived).
