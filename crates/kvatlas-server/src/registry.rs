@@ -754,6 +754,36 @@ impl IndexEntry {
     /// Starts a ZMQ listener for `registration` unless the same registration exists; it
     /// continues from the rank's checkpoint if the index recorded one (a restored snapshot), and
     /// starts held if `held` (to be released once a peer's snapshot is restored).
+    /// What registering `registration` meets when its rank already has a feed in `feeds`:
+    /// `Ok(true)` for the same registration (nothing to do), ALREADY_EXISTS for another one,
+    /// FAILED_PRECONDITION for a rank fed over PublishEvents; `None` for a rank without a feed.
+    fn registered_as(
+        &self,
+        feeds: &BTreeMap<Worker, Feed>,
+        registration: &WorkerRegistration,
+    ) -> Option<Result<bool, ServiceError>> {
+        let worker = registration.worker();
+        match feeds.get(&worker)? {
+            Feed::Zmq {
+                registration: existing,
+                ..
+            } => Some(if existing == registration {
+                Ok(true)
+            } else {
+                Err(ServiceError::AlreadyExists(format!(
+                    "worker {} rank {} of {} is already registered with endpoint {:?}; \
+                     unregister it first to change its registration",
+                    worker.worker_id, worker.dp_rank, self.key, existing.endpoint
+                )))
+            }),
+            Feed::Grpc(_) => Some(Err(ServiceError::FailedPrecondition(format!(
+                "worker {} rank {} of {} is fed over PublishEvents; unregister it before \
+                 registering a ZMQ listener for it",
+                worker.worker_id, worker.dp_rank, self.key
+            )))),
+        }
+    }
+
     fn register_zmq(
         &self,
         registration: WorkerRegistration,
@@ -765,29 +795,8 @@ impl IndexEntry {
         if self.removed.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(removed_meanwhile(&self.key));
         }
-        match feeds.get(&worker) {
-            Some(Feed::Zmq {
-                registration: existing,
-                ..
-            }) => {
-                return if *existing == registration {
-                    Ok(true)
-                } else {
-                    Err(ServiceError::AlreadyExists(format!(
-                        "worker {} rank {} of {} is already registered with endpoint {:?}; \
-                         unregister it first to change its registration",
-                        worker.worker_id, worker.dp_rank, self.key, existing.endpoint
-                    )))
-                };
-            }
-            Some(Feed::Grpc(_)) => {
-                return Err(ServiceError::FailedPrecondition(format!(
-                    "worker {} rank {} of {} is fed over PublishEvents; unregister it before \
-                     registering a ZMQ listener for it",
-                    worker.worker_id, worker.dp_rank, self.key
-                )));
-            }
-            None => {}
+        if let Some(answer) = self.registered_as(&feeds, &registration) {
+            return answer;
         }
         let source = Source {
             worker_id: registration.instance_id,
@@ -1365,14 +1374,21 @@ impl Registry {
         let (entry, created_index, result) = loop {
             let (entry, created_index) =
                 self.index_for(&registration.index, Some(registration.block_size))?;
-            let result = self.reserve_rank().and_then(|()| {
-                let outcome = entry.register_zmq(registration.clone(), &self.settings, held);
-                if !matches!(outcome, Ok(false)) {
-                    // Already registered (nothing new) or failed: the rank was not added.
-                    self.release_ranks(1);
+            let result = match self.reserve_rank() {
+                Ok(()) => {
+                    let outcome = entry.register_zmq(registration.clone(), &self.settings, held);
+                    if !matches!(outcome, Ok(false)) {
+                        // Already registered (nothing new) or failed: the rank was not added.
+                        self.release_ranks(1);
+                    }
+                    outcome
                 }
-                outcome
-            });
+                // At the limit, a rank that has a feed gets the answer it gets below it (the
+                // same registration again is not a new rank): only a new rank is refused.
+                Err(limit) => entry
+                    .registered_as(&entry.feeds.lock(), &registration)
+                    .unwrap_or(Err(limit)),
+            };
             attempts += 1;
             if attempts < 64 && entry.removed.load(Ordering::SeqCst) && result.is_err() {
                 // The remover marks the entry, then takes the registry's lock to drop it: give

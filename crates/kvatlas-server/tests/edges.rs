@@ -822,6 +822,72 @@ async fn refused_publishes_leave_no_index_behind() {
     h.server.shutdown().await;
 }
 
+/// At the registered-rank limit only a new rank is refused: a rank that has a feed gets the
+/// answer it gets below the limit (before, every RegisterWorker was RESOURCE_EXHAUSTED there,
+/// the same registration sent again too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_rank_limit_a_registered_rank_is_answered_as_below_it() {
+    let mut h = start(ServerConfig {
+        limits: Limits {
+            max_registered_ranks: 2,
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await;
+    let register = |instance_id: u64, port: u16| v1::RegisterWorkerRequest {
+        index: selector(MODEL, ""),
+        instance_id,
+        block_size: BLOCK,
+        endpoint: format!("tcp://127.0.0.1:{port}"),
+        ..v1::RegisterWorkerRequest::default()
+    };
+    let first = h
+        .client
+        .register_worker(register(1, 5557))
+        .await
+        .expect("registered")
+        .into_inner();
+    assert!(!first.already_registered);
+    // The second and last place: a rank fed over PublishEvents.
+    h.client
+        .publish_events(tokio_stream::iter([v1::PublishEventsRequest {
+            index: selector(MODEL, ""),
+            instance_id: 3,
+            block_size: BLOCK,
+            events: vec![v1::KvEvent {
+                event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                    block_hashes: vec![1],
+                    local_hashes: vec![11],
+                    ..v1::BlocksStored::default()
+                })),
+            }],
+            ..v1::PublishEventsRequest::default()
+        }]))
+        .await
+        .expect("fed");
+    let again = h
+        .client
+        .register_worker(register(1, 5557))
+        .await
+        .expect("the same registration again")
+        .into_inner();
+    assert!(again.already_registered);
+    for (request, code) in [
+        (register(1, 5558), Code::AlreadyExists),
+        (register(3, 5557), Code::FailedPrecondition),
+        (register(2, 5557), Code::ResourceExhausted),
+    ] {
+        let status = h
+            .client
+            .register_worker(request)
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), code, "{status:?}");
+    }
+    h.server.shutdown().await;
+}
+
 /// A registration over the API may bind a listener only with a token limited to no tenant and
 /// only on `tcp://`: binding an `ipc://` path makes ZeroMQ remove the file there first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
