@@ -619,7 +619,7 @@ pub(crate) struct QueryRequestOf<T> {
     /// The RFC's: the block size the caller hashed with.
     block_size: Option<u32>,
     /// The RFC's deprecated LoRA id (refused).
-    lora_id: Option<Value>,
+    lora_id: Option<Present>,
 }
 
 impl<T> QueryRequestOf<T> {
@@ -674,24 +674,37 @@ pub(crate) struct QueryByHashRequestOf<H> {
     /// The RFC's: the block size the caller hashed with.
     block_size: Option<u32>,
     /// The RFC's deprecated LoRA id (refused).
-    lora_id: Option<Value>,
+    lora_id: Option<Present>,
 }
 
 /// The Mooncake RFC's query fields that 1.6.1 does not have.
 #[derive(Debug, Default)]
-struct RfcQueryFields<'a> {
+struct RfcQueryFields {
     /// Only this instance's ranks (omitted: every instance of the index).
     instance_id: Option<u64>,
     /// The block size the caller hashed with: checked against the index's.
     block_size: Option<u32>,
-    /// The RFC's deprecated LoRA id: refused (an id cannot be mapped to the name engines hash).
-    lora_id: Option<&'a Value>,
+    /// The RFC's deprecated LoRA id, given: refused (an id cannot be mapped to the name engines
+    /// hash).
+    lora_id: bool,
 }
 
-impl RfcQueryFields<'_> {
+/// A field whose presence is all that matters: its value is read past, never held (a refused
+/// `lora_id` of a 8 MiB body made millions of `serde_json::Value`s first, outside the bounds the
+/// query routes keep their lists in). `null` reads as absent, as for any `Option`.
+#[derive(Debug)]
+pub(crate) struct Present;
+
+impl<'de> Deserialize<'de> for Present {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        de::IgnoredAny::deserialize(deserializer).map(|_| Self)
+    }
+}
+
+impl RfcQueryFields {
     /// The 400 answer for a field kvatlas cannot honour, if any.
     fn refusal(&self) -> Option<Response> {
-        self.lora_id.map(|_| {
+        self.lora_id.then(|| {
             error(
                 StatusCode::BAD_REQUEST,
                 "lora_id is not accepted (the Mooncake RFC deprecates it): give the adapter's \
@@ -809,7 +822,7 @@ fn answer(
     input: QueryInput<'_>,
     lora_name: &str,
     cache_salt: &str,
-    rfc: &RfcQueryFields<'_>,
+    rfc: &RfcQueryFields,
 ) -> Response {
     if let Some(refusal) = rfc.refusal() {
         return refusal;
@@ -880,7 +893,7 @@ pub(crate) async fn query(
         &RfcQueryFields {
             instance_id: request.instance_id,
             block_size: request.block_size,
-            lora_id: request.lora_id.as_ref(),
+            lora_id: request.lora_id.is_some(),
         },
     )
 }
@@ -915,7 +928,7 @@ pub(crate) async fn query_by_hash(
         &RfcQueryFields {
             instance_id: request.instance_id,
             block_size: request.block_size,
-            lora_id: request.lora_id.as_ref(),
+            lora_id: request.lora_id.is_some(),
         },
     )
 }
@@ -1428,6 +1441,27 @@ pub(crate) async fn peers(AxumState(state): AxumState<Arc<State>>, headers: Head
 mod tests {
     use super::*;
     use kvatlas_index::{KvIndex, ReferenceIndex, SnapshotBlock, TierSet, WorkerSnapshot};
+
+    /// `lora_id` counts by its presence, whatever its value (read past, not held); `null` is
+    /// absent, as `Option<Value>` read it.
+    #[test]
+    fn lora_id_is_a_presence() {
+        let parse = |lora_id: &str| {
+            let body = format!(r#"{{"model_name":"m","token_ids":[1],"lora_id":{lora_id}}}"#);
+            let query: QueryRequest = serde_json::from_str(&body).expect("parses");
+            let by_hash: QueryByHashRequest =
+                serde_json::from_str(&body.replace("token_ids", "block_hashes")).expect("parses");
+            assert_eq!(query.lora_id.is_some(), by_hash.lora_id.is_some());
+            query.lora_id.is_some()
+        };
+        assert!(parse("7"));
+        assert!(parse(r#"{"a":[1,[2,{"b":"c"}]]}"#));
+        let long = format!("[{}0]", "0,".repeat(100_000));
+        assert!(parse(&long));
+        assert!(!parse("null"));
+        let bad = r#"{"model_name":"m","token_ids":[1],"lora_id":[1,}"#;
+        assert!(serde_json::from_str::<QueryRequest>(bad).is_err());
+    }
 
     /// The query routes' lists (`KeepFirst`) are rejected with the status and text axum's
     /// `Json` gives for a `Vec` (its path tracking included), and accepted with the same ids:
