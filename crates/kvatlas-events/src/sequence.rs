@@ -90,6 +90,10 @@ pub struct SequencerConfig {
     /// Batches buffered ahead of a hole (live ones, and replayed ones ahead of it) while the
     /// hole waits for a replay; one more forces a [`ResyncReason::BufferOverflow`].
     pub max_buffered: usize,
+    /// Bytes of payload buffered at most (the batches of `max_buffered`, however large each
+    /// may be, are bounded by it too); a batch that would take more forces a
+    /// [`ResyncReason::BufferOverflow`] as one batch too many does.
+    pub max_buffered_bytes: usize,
     /// Applied batches remembered (sequence and content fingerprint) to tell a duplicate from
     /// a restart.
     pub recent_window: usize,
@@ -99,6 +103,7 @@ impl Default for SequencerConfig {
     fn default() -> Self {
         Self {
             max_buffered: 1024,
+            max_buffered_bytes: 64 << 20,
             recent_window: 1024,
         }
     }
@@ -226,6 +231,8 @@ pub struct Sequencer<P> {
     last_live: Option<u64>,
     /// Out-of-order batches waiting for the hole before them to fill.
     pending: BTreeMap<u64, Buffered<P>>,
+    /// The payload bytes in `pending` (invariant: their sum, kept by `buffer` and `unbuffer`).
+    pending_bytes: usize,
     replay: Option<Outstanding>,
     next_replay_id: u64,
     /// `(seq, fingerprint)` of the last applied batches.
@@ -256,6 +263,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             next: 0,
             last_live: None,
             pending: BTreeMap::new(),
+            pending_bytes: 0,
             replay: None,
             next_replay_id: 0,
             recent: VecDeque::new(),
@@ -437,6 +445,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         self.counters.restarts += 1;
         self.resync(ResyncReason::Restart);
         self.pending.clear();
+        self.pending_bytes = 0;
         self.replay = None;
         self.recent.clear();
         self.next = 0;
@@ -484,6 +493,11 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     /// Live batches currently buffered.
     pub fn buffered(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Payload bytes currently buffered (at most [`SequencerConfig::max_buffered_bytes`]).
+    pub fn buffered_bytes(&self) -> usize {
+        self.pending_bytes
     }
 
     /// A batch received on the live (PUB/SUB) stream.
@@ -669,25 +683,29 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             self.drain_contiguous();
             return;
         }
-        if self.pending.len() >= self.config.max_buffered {
-            // Give up the holes below this batch and apply it in its place. If it lies below
-            // every buffered batch (a late one filling a hole out of order), that frees no room
+        let bytes = payload.as_ref().len();
+        if self.pending.len() >= self.config.max_buffered
+            || self.pending_bytes.saturating_add(bytes) > self.config.max_buffered_bytes
+        {
+            // Give up the holes below this batch and apply it in its place. If the batches
+            // left above it would still fill the buffer (it lies below every buffered batch: a
+            // late one filling a hole out of order; or they hold the bytes), that frees no room
             // and the next batch would overflow again, with a second resync undoing what was
             // applied after the first: then the whole buffer is flushed, holes given up.
             self.counters.overflow_resyncs += 1;
             self.replay = None;
-            self.pending.insert(
-                seq,
-                Buffered {
-                    payload,
-                    fingerprint,
-                },
-            );
-            let above = self
+            let (mut above, mut above_bytes) = (0, 0usize);
+            for (_, b) in self
                 .pending
                 .range((std::ops::Bound::Excluded(seq), std::ops::Bound::Unbounded))
-                .count();
-            let upto = if above >= self.config.max_buffered {
+            {
+                above += 1;
+                above_bytes = above_bytes.saturating_add(b.payload.as_ref().len());
+            }
+            self.buffer(seq, payload, fingerprint);
+            let upto = if above >= self.config.max_buffered
+                || above_bytes.saturating_add(bytes) > self.config.max_buffered_bytes
+            {
                 self.pending.keys().next_back().copied().unwrap_or(seq)
             } else {
                 seq
@@ -697,6 +715,14 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             self.skip_to(upto, ResyncReason::BufferOverflow);
             return;
         }
+        self.buffer(seq, payload, fingerprint);
+        let buffered = self.pending.len() as u64;
+        self.counters.max_buffered = self.counters.max_buffered.max(buffered);
+    }
+
+    /// Buffers batch `seq` (not buffered yet).
+    fn buffer(&mut self, seq: u64, payload: P, fingerprint: u64) {
+        self.pending_bytes = self.pending_bytes.saturating_add(payload.as_ref().len());
         self.pending.insert(
             seq,
             Buffered {
@@ -704,8 +730,17 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
                 fingerprint,
             },
         );
-        let buffered = self.pending.len() as u64;
-        self.counters.max_buffered = self.counters.max_buffered.max(buffered);
+    }
+
+    /// Takes the first buffered batch if `take` accepts its sequence number.
+    fn unbuffer_first(&mut self, take: impl FnOnce(u64) -> bool) -> Option<(u64, Buffered<P>)> {
+        let entry = self.pending.first_entry()?;
+        if !take(*entry.key()) {
+            return None;
+        }
+        let (seq, b) = entry.remove_entry();
+        self.pending_bytes = self.pending_bytes.saturating_sub(b.payload.as_ref().len());
+        Some((seq, b))
     }
 
     /// Gives up on everything before `seq`: emits a resync, applies the buffered batches below
@@ -718,11 +753,7 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
             self.counters.replay_resyncs += 1;
         }
         self.resync(reason);
-        while let Some(entry) = self.pending.first_entry() {
-            if *entry.key() >= seq {
-                break;
-            }
-            let (s, b) = entry.remove_entry();
+        while let Some((s, b)) = self.unbuffer_first(|s| s < seq) {
             self.apply(s, b.payload, b.fingerprint, false);
         }
         self.next = self.next.max(seq);
@@ -735,12 +766,10 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
     }
 
     fn drain_contiguous(&mut self) {
-        while let Some(entry) = self.pending.first_entry() {
-            if *entry.key() != self.next {
-                break;
-            }
-            let (seq, b) = entry.remove_entry();
+        let mut next = self.next;
+        while let Some((seq, b)) = self.unbuffer_first(|s| s == next) {
             self.apply(seq, b.payload, b.fingerprint, false);
+            next = self.next;
         }
     }
 

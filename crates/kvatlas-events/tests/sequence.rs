@@ -365,6 +365,7 @@ fn buffer_overflow_resyncs_and_flushes() {
     let mut h = Harness::with(SequencerConfig {
         max_buffered: 4,
         recent_window: 16,
+        ..SequencerConfig::default()
     });
     h.live([0]);
     assert_eq!(h.live(2..6), vec![Replay(0, 2)]);
@@ -386,6 +387,32 @@ fn buffer_overflow_resyncs_and_flushes() {
     assert_eq!(h.seq.counters().overflow_resyncs, 1);
 }
 
+/// The buffer is bounded in bytes too: a batch that would take more than the budget overflows
+/// it as one batch too many does.
+#[test]
+fn a_buffer_over_its_byte_budget_resyncs_and_flushes() {
+    let size = payload(0, 2).len();
+    let mut h = Harness::with(SequencerConfig {
+        max_buffered: 100,
+        max_buffered_bytes: 2 * size + size / 2,
+        ..SequencerConfig::default()
+    });
+    h.live([0]);
+    assert_eq!(h.live([2, 3]), vec![Replay(0, 2)]);
+    assert_eq!(h.seq.buffered_bytes(), 2 * size);
+    assert_eq!(
+        h.live([4]),
+        vec![
+            Resync(ResyncReason::BufferOverflow),
+            Apply(2),
+            Apply(3),
+            Apply(4)
+        ]
+    );
+    assert_eq!((h.seq.buffered(), h.seq.buffered_bytes()), (0, 0));
+    assert_eq!(h.seq.counters().overflow_resyncs, 1);
+}
+
 /// A full buffer overflowed by a batch below the buffered ones (a late batch filling a hole out
 /// of order) is flushed whole, that batch in its place: one resync, not one per later batch.
 #[test]
@@ -393,6 +420,7 @@ fn an_overflow_by_a_batch_below_the_buffered_ones_flushes_them_all() {
     let mut h = Harness::with(SequencerConfig {
         max_buffered: 2,
         recent_window: 16,
+        ..SequencerConfig::default()
     });
     h.live([0]);
     assert_eq!(h.live([4, 5]), vec![Replay(0, 4)]);
@@ -419,6 +447,7 @@ fn an_overflow_inside_a_replay_answer_asks_for_the_next_hole_at_once() {
     let mut h = Harness::with(SequencerConfig {
         max_buffered: 3,
         recent_window: 16,
+        ..SequencerConfig::default()
     });
     h.live([0]);
     assert_eq!(h.live([3]), vec![Replay(0, 3)]);
@@ -444,6 +473,7 @@ fn memory_stays_bounded_under_a_stream_of_gaps() {
     let mut h = Harness::with(SequencerConfig {
         max_buffered: 8,
         recent_window: 8,
+        ..SequencerConfig::default()
     });
     h.live([0]);
     // Every other batch lost and the replay endpoint never answers.
@@ -483,7 +513,8 @@ proptest::proptest! {
     /// outstanding, and every applied payload is one that was fed for that sequence number.
     #[test]
     fn random_inputs_keep_the_invariants(ops in proptest::collection::vec(op(), 0..200)) {
-        let config = SequencerConfig { max_buffered: 6, recent_window: 8 };
+        // A byte budget of about four of the test's payloads: both bounds get hit.
+        let config = SequencerConfig { max_buffered: 6, max_buffered_bytes: 100, recent_window: 8 };
         let mut seq: Sequencer<Vec<u8>> = Sequencer::new(config);
         let mut last_applied: Option<u64> = None;
         let mut seen: Vec<ReplayId> = Vec::new();
@@ -523,6 +554,7 @@ proptest::proptest! {
                 seen.push(id);
             }
             proptest::prop_assert!(seq.buffered() <= config.max_buffered);
+            proptest::prop_assert!(seq.buffered_bytes() <= config.max_buffered_bytes);
             while let Some(action) = seq.poll_action() {
                 match action {
                     Action::Apply {

@@ -181,7 +181,8 @@ struct Received {
 ///
 /// Memory: a received message may share ZMQ's receive buffer (8 KiB, with the other messages of
 /// one read) until it is dropped, so a buffered payload can hold up to that much more than its
-/// own bytes; the bound on what a listener buffers stays `max_buffered` × `max_frame_bytes`.
+/// own bytes; what a listener buffers is bounded by `max_buffered_bytes` plus that slack per
+/// batch (before the byte budget, only by `max_buffered` × `max_frame_bytes`: 64 GiB by default).
 struct Payload(zmq::Message);
 
 impl AsRef<[u8]> for Payload {
@@ -253,9 +254,12 @@ pub(super) struct ListenerCore {
     monitor: Option<zmq::Socket>,
     /// The connection error this thread last reported in `last_error` (cleared on connect).
     connection_error: Option<String>,
-    /// While held: the live batches received, oldest first (at most the sequencer's buffer;
-    /// the oldest are dropped beyond it, and replayed after the release).
+    /// While held: the live batches received, oldest first (at most the sequencer's buffer,
+    /// in batches and in bytes; the oldest are dropped beyond it, and replayed after the
+    /// release).
     held: Option<VecDeque<(u64, Payload)>>,
+    /// The payload bytes in `held`.
+    held_bytes: usize,
     replay: Option<ReplayState>,
     /// Probes of a quiet stream; `None` without a replay endpoint or with probing off.
     probe: Option<ProbeSchedule>,
@@ -302,6 +306,7 @@ impl ListenerCore {
             monitor,
             connection_error: None,
             held: config.hold.then(VecDeque::new),
+            held_bytes: 0,
             replay: None,
             probe: config
                 .options
@@ -507,6 +512,7 @@ impl ListenerCore {
                 .store(resume.position, Ordering::Release);
         }
         let held = self.held.take().unwrap_or_default();
+        self.held_bytes = 0;
         self.taken = None;
         self.shared.set_status(if held.is_empty() {
             ListenerStatus::Pending
@@ -621,10 +627,18 @@ impl ListenerCore {
                     let mut frames = received.frames;
                     let payload = Payload(frames.pop().unwrap_or_else(zmq::Message::new));
                     if let Some(held) = &mut self.held {
-                        if held.len() >= self.config.options.sequencer.max_buffered.max(1) {
-                            held.pop_front();
+                        let bound = &self.config.options.sequencer;
+                        let bytes = payload.as_ref().len();
+                        while !held.is_empty()
+                            && (held.len() >= bound.max_buffered.max(1)
+                                || self.held_bytes.saturating_add(bytes) > bound.max_buffered_bytes)
+                        {
+                            if let Some((_, dropped)) = held.pop_front() {
+                                self.held_bytes -= dropped.as_ref().len();
+                            }
                             bump(&self.shared.counters.held_dropped);
                         }
+                        self.held_bytes += bytes;
                         held.push_back((seq, payload));
                         continue;
                     }
