@@ -525,7 +525,9 @@ impl<P: AsRef<[u8]>> Sequencer<P> {
         }
         let first = self.last_live.is_none();
         self.last_live = Some(seq);
-        if first && seq > self.next {
+        // A late join is counted with the replay it asks for: one already outstanding (the
+        // replay from 0 that found a restart, counted then) asks for nothing more.
+        if first && seq > self.next && self.replay.is_none() {
             self.counters.late_joins += 1;
         }
         self.accept(seq, payload, fingerprint, false);

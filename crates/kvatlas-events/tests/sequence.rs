@@ -601,6 +601,25 @@ fn a_resumed_sequencer_continues_after_its_position() {
     assert_eq!(h.seq.counters().resyncs, 0);
 }
 
+/// A restart found by a replay's anchor asks for the new incarnation from 0, counted as one
+/// late join; the new incarnation's first live batch, arriving while that replay is out, asks
+/// for nothing more and is not counted again.
+#[test]
+fn a_restart_found_by_the_anchor_is_one_late_join() {
+    let mut h = resumed(10);
+    assert_eq!(h.live([12]), vec![Replay(10, 12)]);
+    h.incarnation = 1;
+    let found = h.replay([10], false);
+    assert_eq!(
+        found.first(),
+        Some(&Resync(ResyncReason::Restart)),
+        "{found:?}"
+    );
+    assert!(h.seq.outstanding_replay().is_some());
+    assert_eq!(h.live([5]), vec![]);
+    assert_eq!(h.seq.counters().late_joins, 1);
+}
+
 #[test]
 fn a_resumed_sequencer_skips_ahead_by_replay() {
     let mut h = resumed(4);
