@@ -79,20 +79,19 @@ impl DataDir {
         &self.path
     }
 
-    /// The snapshot files, newest first.
+    /// The snapshot files, newest (highest number) first: `snapshot-<digits>.kvs` only. Another
+    /// name (`snapshot-backup.kvs`) is not a snapshot of this directory's: it is left alone, and
+    /// a shorter number (`snapshot-1.kvs`, placed by hand) is ordered by its value (compared as
+    /// text, either sorted above every snapshot written since, restored at every start).
     pub fn snapshots(&self) -> std::io::Result<Vec<PathBuf>> {
-        let mut files: Vec<PathBuf> = fs::read_dir(&self.path)?
+        let mut files: Vec<(i64, PathBuf)> = fs::read_dir(&self.path)?
             .filter_map(Result::ok)
             .map(|e| e.path())
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with(PREFIX) && n.ends_with(SUFFIX))
-            })
+            .filter_map(|p| number_of(&p).map(|n| (n, p)))
             .collect();
-        files.sort();
-        files.reverse();
-        Ok(files)
+        // Newest first; equal numbers (`snapshot-01.kvs` beside `snapshot-1.kvs`) by name.
+        files.sort_by(|a, b| b.cmp(a));
+        Ok(files.into_iter().map(|(_, p)| p).collect())
     }
 
     /// Writes `images` as a new snapshot (see the module docs), then prunes old ones. The images
@@ -210,13 +209,18 @@ impl DataDir {
 }
 
 /// The number in a snapshot file's name (`snapshot-<number>.kvs`).
+/// The number of a snapshot file's name, `snapshot-<ASCII digits>.kvs` (`None` for any other
+/// name, a sign or a number beyond `i64` included).
 fn number_of(path: &Path) -> Option<i64> {
-    path.file_name()?
+    let digits = path
+        .file_name()?
         .to_str()?
         .strip_prefix(PREFIX)?
-        .strip_suffix(SUFFIX)?
-        .parse()
-        .ok()
+        .strip_suffix(SUFFIX)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 /// Renames `path` to `path.rejected` (kept for the operator, never retried).
@@ -262,6 +266,28 @@ mod tests {
                 }],
             },
         }
+    }
+
+    /// Snapshots are ordered by their number, and only `snapshot-<digits>.kvs` is one: a file
+    /// placed by hand as `snapshot-1.kvs` is the oldest (as text it sorted above every snapshot
+    /// written since, and was restored at every start), `snapshot-backup.kvs` is not listed.
+    #[test]
+    fn snapshots_are_ordered_by_number_and_other_names_left_alone() {
+        let dir = DataDir::open(temp("names")).expect("dir");
+        dir.write([image(3)], 1_000).expect("write");
+        let old = dir.snapshots().expect("list")[0].clone();
+        fs::copy(&old, dir.path().join("snapshot-1.kvs")).expect("copy");
+        fs::copy(&old, dir.path().join("snapshot-backup.kvs")).expect("copy");
+        fs::copy(&old, dir.path().join("snapshot-+7.kvs")).expect("copy");
+        let newest = dir.write([image(5)], 2_000).expect("write");
+        let files = dir.snapshots().expect("list");
+        assert_eq!(files.len(), 3, "{files:?}");
+        assert_eq!(files[0], newest.path);
+        assert_eq!(files[2], dir.path().join("snapshot-1.kvs"));
+        let (_, created, images) = dir.load().expect("load").snapshot.expect("one");
+        assert_eq!((created, images[0].snapshot.blocks()), (2_000, 5));
+        assert!(dir.path().join("snapshot-backup.kvs").exists());
+        let _ = fs::remove_dir_all(dir.path());
     }
 
     #[test]
@@ -327,13 +353,13 @@ mod tests {
     fn a_snapshot_the_machine_cannot_read_fails_the_load_and_is_kept() {
         let dir = DataDir::open(temp("io")).expect("dir");
         dir.write([image(1)], 10).expect("write");
-        let unreadable = dir.path().join("snapshot-99999999999999999999.kvs");
+        let unreadable = dir.path().join("snapshot-09223372036854775807.kvs");
         fs::create_dir(&unreadable).expect("a directory in its place");
         let error = dir.load().expect_err("an I/O error fails the load");
         assert!(
             error
                 .to_string()
-                .contains("snapshot-99999999999999999999.kvs"),
+                .contains("snapshot-09223372036854775807.kvs"),
             "{error}"
         );
         assert!(unreadable.is_dir(), "kept where it was");
