@@ -661,7 +661,24 @@ async fn restore_local(
                 return Ok::<_, std::io::Error>((None, refused));
             };
             let memberships: u64 = images.iter().map(crate::snapshot::IndexImage::memberships).sum();
-            match registry.restore_images(&images, Some(&configured)) {
+            // A file that does not fit this server's settings is refused (set aside, below); one
+            // that fits but fails to restore failed for a reason of the machine's (a writer or
+            // listener thread that cannot start): the start fails and the file stays, as for a
+            // file the machine cannot read (each kept snapshot was set aside in turn, and the
+            // server started empty).
+            let fits = registry.check_images(&images, &configured);
+            let restored = match fits {
+                Ok(()) => Ok(registry
+                    .restore_images(&images, Some(&configured))
+                    .map_err(|error| {
+                        std::io::Error::other(format!(
+                            "the snapshot {} could not be restored ({error}); it is kept",
+                            path.display()
+                        ))
+                    })?),
+                Err(refusal) => Err(refusal),
+            };
+            match restored {
                 Ok(failed) => {
                     for (registration, error) in failed {
                         tracing::warn!(
