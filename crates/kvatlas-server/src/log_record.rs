@@ -45,7 +45,8 @@ pub(crate) enum Body {
     Batch {
         /// Its sequence number (`None`: clears alone, or an unsequenced message).
         seq: Option<u64>,
-        /// The engine payload's fingerprint (0 for `PublishEvents`).
+        /// The engine payload's fingerprint; a sequenced `PublishEvents` message's is a hash of
+        /// its mutations ([`crate::publish::fingerprint`]), an unsequenced one's 0.
         fingerprint: u64,
         /// It begins with a resync's clears (see [`Unit::resync`]).
         resync: bool,

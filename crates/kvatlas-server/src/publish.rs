@@ -622,6 +622,14 @@ mod tests {
             Admission::Apply { resync: false }
         );
         assert!(entry.unfed.lock().is_empty(), "the rank is fed again");
+        // Batch 8 is accepted, not applied (nothing was queued here): ListWorkers' last_seq is
+        // what a query sees, the checkpoint 7.
+        let views = entry.rank_views(&entry.blocks_per_rank());
+        let fed = views
+            .iter()
+            .find(|v| v.worker == Worker::new(2, 0))
+            .expect("listed");
+        assert_eq!(fed.last_seq, Some(7));
     }
 
     /// Unregistering a rank nobody feeds (not fed since the restore) removes its blocks and

@@ -701,7 +701,15 @@ impl IndexEntry {
                     ListenerStatus::Pending
                 },
                 last_error: grpc.last_error.clone(),
-                last_seq: grpc.last_seq,
+                // As for a listener: the index's checkpoint, so that a query asked after
+                // reading it sees the batch (the feed's own number moves when the batch is
+                // accepted, before it waits for room in the lane). A publish-only ingest
+                // applies nothing: the batch accepted (and logged) then.
+                last_seq: if self.publish_only() {
+                    grpc.last_seq
+                } else {
+                    self.index().mark(worker).map(|m| m.position)
+                },
                 micros_since_last_batch: grpc
                     .last_batch
                     .map(|t| u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)),

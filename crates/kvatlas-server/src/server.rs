@@ -886,7 +886,14 @@ pub(crate) fn final_report(registry: &Registry) -> ShutdownReport {
             .collect();
         for (worker, feed) in entry.feeds.lock().iter() {
             if let Feed::Grpc(grpc) = feed {
-                last_seq.push((*worker, grpc.last_seq));
+                // What the state reported holds: the index's checkpoint (a batch cut by the
+                // shutdown's deadline while it waited for room was accepted, not applied).
+                let applied = if entry.publish_only() {
+                    grpc.last_seq
+                } else {
+                    index.mark(*worker).map(|m| m.position)
+                };
+                last_seq.push((*worker, applied));
             }
         }
         // Ranks not fed since a restore: where their feed would continue from.
