@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use crate::snapshot::SourceMark;
 
 /// Fingerprints kept per source (the listeners' duplicate window).
-const RECENT_KEPT: usize = 1024;
+pub(crate) const RECENT_KEPT: usize = 1024;
 
 /// A checkpoint taken out of the index by [`ServedIndex::take_mark`].
 #[derive(Debug)]
@@ -120,7 +120,12 @@ impl ServedIndex {
                     *worker,
                     Mark {
                         position: mark.position,
-                        recent: mark.recent.iter().copied().collect(),
+                        // The newest of them, as `Mark::record` keeps (a snapshot's reader keeps
+                        // no more; a hand-made image could hold more).
+                        recent: mark.recent[mark.recent.len().saturating_sub(RECENT_KEPT)..]
+                            .iter()
+                            .copied()
+                            .collect(),
                     },
                 )
             })

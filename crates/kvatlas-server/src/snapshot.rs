@@ -779,12 +779,20 @@ pub fn read_within(
                 let worker = Worker::new(reader.varint("a mark")?, reader.small("a mark")?);
                 let position = reader.varint("a mark")?;
                 let n = reader.varint("a mark")?;
-                let mut recent = Vec::with_capacity((n as usize).min(PREALLOC));
+                // The newest `RECENT_KEPT` are what a server keeps: a writer writes no more, and
+                // a stream naming more is read past them in constant memory.
+                let kept = crate::served_index::RECENT_KEPT;
+                let mut recent =
+                    std::collections::VecDeque::with_capacity((n as usize).min(PREALLOC).min(kept));
                 let mut seq = 0u64;
                 for _ in 0..n {
                     seq = seq.wrapping_add(reader.varint("a mark's fingerprints")?);
-                    recent.push((seq, reader.fixed_u64("a mark's fingerprints")?));
+                    if recent.len() == kept {
+                        recent.pop_front();
+                    }
+                    recent.push_back((seq, reader.fixed_u64("a mark's fingerprints")?));
                 }
+                let recent = Vec::from(recent);
                 let image = images
                     .last_mut()
                     .ok_or_else(|| SnapshotError::Corrupt("a mark before any index".into()))?;
@@ -1171,6 +1179,25 @@ mod tests {
 
     /// A version 2 file (one parent per table entry, one varint per membership), written by
     /// this module before version 3: still read, equal to the image it was written from.
+    /// A mark naming more recent batches than a server keeps is read to its newest
+    /// `RECENT_KEPT` (a stream could name millions at a few bytes each, all held before).
+    #[test]
+    fn a_marks_recent_batches_are_read_to_the_newest_kept() {
+        let kept = crate::served_index::RECENT_KEPT;
+        let mut image = image(Vec::new());
+        let worker = Worker::new(1, 0);
+        let recent: Vec<(u64, u64)> = (0..3 * kept as u64).map(|s| (s, s ^ 7)).collect();
+        image.marks = BTreeMap::from([(
+            worker,
+            SourceMark {
+                position: 3 * kept as u64 - 1,
+                recent: recent.clone(),
+            },
+        )]);
+        let (_, images) = read(&encode(std::slice::from_ref(&image))[..]).expect("reads");
+        assert_eq!(images[0].marks[&worker].recent, recent[2 * kept..]);
+    }
+
     #[test]
     fn version_2_files_are_read() {
         let bytes = include_bytes!("../tests/data/snapshot-v2.kvs");
