@@ -356,6 +356,30 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
     assert_eq!(report.indexes[0].digest, report_digest);
 }
 
+/// A `PublishEvents` message of `instance_id` storing the blocks `hashes` (with their local
+/// hashes) in `model`'s index of `tenant`.
+fn stored_blocks(
+    model: &str,
+    tenant: &str,
+    instance_id: u64,
+    hashes: Vec<u64>,
+    locals: Vec<u64>,
+) -> v1::PublishEventsRequest {
+    v1::PublishEventsRequest {
+        index: selector(model, tenant),
+        instance_id,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: hashes,
+                local_hashes: locals,
+                ..v1::BlocksStored::default()
+            })),
+        }],
+        ..v1::PublishEventsRequest::default()
+    }
+}
+
 fn token_file(dir: &std::path::Path) -> PathBuf {
     let path = dir.join("tokens");
     std::fs::write(
@@ -478,18 +502,9 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
     .await;
     let hasher = kvatlas_hash::BlockHasher::new(BLOCK).expect("size");
     let tokens = prompt_tokens(&[1], BLOCK);
-    let store = |tenant: &str| v1::PublishEventsRequest {
-        index: selector(MODEL, tenant),
-        instance_id: 1,
-        block_size: BLOCK,
-        events: vec![v1::KvEvent {
-            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
-                block_hashes: vec![1],
-                local_hashes: hasher.local_hashes(&tokens).map(|l| l.get()).collect(),
-                ..v1::BlocksStored::default()
-            })),
-        }],
-        ..v1::PublishEventsRequest::default()
+    let store = |tenant: &str| {
+        let locals = hasher.local_hashes(&tokens).map(|l| l.get()).collect();
+        stored_blocks(MODEL, tenant, 1, vec![1], locals)
     };
     for token in [None, Some("wrong-token-0123456789")] {
         let mut client = authed(&h.url, token).await;
@@ -775,19 +790,8 @@ async fn refused_publishes_leave_no_index_behind() {
         ..ServerConfig::default()
     })
     .await;
-    let stored = |model: &str, instance_id: u64| v1::PublishEventsRequest {
-        index: selector(model, ""),
-        instance_id,
-        block_size: BLOCK,
-        events: vec![v1::KvEvent {
-            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
-                block_hashes: vec![1],
-                local_hashes: vec![11],
-                ..v1::BlocksStored::default()
-            })),
-        }],
-        ..v1::PublishEventsRequest::default()
-    };
+    let stored =
+        |model: &str, instance_id: u64| stored_blocks(model, "", instance_id, vec![1], vec![11]);
     h.client
         .publish_events(tokio_stream::iter([stored(MODEL, 1)]))
         .await
@@ -851,19 +855,13 @@ async fn at_the_rank_limit_a_registered_rank_is_answered_as_below_it() {
     assert!(!first.already_registered);
     // The second and last place: a rank fed over PublishEvents.
     h.client
-        .publish_events(tokio_stream::iter([v1::PublishEventsRequest {
-            index: selector(MODEL, ""),
-            instance_id: 3,
-            block_size: BLOCK,
-            events: vec![v1::KvEvent {
-                event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
-                    block_hashes: vec![1],
-                    local_hashes: vec![11],
-                    ..v1::BlocksStored::default()
-                })),
-            }],
-            ..v1::PublishEventsRequest::default()
-        }]))
+        .publish_events(tokio_stream::iter([stored_blocks(
+            MODEL,
+            "",
+            3,
+            vec![1],
+            vec![11],
+        )]))
         .await
         .expect("fed");
     let again = h
@@ -1283,20 +1281,10 @@ async fn answers_larger_than_the_message_limit_are_sent() {
     .await;
     // 8 ranks of 150 blocks each, every message under the limit.
     let messages: Vec<v1::PublishEventsRequest> = (0..8u64)
-        .map(|instance| v1::PublishEventsRequest {
-            index: selector(MODEL, ""),
-            instance_id: instance + 1,
-            block_size: BLOCK,
-            events: vec![v1::KvEvent {
-                event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
-                    block_hashes: (0..150)
-                        .map(|i| (instance << 40) ^ (i * 0x9E37_79B9))
-                        .collect(),
-                    local_hashes: (0..150).map(|i| (instance << 32) + i).collect(),
-                    ..v1::BlocksStored::default()
-                })),
-            }],
-            ..v1::PublishEventsRequest::default()
+        .map(|instance| {
+            let hashes = (0..150).map(|i| (instance << 40) ^ (i * 0x9E37_79B9));
+            let locals = (0..150).map(|i| (instance << 32) + i);
+            stored_blocks(MODEL, "", instance + 1, hashes.collect(), locals.collect())
         })
         .collect();
     h.client
@@ -1350,21 +1338,10 @@ async fn a_token_revoked_or_narrowed_reaches_its_open_streams() {
     })
     .await;
     let hasher = kvatlas_hash::BlockHasher::new(BLOCK).expect("size");
-    let store = |tenant: &str, hash: u64, symbol: u64| v1::PublishEventsRequest {
-        index: selector(MODEL, tenant),
-        instance_id: 1,
-        block_size: BLOCK,
-        events: vec![v1::KvEvent {
-            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
-                block_hashes: vec![hash],
-                local_hashes: hasher
-                    .local_hashes(&prompt_tokens(&[symbol], BLOCK))
-                    .map(|l| l.get())
-                    .collect(),
-                ..v1::BlocksStored::default()
-            })),
-        }],
-        ..v1::PublishEventsRequest::default()
+    let store = |tenant: &str, hash: u64, symbol: u64| {
+        let tokens = prompt_tokens(&[symbol], BLOCK);
+        let locals = hasher.local_hashes(&tokens).map(|l| l.get()).collect();
+        stored_blocks(MODEL, tenant, 1, vec![hash], locals)
     };
     let admin_raw = authed(&h.url, Some(admin)).await.raw().clone();
     let matches = |symbol: u64| {
