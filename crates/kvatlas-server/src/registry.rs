@@ -759,9 +759,6 @@ impl IndexEntry {
         pods
     }
 
-    /// Starts a ZMQ listener for `registration` unless the same registration exists; it
-    /// continues from the rank's checkpoint if the index recorded one (a restored snapshot), and
-    /// starts held if `held` (to be released once a peer's snapshot is restored).
     /// What registering `registration` meets when its rank already has a feed in `feeds`:
     /// `Ok(true)` for the same registration (nothing to do), ALREADY_EXISTS for another one,
     /// FAILED_PRECONDITION for a rank fed over PublishEvents; `None` for a rank without a feed.
@@ -792,6 +789,9 @@ impl IndexEntry {
         }
     }
 
+    /// Starts a ZMQ listener for `registration` unless the same registration exists; it
+    /// continues from the rank's checkpoint if the index recorded one (a restored snapshot), and
+    /// starts held if `held` (to be released once a peer's snapshot is restored).
     fn register_zmq(
         &self,
         registration: WorkerRegistration,

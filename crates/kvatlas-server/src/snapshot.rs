@@ -1177,8 +1177,6 @@ mod tests {
         image(workers)
     }
 
-    /// A version 2 file (one parent per table entry, one varint per membership), written by
-    /// this module before version 3: still read, equal to the image it was written from.
     /// A mark naming more recent batches than a server keeps is read to its newest
     /// `RECENT_KEPT` (a stream could name millions at a few bytes each, all held before).
     #[test]
@@ -1198,6 +1196,8 @@ mod tests {
         assert_eq!(images[0].marks[&worker].recent, recent[2 * kept..]);
     }
 
+    /// A version 2 file (one parent per table entry, one varint per membership), written by
+    /// this module before version 3: still read, equal to the image it was written from.
     #[test]
     fn version_2_files_are_read() {
         let bytes = include_bytes!("../tests/data/snapshot-v2.kvs");

@@ -82,7 +82,7 @@ impl DataDir {
     /// The snapshot files, newest (highest number) first: `snapshot-<digits>.kvs` only. Another
     /// name (`snapshot-backup.kvs`) is not a snapshot of this directory's: it is left alone, and
     /// a shorter number (`snapshot-1.kvs`, placed by hand) is ordered by its value (compared as
-    /// text, either sorted above every snapshot written since, restored at every start).
+    /// text, it sorted above every snapshot written since and was restored at every start).
     pub fn snapshots(&self) -> std::io::Result<Vec<PathBuf>> {
         let mut files: Vec<(i64, PathBuf)> = fs::read_dir(&self.path)?
             .filter_map(Result::ok)
