@@ -749,11 +749,11 @@ impl IndexerService {
             };
             // A token revoked (or its tenants changed) since the stream opened: from this
             // message on.
-            let checked = self.state.recheck(&mut caller);
-            if let Err(error) = match checked {
+            let published = match self.state.recheck(&mut caller) {
                 Ok(()) => self.publish_one(&caller, &mut publisher, &message).await,
-                Err(error) => Err(error),
-            } {
+                Err(revoked) => Err(revoked),
+            };
+            if let Err(error) = published {
                 let applied = publisher.counts.messages_applied;
                 break Some(status(match error {
                     ServiceError::InvalidArgument(m) => ServiceError::InvalidArgument(format!(
