@@ -46,7 +46,11 @@
 //!
 //! **Retention.** If the stream no longer holds the next sequence (the replica fell behind
 //! the retention window), the replica restores the newest snapshot if it covers the hole and
-//! continues after it (counted); otherwise it counts the sequences lost and continues.
+//! continues after it (counted); otherwise it counts the sequences lost and continues. Live
+//! records still pending then may have had their copies among the records lost: a source's
+//! next record from the stream confirms a later pending one and keeps those before it, or, if
+//! the stream alone would apply it, keeps them all ([`Chain::judge`]) — the replica keeps what
+//! its live path applied rather than taking the next record for a divergence.
 //!
 //! **A stream created again** (deleted, or nats-server's storage lost) is told by its creation
 //! time: the replica keeps its state and reads the new stream from its start (counted); the
@@ -170,6 +174,31 @@ struct Chain {
     pending: VecDeque<LiveId>,
     /// The source's position before the first pending record.
     position_before: Option<u64>,
+    /// Whether the stream skipped records (retention, no snapshot covering them) since it
+    /// last delivered a record of this source: the stream's copies of the live records
+    /// pending, applied before or after the skip (a live record late on core NATS), may have
+    /// been among them. Cleared once the stream delivers a record of the source with none
+    /// pending, or the last pending one: a live record applied after that continues the
+    /// stream's record, so its copy comes after the hole.
+    after_loss: bool,
+}
+
+/// What a replica makes of the stream's next record of a source ([`Chain::judge`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// The stream's copy of the pending live records named (oldest first): applied already.
+    /// More than one only after a loss ([`Chain::after_loss`]): the others' copies were among
+    /// the records the stream skipped.
+    Confirmed(Vec<LiveId>),
+    /// The record is judged as the stream alone would judge it. `kept`: the pending live
+    /// records taken as the stream's, their copies among the records the stream skipped.
+    Judged {
+        admission: Admission,
+        kept: Vec<LiveId>,
+    },
+    /// Something else the stream alone would have applied: the replica no longer holds the
+    /// stream's state.
+    Diverged,
 }
 
 impl Chain {
@@ -194,6 +223,69 @@ impl Chain {
     /// The digest a live record must name as its predecessor to continue this chain.
     fn tip(&self) -> Option<u64> {
         self.pending.back().map(|id| id.digest).or(self.head)
+    }
+
+    /// Judges the stream's next record of this chain's source, `record` (see the module
+    /// docs), recording in `source` and here what the verdict applies or confirms (the caller
+    /// forgets the confirmed and kept records' digests, and applies an admitted record).
+    ///
+    /// After a loss ([`Self::after_loss`]) the stream may no longer hold the oldest pending
+    /// records: with one ingest the stream carries a source's records in the order they went
+    /// live, so a record equal to a later pending one confirms it and those before it, and a
+    /// record the stream alone would apply after every pending one keeps them all (their
+    /// copies were skipped). Either way the replica keeps what the live path applied, the
+    /// engine's records, rather than taking the next record for a divergence and going back
+    /// to an older state. (Records the stream delivers again later are dropped by the
+    /// source's sequencing, as any other copy.)
+    fn judge(&mut self, source: &mut SourceState, record: &LiveId) -> Verdict {
+        let Some(front) = self.pending.front().copied() else {
+            self.after_loss = false;
+            self.head = Some(record.digest);
+            return Verdict::Judged {
+                admission: source.admit(record.seq, record.fingerprint, record.resync),
+                kept: Vec::new(),
+            };
+        };
+        // Another ingest's copy of a live record is the live record too (the same bytes are
+        // confirmed before decoding).
+        let matched = if front.is(record) {
+            Some(0)
+        } else if self.after_loss {
+            self.pending.iter().position(|live| live.is(record))
+        } else {
+            None
+        };
+        if let Some(last) = matched {
+            let confirmed = (0..=last).filter_map(|_| self.confirm_front()).collect();
+            self.after_loss &= !self.pending.is_empty();
+            return Verdict::Confirmed(confirmed);
+        }
+        // What the stream alone would do: drop it (the pending records wait on), or apply it,
+        // which the live path got ahead of.
+        let admission = source.admit_before(
+            self.recorded_pending(),
+            self.position_before,
+            record.seq,
+            record.fingerprint,
+            record.resync,
+        );
+        if admission != Admission::Apply {
+            self.head = Some(record.digest);
+            return Verdict::Judged {
+                admission,
+                kept: Vec::new(),
+            };
+        }
+        if !self.after_loss {
+            return Verdict::Diverged;
+        }
+        let kept = std::iter::from_fn(|| self.confirm_front()).collect();
+        self.after_loss = false;
+        self.head = Some(record.digest);
+        Verdict::Judged {
+            admission: source.admit(record.seq, record.fingerprint, record.resync),
+            kept,
+        }
     }
 }
 
@@ -825,6 +917,11 @@ impl Consumer {
         self.stats
             .sequences_lost
             .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
+        // The stream's copies of live records pending may have been among them, also of those
+        // applied after this (late on core NATS).
+        for chain in self.chains.values_mut() {
+            chain.after_loss = true;
+        }
         tracing::error!(
             from = self.applied + 1,
             to = sequence,
@@ -896,15 +993,24 @@ impl Consumer {
                         || worker.worker_id != instance
                         || rank.is_some_and(|r| r != worker.dp_rank)
                 };
-                if self
-                    .chains
-                    .iter()
-                    .any(|(source, chain)| !kept(source) && !chain.pending.is_empty())
-                {
+                // After a loss, the pending records' copies may have been skipped: they go
+                // with their ranks.
+                if self.chains.iter().any(|(source, chain)| {
+                    !kept(source) && !chain.pending.is_empty() && !chain.after_loss
+                }) {
                     return Err(Diverged);
                 }
                 self.sources.retain(|source, _| kept(source));
-                self.chains.retain(|source, _| kept(source));
+                let live_pending = &mut self.live_pending;
+                self.chains.retain(|source, chain| {
+                    if kept(source) {
+                        return true;
+                    }
+                    for live in &chain.pending {
+                        live_pending.remove(&live.digest);
+                    }
+                    false
+                });
                 let entry = Arc::clone(&entry);
                 let _ = tokio::task::spawn_blocking(move || {
                     // The units still queued first (they record their checkpoints), then the
@@ -955,32 +1061,23 @@ impl Consumer {
                     resync: *resync,
                     published_micros: *published_unix_micros,
                 };
-                let admission = if chain.pending.is_empty() {
-                    source.admit(*seq, *fingerprint, *resync)
-                } else if let Some(live) = chain.pending.front().copied()
-                    && live.is(&id)
-                {
-                    // Another ingest's copy of a live record (the same bytes were confirmed
-                    // before decoding): applied already.
-                    chain.confirm_front();
-                    self.live_pending.remove(&live.digest);
-                    LogStats::bump(&self.stats.live_confirmed);
-                    return Ok(());
-                } else {
-                    // What the stream alone would do: drop it (the pending records wait on),
-                    // or apply it, which the live path got ahead of.
-                    match source.admit_before(
-                        chain.recorded_pending(),
-                        chain.position_before,
-                        *seq,
-                        *fingerprint,
-                        *resync,
-                    ) {
-                        Admission::Apply => return Err(Diverged),
-                        dropped => dropped,
+                let admission = match chain.judge(source, &id) {
+                    Verdict::Confirmed(confirmed) => {
+                        // The last is the stream's copy; those before it were kept.
+                        for live in confirmed {
+                            self.live_pending.remove(&live.digest);
+                        }
+                        LogStats::bump(&self.stats.live_confirmed);
+                        return Ok(());
                     }
+                    Verdict::Judged { admission, kept } => {
+                        for live in kept {
+                            self.live_pending.remove(&live.digest);
+                        }
+                        admission
+                    }
+                    Verdict::Diverged => return Err(Diverged),
                 };
-                chain.head = Some(digest);
                 match admission {
                     Admission::Apply => {}
                     Admission::Duplicate => {
@@ -1796,6 +1893,107 @@ mod tests {
         assert_eq!(chain.confirm_front().map(|live| live.digest), Some(11));
         assert_eq!((chain.tip(), chain.position_before), (Some(11), Some(1)));
         assert_eq!(chain.confirm_front(), None);
+    }
+
+    /// A live record of `digest` (as its fingerprint too) with sequence number `seq`.
+    fn live_id(digest: u64, seq: Option<u64>) -> LiveId {
+        LiveId {
+            digest,
+            seq,
+            fingerprint: digest,
+            resync: false,
+            published_micros: None,
+        }
+    }
+
+    /// A source whose stream delivered its batch 1, with live records of `pending` (digests and
+    /// sequence numbers) applied after it, as the live path applies them.
+    fn chain_with_pending(pending: &[(u64, Option<u64>)]) -> (SourceState, Chain) {
+        let mut source = SourceState::default();
+        let mut chain = Chain::default();
+        let first = live_id(1, Some(1));
+        assert_eq!(
+            chain.judge(&mut source, &first),
+            Verdict::Judged {
+                admission: Admission::Apply,
+                kept: Vec::new()
+            }
+        );
+        chain.position_before = source.position;
+        for &(digest, seq) in pending {
+            let live = live_id(digest, seq);
+            assert_eq!(
+                source.admit(live.seq, live.fingerprint, false),
+                Admission::Apply
+            );
+            chain.pending.push_back(live);
+        }
+        (source, chain)
+    }
+
+    /// The stream's next record after its pending live records, which the stream no longer
+    /// holds (retention skipped them, no snapshot covering): a divergence before a loss, and
+    /// after one the pending records are kept and the record applied. (Before, a replica that
+    /// fell behind the retention window while its live path kept up took it for a divergence
+    /// and went back to an older snapshot, losing every record after it.)
+    #[test]
+    fn after_a_loss_the_streams_next_record_keeps_the_pending_live_ones() {
+        let pending = [(2, Some(2)), (3, None), (4, Some(3))];
+        let next = live_id(5, Some(4));
+        let (mut source, mut chain) = chain_with_pending(&pending);
+        assert_eq!(chain.judge(&mut source, &next), Verdict::Diverged);
+
+        chain.after_loss = true;
+        let Verdict::Judged { admission, kept } = chain.judge(&mut source, &next) else {
+            panic!("judged as the stream alone would")
+        };
+        assert_eq!(admission, Admission::Apply);
+        let kept: Vec<u64> = kept.iter().map(|live| live.digest).collect();
+        assert_eq!(kept, [2, 3, 4]);
+        assert!(chain.pending.is_empty() && !chain.after_loss);
+        assert_eq!((chain.tip(), source.position), (Some(5), Some(4)));
+        // A copy of a kept record delivered after the hole is dropped by its sequence.
+        assert_eq!(
+            chain.judge(&mut source, &live_id(4, Some(3))),
+            Verdict::Judged {
+                admission: Admission::Duplicate,
+                kept: Vec::new()
+            }
+        );
+    }
+
+    /// After a loss, the stream's copy of a later pending record confirms it and keeps those
+    /// before it (an unsequenced one among them is not applied a second time); a record the
+    /// stream alone would drop is dropped, the pending ones waiting on.
+    #[test]
+    fn after_a_loss_a_later_pending_record_confirms_those_before_it() {
+        let (mut source, mut chain) = chain_with_pending(&[(2, Some(2)), (3, None), (4, Some(3))]);
+        chain.after_loss = true;
+        assert_eq!(
+            chain.judge(&mut source, &live_id(9, Some(1))),
+            Verdict::Judged {
+                admission: Admission::Stale,
+                kept: Vec::new()
+            }
+        );
+        assert_eq!(chain.pending.len(), 3);
+        let Verdict::Confirmed(confirmed) = chain.judge(&mut source, &live_id(3, None)) else {
+            panic!("the unsequenced pending record's copy confirms it")
+        };
+        let confirmed: Vec<u64> = confirmed.iter().map(|live| live.digest).collect();
+        assert_eq!(confirmed, [2, 3]);
+        assert!(chain.after_loss, "one record still pending");
+        assert!(matches!(
+            chain.judge(&mut source, &live_id(4, Some(3))),
+            Verdict::Confirmed(_)
+        ));
+        assert!(chain.pending.is_empty() && !chain.after_loss);
+        // Without a loss, a later pending record's copy is a divergence.
+        let (mut source, mut chain) = chain_with_pending(&[(2, Some(2)), (3, None)]);
+        assert_eq!(
+            chain.judge(&mut source, &live_id(3, None)),
+            Verdict::Diverged
+        );
     }
 
     #[test]
