@@ -16,7 +16,8 @@
 //!   the queue it also publishes it at once on core NATS (no storage, no acknowledgement, a
 //!   bounded queue of its own: a record left off is counted and the stream still carries it),
 //!   with the digest of the source's record before it ([`log_record::LIVE_PREV_HEADER`]), so a
-//!   replica can tell whether it continues the records it holds (`log_replica`).
+//!   replica can tell whether it continues the records it holds (`log_replica`). A record too
+//!   large for the stream to surely take ([`LivePath::max_record_bytes`]) is left to the stream.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -87,11 +88,17 @@ struct LivePath {
     prefix: String,
     heads: LiveHeads,
     stats: Arc<LogStats>,
+    /// The largest record published live: one the stream surely takes alone (its framed
+    /// payload within [`group_bytes`]). A larger one is left to the stream: nats-server may
+    /// refuse its stream message (a few dozen bytes of headers more than the live one), and a
+    /// replica that applied it live would then find the source's next record diverge.
+    max_record_bytes: usize,
 }
 
 impl LivePath {
     /// Starts the task that publishes live records on `client`.
     fn start(client: async_nats::Client, log: &NatsLog, stats: Arc<LogStats>) -> Self {
+        let max_record_bytes = group_bytes(client.server_info().max_payload);
         let (tx, mut rx) = mpsc::channel::<LiveRecord>(LIVE_QUEUE);
         let task_stats = Arc::clone(&stats);
         tokio::spawn(async move {
@@ -114,6 +121,7 @@ impl LivePath {
             prefix: log.live_prefix(),
             heads: LiveHeads::default(),
             stats,
+            max_record_bytes,
         }
     }
 
@@ -123,6 +131,11 @@ impl LivePath {
         let Some(prev) = self.heads.advance(record) else {
             return;
         };
+        // Left to the stream (the chain goes on from it: the next live record names it, and
+        // continues a replica's chain once the stream delivered it).
+        if !fits_live(record.payload.len(), self.max_record_bytes) {
+            return;
+        }
         let subject =
             log_record::subject(&self.prefix, &record.source.0, record.source.1.worker_id);
         if self
@@ -342,6 +355,12 @@ struct Lanes {
     queued: usize,
     /// The most payload bytes a group takes ([`group_bytes`]).
     max_bytes: usize,
+}
+
+/// Whether a record of `payload_len` bytes goes live: its framed form within `max_record_bytes`
+/// ([`LivePath::max_record_bytes`]).
+fn fits_live(payload_len: usize, max_record_bytes: usize) -> bool {
+    payload_len + varint_len(payload_len) <= max_record_bytes
 }
 
 /// The most payload bytes of a group of records for a server whose `max_payload` is

@@ -964,6 +964,60 @@ fn a_record_too_large_for_nats_is_refused_and_the_next_ones_are_published() {
     ingest.kill_9();
 }
 
+/// A record the stream would refuse is not published live either. A live message's headers are
+/// a few dozen bytes smaller than the stream message's (its message id), so a record of a
+/// narrow range of sizes went live and was then refused by the stream: a replica that applied
+/// it live took the source's next record for a divergence, emptied its indexes and
+/// re-bootstrapped.
+#[test]
+fn a_record_the_stream_refuses_does_not_go_live() {
+    const LADDER: u64 = 24;
+    let nats = NatsServer::start_with_max_payload(4096)
+        .expect("nats-server starts (cargo xtask ci installs it)");
+    let ingest = Served::start(&["--publish-to", &nats.url()]);
+    let replica = replica(&nats);
+    ready(&ingest);
+    ready(&replica);
+    // Batches of 236 to 259 blocks, each block 16 bytes of the record (two fixed64 hashes):
+    // records from below the 4,096 bytes of the stream's messages to above them, and above
+    // what a live message takes; then two batches of one block. One at a time, each stored
+    // (or refused) and read before the next, so that the replica's chain continues.
+    let ladder = (0..LADDER).map(|seq| {
+        let blocks = 236 + seq;
+        let mut batch = published(seq, None, 0, 0);
+        if let Some(v1::kv_event::Event::Stored(stored)) = &mut batch.events[0].event {
+            stored.block_hashes = (1_000..1_000 + blocks).collect();
+            stored.local_hashes = (9_000..9_000 + blocks).collect();
+        }
+        batch
+    });
+    let small = [
+        published(LADDER, None, 1, 1001),
+        published(LADDER + 1, Some(1), 2, 1002),
+    ];
+    for (done, batch) in (1..).zip(ladder.chain(small)) {
+        common::publish(&ingest.grpc, vec![batch]);
+        eventually("the record stored or refused, and read", || {
+            let published = metric(&ingest, "kvatlas_log_published_total");
+            published + metric(&ingest, "kvatlas_log_publish_refused_total") == done
+                && metric(&replica, "kvatlas_log_consumed_total") == published
+        });
+    }
+    assert_eq!(blocks_of_worker_7(&replica, &[1001, 1002]), 2);
+    let refused = metric(&ingest, "kvatlas_log_publish_refused_total");
+    assert!(
+        refused > 0 && refused < LADDER,
+        "the stream took some of the ladder's records: {refused} refused"
+    );
+    assert!(
+        metric(&replica, "kvatlas_log_live_applied_total") > 0,
+        "the replica applied records off the live path"
+    );
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
+    replica.kill_9();
+    ingest.kill_9();
+}
+
 /// A private CA and, signed by it, a server certificate for 127.0.0.1 and a client
 /// certificate, written as PEM files into `dir`: (ca, server cert, server key, client cert,
 /// client key).
