@@ -89,16 +89,21 @@ struct LivePath {
     heads: LiveHeads,
     stats: Arc<LogStats>,
     /// The largest record published live: one the stream surely takes alone (its framed
-    /// payload within [`group_bytes`]). A larger one is left to the stream: nats-server may
-    /// refuse its stream message (a few dozen bytes of headers more than the live one), and a
-    /// replica that applied it live would then find the source's next record diverge.
+    /// payload within [`group_bytes`] of [`message_limit`]). A larger one is left to the
+    /// stream: nats-server may refuse its stream message (a few dozen bytes of headers more
+    /// than the live one, or beyond the stream's own limit), and a replica that applied it
+    /// live would then find the source's next record diverge.
     max_record_bytes: usize,
 }
 
 impl LivePath {
     /// Starts the task that publishes live records on `client`.
-    fn start(client: async_nats::Client, log: &NatsLog, stats: Arc<LogStats>) -> Self {
-        let max_record_bytes = group_bytes(client.server_info().max_payload);
+    fn start(
+        client: async_nats::Client,
+        log: &NatsLog,
+        stats: Arc<LogStats>,
+        max_record_bytes: usize,
+    ) -> Self {
         let (tx, mut rx) = mpsc::channel::<LiveRecord>(LIVE_QUEUE);
         let task_stats = Arc::clone(&stats);
         tokio::spawn(async move {
@@ -253,8 +258,8 @@ type Published = (Vec<Outgoing>, Result<bool, Failure>);
 enum Failure {
     /// Worth retrying (NATS unreachable, no acknowledgement in time, ...).
     Transient(String),
-    /// The message is larger than the server's `max_payload`: retrying cannot help. A group is
-    /// split; a single record is refused and counted.
+    /// The message is larger than the server's `max_payload`, or the stream's `max_msg_size`:
+    /// retrying cannot help. A group is split; a single record is refused and counted.
     TooLarge(String),
     /// No stream takes the subject (it was deleted, or nats-server lost its storage): the
     /// publisher creates it again and retries.
@@ -363,8 +368,18 @@ fn fits_live(payload_len: usize, max_record_bytes: usize) -> bool {
     payload_len + varint_len(payload_len) <= max_record_bytes
 }
 
-/// The most payload bytes of a group of records for a server whose `max_payload` is
-/// `max_payload` (`0`: unknown): [`log_record::MAX_MESSAGE_BYTES`], or less with room for the
+/// The most bytes of a message (payload and headers) the stream takes: nats-server's
+/// `max_payload` (`0`: unknown) and the stream's `max_msg_size` (≤ 0: none), the smaller.
+fn message_limit(max_payload: usize, stream_max_message_size: i32) -> usize {
+    match usize::try_from(stream_max_message_size) {
+        Ok(limit) if limit > 0 && max_payload > 0 => max_payload.min(limit),
+        Ok(limit) if limit > 0 => limit,
+        _ => max_payload,
+    }
+}
+
+/// The most payload bytes of a group of records for a stream whose messages take at most
+/// `max_payload` bytes ([`message_limit`]; `0`: unknown): [`log_record::MAX_MESSAGE_BYTES`], or less with room for the
 /// message's headers ([`HEADER_ROOM`]), so that groups fit and only a single record too large
 /// is refused. (Read when the publisher starts: a server that comes back with a smaller one
 /// has groups split as they are refused.)
@@ -438,19 +453,26 @@ impl Lanes {
 
 /// Publishes the queue until `stop` is cancelled and the queue is drained (see the module
 /// docs); returns the records it could not publish before `drain_deadline` after `stop`.
+/// `stream_max_message_size`: the stream's `max_msg_size` when the publisher starts (≤ 0:
+/// none).
 pub(crate) async fn run_publisher(
     js: jetstream::Context,
     log: NatsLog,
+    stream_max_message_size: i32,
     mut rx: mpsc::Receiver<Outgoing>,
     stats: Arc<LogStats>,
     stop: CancellationToken,
     drain_until: Arc<std::sync::OnceLock<tokio::time::Instant>>,
 ) -> u64 {
+    let max_bytes = group_bytes(message_limit(
+        js.client().server_info().max_payload,
+        stream_max_message_size,
+    ));
     let mut live = log
         .live
-        .then(|| LivePath::start(js.client(), &log, Arc::clone(&stats)));
+        .then(|| LivePath::start(js.client(), &log, Arc::clone(&stats), max_bytes));
     let prefix = log.subject_prefix.clone();
-    let mut lanes = Lanes::new(group_bytes(js.client().server_info().max_payload));
+    let mut lanes = Lanes::new(max_bytes);
     let mut flights = Flights::default();
     // Creating the stream again after it was found missing (at most once a second).
     let mut creating: Option<tokio::task::JoinHandle<()>> = None;
@@ -510,7 +532,8 @@ pub(crate) async fn run_publisher(
                             "a record of {} bytes cannot be published: {error}; it is dropped \
                              and the replicas will not get it (counted in \
                              kvatlas_log_publish_refused_total; raise nats-server's \
-                             max_payload, or have the engine send smaller batches)",
+                             max_payload or the stream's max_msg_size, or have the engine send \
+                             smaller batches)",
                             records.first().map_or(0, |r| r.payload.len()),
                         );
                         publish_next(&mut lanes, &mut flights, &js, &prefix, &lane);
@@ -664,6 +687,14 @@ fn spawn_publish(
                 {
                     Err(Failure::NoStream(e.to_string()))
                 }
+                // The stream's own limit on a message (its `max_msg_size`, set by whoever
+                // created it): refused for good, as one too large for nats-server.
+                Err(e)
+                    if api_error_code(&e)
+                        == Some(jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) =>
+                {
+                    Err(Failure::TooLarge(format!("the stream refused it: {e}")))
+                }
                 Err(e) => Err(Failure::Transient(format!("no acknowledgement: {e}"))),
             },
             Err(e)
@@ -677,6 +708,15 @@ fn spawn_publish(
         (records, outcome)
     });
     flights.lanes.insert(task.id(), lane);
+}
+
+/// The JetStream API error code a refused publish carries, if the stream answered with one.
+fn api_error_code(error: &jetstream::context::PublishError) -> Option<jetstream::ErrorCode> {
+    use std::error::Error as _;
+    error
+        .source()?
+        .downcast_ref::<jetstream::Error>()
+        .map(jetstream::Error::error_code)
 }
 
 /// Creates the stream again after a publish found none for its subject (it was deleted, or
@@ -780,6 +820,12 @@ mod tests {
         assert_eq!(group_bytes(0), log_record::MAX_MESSAGE_BYTES);
         assert_eq!(group_bytes(1 << 20), log_record::MAX_MESSAGE_BYTES);
         assert_eq!(group_bytes(4096), 2048);
+        // The stream's own limit, when it has one below nats-server's.
+        assert_eq!(message_limit(1 << 20, 0), 1 << 20);
+        assert_eq!(message_limit(1 << 20, -1), 1 << 20);
+        assert_eq!(message_limit(1 << 20, 4096), 4096);
+        assert_eq!(message_limit(4096, 1 << 20), 4096);
+        assert_eq!(message_limit(0, 4096), 4096);
         let a = IndexKey::new("m", "t");
         let record = |tag: u64| {
             let mut record = batch(&a, Worker::new(1, 0), tag);

@@ -232,9 +232,11 @@ impl RunningServer {
             let js = crate::nats::connect(log, nats_timeout, Arc::clone(&stats))
                 .await
                 .map_err(StartError::Nats)?;
-            crate::nats::stream(&js, log)
+            let stream = crate::nats::stream(&js, log)
                 .await
                 .map_err(StartError::Nats)?;
+            // A stream made by hand may limit its messages below nats-server's.
+            let stream_max_message_size = stream.cached_info().config.max_message_size;
             let (handle, queue) =
                 crate::log_ingest::LogHandle::new(Arc::clone(&stats), config.publish_only);
             registry =
@@ -244,6 +246,7 @@ impl RunningServer {
             let task = tokio::spawn(crate::log_ingest::run_publisher(
                 js,
                 log.clone(),
+                stream_max_message_size,
                 queue,
                 stats,
                 stop.clone(),

@@ -964,6 +964,53 @@ fn a_record_too_large_for_nats_is_refused_and_the_next_ones_are_published() {
     ingest.kill_9();
 }
 
+/// A record larger than the stream's own message limit (`max_msg_size`, set on a stream made by
+/// hand, which keeps its settings) is refused as one larger than nats-server's is, and neither
+/// published live: the ingest counts it and goes on with the worker's next records. (It was
+/// retried for ever, and the worker's later records waited behind it.)
+#[test]
+fn a_record_larger_than_the_streams_message_limit_is_refused_and_the_next_ones_are_published() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let feed = HandFeed::connect(&nats);
+    feed.runtime.block_on(async {
+        feed.js
+            .create_stream(async_nats::jetstream::stream::Config {
+                name: "KVATLAS_EVENTS".into(),
+                subjects: vec!["kvatlas.events.>".into()],
+                max_message_size: 4096,
+                ..Default::default()
+            })
+            .await
+            .expect("the stream is made by hand");
+    });
+    let ingest = Served::start(&["--publish-to", &nats.url()]);
+    let replica = replica(&nats);
+    ready(&ingest);
+    ready(&replica);
+    // 400 blocks in one batch: a record of about 7 KB.
+    let mut large = published(1, Some(1), 100, 5000);
+    if let Some(v1::kv_event::Event::Stored(stored)) = &mut large.events[0].event {
+        stored.block_hashes = (100..500).collect();
+        stored.local_hashes = (5000..5400).collect();
+    }
+    common::publish(
+        &ingest.grpc,
+        vec![
+            published(0, None, 1, 1001),
+            large,
+            published(2, Some(1), 2, 1002),
+        ],
+    );
+    eventually("the replica has the batch after the refused one", || {
+        blocks_of_worker_7(&replica, &[1001, 1002]) == 2
+    });
+    assert_eq!(metric(&ingest, "kvatlas_log_publish_refused_total"), 1);
+    assert_eq!(blocks_of_worker_7(&replica, &[1001, 5000]), 1);
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
+    replica.kill_9();
+    ingest.kill_9();
+}
+
 /// A record the stream would refuse is not published live either. A live message's headers are
 /// a few dozen bytes smaller than the stream message's (its message id), so a record of a
 /// narrow range of sizes went live and was then refused by the stream: a replica that applied
