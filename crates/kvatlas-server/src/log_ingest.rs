@@ -36,7 +36,9 @@ use crate::nats::{LogStats, NatsLog};
 use crate::registry::IndexKey;
 use crate::served_index::ServedIndex;
 
-/// Records queued for publishing before feeds wait.
+/// Records queued for publishing before feeds wait: the channel to the publisher holds as
+/// many, and so do the publisher's lanes (records behind their instance's message in flight),
+/// besides the messages in flight ([`IN_FLIGHT`]).
 pub(crate) const QUEUE: usize = 8192;
 /// Messages in flight to the stream at once (at most one per source).
 const IN_FLIGHT: usize = 512;
