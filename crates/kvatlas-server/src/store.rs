@@ -13,10 +13,16 @@
 //! the server's own configuration fixes otherwise, more indexes than its limit) is set aside the
 //! same way by the server ([`DataDir::set_aside`]). A bad file never stops the server from
 //! starting.
+//!
+//! One server per directory: opening it takes an exclusive lock on its `.lock` file, held
+//! while the [`DataDir`] (or a clone) lives and released when the process ends, however it
+//! ends. A second server on the same directory would remove the first's snapshot under way as
+//! a crash's leftover, prune its snapshots and write its own among them; it is refused at start.
 
 use std::fs::{self, File};
 use std::io::{BufReader, BufWriter};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::snapshot::{self, IndexImage, SnapshotError};
 
@@ -26,11 +32,16 @@ pub const KEEP: usize = 3;
 const PREFIX: &str = "snapshot-";
 const SUFFIX: &str = ".kvs";
 const TEMP_PREFIX: &str = ".tmp-snapshot-";
+/// The file a server locks while it uses the directory.
+const LOCK_FILE: &str = ".lock";
 
-/// A data directory.
+/// A data directory, locked for this process while the value or a clone lives.
 #[derive(Debug, Clone)]
 pub struct DataDir {
     path: PathBuf,
+    /// The lock file, locked exclusively (an advisory `flock`, released when the last clone
+    /// drops or the process ends).
+    _lock: Arc<File>,
 }
 
 /// What a write produced.
@@ -54,13 +65,35 @@ pub struct Loaded {
 }
 
 impl DataDir {
-    /// Opens (creating it if needed) a data directory, removing temporary files a crash left.
+    /// Opens (creating it if needed) and locks a data directory, removing temporary files a
+    /// crash left.
     ///
     /// # Errors
-    /// The I/O error creating or listing it.
+    /// The I/O error creating, locking or listing it; [`std::io::ErrorKind::ResourceBusy`] if
+    /// another server (or another `DataDir` of this process) holds it.
     pub fn open(path: impl Into<PathBuf>) -> std::io::Result<Self> {
         let path = path.into();
         fs::create_dir_all(&path)?;
+        let lock_path = path.join(LOCK_FILE);
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ResourceBusy,
+                    format!(
+                        "another kvatlas server uses it (it holds the lock on {}); give each \
+                         server its own --data-dir",
+                        lock_path.display()
+                    ),
+                ));
+            }
+            Err(fs::TryLockError::Error(error)) => return Err(error),
+        }
         for entry in fs::read_dir(&path)? {
             let entry = entry?;
             if entry
@@ -71,7 +104,10 @@ impl DataDir {
                 let _ = fs::remove_file(entry.path());
             }
         }
-        Ok(Self { path })
+        Ok(Self {
+            path,
+            _lock: Arc::new(lock),
+        })
     }
 
     /// The directory.
@@ -323,7 +359,9 @@ mod tests {
         fs::write(&files[1], bytes).expect("flip");
         // A temporary file of an interrupted write.
         fs::write(dir.path().join(".tmp-snapshot-x.kvs"), b"partial").expect("temp");
-        let dir = DataDir::open(dir.path()).expect("reopen");
+        let path = dir.path().to_owned();
+        drop(dir);
+        let dir = DataDir::open(path).expect("reopen");
         let loaded = dir.load().expect("load");
         let (path, created, images) = loaded.snapshot.expect("an older snapshot");
         assert_eq!((created, images[0].snapshot.blocks()), (20, 2), "{path:?}");
@@ -344,6 +382,25 @@ mod tests {
         let again = dir.load().expect("load");
         assert!(again.rejected.is_empty());
         let _ = fs::remove_dir_all(dir.path());
+    }
+
+    /// One holder per directory: a second open is refused while the first (or a clone of it)
+    /// lives, naming the lock and what to do, and succeeds once it is gone.
+    #[test]
+    fn a_directory_in_use_is_refused_to_a_second_holder() {
+        let first = DataDir::open(temp("locked")).expect("dir");
+        let clone = first.clone();
+        drop(first);
+        let refused = DataDir::open(clone.path()).expect_err("the clone holds the lock");
+        assert_eq!(refused.kind(), std::io::ErrorKind::ResourceBusy);
+        assert!(
+            refused.to_string().contains(".lock") && refused.to_string().contains("--data-dir"),
+            "{refused}"
+        );
+        let path = clone.path().to_owned();
+        drop(clone);
+        let again = DataDir::open(&path).expect("free once the holder is gone");
+        let _ = fs::remove_dir_all(again.path());
     }
 
     /// A snapshot that cannot be read for a reason of the machine's (here a directory where the

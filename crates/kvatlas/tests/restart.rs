@@ -139,6 +139,26 @@ fn serve_again(dir: &Path) -> Served {
     Served::start(&["--data-dir", &dir, "--snapshot-interval-secs", "0"])
 }
 
+/// A second server on a data directory in use is refused at start, naming the lock: it would
+/// have removed the first's snapshot under way as a crash's leftover, pruned its snapshots and
+/// written its own among them. The first goes on and stops gracefully.
+#[test]
+fn a_second_server_on_a_data_directory_in_use_is_refused() {
+    let dir = temp_dir("locked");
+    let dir_arg = dir.display().to_string();
+    let first = Served::start(&["--data-dir", &dir_arg]);
+    let (status, log) = common::refused_start(&["--data-dir", &dir_arg]);
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("another kvatlas server uses it") && log.contains(".lock"),
+        "{log}"
+    );
+    stop(first);
+    let again = Served::start(&["--data-dir", &dir_arg]);
+    stop(again);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_hole_the_replay_ring_no_longer_holds_is_resynced_counted_and_shown() {
     const RING: usize = 8;

@@ -8,10 +8,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::Served;
 use common::fleet::{
     CONVERGE, Fleet, converges, eventually, metric, metric_sum, ready, runtime, signal,
 };
+use common::{Served, refused_start};
 use kvatlas_fleet::nats::NatsServer;
 use kvatlas_fleet::vllm::BLOCK_TOKENS;
 use kvatlas_proto::v1::{self, indexer_client::IndexerClient};
@@ -1106,35 +1106,6 @@ fn scratch(name: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
     dir
-}
-
-/// `kvatlas serve` with `args` that must not start: its exit status and everything it logged
-/// (killed, and the test failed, if it still runs after 20 s).
-fn refused_start(args: &[&str]) -> (std::process::ExitStatus, String) {
-    let mut child = common::serve_command(args)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("kvatlas serve runs");
-    // Its log is read on a thread: a pipe left unread could block it.
-    let mut stderr = child.stderr.take().expect("stderr");
-    let reader = std::thread::spawn(move || {
-        let mut log = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
-        log
-    });
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waits") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("kvatlas serve {args:?} still runs after 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (status, reader.join().expect("the log"))
 }
 
 #[test]

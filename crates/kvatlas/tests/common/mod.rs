@@ -38,6 +38,35 @@ pub fn serve_command(args: &[&str]) -> Command {
     command
 }
 
+/// `kvatlas serve` with `args` that must not start: its exit status and everything it logged
+/// (killed, and the test failed, if it still runs after 20 s).
+pub fn refused_start(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut child = serve_command(args)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("kvatlas serve runs");
+    // Its log is read on a thread: a pipe left unread could block it.
+    let mut stderr = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut log = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+        log
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waits") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvatlas serve {args:?} still runs after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, reader.join().expect("the log"))
+}
+
 impl Served {
     pub fn start(args: &[&str]) -> Self {
         Self::start_with_env(args, &[])
