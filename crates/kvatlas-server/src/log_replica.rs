@@ -208,6 +208,11 @@ impl Chain {
         let live = self.pending.pop_front()?;
         self.head = Some(live.digest);
         self.position_before = live.seq.or(self.position_before);
+        // The stream delivered (or skipped) every record applied live: the next one applied
+        // live continues it, its copy after the hole.
+        if self.pending.is_empty() {
+            self.after_loss = false;
+        }
         Some(live)
     }
 
@@ -257,7 +262,6 @@ impl Chain {
         };
         if let Some(last) = matched {
             let confirmed = (0..=last).filter_map(|_| self.confirm_front()).collect();
-            self.after_loss &= !self.pending.is_empty();
             return Verdict::Confirmed(confirmed);
         }
         // What the stream alone would do: drop it (the pending records wait on), or apply it,
@@ -280,7 +284,6 @@ impl Chain {
             return Verdict::Diverged;
         }
         let kept = std::iter::from_fn(|| self.confirm_front()).collect();
-        self.after_loss = false;
         self.head = Some(record.digest);
         Verdict::Judged {
             admission: source.admit(record.seq, record.fingerprint, record.resync),
@@ -428,14 +431,30 @@ struct Consumer {
 
 impl Consumer {
     async fn run(mut self, stop: CancellationToken) {
-        let mut backoff = Duration::from_millis(50);
+        const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+        let mut backoff = FIRST_BACKOFF;
         loop {
             if stop.is_cancelled() {
                 return;
             }
+            let consumed = self
+                .stats
+                .consumed
+                .load(std::sync::atomic::Ordering::Relaxed);
             match self.consume(&stop).await {
                 Ok(()) => return,
                 Err(error) => {
+                    // A run that read records was not a failure that repeats (a re-bootstrap,
+                    // a divergence): the backoff starts again (it stayed at 2 s for good, the
+                    // live path unread meanwhile).
+                    if self
+                        .stats
+                        .consumed
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                        > consumed
+                    {
+                        backoff = FIRST_BACKOFF;
+                    }
                     tracing::warn!(
                         "the event-log consumer stopped ({error}); resuming in {backoff:?}"
                     );
@@ -885,9 +904,13 @@ impl Consumer {
     async fn skipped(&mut self, sequence: u64) -> Result<bool, String> {
         // A stream created again skips too (the consumer starts again and reads it whole).
         self.check_same_stream(None).await?;
-        LogStats::bump(&self.stats.rebootstraps);
         let lost = sequence - self.applied - 1;
-        if let Some(covered) = newest_position(&self.bucket, self.stream_created).await
+        // A listing that fails is not an empty bucket: the consumer starts again and asks
+        // again (taken for one, the records a snapshot covers were counted lost for good).
+        let newest = newest_position(&self.bucket, self.stream_created).await?;
+        // Every hole found, whether a snapshot covers it or its records are lost.
+        LogStats::bump(&self.stats.rebootstraps);
+        if let Some(covered) = newest
             && covered + 1 >= sequence
         {
             tracing::warn!(
@@ -1367,11 +1390,10 @@ async fn newest_snapshot(
 async fn newest_position(
     bucket: &jetstream::object_store::ObjectStore,
     current: i128,
-) -> Option<u64> {
-    newest_snapshot(bucket, current)
-        .await
-        .ok()?
-        .map(|object| object.position_in(current))
+) -> Result<Option<u64>, String> {
+    Ok(newest_snapshot(bucket, current)
+        .await?
+        .map(|object| object.position_in(current)))
 }
 
 /// Restores the best snapshot of the bucket that can be read and restored: where a replica of
@@ -1465,6 +1487,28 @@ fn named_snapshot(name: &str, bucket: &str, error: &str) -> String {
     )
 }
 
+/// A snapshot object's read gives up after this long without a byte.
+const SNAPSHOT_READ_IDLE: Duration = Duration::from_secs(30);
+
+/// Reads `reader` to its end; `None` if it gave no byte for `idle` (a read that waits for ever
+/// is given up).
+async fn read_whole(
+    reader: &mut (impl tokio::io::AsyncRead + Unpin),
+    idle: Duration,
+) -> std::io::Result<Option<Vec<u8>>> {
+    let mut bytes = Vec::new();
+    let mut buffer = vec![0; 128 << 10];
+    loop {
+        match tokio::time::timeout(idle, reader.read(&mut buffer)).await {
+            Err(_) => return Ok(None),
+            Ok(read) => match read? {
+                0 => return Ok(Some(bytes)),
+                n => bytes.extend_from_slice(&buffer[..n]),
+            },
+        }
+    }
+}
+
 /// Reads and restores the snapshot object `listed`: where a replica of the stream created at
 /// `current` reads on after it; `None` if the object is gone (a newer put pruned it). Nothing is
 /// changed unless the whole object restores ([`Registry::restore_images`]); an error names the
@@ -1487,11 +1531,25 @@ async fn restore_object(
     // Judged by what was read (a put of the same name may have replaced the listed one).
     let same_stream =
         stream_of(object.info.description.as_deref()).is_none_or(|stream| stream == current);
-    let mut bytes = Vec::new();
-    object
-        .read_to_end(&mut bytes)
-        .await
-        .map_err(|e| named(format!("reading it: {e}")))?;
+    let bytes = match read_whole(&mut object, SNAPSHOT_READ_IDLE).await {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => {
+            // Deleted while it was read (a newer put pruned it: its chunks are gone, and the
+            // reader waited for them for ever), or stalled.
+            let gone = matches!(
+                bucket.info(&listed.name).await,
+                Err(error) if error.kind() == jetstream::object_store::InfoErrorKind::NotFound
+            );
+            if gone {
+                return Ok(None);
+            }
+            return Err(named(format!(
+                "reading it: no data for {} s",
+                SNAPSHOT_READ_IDLE.as_secs()
+            )));
+        }
+        Err(error) => return Err(named(format!("reading it: {error}"))),
+    };
     let registry = Arc::clone(registry);
     tokio::task::spawn_blocking(move || {
         let rest = bytes
@@ -1890,8 +1948,13 @@ mod tests {
         });
         assert_eq!(chain.tip(), Some(11));
         // Confirmed, the record is the stream's: the chain goes on from it.
+        chain.after_loss = true;
         assert_eq!(chain.confirm_front().map(|live| live.digest), Some(11));
         assert_eq!((chain.tip(), chain.position_before), (Some(11), Some(1)));
+        assert!(
+            !chain.after_loss,
+            "the stream delivered (or skipped) every record applied live: a loss is behind it"
+        );
         assert_eq!(chain.confirm_front(), None);
     }
 
@@ -1904,6 +1967,25 @@ mod tests {
             resync: false,
             published_micros: None,
         }
+    }
+
+    /// A read that stops giving bytes is given up after the idle time, with nothing; one that
+    /// ends gives everything.
+    #[tokio::test]
+    async fn a_read_that_stalls_is_given_up() {
+        use tokio::io::AsyncWriteExt as _;
+        let (mut writer, mut reader) = tokio::io::duplex(64);
+        writer.write_all(b"some").await.expect("written");
+        let idle = Duration::from_millis(100);
+        let started = std::time::Instant::now();
+        assert_eq!(read_whole(&mut reader, idle).await.expect("no error"), None);
+        assert!(started.elapsed() < Duration::from_secs(5));
+        writer.write_all(b" more").await.expect("written");
+        drop(writer);
+        assert_eq!(
+            read_whole(&mut reader, idle).await.expect("no error"),
+            Some(b" more".to_vec())
+        );
     }
 
     /// A source whose stream delivered its batch 1, with live records of `pending` (digests and
