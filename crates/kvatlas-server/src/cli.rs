@@ -140,6 +140,31 @@ pub struct ArgSources {
     pub port_from_env: bool,
 }
 
+/// `--port`'s value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PortArg {
+    /// A port number.
+    Port(u16),
+    /// A Kubernetes service link (`tcp://HOST:PORT`): Kubernetes sets `KVATLAS_PORT` so in every
+    /// pod of a namespace with a Service named `kvatlas`. Ignored from the environment, refused
+    /// as a flag.
+    ServiceLink(String),
+}
+
+/// Parses `--port` / `KVATLAS_PORT`: a port number, or a Kubernetes service link.
+fn parse_port(value: &str) -> Result<PortArg, String> {
+    if let Ok(port) = value.trim().parse() {
+        return Ok(PortArg::Port(port));
+    }
+    if ["tcp://", "udp://", "sctp://"]
+        .iter()
+        .any(|scheme| value.starts_with(scheme))
+    {
+        return Ok(PortArg::ServiceLink(value.to_owned()));
+    }
+    Err(format!("{value:?} is not a port number (0 to 65535)"))
+}
+
 /// `kvatlas serve`: run the index service.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeArgs {
@@ -156,9 +181,11 @@ pub struct ServeArgs {
     pub http_addr: Option<SocketAddr>,
     /// The HTTP port on the HTTP address's host (Dynamo's `--port`; kvatlas still listens on
     /// loopback unless --http-addr says otherwise). `KVATLAS_PORT` does not change an
-    /// `--http-addr` given on the command line.
-    #[arg(long, env = "KVATLAS_PORT")]
-    pub port: Option<u16>,
+    /// `--http-addr` given on the command line; a `KVATLAS_PORT` that is a Kubernetes service
+    /// link (`tcp://10.96.0.12:8090`, set for a Service named `kvatlas`) is ignored, with a
+    /// warning.
+    #[arg(long, env = "KVATLAS_PORT", value_parser = parse_port)]
+    pub port: Option<PortArg>,
     /// Which of the settings above came from the environment rather than the command line
     /// ([`ServeArgs::note_sources`]; without it, all count as flags).
     #[arg(skip)]
@@ -473,8 +500,24 @@ impl ServeArgs {
             .or(file.http_addr)
             .unwrap_or(defaults.http_addr);
         let address_from_flag = self.http_addr.is_some() && !self.sources.http_addr_from_env;
-        let port = self
-            .port
+        let mut ignored = Vec::new();
+        let port = match &self.port {
+            Some(PortArg::Port(port)) => Some(*port),
+            Some(PortArg::ServiceLink(link)) if self.sources.port_from_env => {
+                ignored.push(format!(
+                    "KVATLAS_PORT={link:?} is ignored: a Kubernetes service link (set for a \
+                     Service named kvatlas), not a port; give --port or --http-addr"
+                ));
+                None
+            }
+            Some(PortArg::ServiceLink(link)) => {
+                return Err(CliError::Config(format!(
+                    "--port {link:?}: a port number (0 to 65535) is expected"
+                )));
+            }
+            None => None,
+        };
+        let port = port
             .filter(|_| !(address_from_flag && self.sources.port_from_env))
             .or(file.port.filter(|_| self.http_addr.is_none()));
         if let Some(port) = port {
@@ -715,7 +758,8 @@ impl ServeArgs {
             config.workers = parse_worker_list(&list, &defaults)?;
         }
         config.validate()?;
-        let without_effect = self.without_effect(&given_by_file, &config);
+        let mut without_effect = self.without_effect(&given_by_file, &config);
+        without_effect.extend(ignored);
         Ok(Resolved {
             config,
             runtime_threads: self.runtime_threads.or(file.runtime_threads),
@@ -1911,6 +1955,32 @@ mod tests {
             .to_string();
         assert!(error.contains("--tls-key"), "{error}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A `KVATLAS_PORT` Kubernetes set (a service link, in every pod of a namespace with a
+    /// Service named `kvatlas`) is ignored with a warning; it stopped the start, naming a flag
+    /// the operator never gave. As a flag it is refused, and so is a value that is neither.
+    #[test]
+    fn a_kubernetes_service_link_in_the_port_variable_is_ignored() {
+        let parse = |line: &[&str]| <CommandLine as clap::Parser>::try_parse_from(line);
+        let mut line = parse(&["serve", "--port", "tcp://10.96.0.12:8090"]).expect("parses");
+        let refused = line.serve.resolve().expect_err("a link is not a port");
+        assert!(refused.to_string().contains("a port number"), "{refused}");
+        line.serve.sources = ArgSources {
+            port_from_env: true,
+            ..ArgSources::default()
+        };
+        let resolved = line.serve.resolve_noting_unused().expect("resolves");
+        assert_eq!(resolved.config.http_addr.port(), crate::DEFAULT_HTTP_PORT);
+        assert!(
+            resolved
+                .without_effect
+                .iter()
+                .any(|w| w.contains("KVATLAS_PORT") && w.contains("service link")),
+            "{:?}",
+            resolved.without_effect
+        );
+        assert!(parse(&["serve", "--port", "http"]).is_err());
     }
 
     /// `--quiet-probe-ms`: the listeners' probe interval; 0 turns probing off; too long is

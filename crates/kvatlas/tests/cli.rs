@@ -789,6 +789,20 @@ fn the_port_variable_does_not_change_the_http_address_flag() {
     assert!(status.success());
 }
 
+/// A `KVATLAS_PORT` that Kubernetes set for a Service named `kvatlas` (a service link) does not
+/// stop the start: it is ignored, and the warning says so.
+#[test]
+fn a_kubernetes_service_link_in_the_port_variable_does_not_stop_the_start() {
+    let served = Served::start_with_env(&[], &[("KVATLAS_PORT", "tcp://10.96.0.12:8090")]);
+    let log = served.startup_log.join("\n");
+    assert!(
+        log.contains("KVATLAS_PORT") && log.contains("service link"),
+        "{log}"
+    );
+    let (status, _) = served.terminate();
+    assert!(status.success());
+}
+
 /// SIGTERM while `serve` starts (here: waiting for a NATS server that accepted the connection
 /// and says nothing) stops the start at once and exits cleanly; before, the signal's default
 /// action killed the process (its handler was installed once the server served).
