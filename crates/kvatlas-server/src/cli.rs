@@ -58,6 +58,10 @@ pub enum CliError {
     /// The runtime could not be started.
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    /// `serve` stopped, but lost something on the way (its final snapshot, records for the
+    /// event log): a supervisor must not take the stop for a clean one.
+    #[error("the shutdown was not clean: {0}")]
+    Shutdown(String),
 }
 
 impl From<ConfigError> for CliError {
@@ -912,7 +916,19 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
         Ok::<_, CliError>(Some(server.run_until(signal).await))
     })?;
     match report {
-        Some(report) => print!("{}", shutdown_summary(&report)),
+        Some(report) => {
+            print!("{}", shutdown_summary(&report));
+            let failures: Vec<String> = report
+                .snapshot
+                .and_then(Result::err)
+                .map(|error| format!("the final snapshot failed: {error}"))
+                .into_iter()
+                .chain(report.unpublished)
+                .collect();
+            if !failures.is_empty() {
+                return Err(CliError::Shutdown(failures.join("; ")));
+            }
+        }
         // Stopped while starting: what the start left running on blocking threads (a restore
         // reading a snapshot, engines' sockets being set up) is not waited for (dropping the
         // runtime would wait for it); it reads, or sets up what the exit closes.

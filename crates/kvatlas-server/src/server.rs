@@ -147,6 +147,9 @@ pub struct ShutdownReport {
     pub indexes: Vec<IndexReport>,
     /// The final snapshot, with a data directory: the file written, or why it failed.
     pub snapshot: Option<Result<Written, String>>,
+    /// With `--publish-to`: why applied units did not all reach the NATS event log before
+    /// the shutdown's deadline (`None`: they did, or there is no log).
+    pub unpublished: Option<String>,
 }
 
 /// Where the state a server started with came from.
@@ -574,7 +577,8 @@ impl RunningServer {
             let left = match task.await {
                 Ok(left) => left,
                 Err(error) => {
-                    tracing::warn!("the NATS publisher failed: {error}");
+                    tracing::error!("the NATS publisher failed: {error}");
+                    report.unpublished = Some(format!("the NATS publisher failed: {error}"));
                     0
                 }
             };
@@ -589,10 +593,14 @@ impl RunningServer {
                 .load(std::sync::atomic::Ordering::Relaxed);
             match left + lost + admitted.len() as u64 {
                 0 => tracing::info!("every applied unit is published to the NATS event log"),
-                left => tracing::error!(
-                    "{left} record(s) could not be published to the NATS event log before the \
-                     shutdown timeout"
-                ),
+                left => {
+                    let why = format!(
+                        "{left} record(s) could not be published to the NATS event log before \
+                         the shutdown timeout"
+                    );
+                    tracing::error!("{why}");
+                    report.unpublished.get_or_insert(why);
+                }
             }
         }
         // A bootstrap from a peer cut short by the shutdown left a half-built state (and a
@@ -930,6 +938,7 @@ pub(crate) fn final_report(registry: &Registry) -> ShutdownReport {
     ShutdownReport {
         indexes,
         snapshot: None,
+        unpublished: None,
     }
 }
 

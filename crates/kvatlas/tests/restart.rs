@@ -139,6 +139,21 @@ fn serve_again(dir: &Path) -> Served {
     Served::start(&["--data-dir", &dir, "--snapshot-interval-secs", "0"])
 }
 
+/// A final snapshot that fails (here the data directory was replaced by a file) makes `serve`
+/// exit 1 naming it, after its summary: a supervisor must not take the stop for a clean one
+/// (it exited 0).
+#[test]
+fn a_failed_final_snapshot_fails_the_exit() {
+    let dir = temp_dir("unwritable");
+    let served = Served::start(&["--data-dir", &dir.display().to_string()]);
+    std::fs::remove_dir_all(&dir).expect("the directory removed");
+    std::fs::write(&dir, b"not a directory").expect("a file in its place");
+    let (status, summary) = served.terminate();
+    assert_eq!(status.code(), Some(1), "{summary}");
+    assert!(summary.contains("the final snapshot failed"), "{summary}");
+    let _ = std::fs::remove_file(&dir);
+}
+
 /// A second server on a data directory in use is refused at start, naming the lock: it would
 /// have removed the first's snapshot under way as a crash's leftover, pruned its snapshots and
 /// written its own among them. The first goes on and stops gracefully.
