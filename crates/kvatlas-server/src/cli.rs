@@ -29,6 +29,10 @@ use crate::server::{RunningServer, ShutdownReport, StartError};
 
 /// The longest `--quiet-probe-ms` (10 minutes).
 const MAX_QUIET_PROBE_MS: u64 = 600_000;
+/// The longest duration a `--*-secs` setting takes (ten years).
+const MAX_DURATION_SECS: u64 = 10 * 365 * 24 * 3600;
+/// The most `--runtime-threads`.
+const MAX_RUNTIME_THREADS: usize = 1024;
 
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
@@ -493,6 +497,54 @@ impl ServeArgs {
         };
         // (What the file gave, for the settings without effect: `file` is taken apart below.)
         let given_by_file = file.clone();
+        // Durations are added to clocks (a deadline, a timer's next tick): one far beyond any
+        // use overflowed there and panicked, or reached NATS wrapped.
+        for (flag, secs) in [
+            (
+                "--snapshot-interval-secs",
+                self.snapshot_interval_secs.or(file.snapshot_interval_secs),
+            ),
+            (
+                "--stall-timeout-secs",
+                self.stall_timeout_secs.or(file.stall_timeout_secs),
+            ),
+            (
+                "--reload-check-secs",
+                self.reload_check_secs.or(file.reload_check_secs),
+            ),
+            (
+                "--shutdown-timeout-secs",
+                self.shutdown_timeout_secs.or(file.shutdown_timeout_secs),
+            ),
+            (
+                "--nats-max-age-secs",
+                self.nats_max_age_secs.or(file.nats_max_age_secs),
+            ),
+            (
+                "--nats-snapshot-interval-secs",
+                self.nats_snapshot_interval_secs
+                    .or(file.nats_snapshot_interval_secs),
+            ),
+            (
+                "--nats-live-confirm-secs",
+                self.nats_live_confirm_secs.or(file.nats_live_confirm_secs),
+            ),
+        ] {
+            if let Some(secs) = secs.filter(|&secs| secs > MAX_DURATION_SECS) {
+                return Err(CliError::Config(format!(
+                    "{flag} {secs}: at most {MAX_DURATION_SECS} (ten years)"
+                )));
+            }
+        }
+        if let Some(threads) = self
+            .runtime_threads
+            .or(file.runtime_threads)
+            .filter(|&threads| threads > MAX_RUNTIME_THREADS)
+        {
+            return Err(CliError::Config(format!(
+                "--runtime-threads {threads}: at most {MAX_RUNTIME_THREADS}"
+            )));
+        }
         let defaults = ServerConfig::default();
         let limits = Limits::default();
         let index = IndexSettings::default();
@@ -2024,6 +2076,50 @@ mod tests {
             .expect_err("too long")
             .to_string();
         assert!(error.contains("--quiet-probe-ms"), "{error}");
+    }
+
+    /// A duration beyond ten years, or more runtime threads than 1,024, is refused naming the
+    /// flag: such a shutdown timeout overflowed the clock and panicked at SIGTERM, a NATS max
+    /// age reached NATS wrapped (`u64::MAX` s + 194 s as about 2 minutes), and the runtime
+    /// panicked spawning its threads.
+    #[test]
+    fn durations_and_threads_beyond_any_use_are_refused_naming_the_flag() {
+        let resolve = |flags: &[&str]| {
+            let mut line = vec!["serve"];
+            line.extend_from_slice(flags);
+            <CommandLine as clap::Parser>::try_parse_from(line)
+                .expect("parses")
+                .serve
+                .resolve()
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        let nats = ["--publish-to", "nats://127.0.0.1:4222"];
+        for (flag, needs) in [
+            ("--shutdown-timeout-secs", &[][..]),
+            ("--stall-timeout-secs", &[]),
+            ("--reload-check-secs", &[]),
+            ("--snapshot-interval-secs", &["--data-dir", "/d"]),
+            ("--nats-max-age-secs", &nats),
+            ("--nats-live-confirm-secs", &nats),
+        ] {
+            let at = |secs: u64| {
+                let secs = secs.to_string();
+                let mut flags = vec![flag, secs.as_str()];
+                flags.extend_from_slice(needs);
+                resolve(&flags)
+            };
+            assert!(
+                at(MAX_DURATION_SECS).is_ok(),
+                "{flag}: {:?}",
+                at(MAX_DURATION_SECS)
+            );
+            let error = at(18_446_744_194).expect_err("beyond ten years");
+            assert!(error.contains(flag), "{error}");
+        }
+        assert!(resolve(&["--runtime-threads", "1024"]).is_ok());
+        let error = resolve(&["--runtime-threads", "1000000"]).expect_err("too many");
+        assert!(error.contains("--runtime-threads"), "{error}");
     }
 
     /// Dynamo's standalone indexer's command line (`python -m dynamo.indexer --port --threads
