@@ -306,10 +306,12 @@ impl TokenFile {
 
 /// A token file's text.
 fn read_text(path: &Path) -> Result<String, TokenFileError> {
-    std::fs::read_to_string(path).map_err(|source| TokenFileError::Read {
-        path: path.display().to_string(),
-        source,
-    })
+    crate::bounded_read::read_text_within(path, crate::bounded_read::MAX_TOKEN_FILE_BYTES).map_err(
+        |source| TokenFileError::Read {
+            path: path.display().to_string(),
+            source,
+        },
+    )
 }
 
 /// `value` for an error message, unless it is as long as a token could be.

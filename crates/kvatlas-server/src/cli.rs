@@ -75,10 +75,11 @@ impl From<ConfigError> for CliError {
 }
 
 impl CliError {
-    /// The process exit code: 2 for usage and input errors, 1 otherwise.
+    /// The process exit code: 2 for usage and input errors (a file named on the command line
+    /// that cannot be read among them), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Config(_) | CliError::Input(_) => 2,
+            CliError::Config(_) | CliError::Input(_) | CliError::Read { .. } => 2,
             _ => 1,
         }
     }
@@ -486,7 +487,11 @@ impl ServeArgs {
     pub fn resolve_noting_unused(&self) -> Result<Resolved, CliError> {
         let file: ServeFile = match &self.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
+                let text = crate::bounded_read::read_text_within(
+                    path,
+                    crate::bounded_read::MAX_CONFIG_BYTES,
+                )
+                .map_err(|source| CliError::Read {
                     what: path.display().to_string(),
                     source,
                 })?;

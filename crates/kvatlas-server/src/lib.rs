@@ -36,6 +36,7 @@
 #![deny(missing_docs)]
 
 mod auth;
+mod bounded_read;
 pub mod cli;
 mod config;
 mod dynamo;

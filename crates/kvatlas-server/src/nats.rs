@@ -113,8 +113,11 @@ impl NatsAccess {
             auth.signature = Some(signed(&pair, nonce, path, "--nats-nkey-file")?);
             auth.nkey = Some(pair.public_key());
         } else if let Some(path) = &self.creds_file {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("cannot read --nats-creds-file {}: {e}", path.display()))?;
+            let text = crate::bounded_read::read_text_within(
+                path,
+                crate::bounded_read::MAX_SECRET_FILE_BYTES,
+            )
+            .map_err(|e| format!("cannot read --nats-creds-file {}: {e}", path.display()))?;
             let (Some(jwt), Some(seed)) =
                 (creds_block(&text, "JWT"), creds_block(&text, "NKEY SEED"))
             else {
@@ -189,8 +192,9 @@ fn creds_block<'a>(text: &'a str, label: &str) -> Option<&'a str> {
 /// The secret a token or seed file holds: its first word that is not a comment
 /// ([`crate::auth::token_of_file`]).
 fn secret_of_file(path: &Path, flag: &str, what: &str) -> Result<String, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
+    let text =
+        crate::bounded_read::read_text_within(path, crate::bounded_read::MAX_SECRET_FILE_BYTES)
+            .map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
     let secret = crate::auth::token_of_file(&text);
     if secret.is_empty() {
         return Err(format!("{flag} {} holds no {what}", path.display()));

@@ -177,6 +177,19 @@ fn serve_query_list_register_and_stop() {
     );
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("\"x\" is not a token id"));
+    // So is a file that cannot be read, as the exit codes promise (it exited 1, as a failure
+    // of the server's).
+    let missing = dir.join("missing.txt").display().to_string();
+    let out = kvatlas(
+        &[
+            "query", "--server", &server, "--model", "m", "--tokens", &missing,
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("missing.txt"));
+    let out = kvatlas(&["serve", "--config", &missing], None);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
 
     // Register, list, unregister.
     let out = kvatlas(
