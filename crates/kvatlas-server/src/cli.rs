@@ -974,7 +974,12 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
     })?;
     match report {
         Some(report) => {
-            print!("{}", shutdown_summary(&report));
+            // Printed for whoever reads it: a stdout closed by now (its reader gone) does not
+            // turn the stop into a crash (`print!` panicked).
+            use std::io::Write as _;
+            let _ = std::io::stdout()
+                .lock()
+                .write_all(shutdown_summary(&report).as_bytes());
             let failures: Vec<String> = report
                 .snapshot
                 .and_then(Result::err)

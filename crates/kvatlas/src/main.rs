@@ -76,8 +76,16 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(output) => {
-            print!("{output}");
-            ExitCode::SUCCESS
+            // A reader gone (`kvatlas workers | head -1`) is not a failure: the output was
+            // wanted no further. (`print!` panicked on it.)
+            use std::io::Write as _;
+            match std::io::stdout().lock().write_all(output.as_bytes()) {
+                Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => {
+                    eprintln!("kvatlas: cannot write the output: {error}");
+                    ExitCode::FAILURE
+                }
+                _ => ExitCode::SUCCESS,
+            }
         }
         Err((message, code)) => {
             eprintln!("kvatlas: {message}");

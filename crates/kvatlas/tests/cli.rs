@@ -788,6 +788,30 @@ fn sighup_reloads_the_token_file() {
 /// `KVATLAS_PORT` in the environment (a container's) does not change an `--http-addr` given on
 /// the command line: the server starts on the flag's address, not on the variable's port
 /// (taken here, so that binding it would fail).
+/// A client command whose reader went away (`kvatlas indexes | head -0`) exits 0 without a
+/// panic: the output was wanted no further (`print!` panicked on the closed pipe, exit 101).
+#[test]
+fn a_closed_output_is_not_a_crash() {
+    let served = Served::start(&[]);
+    let mut child = Command::new(BIN)
+        .args(["indexes", "--server", &served.grpc])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvatlas runs");
+    // The reader is gone before the command has connected and answered.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("exits");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains("panicked"),
+        "{}",
+        text(&out.stderr)
+    );
+    let (status, _) = served.terminate();
+    assert!(status.success());
+}
+
 #[test]
 fn the_port_variable_does_not_change_the_http_address_flag() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
