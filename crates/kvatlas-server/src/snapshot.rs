@@ -112,7 +112,7 @@ pub enum SnapshotError {
     },
     /// An index holds more blocks than this server's capacity bound ([`ReadLimits`]).
     #[error(
-        "index {index} of the snapshot holds {held} (rank, block) pairs, more than this \
+        "index {index} of the snapshot holds at least {held} (rank, block) pairs, more than this \
          server's capacity of {capacity} (--capacity): refusing to load it; give this server \
          the capacity of the server that wrote it"
     )]
@@ -830,6 +830,14 @@ pub fn read_within(
                 let mut entry = 0u64;
                 while read < n {
                     let packed = reader.varint("a rank's blocks")?;
+                    // A rank's entries are distinct and in order: a run after the first starts
+                    // past the one before it (a run over the same entries again made one
+                    // block of the wire many pairs in memory).
+                    if read > 0 && packed >> 4 == 0 {
+                        return Err(SnapshotError::Corrupt(
+                            "a rank's run starts within the run before it".into(),
+                        ));
+                    }
                     // Versions before 3: every membership is a run of one.
                     let further = if version >= 3 {
                         reader.varint("a rank's blocks")?
@@ -860,7 +868,17 @@ pub fn read_within(
                     // Both below the table's length, so they fit a usize.
                     runs.push((entry as usize, last as usize, tiers));
                     memberships += u64::from(tiers.bits().count_ones()) * (further + 1);
-                    pairs[image] += further + 1;
+                    pairs[image] = pairs[image].saturating_add(further + 1);
+                    // As read, not at the trailer: what is beyond the bound is not held first.
+                    if let Some(capacity) = limits.capacity
+                        && pairs[image] > capacity
+                    {
+                        return Err(SnapshotError::OverCapacity {
+                            index: images[image].key.to_string(),
+                            held: pairs[image],
+                            capacity,
+                        });
+                    }
                     read += further + 1;
                     entry = last;
                 }
@@ -885,16 +903,7 @@ pub fn read_within(
                         images.len()
                     )));
                 }
-                if let Some(capacity) = limits.capacity
-                    && let Some((image, &held)) =
-                        pairs.iter().enumerate().find(|(_, held)| **held > capacity)
-                {
-                    return Err(SnapshotError::OverCapacity {
-                        index: images[image].key.to_string(),
-                        held,
-                        capacity,
-                    });
-                }
+                // (Each index's pairs were checked against the capacity as its ranks were read.)
                 materialise(&mut images, &tables, ranks)?;
                 return Ok((created, images));
             }
@@ -1382,6 +1391,54 @@ mod tests {
             "{error}"
         );
         assert!(error.to_string().contains("--capacity"), "{error}");
+        // Refused as the ranks are read, not once every one is held: the second rank of four
+        // blocks passes a capacity of 5.
+        assert!(
+            matches!(
+                read_within(&stream[..], within(5)),
+                Err(SnapshotError::OverCapacity { held: 8, .. })
+            ),
+            "refused at the rank that passes the bound"
+        );
+    }
+
+    /// A rank's run that starts within the run before it is refused: a writer writes a rank's
+    /// entries distinct and in order, and overlapping runs made a few bytes of the wire name
+    /// the same blocks again and again (a block held twice by one rank).
+    #[test]
+    fn a_run_within_the_run_before_it_is_refused() {
+        let stream = |second_delta: u64| {
+            let mut bytes = header_and_index();
+            bytes.push(BLOCKS);
+            put_varint(&mut bytes, 8);
+            put_varint(&mut bytes, 8);
+            put_varint(&mut bytes, 0);
+            for e in 0..8u64 {
+                bytes.extend_from_slice(&(e + 1).to_le_bytes());
+                bytes.extend_from_slice(&(e + 1).to_le_bytes());
+            }
+            bytes.push(RANK);
+            put_varint(&mut bytes, 1);
+            put_varint(&mut bytes, 0);
+            put_varint(&mut bytes, 8);
+            // Entries 0-3, then four more from `second_delta` past entry 3.
+            put_varint(&mut bytes, 1);
+            put_varint(&mut bytes, 3);
+            put_varint(&mut bytes, (second_delta << 4) | 1);
+            put_varint(&mut bytes, 3);
+            bytes.push(TRAILER);
+            put_varint(&mut bytes, 1);
+            put_varint(&mut bytes, 8);
+            let digest = xxhash_rust::xxh3::xxh3_64(&bytes);
+            bytes.extend_from_slice(&digest.to_le_bytes());
+            bytes
+        };
+        let (_, images) = read(&stream(1)[..]).expect("entries 0-7 read");
+        assert_eq!(images[0].snapshot.workers[0].blocks.len(), 8);
+        let Err(SnapshotError::Corrupt(why)) = read(&stream(0)[..]) else {
+            panic!("entry 3 named twice is refused");
+        };
+        assert!(why.contains("within the run before it"), "{why}");
     }
 
     /// A stream recording more registrations than the reader's limit is refused (each names a
