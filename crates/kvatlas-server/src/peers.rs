@@ -342,16 +342,19 @@ async fn try_peer(
     base: &str,
     access: &PeerAccess,
 ) -> Result<Bootstrap, String> {
-    // A peer serving its limit of whole-state reads answers 429: wait for a place (replicas
-    // started together bootstrap from the same peer), up to BUSY_PATIENCE.
+    // A peer serving its limit of whole-state reads answers 429, and one still starting (its
+    // own bootstrap, its startup gate) 503: wait for it (replicas started or replaced together
+    // bootstrap from each other), up to BUSY_PATIENCE. (A 503 was taken for a failed peer at
+    // once: the replica skipped it and started empty.)
     let mut waited = Duration::ZERO;
     let response = loop {
         let response = request(access, &format!("{base}/snapshot")).await?;
-        if response.status().as_u16() != 429 || waited >= BUSY_PATIENCE {
+        let status = response.status().as_u16();
+        if !matches!(status, 429 | 503) || waited >= BUSY_PATIENCE {
             break response;
         }
         let pause = (waited / 2).clamp(Duration::from_millis(250), Duration::from_secs(2));
-        tracing::info!(peer = %base, "the peer is serving other snapshots; asking again in {pause:?}");
+        tracing::info!(peer = %base, status, "the peer is busy or not ready; asking again in {pause:?}");
         tokio::time::sleep(pause).await;
         waited += pause;
     };

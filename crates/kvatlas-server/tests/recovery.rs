@@ -554,7 +554,8 @@ async fn a_peer_that_breaks_off_mid_snapshot_is_skipped_and_nothing_of_it_restor
     );
 }
 
-/// A peer on a loopback port that answers its first `busy` requests 429, then the next with
+/// A peer on a loopback port that answers its first `busy` requests 429 and 503 in turn (busy,
+/// then still starting), then the next with
 /// `whole` as its snapshot (once `gate`, if any, lets it); returns its URL and the count of
 /// requests it read.
 fn busy_peer(
@@ -576,9 +577,11 @@ fn busy_peer(
             let _ = stream.read(&mut request);
             counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if answer < busy {
-                let _ = stream.write_all(
-                    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy",
-                );
+                let _ = stream.write_all(if answer % 2 == 0 {
+                    b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy"
+                } else {
+                    b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\nconnection: close\r\n\r\nwait"
+                });
             } else {
                 if let Some(gate) = &gate {
                     let _ = gate.recv();
@@ -595,8 +598,9 @@ fn busy_peer(
     (url, asked)
 }
 
-/// A peer serving its limit of whole-state reads answers 429: the replica asks again (the
-/// replicas of a fleet started together bootstrap from the same peer) and bootstraps.
+/// A peer serving its limit of whole-state reads answers 429, and one still starting 503: the
+/// replica asks again (the replicas of a fleet started or replaced together bootstrap from each
+/// other) and bootstraps. (A 503 failed the peer at once, and the replica started empty.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_peer_is_asked_again() {
     let workers = [Worker::new(1, 0), Worker::new(2, 0)];
@@ -607,7 +611,7 @@ async fn a_busy_peer_is_asked_again() {
     publish_script(&mut a.client, &batches).await;
     let whole = fetched_snapshot(&a).await;
 
-    // A peer that is busy twice, then serves the snapshot.
+    // A peer that is busy, then not ready, then serves the snapshot.
     let (peer, asked) = busy_peer(2, whole, None);
     let b_digest = bootstrapped_replica(
         ServerConfig {
