@@ -1375,6 +1375,13 @@ impl Registry {
     ) -> Result<Registered, ServiceError> {
         self.check_feeds_allowed()?;
         registration.validate()?;
+        // After an unregistration of the instance under way, which holds the instance's order
+        // from taking its ranks out of the feeds until their blocks and checkpoints are gone: a
+        // registration of the rank in between was refused as registered while it was about to
+        // go, or started a second listener that resumed from the checkpoint the removal then
+        // cleared with its blocks. (Every caller runs this on a blocking thread.)
+        let order = self.publish_order(&registration.index, registration.instance_id);
+        let _in_order = order.blocking_lock();
         // An index found here may be taken out of the registry by a concurrent request that
         // created it and failed, before this one adds its feed: then ask again (the entry is
         // gone from the registry within a moment, and the next ask creates a fresh one).
@@ -1859,5 +1866,41 @@ mod tests {
         registry.forget_if_unused(&listed);
         assert!(registry.get(&key).is_some());
         assert!(!listed.removed.load(Ordering::SeqCst));
+    }
+
+    /// A registration of an instance waits for that instance's order, which an unregistration
+    /// holds from taking the ranks out of the feeds until their blocks and checkpoints are gone:
+    /// one in between met a rank half removed (refused as registered while it was about to go,
+    /// or a second listener resuming from the checkpoint the removal then cleared).
+    #[test]
+    fn a_registration_waits_for_an_unregistration_of_its_instance() {
+        let registry = Arc::new(Registry::new(IndexSettings::default(), Limits::default()));
+        let key = IndexKey::new("m", DEFAULT_TENANT);
+        let block_size = BlockSize::new(16).expect("a block size");
+        let rank = vllm_rank(&key, 7, block_size, "tcp://127.0.0.1:9");
+        // The instance's order, as an unregistration under way holds it.
+        let order = registry.publish_order(&key, 7);
+        let held = order.blocking_lock();
+        let (done, registered) = std::sync::mpsc::channel();
+        let registering = Arc::clone(&registry);
+        let thread = std::thread::spawn(move || {
+            let _ = done.send(registering.register(rank).map(|r| r.created_index));
+        });
+        assert!(
+            registered
+                .recv_timeout(std::time::Duration::from_millis(300))
+                .is_err(),
+            "registered while the instance's unregistration was under way"
+        );
+        drop(held);
+        let outcome = registered
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("registered once the unregistration is done");
+        assert!(
+            outcome.expect("registered"),
+            "{:?}",
+            registry.registered_ranks()
+        );
+        thread.join().expect("the registering thread");
     }
 }
