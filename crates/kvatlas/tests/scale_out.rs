@@ -932,6 +932,24 @@ fn a_record_too_large_for_nats_is_refused_and_the_next_ones_are_published() {
     let replica = replica(&nats);
     ready(&ingest);
     ready(&replica);
+    publish_a_record_of_7_kb_between_two(&ingest, &replica);
+    assert_eq!(
+        blocks_of_worker_7(&ingest, &[1001, 5000, 5001]),
+        3,
+        "the ingest applied it"
+    );
+    assert_eq!(
+        blocks_of_worker_7(&replica, &[1001, 5000]),
+        1,
+        "the replicas did not get it"
+    );
+    replica.kill_9();
+    ingest.kill_9();
+}
+
+/// Worker 7's batches 0 to 2 through `ingest`, batch 1 a record of about 7 KB (400 blocks) that
+/// the stream refuses: waits until `replica` has batch 2, and checks the refusal was counted.
+fn publish_a_record_of_7_kb_between_two(ingest: &Served, replica: &Served) {
     // 400 blocks in one batch: a record of about 7 KB.
     let mut large = published(1, Some(1), 100, 5000);
     if let Some(v1::kv_event::Event::Stored(stored)) = &mut large.events[0].event {
@@ -947,21 +965,9 @@ fn a_record_too_large_for_nats_is_refused_and_the_next_ones_are_published() {
         ],
     );
     eventually("the replica has the batch after the refused one", || {
-        blocks_of_worker_7(&replica, &[1001, 1002]) == 2
+        blocks_of_worker_7(replica, &[1001, 1002]) == 2
     });
-    assert_eq!(metric(&ingest, "kvatlas_log_publish_refused_total"), 1);
-    assert_eq!(
-        blocks_of_worker_7(&ingest, &[1001, 5000, 5001]),
-        3,
-        "the ingest applied it"
-    );
-    assert_eq!(
-        blocks_of_worker_7(&replica, &[1001, 5000]),
-        1,
-        "the replicas did not get it"
-    );
-    replica.kill_9();
-    ingest.kill_9();
+    assert_eq!(metric(ingest, "kvatlas_log_publish_refused_total"), 1);
 }
 
 /// A record larger than the stream's own message limit (`max_msg_size`, set on a stream made by
@@ -987,24 +993,7 @@ fn a_record_larger_than_the_streams_message_limit_is_refused_and_the_next_ones_a
     let replica = replica(&nats);
     ready(&ingest);
     ready(&replica);
-    // 400 blocks in one batch: a record of about 7 KB.
-    let mut large = published(1, Some(1), 100, 5000);
-    if let Some(v1::kv_event::Event::Stored(stored)) = &mut large.events[0].event {
-        stored.block_hashes = (100..500).collect();
-        stored.local_hashes = (5000..5400).collect();
-    }
-    common::publish(
-        &ingest.grpc,
-        vec![
-            published(0, None, 1, 1001),
-            large,
-            published(2, Some(1), 2, 1002),
-        ],
-    );
-    eventually("the replica has the batch after the refused one", || {
-        blocks_of_worker_7(&replica, &[1001, 1002]) == 2
-    });
-    assert_eq!(metric(&ingest, "kvatlas_log_publish_refused_total"), 1);
+    publish_a_record_of_7_kb_between_two(&ingest, &replica);
     assert_eq!(blocks_of_worker_7(&replica, &[1001, 5000]), 1);
     assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
     replica.kill_9();
