@@ -192,6 +192,7 @@ impl Publisher {
         let feed = match feeds.entry(worker) {
             Entry::Vacant(vacant) => {
                 self.registry.reserve_rank()?;
+                self.registry.confirm_rank();
                 tracing::info!(
                     model = %entry.key.model,
                     tenant = %entry.key.tenant,

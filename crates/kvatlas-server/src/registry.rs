@@ -1082,8 +1082,13 @@ pub(crate) struct Registry {
     zmq: zmq::Context,
     /// The threads polling every index's listeners, started with the first index.
     listener_threads: Mutex<Option<ListenerThreads>>,
-    /// Registered ranks over all indexes (ZMQ listeners and gRPC feeds).
+    /// Places of registered ranks over all indexes (ZMQ listeners and gRPC feeds), each taken
+    /// before its rank is fed ([`Registry::reserve_rank`]): bounded by the limit.
     registered: AtomicUsize,
+    /// The ranks of those places that are fed ([`Registry::confirm_rank`]): what the startup
+    /// gate counts. (It counted the places: a registration that then failed, or found its rank
+    /// registered already, opened the gate while it held one.)
+    fed: AtomicUsize,
     /// The server's part in the NATS event log, if any.
     log_role: Option<LogRole>,
     /// The event log's counters (zero without one).
@@ -1123,6 +1128,7 @@ impl Registry {
             zmq: zmq::Context::new(),
             listener_threads: Mutex::new(None),
             registered: AtomicUsize::new(0),
+            fed: AtomicUsize::new(0),
             log_role: None,
             log_stats: Arc::new(LogStats::default()),
             publish_order: (0..PUBLISH_ORDER_STRIPES)
@@ -1235,9 +1241,10 @@ impl Registry {
         &self.limits
     }
 
-    /// Registered ranks over all indexes.
+    /// Registered ranks over all indexes (fed: a place taken for a registration still under
+    /// way is not counted).
     pub(crate) fn registered_ranks(&self) -> usize {
-        self.registered.load(Ordering::Acquire)
+        self.fed.load(Ordering::Acquire)
     }
 
     /// The index of `key`, if it exists.
@@ -1331,7 +1338,8 @@ impl Registry {
         Ok((entry, true))
     }
 
-    /// Counts one more registered rank, within the limit.
+    /// Takes the place of one more registered rank, within the limit: then
+    /// [`Registry::confirm_rank`] once it is fed, or [`Registry::release_ranks`] if it is not.
     pub(crate) fn reserve_rank(&self) -> Result<(), ServiceError> {
         let max = self.limits.max_registered_ranks;
         self.registered
@@ -1346,9 +1354,22 @@ impl Registry {
             })
     }
 
-    /// Gives back ranks counted by [`Registry::reserve_rank`].
+    /// A place taken by [`Registry::reserve_rank`] is a fed rank now.
+    pub(crate) fn confirm_rank(&self) {
+        self.fed.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Gives back places taken by [`Registry::reserve_rank`] whose ranks were not fed.
     pub(crate) fn release_ranks(&self, n: usize) {
         if n > 0 {
+            self.registered.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Fed ranks removed: their places are given back.
+    pub(crate) fn remove_ranks(&self, n: usize) {
+        if n > 0 {
+            self.fed.fetch_sub(n, Ordering::AcqRel);
             self.registered.fetch_sub(n, Ordering::AcqRel);
         }
     }
@@ -1392,7 +1413,9 @@ impl Registry {
             let result = match self.reserve_rank() {
                 Ok(()) => {
                     let outcome = entry.register_zmq(registration.clone(), &self.settings, held);
-                    if !matches!(outcome, Ok(false)) {
+                    if matches!(outcome, Ok(false)) {
+                        self.confirm_rank();
+                    } else {
                         // Already registered (nothing new) or failed: the rank was not added.
                         self.release_ranks(1);
                     }
@@ -1571,6 +1594,7 @@ impl Registry {
                                 },
                             );
                         } else {
+                            self.confirm_rank();
                             let last_seq = image.marks.get(worker).map(|m| m.position);
                             feeds.insert(
                                 *worker,
@@ -1684,7 +1708,7 @@ impl Registry {
             let order = self.publish_order(&entry.key, instance_id);
             let _in_order = order.blocking_lock();
             let removed = entry.unregister(instance_id, dp_rank);
-            self.release_ranks(removed.registered as usize);
+            self.remove_ranks(removed.registered as usize);
             let ranks = removed.registered + removed.unfed;
             let (listeners, blocks) = (removed.listeners_stopped, removed.blocks);
             if ranks > 0 {
@@ -1902,5 +1926,31 @@ mod tests {
             registry.registered_ranks()
         );
         thread.join().expect("the registering thread");
+    }
+
+    /// The startup gate counts fed ranks: a place taken for a registration still under way
+    /// (which may fail, or find its rank registered already) is not one; the limit counts
+    /// places.
+    #[test]
+    fn a_place_taken_is_not_a_registered_rank_until_fed() {
+        let registry = Registry::new(
+            IndexSettings::default(),
+            Limits {
+                max_registered_ranks: 2,
+                ..Limits::default()
+            },
+        );
+        registry.reserve_rank().expect("a place");
+        assert_eq!(registry.registered_ranks(), 0, "not fed yet");
+        registry.confirm_rank();
+        assert_eq!(registry.registered_ranks(), 1);
+        registry.reserve_rank().expect("the second place");
+        assert!(registry.reserve_rank().is_err(), "the limit counts places");
+        assert_eq!(registry.registered_ranks(), 1);
+        registry.release_ranks(1);
+        registry.remove_ranks(1);
+        assert_eq!(registry.registered_ranks(), 0);
+        registry.reserve_rank().expect("places given back");
+        registry.reserve_rank().expect("both");
     }
 }
