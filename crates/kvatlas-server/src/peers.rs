@@ -65,6 +65,8 @@ pub enum Bootstrap {
         peer: String,
         /// Events applied.
         events: u64,
+        /// Memberships held once they were applied.
+        memberships: u64,
     },
     /// No peer answered: started empty.
     Empty {
@@ -436,7 +438,19 @@ async fn try_peer(
     tokio::task::spawn_blocking(move || {
         let parsed = dynamo::parse_dump(&body)?;
         let events = dynamo::apply_dump(&registry, parsed).map_err(|e| e.to_string())?;
-        Ok(Bootstrap::Dump { peer, events })
+        let memberships = registry
+            .all()
+            .iter()
+            .map(|entry| {
+                entry.pool.flush();
+                kvatlas_index::SharedKvIndex::stats(&*entry.index()).memberships
+            })
+            .sum();
+        Ok(Bootstrap::Dump {
+            peer,
+            events,
+            memberships,
+        })
     })
     .await
     .map_err(|e| e.to_string())?

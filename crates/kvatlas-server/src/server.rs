@@ -765,13 +765,19 @@ fn record_bootstrap(state: &State, outcome: &Bootstrap) {
             tracing::info!(peer = %peer, memberships, "bootstrapped from the peer's snapshot");
             *restored.lock() = Some(("peer_snapshot", *memberships));
         }
-        Bootstrap::Dump { peer, events } => {
+        Bootstrap::Dump {
+            peer,
+            events,
+            memberships,
+        } => {
             tracing::info!(
                 peer = %peer,
                 events,
+                memberships,
                 "bootstrapped from the peer's /dump (Dynamo's events: no checkpoints)"
             );
-            *restored.lock() = Some(("peer_dump", *events));
+            // Memberships, as the other sources' (it recorded the events applied).
+            *restored.lock() = Some(("peer_dump", *memberships));
         }
         Bootstrap::Empty { failures } => tracing::warn!(
             "no peer could be bootstrapped from ({}); starting empty",

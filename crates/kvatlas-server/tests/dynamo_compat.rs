@@ -1057,6 +1057,18 @@ fn each_recovers_the_others_dump() {
         b
     });
     let replica_addr = replica.server.http_addr();
+    // The restored gauge counts memberships, as the index's does (it counted the events).
+    let metrics = get(replica_addr, "/metrics").body;
+    let gauge = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|line| line.starts_with(name))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let restored = gauge("kvatlas_restored_memberships{source=\"peer_dump\"}");
+    assert!(restored > 0.0, "{metrics}");
+    assert_eq!(restored, gauge("kvatlas_index_memberships{"), "{metrics}");
     for tokens in &asked {
         let body = json!({"token_ids": tokens, "model_name": MODEL});
         let (from, to) = (
