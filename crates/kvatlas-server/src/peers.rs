@@ -443,7 +443,7 @@ async fn try_peer(
             .iter()
             .map(|entry| {
                 entry.pool.flush();
-                kvatlas_index::SharedKvIndex::stats(&*entry.index()).memberships
+                kvatlas_index::SharedKvIndex::stats(entry.index()).memberships
             })
             .sum();
         Ok(Bootstrap::Dump {
