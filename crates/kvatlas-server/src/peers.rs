@@ -45,8 +45,8 @@ const LIMIT: usize = 4 << 30;
 /// Pieces of a snapshot in flight between the download and the reader.
 const PIECES_IN_FLIGHT: usize = 64;
 
-/// How long a bootstrap waits for a peer busy serving other whole-state reads (429) before it
-/// tries the next peer.
+/// How long a bootstrap waits for a peer busy serving other whole-state reads (429), or still
+/// bootstrapping itself (503), before it tries the next peer.
 const BUSY_PATIENCE: Duration = Duration::from_secs(60);
 
 /// What a bootstrap did.
@@ -344,16 +344,28 @@ async fn try_peer(
     base: &str,
     access: &PeerAccess,
 ) -> Result<Bootstrap, String> {
-    // A peer serving its limit of whole-state reads answers 429, and one still starting (its
-    // own bootstrap, its startup gate) 503: wait for it (replicas started or replaced together
-    // bootstrap from each other), up to BUSY_PATIENCE. (A 503 was taken for a failed peer at
-    // once: the replica skipped it and started empty.)
+    // A peer serving its limit of whole-state reads answers 429, and one still bootstrapping
+    // from its own peers 503: wait for it (replicas started or replaced together bootstrap from
+    // each other), up to BUSY_PATIENCE. (A 503 was taken for a failed peer at once: the replica
+    // skipped it and started empty.) A peer shutting down answers 503 for good: the next peer.
     let mut waited = Duration::ZERO;
     let response = loop {
         let response = request(access, &format!("{base}/snapshot")).await?;
         let status = response.status().as_u16();
         if !matches!(status, 429 | 503) || waited >= BUSY_PATIENCE {
             break response;
+        }
+        if status == 503 {
+            let mut body = Download::new(response.into_body());
+            let said = match body.next_piece().await {
+                Ok(Some(piece)) => String::from_utf8_lossy(&piece[..piece.len().min(512)])
+                    .trim()
+                    .to_owned(),
+                _ => String::new(),
+            };
+            if said.contains("shutting down") {
+                return Err(format!("GET /snapshot answered 503: {said}"));
+            }
         }
         let pause = (waited / 2).clamp(Duration::from_millis(250), Duration::from_secs(2));
         tracing::info!(peer = %base, status, "the peer is busy or not ready; asking again in {pause:?}");

@@ -629,6 +629,42 @@ async fn a_busy_peer_is_asked_again() {
     assert_eq!(a_report.indexes[0].digest, b_digest);
 }
 
+/// A peer shutting down answers 503 for good: the replica does not wait for it, as it waits for
+/// one still bootstrapping, but tries the next peer at once (here none: it starts empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_shutting_down_is_not_waited_for() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let peer = format!("http://{}", listener.local_addr().expect("addr"));
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&asked);
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let body = "the server is shutting down";
+        while let Ok((mut stream, _)) = listener.accept() {
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 503 Service Unavailable\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let mut replica = start(ServerConfig {
+        peers: vec![peer],
+        ..ServerConfig::default()
+    })
+    .await;
+    let outcome = replica.server.bootstrap().await.expect("a bootstrap ran");
+    let Bootstrap::Empty { failures } = &outcome else {
+        panic!("no snapshot from a peer shutting down: {outcome:?}");
+    };
+    assert!(failures[0].contains("shutting down"), "{failures:?}");
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+    replica.server.shutdown().await;
+}
+
 /// A peer behind TLS and authentication (as any peer listening beyond loopback is): a replica
 /// with the peer's CA and an every-tenant token bootstraps from it over https; without a token,
 /// or with a token of one tenant, the peer refuses and the replica says why and starts empty.
