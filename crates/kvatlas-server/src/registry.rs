@@ -1071,6 +1071,9 @@ fn listener_error(error: &ListenerError, registration: &WorkerRegistration) -> S
     }
 }
 
+/// How long a registration waits for its instance's order ([`Registry::register_with`]).
+const REGISTRATION_ORDER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Stripes of [`Registry::publish_order`].
 const PUBLISH_ORDER_STRIPES: usize = 64;
 
@@ -1400,9 +1403,25 @@ impl Registry {
         // from taking its ranks out of the feeds until their blocks and checkpoints are gone: a
         // registration of the rank in between was refused as registered while it was about to
         // go, or started a second listener that resumed from the checkpoint the removal then
-        // cleared with its blocks. (Every caller runs this on a blocking thread.)
+        // cleared with its blocks. The order is striped and a `PublishEvents` message holds it
+        // while it waits for room (in a lane, or in the event log while NATS is down): waited
+        // for at most REGISTRATION_ORDER_WAIT, then UNAVAILABLE, to retry. (Every caller runs
+        // this on a blocking thread.)
         let order = self.publish_order(&registration.index, registration.instance_id);
-        let _in_order = order.blocking_lock();
+        let waited_since = std::time::Instant::now();
+        let _in_order = loop {
+            if let Ok(held) = order.try_lock() {
+                break held;
+            }
+            if waited_since.elapsed() > REGISTRATION_ORDER_WAIT {
+                return Err(ServiceError::Unavailable(format!(
+                    "worker {} of {}: an unregistration or published events of the instance \
+                     (or of one sharing its lock) are under way; retry",
+                    registration.instance_id, registration.index
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
         // An index found here may be taken out of the registry by a concurrent request that
         // created it and failed, before this one adds its feed: then ask again (the entry is
         // gone from the registry within a moment, and the next ask creates a fresh one).
