@@ -908,8 +908,8 @@ impl Consumer {
         // A listing that fails is not an empty bucket: the consumer starts again and asks
         // again (taken for one, the records a snapshot covers were counted lost for good).
         let newest = newest_position(&self.bucket, self.stream_created).await?;
-        // Every hole found, whether a snapshot covers it or its records are lost.
-        LogStats::bump(&self.stats.rebootstraps);
+        // Every hole found, whether a snapshot covers it or its records are lost; counted once
+        // it is handled (a restore that fails has the consumer start again and find it again).
         if let Some(covered) = newest
             && covered + 1 >= sequence
         {
@@ -928,6 +928,7 @@ impl Consumer {
             )
             .await?
             {
+                LogStats::bump(&self.stats.rebootstraps);
                 self.sources.clear();
                 // The snapshot replaced what the live path applied: nothing is pending.
                 self.forget_live();
@@ -937,6 +938,7 @@ impl Consumer {
             // The snapshot was gone by the time it was read (a bucket emptied meanwhile): the
             // records are lost as if none had covered them.
         }
+        LogStats::bump(&self.stats.rebootstraps);
         self.stats
             .sequences_lost
             .fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
@@ -1536,10 +1538,11 @@ async fn restore_object(
         Ok(None) => {
             // Deleted while it was read (a newer put pruned it: its chunks are gone, and the
             // reader waited for them for ever), or stalled.
-            let gone = matches!(
-                bucket.info(&listed.name).await,
-                Err(error) if error.kind() == jetstream::object_store::InfoErrorKind::NotFound
-            );
+            // (A deleted object's marker reads as one that is deleted, until it is purged.)
+            let gone = match bucket.info(&listed.name).await {
+                Ok(info) => info.deleted,
+                Err(error) => error.kind() == jetstream::object_store::InfoErrorKind::NotFound,
+            };
             if gone {
                 return Ok(None);
             }
