@@ -785,9 +785,6 @@ fn sighup_reloads_the_token_file() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// `KVATLAS_PORT` in the environment (a container's) does not change an `--http-addr` given on
-/// the command line: the server starts on the flag's address, not on the variable's port
-/// (taken here, so that binding it would fail).
 /// A client command whose reader went away (`kvatlas indexes | head -0`) exits 0 without a
 /// panic: the output was wanted no further (`print!` panicked on the closed pipe, exit 101).
 #[test]
@@ -812,6 +809,9 @@ fn a_closed_output_is_not_a_crash() {
     assert!(status.success());
 }
 
+/// `KVATLAS_PORT` in the environment (a container's) does not change an `--http-addr` given on
+/// the command line: the server starts on the flag's address, not on the variable's port
+/// (taken here, so that binding it would fail).
 #[test]
 fn the_port_variable_does_not_change_the_http_address_flag() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
