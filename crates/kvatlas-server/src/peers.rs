@@ -291,6 +291,17 @@ async fn get(access: &PeerAccess, url: &str) -> Result<(u16, Bytes), String> {
     Ok((status, Bytes::from(whole)))
 }
 
+/// The first 512 bytes of an error answer's body, as text (empty if it has none).
+async fn what_it_said(response: hyper::Response<hyper::body::Incoming>) -> String {
+    let mut body = Download::new(response.into_body());
+    match body.next_piece().await {
+        Ok(Some(piece)) => String::from_utf8_lossy(&piece[..piece.len().min(512)])
+            .trim()
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
 /// A [`std::io::Read`] over the pieces a download sends, for a reader on a blocking thread.
 struct Pieces {
     receiver: tokio::sync::mpsc::Receiver<Bytes>,
@@ -356,13 +367,7 @@ async fn try_peer(
             break response;
         }
         if status == 503 {
-            let mut body = Download::new(response.into_body());
-            let said = match body.next_piece().await {
-                Ok(Some(piece)) => String::from_utf8_lossy(&piece[..piece.len().min(512)])
-                    .trim()
-                    .to_owned(),
-                _ => String::new(),
-            };
+            let said = what_it_said(response).await;
             if said.contains("shutting down") {
                 return Err(format!("GET /snapshot answered 503: {said}"));
             }
@@ -426,13 +431,7 @@ async fn try_peer(
         .map_err(|e| e.to_string())?;
     }
     if status != 404 && status != 405 {
-        let mut body = Download::new(response.into_body());
-        let said = match body.next_piece().await {
-            Ok(Some(piece)) => String::from_utf8_lossy(&piece[..piece.len().min(512)])
-                .trim()
-                .to_owned(),
-            _ => String::new(),
-        };
+        let said = what_it_said(response).await;
         let hint = if status == 401 || status == 403 {
             " (give --peer-token-file a token the peer allows every tenant)"
         } else {
