@@ -125,7 +125,9 @@ impl Atlas {
         }
     }
 
-    /// The evictions since the previous call (empty without a capacity bound).
+    /// The evictions since the previous call (empty without a capacity bound), the newest
+    /// ones: at most twice the capacity (within 1,024 and 2^20) are kept between calls, so a
+    /// caller that counts evictions from the [`ApplyReport`]s need never call this.
     pub fn take_evictions(&mut self) -> Vec<Eviction> {
         self.books.take_evictions()
     }

@@ -103,6 +103,43 @@ proptest! {
     }
 }
 
+/// Evictions nobody takes (the server counts them from the reports) are kept to a bound: the
+/// list grew for ever, and every write scanned all of it. Every eviction is still counted.
+#[test]
+fn evictions_not_taken_are_kept_to_a_bound() {
+    let worker = Worker::new(7, 0);
+    let mut atlas = Atlas::with_capacity(1);
+    let mut counted = 0;
+    for i in 0..10_000u64 {
+        counted += atlas
+            .apply(&Mutation::Stored {
+                worker,
+                tier: Tier::Device,
+                parent: None,
+                blocks: vec![StoredBlock {
+                    external: ExternalBlockHash::new(i),
+                    local: LocalBlockHash::new(1_000_000 + i),
+                }],
+            })
+            .evicted;
+    }
+    assert_eq!(
+        counted, 9_999,
+        "each store past the first evicted one block"
+    );
+    let kept = atlas.take_evictions();
+    assert!(
+        !kept.is_empty() && kept.len() <= 2 * 1024,
+        "{} evictions kept",
+        kept.len()
+    );
+    assert_eq!(
+        kept.last().map(|e| e.external.get()),
+        Some(9_998),
+        "the newest are kept"
+    );
+}
+
 /// Two conversations share a 4-block system prompt; over capacity, their private tails go
 /// first (least recent first) and the shared prefix stays.
 ///

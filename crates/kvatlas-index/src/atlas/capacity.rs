@@ -23,10 +23,20 @@ pub(super) struct Bound {
     /// Every block, least recent first: used only when no leaf is left (parent links in a
     /// cycle); built on demand, validated when popped.
     pub(super) fallback: BinaryHeap<Reverse<(u64, Worker, u32, ExternalBlockHash)>>,
-    /// Evictions not yet taken by [`Atlas::take_evictions`](super::Atlas::take_evictions) (bounded by `capacity`).
+    /// Evictions not yet taken by [`Atlas::take_evictions`](super::Atlas::take_evictions):
+    /// the newest [`Bound::evictions_kept`] at most (older ones are dropped; every eviction
+    /// is counted in its [`ApplyReport`]). A caller that never takes them (the server counts
+    /// them from the reports) made the list grow for ever, and each write scanned all of it.
     pub(super) evicted: Vec<Eviction>,
     /// Reused buffer.
     pub(super) candidates: Vec<(u64, u32, ExternalBlockHash)>,
+}
+
+impl Bound {
+    /// How many untaken evictions are kept: the capacity, within 1,024 and 2^20.
+    fn evictions_kept(&self) -> usize {
+        usize::try_from(self.capacity.clamp(1 << 10, 1 << 20)).unwrap_or(1 << 20)
+    }
 }
 
 /// A block the index evicted to stay within its capacity: it answers from then on as if the
@@ -70,6 +80,8 @@ impl Books {
         report: &mut ApplyReport,
     ) {
         let Some(bound) = &mut self.bound else { return };
+        // This call's evictions start here (the ranks they emptied are released below).
+        let first_new = bound.evicted.len();
         let held_after = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
         bound.held = (bound.held + held_after as u64).saturating_sub(held_before as u64);
         if let Some((_, ledger)) = self.ledgers.get_mut(&worker) {
@@ -126,9 +138,22 @@ impl Books {
         if (bound.heap.len() + bound.fallback.len()) as u64 > 4 * bound.held + 1024 {
             self.rebuild_heap();
         }
-        // Ranks whose last block was evicted give their index back.
-        let emptied: Vec<Worker> = match &self.bound {
-            Some(bound) => bound.evicted.iter().map(|e| e.worker).collect(),
+        // Ranks whose last block this call evicted give their index back.
+        let emptied: Vec<Worker> = match &mut self.bound {
+            Some(bound) => {
+                let emptied = bound.evicted[first_new..]
+                    .iter()
+                    .map(|e| e.worker)
+                    .collect();
+                // At most twice the kept number between trims: amortised, a constant per
+                // eviction.
+                let kept = bound.evictions_kept();
+                if bound.evicted.len() > 2 * kept {
+                    let dropped = bound.evicted.len() - kept;
+                    bound.evicted.drain(..dropped);
+                }
+                emptied
+            }
             None => Vec::new(),
         };
         for worker in emptied {
