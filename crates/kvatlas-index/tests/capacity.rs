@@ -140,6 +140,45 @@ fn evictions_not_taken_are_kept_to_a_bound() {
     );
 }
 
+/// After a restore, the blocks stored next are newer than the restored ones: over capacity,
+/// restored blocks go first, the ranks' in turn. (The bound's clock stayed at 0 on a restore:
+/// the first blocks stored after it were stamped as old as the oldest restored ones and, on a
+/// tie decided by the rank, evicted first.)
+#[test]
+fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
+    let store = |worker: Worker, i: u64| Mutation::Stored {
+        worker,
+        tier: Tier::Device,
+        parent: None,
+        blocks: vec![StoredBlock {
+            external: ExternalBlockHash::new(i),
+            local: LocalBlockHash::new(1_000 + i),
+        }],
+    };
+    let (one, other, later) = (Worker::new(9, 0), Worker::new(5, 0), Worker::new(1, 0));
+    let mut before = Atlas::new();
+    for i in 0..3 {
+        before.apply(&store(one, i));
+        before.apply(&store(other, 100 + i));
+    }
+    let mut atlas = Atlas::with_capacity(7);
+    atlas.restore(&before.snapshot());
+    assert_eq!(atlas.apply(&store(later, 10)).evicted, 0, "7 held");
+    assert_eq!(atlas.apply(&store(later, 11)).evicted, 1, "8: one goes");
+    assert_eq!(atlas.apply(&store(later, 12)).evicted, 1, "and another");
+    let mut evicted: Vec<(Worker, u64)> = atlas
+        .take_evictions()
+        .iter()
+        .map(|e| (e.worker, e.external.get()))
+        .collect();
+    evicted.sort_unstable();
+    assert_eq!(
+        evicted,
+        [(other, 100), (one, 0)],
+        "the oldest restored block of each rank in turn, none stored after the restore"
+    );
+}
+
 /// Two conversations share a 4-block system prompt; over capacity, their private tails go
 /// first (least recent first) and the shared prefix stays.
 ///

@@ -173,10 +173,15 @@ impl Books {
     pub(super) fn restore(&mut self, forest: &mut Forest, snapshot: &Snapshot) {
         self.clear(forest);
         let bounded = self.bound.is_some();
+        // The writes after the restore continue from the newest restored stamp: the bound's
+        // clock stayed at 0 before, so the first blocks stored after a restore were stamped as
+        // old as the oldest restored ones and evicted first.
+        let mut clock = 0;
         for w in &snapshot.workers {
             let (rank_index, ledger, _) = self.rank_index_and_ledger(forest, w.worker);
             if bounded {
-                // Restored blocks count as stored now, in snapshot order.
+                // Restored blocks count as stored now, in snapshot order, each rank's from 0
+                // (so a bound evicts the ranks' restored blocks in turn, not one rank's first).
                 ledger.track_recency(0);
             }
             let mut sink = Sink::new(forest, rank_index);
@@ -184,7 +189,11 @@ impl Books {
                 ledger.restore(&mut sink, block);
             }
             drop(sink);
+            clock = clock.max(ledger.clock());
             self.release_if_empty(w.worker);
+        }
+        if let Some(bound) = &mut self.bound {
+            bound.clock = clock;
         }
         if bounded {
             self.rebuild_heap();
