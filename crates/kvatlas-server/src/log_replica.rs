@@ -1001,8 +1001,23 @@ impl Consumer {
             }
         };
         let registry = &self.state.registry;
-        let entry = match registry.index_for(&record.key, Some(record.block_size)) {
-            Ok((entry, _)) => entry,
+        // An unregistration names an index, it does not create one, and its block size is not
+        // read: an ingest that held no index of the worker forwards it with any.
+        let found = match &record.body {
+            Body::Unregister { .. } => match registry.get(&record.key) {
+                Some(entry) => Ok(entry),
+                None => {
+                    // Nothing of it here (no source of the index either): applied as it is.
+                    LogStats::bump(&self.stats.applied);
+                    return Ok(());
+                }
+            },
+            _ => registry
+                .index_for(&record.key, Some(record.block_size))
+                .map(|(entry, _)| entry),
+        };
+        let entry = match found {
+            Ok(entry) => entry,
             Err(error) => {
                 LogStats::bump(&self.stats.dropped_invalid);
                 tracing::warn!("dropped an event-log record for {}: {error}", record.key);

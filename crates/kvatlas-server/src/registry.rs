@@ -402,6 +402,8 @@ pub(crate) struct Unregistered {
     pub(crate) ranks_removed: u32,
     pub(crate) listeners_stopped: u32,
     pub(crate) blocks_removed: u64,
+    /// The indexes it was removed from, and on an ingest those it was forwarded to (see
+    /// `Registry::unregister`).
     pub(crate) indexes: Vec<IndexKey>,
 }
 
@@ -963,6 +965,26 @@ impl IndexEntry {
             unfed: u32::try_from(unfed.len() + unlisted.len()).unwrap_or(u32::MAX),
             listeners_stopped,
             blocks: report.cleared,
+        }
+    }
+
+    /// Publishes an unregistration of `instance_id` (one rank, or all) that matched nothing
+    /// here to the event log, for the replicas (an ingest only; see `Registry::unregister`).
+    fn forward_unregistration(&self, instance_id: u64, dp_rank: Option<u32>) {
+        if let Some(log) = &self.log {
+            log.send_now(log_record::encode_unregister(
+                &self.key,
+                self.block_size,
+                instance_id,
+                dp_rank,
+            ));
+            tracing::info!(
+                model = %self.key.model,
+                tenant = %self.key.tenant,
+                instance_id,
+                ?dp_rank,
+                "forwarded the unregistration of a worker this ingest does not hold"
+            );
         }
     }
 
@@ -1538,6 +1560,33 @@ impl Registry {
             .iter()
             .map(|image| Ok(self.index_for(&image.key, Some(image.block_size))?.0))
             .collect::<Result<Vec<_>, ServiceError>>()?;
+        // Places the configured registrations (registered after the restore) will take: the
+        // recorded feeds do not fill them first (a restart with a lowered
+        // --max-registered-ranks failed on its own --workers).
+        let kept_for_configured = {
+            let mut workers: Vec<(&IndexKey, Worker)> =
+                configured.iter().map(|c| (&c.index, c.worker())).collect();
+            workers.sort_unstable();
+            workers.dedup();
+            workers
+                .into_iter()
+                .filter(|(key, worker)| {
+                    self.get(key)
+                        .is_none_or(|entry| !entry.feeds.lock().contains_key(worker))
+                })
+                .count()
+        };
+        let room_beside_configured = || {
+            let max = self.limits.max_registered_ranks;
+            if self.registered.load(Ordering::Acquire) + kept_for_configured >= max {
+                Err(ServiceError::ResourceExhausted(format!(
+                    "the server's limit of {max} registered worker ranks is reached, with \
+                     {kept_for_configured} place(s) kept for the configured workers (--workers)"
+                )))
+            } else {
+                Ok(())
+            }
+        };
         let mut failed = Vec::new();
         for (image, entry) in images.iter().zip(entries) {
             entry.index().restore_image(&image.snapshot, &image.marks);
@@ -1576,7 +1625,8 @@ impl Registry {
                                 registration.endpoint
                             )))
                         } else {
-                            self.register(registration.clone()).map(drop)
+                            room_beside_configured()
+                                .and_then(|()| self.register(registration.clone()).map(drop))
                         };
                         if let Err(error) = registered {
                             let feeds = entry.feeds.lock();
@@ -1597,7 +1647,9 @@ impl Registry {
                         if feeds.contains_key(worker) {
                             continue;
                         }
-                        if let Err(error) = self.reserve_rank() {
+                        if let Err(error) =
+                            room_beside_configured().and_then(|()| self.reserve_rank())
+                        {
                             tracing::warn!(
                                 worker = worker.worker_id,
                                 dp_rank = worker.dp_rank,
@@ -1691,8 +1743,14 @@ impl Registry {
     /// Unregisters `instance_id` (one rank or all) from the index of `model` in `tenant`, or in
     /// every tenant the caller may use (`tenant = None`).
     ///
+    /// An ingest publishes the unregistration to the event log also for an index that holds
+    /// nothing of the worker (listed in `Unregistered::indexes`): the replicas may hold it while
+    /// the ingest does not — the ingest restarted since (it keeps no snapshot), or another
+    /// ingest of the stream fed the worker — and without it they kept its blocks for good. With
+    /// no index of the model here, it goes to the tenant named, or to the default tenant.
+    ///
     /// # Errors
-    /// NOT_FOUND if no index or no registration matched.
+    /// NOT_FOUND if no index or no registration matched (not on an ingest).
     pub(crate) fn unregister(
         &self,
         model: &str,
@@ -1712,26 +1770,72 @@ impl Registry {
             })
             .cloned()
             .collect();
-        if entries.is_empty() {
-            return Err(match tenant {
-                Some(tenant) => self.not_found(&IndexKey::new(model, tenant), &may_use),
-                None => ServiceError::NotFound(format!("no index for model {model:?}")),
-            });
+        let ingest = match &self.log_role {
+            Some(LogRole::Ingest(handle)) => Some(handle),
+            _ => None,
+        };
+        let mut keys: Vec<IndexKey> = entries.iter().map(|e| e.key.clone()).collect();
+        if keys.is_empty() {
+            let tenant = match (tenant, ingest) {
+                (Some(tenant), None) => {
+                    return Err(self.not_found(&IndexKey::new(model, tenant), &may_use));
+                }
+                (None, None) => {
+                    return Err(ServiceError::NotFound(format!(
+                        "no index for model {model:?}"
+                    )));
+                }
+                // An ingest forwards it: to the tenant named, or to the default tenant, where
+                // registrations that name none go (it knows no other tenant of the model).
+                (Some(tenant), Some(_)) => tenant,
+                (None, Some(_)) => DEFAULT_TENANT,
+            };
+            let key = IndexKey::new(model, tenant);
+            key.validate()?;
+            if !may_use(tenant) {
+                return Err(self.not_found(&key, &may_use));
+            }
+            keys.push(key);
         }
         let mut result = Unregistered::default();
-        for entry in entries {
+        for key in keys {
             // After any `PublishEvents` batch of the instance already admitted (its task may
             // still wait for room in the lane): it is applied and logged first, not after the
             // removal, where its blocks came back for a removed instance (`publish_order`).
+            // What the ingest forwards is decided under the same hold: a batch admitted in
+            // between (one that creates the index, too) is then logged before it.
             // On a blocking thread: every caller runs this off the runtime.
-            let order = self.publish_order(&entry.key, instance_id);
+            let order = self.publish_order(&key, instance_id);
             let _in_order = order.blocking_lock();
+            let Some(entry) = self.get(&key) else {
+                if let Some(log) = ingest {
+                    // The replicas do not read an unregistration's block size.
+                    let any_size = BlockSize::new(1).map_err(|e| {
+                        ServiceError::Internal(format!("block size 1 refused: {e}"))
+                    })?;
+                    log.send_now(log_record::encode_unregister(
+                        &key,
+                        any_size,
+                        instance_id,
+                        dp_rank,
+                    ));
+                    tracing::info!(
+                        model = %key.model,
+                        tenant = %key.tenant,
+                        instance_id,
+                        ?dp_rank,
+                        "forwarded the unregistration of a worker this ingest holds no index of"
+                    );
+                    result.indexes.push(key);
+                }
+                continue;
+            };
             let removed = entry.unregister(instance_id, dp_rank);
             self.remove_ranks(removed.registered as usize);
             let ranks = removed.registered + removed.unfed;
             let (listeners, blocks) = (removed.listeners_stopped, removed.blocks);
             if ranks > 0 {
-                result.indexes.push(entry.key.clone());
+                result.indexes.push(key);
                 tracing::info!(
                     model = %entry.key.model,
                     tenant = %entry.key.tenant,
@@ -1741,12 +1845,16 @@ impl Registry {
                     blocks,
                     "unregistered worker"
                 );
+            } else if ingest.is_some() {
+                // Held here nowhere in this index: the replicas may hold it all the same.
+                entry.forward_unregistration(instance_id, dp_rank);
+                result.indexes.push(key);
             }
             result.ranks_removed += ranks;
             result.listeners_stopped += listeners;
             result.blocks_removed += blocks;
         }
-        if result.ranks_removed == 0 {
+        if result.indexes.is_empty() {
             let rank = dp_rank.map_or_else(String::new, |r| format!(" rank {r}"));
             return Err(ServiceError::NotFound(format!(
                 "worker {instance_id}{rank} is not registered for model {model:?}{}",
@@ -1840,6 +1948,45 @@ mod tests {
             marks: BTreeMap::new(),
             snapshot: kvatlas_index::Snapshot::default(),
         }
+    }
+
+    /// A restart with a lowered `--max-registered-ranks`: the snapshot's recorded feeds leave
+    /// room for the configured workers, which are registered after the restore (before, the
+    /// recorded ones filled the limit and the start failed on its own `--workers`).
+    #[test]
+    fn recorded_feeds_leave_room_for_the_configured_workers() {
+        let registry = Registry::new(
+            IndexSettings::default(),
+            Limits {
+                max_registered_ranks: 2,
+                ..Limits::default()
+            },
+        );
+        let mut recorded = image("m", 16);
+        recorded.feeds = vec![
+            RecordedFeed::Grpc {
+                worker: Worker::new(1, 0),
+            },
+            RecordedFeed::Grpc {
+                worker: Worker::new(2, 0),
+            },
+        ];
+        let configured = vllm_rank(&recorded.key, 3, recorded.block_size, "tcp://127.0.0.1:1");
+        registry
+            .restore_images(&[recorded], Some(std::slice::from_ref(&configured)))
+            .expect("restored");
+        assert_eq!(registry.registered_ranks(), 1, "one place kept");
+        let entry = registry.all().pop().expect("the index");
+        let unfed = entry.unfed.lock().clone();
+        let reason = &unfed
+            .get(&Worker::new(2, 0))
+            .expect("rank 2 not fed")
+            .reason;
+        assert!(reason.contains("--workers"), "{reason}");
+        registry
+            .register(configured)
+            .expect("the configured worker fits");
+        assert_eq!(registry.registered_ranks(), 2);
     }
 
     /// A snapshot is restored whole or not at all: an index written twice (the second would

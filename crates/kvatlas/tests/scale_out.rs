@@ -919,6 +919,99 @@ fn a_publish_events_producer_restarting_at_zero_is_resynced_at_the_replicas() {
     ingest.kill_9();
 }
 
+/// An unregistration at an ingest that holds nothing of the worker — restarted since (an
+/// ingest keeps no snapshot), or the worker was fed through another ingest — reaches the
+/// replicas all the same. Before, it was NOT_FOUND at the ingest, and the replicas kept the
+/// worker's blocks for good.
+#[test]
+fn an_ingest_forwards_the_unregistration_of_a_worker_it_does_not_hold() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let first = Served::start(&["--publish-to", &nats.url(), "--publish-only"]);
+    let replica = replica(&nats);
+    ready(&first);
+    ready(&replica);
+    let of_worker = |instance_id: u64, external: u64, local: u64| {
+        let mut message = published(0, None, external, local);
+        message.instance_id = instance_id;
+        message
+    };
+    let blocks = [1001, 1002, 1003];
+    common::publish(
+        &first.grpc,
+        vec![
+            published(0, None, 1, 1001),
+            published(1, Some(1), 2, 1002),
+            published(2, Some(2), 3, 1003),
+        ],
+    );
+    common::publish(&first.grpc, vec![of_worker(6, 31, 3001)]);
+    let memberships = || metric_sum(&replica, "kvatlas_index_memberships", "model=\"m\"");
+    eventually("the replica holds workers 6 and 7", || {
+        blocks_of_worker_7(&replica, &blocks) == 3 && memberships() == 4
+    });
+    first.kill_9();
+    let second = Served::start(&["--publish-to", &nats.url(), "--publish-only"]);
+    ready(&second);
+    let unregister = |instance_id: u64, tenant: &str, all_tenants: bool| {
+        runtime().block_on(async {
+            let mut client = IndexerClient::connect(second.grpc.clone())
+                .await
+                .expect("connects");
+            client
+                .unregister_worker(v1::UnregisterWorkerRequest {
+                    index: Some(v1::IndexSelector {
+                        model: MODEL.into(),
+                        tenant: tenant.into(),
+                    }),
+                    instance_id,
+                    dp_rank: None,
+                    all_tenants,
+                })
+                .await
+                .map(tonic::Response::into_inner)
+                .expect("forwarded")
+        })
+    };
+    // No index of the model here: to the default tenant, where registrations naming none go.
+    let forwarded = unregister(6, "", true);
+    assert_eq!(forwarded.ranks_removed, 0, "the ingest held none of it");
+    assert_eq!(forwarded.indexes.len(), 1);
+    eventually("the replica removed worker 6", || memberships() == 3);
+    // Worker 8 publishes through the new ingest, which then holds the model's index, not
+    // worker 7.
+    common::publish(&second.grpc, vec![of_worker(8, 21, 2001)]);
+    let forwarded = unregister(7, "", true);
+    assert_eq!(forwarded.ranks_removed, 0, "the ingest held none of it");
+    assert_eq!(forwarded.indexes.len(), 1);
+    eventually("the replica removed worker 7 and kept worker 8", || {
+        blocks_of_worker_7(&replica, &blocks) == 0 && memberships() == 1
+    });
+    // Of a tenant the replica holds no index of: nothing is created there. Every record is
+    // applied once: 5 batches and 3 unregistrations.
+    unregister(9, "elsewhere", false);
+    eventually("the replica applied every record", || {
+        metric(&replica, "kvatlas_log_applied_total") == 8
+    });
+    let tenants = runtime().block_on(async {
+        let mut client = IndexerClient::connect(replica.grpc.clone())
+            .await
+            .expect("connects");
+        let listed = client
+            .list_indexes(v1::ListIndexesRequest::default())
+            .await
+            .expect("listed")
+            .into_inner();
+        listed
+            .indexes
+            .into_iter()
+            .filter_map(|info| info.index.map(|index| index.tenant))
+            .collect::<Vec<_>>()
+    });
+    assert!(!tenants.iter().any(|t| t == "elsewhere"), "{tenants:?}");
+    replica.kill_9();
+    second.kill_9();
+}
+
 /// A record larger than nats-server's `max_payload` can never be published: the ingest counts
 /// it refused (an error log says what to change) and goes on with the worker's next records,
 /// which the replicas get. (Before, it was retried for ever, and the worker's later records
