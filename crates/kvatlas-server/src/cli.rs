@@ -29,8 +29,13 @@ use crate::server::{RunningServer, ShutdownReport, StartError};
 
 /// The longest `--quiet-probe-ms` (10 minutes).
 const MAX_QUIET_PROBE_MS: u64 = 600_000;
-/// The longest duration a `--*-secs` setting takes (ten years).
-const MAX_DURATION_SECS: u64 = 10 * 365 * 24 * 3600;
+/// The shortest `--quiet-probe-ms` but 0 (a quiet engine's replay endpoint is asked this often
+/// per rank: below it, the probes are a load on the engines that finds nothing sooner than the
+/// live stream would).
+const MIN_QUIET_PROBE_MS: u64 = 50;
+/// The exit status after a second SIGINT or SIGTERM cut the graceful shutdown short (128 +
+/// SIGINT's number, as shells report an interrupted command).
+pub const SECOND_SIGNAL_EXIT: i32 = 130;
 /// The most `--runtime-threads`.
 const MAX_RUNTIME_THREADS: usize = 1024;
 
@@ -174,6 +179,29 @@ fn parse_port(value: &str) -> Result<PortArg, String> {
     Err(format!("{value:?} is not a port number (0 to 65535)"))
 }
 
+/// A listen address: an IP address and a port, or `localhost:PORT` (127.0.0.1). Other host
+/// names are refused saying what to give (a listener binds an interface's address; a name
+/// that resolves to several, or to another one tomorrow, is not one).
+fn parse_listen_addr(value: &str) -> Result<SocketAddr, String> {
+    let value = value.trim();
+    if let Ok(addr) = value.parse() {
+        return Ok(addr);
+    }
+    if let Some(port) = value.strip_prefix("localhost:")
+        && let Ok(port) = port.parse::<u16>()
+    {
+        return Ok(SocketAddr::new(
+            std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            port,
+        ));
+    }
+    Err(format!(
+        "{value:?} is not an IP address and port: give one such as 127.0.0.1:8090 (loopback), \
+         0.0.0.0:8090 (every IPv4 interface) or [::]:8090; host names other than localhost \
+         are not resolved"
+    ))
+}
+
 /// `kvatlas serve`: run the index service.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeArgs {
@@ -182,11 +210,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVATLAS_CONFIG")]
     pub config: Option<PathBuf>,
     /// gRPC listen address [default: 127.0.0.1:50051; port 0 picks a free port].
-    #[arg(long, env = "KVATLAS_GRPC_ADDR")]
+    #[arg(long, env = "KVATLAS_GRPC_ADDR", value_parser = parse_listen_addr)]
     pub grpc_addr: Option<SocketAddr>,
     /// HTTP listen address for /health, /ready, /metrics, /snapshot and Dynamo's API
     /// [default: 127.0.0.1:8090].
-    #[arg(long, env = "KVATLAS_HTTP_ADDR")]
+    #[arg(long, env = "KVATLAS_HTTP_ADDR", value_parser = parse_listen_addr)]
     pub http_addr: Option<SocketAddr>,
     /// The HTTP port on the HTTP address's host (Dynamo's `--port`; kvatlas still listens on
     /// loopback unless --http-addr says otherwise). `KVATLAS_PORT` does not change an
@@ -502,45 +530,6 @@ impl ServeArgs {
         };
         // (What the file gave, for the settings without effect: `file` is taken apart below.)
         let given_by_file = file.clone();
-        // Durations are added to clocks (a deadline, a timer's next tick): one far beyond any
-        // use overflowed there and panicked, or reached NATS wrapped.
-        for (flag, secs) in [
-            (
-                "--snapshot-interval-secs",
-                self.snapshot_interval_secs.or(file.snapshot_interval_secs),
-            ),
-            (
-                "--stall-timeout-secs",
-                self.stall_timeout_secs.or(file.stall_timeout_secs),
-            ),
-            (
-                "--reload-check-secs",
-                self.reload_check_secs.or(file.reload_check_secs),
-            ),
-            (
-                "--shutdown-timeout-secs",
-                self.shutdown_timeout_secs.or(file.shutdown_timeout_secs),
-            ),
-            (
-                "--nats-max-age-secs",
-                self.nats_max_age_secs.or(file.nats_max_age_secs),
-            ),
-            (
-                "--nats-snapshot-interval-secs",
-                self.nats_snapshot_interval_secs
-                    .or(file.nats_snapshot_interval_secs),
-            ),
-            (
-                "--nats-live-confirm-secs",
-                self.nats_live_confirm_secs.or(file.nats_live_confirm_secs),
-            ),
-        ] {
-            if let Some(secs) = secs.filter(|&secs| secs > MAX_DURATION_SECS) {
-                return Err(CliError::Config(format!(
-                    "{flag} {secs}: at most {MAX_DURATION_SECS} (ten years)"
-                )));
-            }
-        }
         if let Some(threads) = self
             .runtime_threads
             .or(file.runtime_threads)
@@ -627,6 +616,13 @@ impl ServeArgs {
                             return Err(CliError::Config(format!(
                                 "--quiet-probe-ms {ms} is longer than {MAX_QUIET_PROBE_MS} \
                                  (10 minutes); 0 turns probing off"
+                            )));
+                        }
+                        Some(ms) if ms < MIN_QUIET_PROBE_MS => {
+                            return Err(CliError::Config(format!(
+                                "--quiet-probe-ms {ms} is shorter than {MIN_QUIET_PROBE_MS}: \
+                                 each quiet engine's replay endpoint would be asked every {ms} \
+                                 ms; 0 turns probing off"
                             )));
                         }
                         Some(ms) => Some(Duration::from_millis(ms)),
@@ -970,7 +966,33 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
                 return Ok(None);
             }
         };
-        Ok::<_, CliError>(Some(server.run_until(signal).await))
+        let watcher = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let watcher_slot = std::sync::Arc::clone(&watcher);
+        let first_then_watch = async move {
+            signal.await;
+            // A second signal while the graceful shutdown runs (open streams waited for up to
+            // --shutdown-timeout-secs, then the final snapshot) stops the process at once, as
+            // an operator pressing Ctrl-C twice expects.
+            let second = crate::shutdown_signal();
+            let watching = tokio::spawn(async move {
+                second.await;
+                tracing::warn!(
+                    "a second shutdown signal: exiting now, without the rest of the graceful \
+                     shutdown or the final snapshot"
+                );
+                std::process::exit(SECOND_SIGNAL_EXIT);
+            });
+            if let Ok(mut slot) = watcher_slot.lock() {
+                *slot = Some(watching);
+            }
+        };
+        let report = server.run_until(first_then_watch).await;
+        // The shutdown is complete (its snapshot written): a signal now does not cut the
+        // summary short.
+        if let Some(watching) = watcher.lock().ok().and_then(|mut slot| slot.take()) {
+            watching.abort();
+        }
+        Ok::<_, CliError>(Some(report))
     })?;
     match report {
         Some(report) => {
@@ -1716,6 +1738,7 @@ fn tls_pair(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::MAX_DURATION;
 
     #[test]
     fn number_lists_accept_common_forms() {
@@ -2061,8 +2084,8 @@ mod tests {
         assert!(parse(&["serve", "--port", "http"]).is_err());
     }
 
-    /// `--quiet-probe-ms`: the listeners' probe interval; 0 turns probing off; too long is
-    /// refused with the flag's name; unset keeps the library's default.
+    /// `--quiet-probe-ms`: the listeners' probe interval; 0 turns probing off; too long or too
+    /// short is refused with the flag's name; unset keeps the library's default.
     #[test]
     fn the_quiet_probe_interval_is_set_turned_off_or_refused() {
         let probe = |ms: Option<u64>| {
@@ -2085,6 +2108,9 @@ mod tests {
         let error = probe(Some(MAX_QUIET_PROBE_MS + 1))
             .expect_err("too long")
             .to_string();
+        assert!(error.contains("--quiet-probe-ms"), "{error}");
+        assert!(probe(Some(MIN_QUIET_PROBE_MS)).is_ok());
+        let error = probe(Some(1)).expect_err("too short").to_string();
         assert!(error.contains("--quiet-probe-ms"), "{error}");
     }
 
@@ -2112,6 +2138,7 @@ mod tests {
             ("--snapshot-interval-secs", &["--data-dir", "/d"]),
             ("--nats-max-age-secs", &nats),
             ("--nats-live-confirm-secs", &nats),
+            ("--nats-snapshot-interval-secs", &nats),
         ] {
             let at = |secs: u64| {
                 let secs = secs.to_string();
@@ -2120,9 +2147,9 @@ mod tests {
                 resolve(&flags)
             };
             assert!(
-                at(MAX_DURATION_SECS).is_ok(),
+                at(MAX_DURATION.as_secs()).is_ok(),
                 "{flag}: {:?}",
-                at(MAX_DURATION_SECS)
+                at(MAX_DURATION.as_secs())
             );
             let error = at(18_446_744_194).expect_err("beyond ten years");
             assert!(error.contains(flag), "{error}");
@@ -2130,6 +2157,28 @@ mod tests {
         assert!(resolve(&["--runtime-threads", "1024"]).is_ok());
         let error = resolve(&["--runtime-threads", "1000000"]).expect_err("too many");
         assert!(error.contains("--runtime-threads"), "{error}");
+    }
+
+    /// A listen address is an IP address and port or `localhost:PORT`; any other host name is
+    /// refused saying what to give (it was clap's bare "invalid socket address syntax").
+    #[test]
+    fn listen_addresses_take_localhost_and_refuse_other_names_saying_what_to_give() {
+        let parse = |flags: &[&str]| {
+            let mut line = vec!["serve"];
+            line.extend_from_slice(flags);
+            <CommandLine as clap::Parser>::try_parse_from(line).map(|line| line.serve)
+        };
+        let serve =
+            parse(&["--grpc-addr", "localhost:7001", "--http-addr", "[::1]:7002"]).expect("parses");
+        assert_eq!(
+            serve.grpc_addr,
+            Some("127.0.0.1:7001".parse().expect("addr"))
+        );
+        assert_eq!(serve.http_addr, Some("[::1]:7002".parse().expect("addr")));
+        for bad in ["kvatlas.internal:8090", "8090", "localhost"] {
+            let error = parse(&["--http-addr", bad]).expect_err(bad).to_string();
+            assert!(error.contains("0.0.0.0:8090"), "{bad}: {error}");
+        }
     }
 
     /// Dynamo's standalone indexer's command line (`python -m dynamo.indexer --port --threads

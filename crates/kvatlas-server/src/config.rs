@@ -219,6 +219,23 @@ pub struct ServerConfig {
     pub busy_poll: bool,
 }
 
+/// The longest duration a setting takes (ten years): durations are added to clocks (a
+/// deadline, a timer's next tick), and one far beyond any use overflowed there and panicked,
+/// or reached NATS wrapped.
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// Refuses a duration beyond [`MAX_DURATION`], naming the flag that sets it.
+pub(crate) fn within_max_duration(flag: &str, duration: Option<Duration>) -> Result<(), String> {
+    match duration {
+        Some(duration) if duration > MAX_DURATION => Err(format!(
+            "{flag} {}: at most {} (ten years)",
+            duration.as_secs(),
+            MAX_DURATION.as_secs()
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// How often the token file and the TLS certificate are checked for changes by default.
 pub const DEFAULT_RELOAD_CHECK: Duration = Duration::from_secs(10);
 
@@ -289,6 +306,17 @@ impl ServerConfig {
         }
         positive(self.limits.max_indexes, "max indexes")?;
         positive(self.limits.max_registered_ranks, "max registered ranks")?;
+        for (flag, duration) in [
+            ("--stall-timeout-secs", Some(self.limits.stall_timeout)),
+            ("--reload-check-secs", self.reload_check),
+            ("--shutdown-timeout-secs", Some(self.shutdown_timeout)),
+            (
+                "--snapshot-interval-secs",
+                self.persistence.as_ref().and_then(|p| p.interval),
+            ),
+        ] {
+            within_max_duration(flag, duration).map_err(ConfigError::Invalid)?;
+        }
         if self.limits.stall_timeout.is_zero() {
             return Err(ConfigError::Invalid(
                 "the stall timeout must be at least 1 second".into(),
@@ -572,6 +600,31 @@ mod tests {
             error.contains("--publish-to") && error.contains("--data-dir"),
             "{error}"
         );
+    }
+
+    /// A configuration built in code is held to the command line's bounds: a duration beyond
+    /// ten years is refused naming the flag (a `Duration::MAX` shutdown timeout overflowed the
+    /// clock at SIGTERM and panicked).
+    #[test]
+    fn a_duration_beyond_ten_years_is_refused_also_in_code() {
+        let beyond = MAX_DURATION + Duration::from_secs(1);
+        let mut config = ServerConfig {
+            shutdown_timeout: Duration::MAX,
+            ..ServerConfig::default()
+        };
+        let error = config.validate().expect_err("too long").to_string();
+        assert!(error.contains("--shutdown-timeout-secs"), "{error}");
+        config.shutdown_timeout = MAX_DURATION;
+        config.validate().expect("ten years");
+        config.reload_check = Some(beyond);
+        let error = config.validate().expect_err("too long").to_string();
+        assert!(error.contains("--reload-check-secs"), "{error}");
+        config.reload_check = None;
+        let mut log = crate::nats::NatsLog::new("nats://127.0.0.1:4222");
+        log.live_confirm_timeout = beyond;
+        config.consume_from = Some(log);
+        let error = config.validate().expect_err("too long").to_string();
+        assert!(error.contains("--nats-live-confirm-secs"), "{error}");
     }
 
     #[test]

@@ -367,6 +367,14 @@ impl NatsLog {
         if self.live_confirm_timeout.is_zero() {
             return Err("the live path's confirmation wait must be at least a second".into());
         }
+        for (flag, duration) in [
+            ("--nats-max-age-secs", Some(self.max_age)),
+            ("the duplicate window", Some(self.duplicate_window)),
+            ("--nats-snapshot-interval-secs", self.snapshot_interval),
+            ("--nats-live-confirm-secs", Some(self.live_confirm_timeout)),
+        ] {
+            crate::config::within_max_duration(flag, duration)?;
+        }
         let files = [
             (&self.access.token_file, "--nats-token-file"),
             (&self.access.nkey_file, "--nats-nkey-file"),

@@ -452,10 +452,7 @@ async fn try_peer(
         let memberships = registry
             .all()
             .iter()
-            .map(|entry| {
-                entry.pool.flush();
-                kvatlas_index::SharedKvIndex::stats(entry.index()).memberships
-            })
+            .map(|entry| kvatlas_index::SharedKvIndex::stats(entry.index()).memberships)
             .sum();
         Ok(Bootstrap::Dump {
             peer,

@@ -902,3 +902,60 @@ fn sigterm_while_starting_stops_the_start() {
         "{log:?}"
     );
 }
+
+/// A second SIGINT while the graceful shutdown waits (here for an HTTP request whose body
+/// never comes, up to a 120 s shutdown timeout) stops the process at once, with status 130
+/// and a warning that says what was cut short. Before, the second signal was taken by the
+/// handler and did nothing: an operator's second Ctrl-C waited out the whole timeout.
+#[test]
+fn a_second_signal_stops_the_graceful_shutdown_at_once() {
+    use std::time::{Duration, Instant};
+    let mut server = Served::start(&["--shutdown-timeout-secs", "120"]);
+    let mut in_flight = std::net::TcpStream::connect(&server.http).expect("connects");
+    in_flight
+        .write_all(
+            b"POST /query HTTP/1.1\r\nHost: kvatlas\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\n\r\n{",
+        )
+        .expect("a request begun");
+    // The request is in flight once the server has read its head; then the first signal.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while common::fleet::metric(&server, "kvatlas_requests_in_flight") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the request never reached the server"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    common::fleet::signal(&server, "INT");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        server.child.try_wait().expect("waits").is_none(),
+        "the graceful shutdown waits for the request in flight"
+    );
+    common::fleet::signal(&server, "INT");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = server.child.try_wait().expect("waits") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running 15 s after the second signal"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(
+        status.code(),
+        Some(kvatlas_server::cli::SECOND_SIGNAL_EXIT),
+        "{status:?}"
+    );
+    // (The process has exited: its stderr ends, and with it the reader's lines.)
+    let log: Vec<String> = server.stderr.iter().collect();
+    assert!(
+        log.iter()
+            .any(|line| line.contains("a second shutdown signal")),
+        "{log:?}"
+    );
+    drop(in_flight);
+}
