@@ -941,25 +941,19 @@ impl IndexEntry {
         // and a source whose engine restarted at sequence 0 had its batches dropped as stale).
         // Directly, not through a lane: the index's writes are serialized, and a unit another
         // rank's feed queues for this rank (a batch's dp_rank) after the flush is applied after
-        // the clear either way.
-        let mut report = self.pool.flush();
-        report.merge(&match dp_rank {
+        // the clear either way. (The flush's report is of every rank's queued units, other ranks'
+        // clears too: the blocks removed are the removal's own.)
+        self.pool.flush();
+        let report = match dp_rank {
             None => self.index().remove_worker_forgetting_marks(instance_id),
             Some(rank) => self
                 .index()
                 .clear_rank_forgetting_mark(Worker::new(instance_id, rank)),
-        });
+        };
         // Counted once the removal is done: a snapshot taken before sees the count unchanged
         // and the next one is written.
         self.unregistrations.fetch_add(1, Ordering::AcqRel);
-        if let Some(log) = &self.log {
-            log.send_now(log_record::encode_unregister(
-                &self.key,
-                self.block_size,
-                instance_id,
-                dp_rank,
-            ));
-        }
+        self.publish_unregistration(instance_id, dp_rank);
         RanksRemoved {
             registered: u32::try_from(removed.len()).unwrap_or(u32::MAX),
             unfed: u32::try_from(unfed.len() + unlisted.len()).unwrap_or(u32::MAX),
@@ -968,16 +962,25 @@ impl IndexEntry {
         }
     }
 
+    /// Queues an unregistration of `instance_id` (one rank, or all) for the event log, on an
+    /// ingest; `true` if it was queued.
+    fn publish_unregistration(&self, instance_id: u64, dp_rank: Option<u32>) -> bool {
+        let Some(log) = &self.log else {
+            return false;
+        };
+        log.send_now(log_record::encode_unregister(
+            &self.key,
+            self.block_size,
+            instance_id,
+            dp_rank,
+        ));
+        true
+    }
+
     /// Publishes an unregistration of `instance_id` (one rank, or all) that matched nothing
     /// here to the event log, for the replicas (an ingest only; see `Registry::unregister`).
     fn forward_unregistration(&self, instance_id: u64, dp_rank: Option<u32>) {
-        if let Some(log) = &self.log {
-            log.send_now(log_record::encode_unregister(
-                &self.key,
-                self.block_size,
-                instance_id,
-                dp_rank,
-            ));
+        if self.publish_unregistration(instance_id, dp_rank) {
             tracing::info!(
                 model = %self.key.model,
                 tenant = %self.key.tenant,
@@ -1948,6 +1951,48 @@ mod tests {
             marks: BTreeMap::new(),
             snapshot: kvatlas_index::Snapshot::default(),
         }
+    }
+
+    /// The blocks an unregistration reports removed are its own: another rank's clear, applied
+    /// from the writers' queue since their last flush, is not counted in (it was).
+    #[test]
+    fn an_unregistration_counts_only_the_blocks_it_removed() {
+        use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier};
+        let registry = Registry::new(IndexSettings::default(), Limits::default());
+        let key = IndexKey::new("m", DEFAULT_TENANT);
+        let (entry, _) = registry
+            .index_for(&key, Some(BlockSize::new(16).expect("16")))
+            .expect("the index");
+        let store = |worker: Worker, blocks: u64| Mutation::Stored {
+            worker,
+            tier: Tier::Device,
+            parent: None,
+            blocks: (0..blocks)
+                .map(|i| StoredBlock {
+                    external: ExternalBlockHash::new(worker.worker_id * 100 + i),
+                    local: kvatlas_hash::LocalBlockHash::new(worker.worker_id * 100 + i),
+                })
+                .collect(),
+        };
+        let (leaving, other) = (Worker::new(4, 0), Worker::new(5, 0));
+        for mutation in [store(leaving, 2), store(other, 3)] {
+            entry.pool.enqueue(mutation).expect("queued");
+        }
+        entry.pool.flush();
+        // Applied by a writer, not flushed: its report waits for the next flush.
+        entry
+            .pool
+            .enqueue(Mutation::Cleared { worker: other })
+            .expect("queued");
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while entry.blocks_per_rank().contains_key(&other) {
+            assert!(Instant::now() < deadline, "the clear is never applied");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let removed = registry
+            .unregister("m", Some(DEFAULT_TENANT), 4, None, |_| true)
+            .expect("worker 4 holds blocks");
+        assert_eq!(removed.blocks_removed, 2, "worker 4's two blocks only");
     }
 
     /// A restart with a lowered `--max-registered-ranks`: the snapshot's recorded feeds leave
