@@ -6,9 +6,11 @@
 //!
 //! The task holds the answer's places (`Held`: its place among the whole-state reads, its
 //! request's place among the concurrent requests and its token's) until it ends: it ends when
-//! the answer is written, when the reader goes away, or when the reader takes no chunk for the
-//! stall timeout (`Limits::stall_timeout`). A reader that stalls therefore cannot hold a place
-//! for ever; what it later reads ends with an error, never as a clean but cut answer.
+//! the answer is written, when the reader goes away, when the reader takes no chunk for the
+//! stall timeout (`Limits::stall_timeout`), or when, once twice the stall timeout has passed
+//! since the answer began, the reader has taken less than [`MIN_READ_RATE`] on average. A reader that
+//! stalls, or that trickles (a chunk every 29 s held a place for hours), therefore cannot hold
+//! a place for ever; what it later reads ends with an error, never as a clean but cut answer.
 
 use std::io::{self, Write};
 use std::pin::Pin;
@@ -30,6 +32,9 @@ use crate::state::{DumpPermit, Permit};
 pub(crate) const CHUNK: usize = 1 << 20;
 /// Chunks buffered between the encoder and the network.
 const IN_FLIGHT: usize = 4;
+/// The slowest a reader may take a whole-state answer on average, once twice the stall timeout
+/// has passed since the answer began (256 KiB/s, 2 Mbit/s: a 1 GiB snapshot in 68 minutes).
+pub(crate) const MIN_READ_RATE: u64 = 256 << 10;
 
 /// How a snapshot's writing ended: `None` until it ended; then `Ok` or the reason it stopped.
 type Outcome = Arc<Mutex<Option<Result<(), String>>>>;
@@ -44,14 +49,19 @@ pub(crate) struct Held {
     pub(crate) request: Option<Permit>,
 }
 
-/// Writes into the channel in pieces of at most `chunk` bytes; fails once the receiver is gone or has
-/// taken nothing for `stall`.
+/// Writes into the channel in pieces of at most `chunk` bytes; fails once the receiver is gone,
+/// has taken nothing for `stall`, or has taken less than `min_rate` bytes per second on average
+/// once twice `stall` has passed since `started`.
 pub(crate) struct ChannelWriter {
     tx: mpsc::Sender<Bytes>,
     buf: Vec<u8>,
     chunk: usize,
     stall: Duration,
     runtime: tokio::runtime::Handle,
+    started: tokio::time::Instant,
+    /// Bytes the reader has taken (sent into the channel).
+    sent: u64,
+    min_rate: u64,
 }
 
 impl ChannelWriter {
@@ -63,11 +73,32 @@ impl ChannelWriter {
             &mut self.buf,
             Vec::with_capacity(self.chunk),
         ));
-        let sent = self
-            .runtime
-            .block_on(tokio::time::timeout(self.stall, self.tx.send(chunk)));
+        let length = chunk.len() as u64;
+        // What the reader has taken earns it time beyond twice `stall` (a reader that takes
+        // nothing meets the stall deadline first, and is told so).
+        let earned = Duration::from_secs_f64(self.sent as f64 / self.min_rate.max(1) as f64);
+        let rate_deadline = self.started + 2 * self.stall + earned;
+        let stall_deadline = tokio::time::Instant::now() + self.stall;
+        let sent = self.runtime.block_on(tokio::time::timeout_at(
+            rate_deadline.min(stall_deadline),
+            self.tx.send(chunk),
+        ));
         match sent {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(())) => {
+                self.sent += length;
+                Ok(())
+            }
+            Err(_) if rate_deadline < stall_deadline => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the reader took {} bytes in {:.1?}, under {} KiB/s: the answer was \
+                     abandoned and its places (among the whole-state reads and the concurrent \
+                     requests) freed; read faster",
+                    self.sent,
+                    self.started.elapsed(),
+                    self.min_rate >> 10
+                ),
+            )),
             Ok(Err(_)) => Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
                 "the reader went away",
@@ -157,16 +188,18 @@ pub(crate) fn stream_filtered(
     held: Held,
     stall: Duration,
 ) -> SnapshotStream {
-    stream_in_chunks(registry, include, held, stall, CHUNK)
+    stream_in_chunks(registry, include, held, stall, CHUNK, MIN_READ_RATE)
 }
 
-/// [`stream_filtered`] in chunks of `chunk` bytes (tests use small ones).
+/// [`stream_filtered`] in chunks of `chunk` bytes, read at `min_rate` at least (tests use
+/// small ones).
 fn stream_in_chunks(
     registry: Arc<Registry>,
     include: impl Fn(&IndexKey) -> bool + Send + 'static,
     held: Held,
     stall: Duration,
     chunk: usize,
+    min_rate: u64,
 ) -> SnapshotStream {
     let write = move |sink: &mut ChannelWriter| {
         let mut writer = Writer::new(sink, unix_micros_now())?;
@@ -178,22 +211,34 @@ fn stream_in_chunks(
         writer.finish()?;
         Ok::<_, crate::snapshot::SnapshotError>(())
     };
-    stream_written(
+    stream_written_at(
         move |sink| write(sink).map_err(|error| error.to_string()),
         held,
         stall,
         chunk,
+        min_rate,
     )
 }
 
 /// The answer `write` writes, as a stream of chunks of at most `chunk` bytes, written by a
 /// blocking task that holds `held` until the writing ends (written whole, failed, the reader
-/// gone, or stalled for `stall`).
+/// gone, stalled for `stall`, or slower than [`MIN_READ_RATE`] after it).
 pub(crate) fn stream_written(
     write: impl FnOnce(&mut ChannelWriter) -> Result<(), String> + Send + 'static,
     held: Held,
     stall: Duration,
     chunk: usize,
+) -> SnapshotStream {
+    stream_written_at(write, held, stall, chunk, MIN_READ_RATE)
+}
+
+/// [`stream_written`] with the reader's minimum rate `min_rate`.
+fn stream_written_at(
+    write: impl FnOnce(&mut ChannelWriter) -> Result<(), String> + Send + 'static,
+    held: Held,
+    stall: Duration,
+    chunk: usize,
+    min_rate: u64,
 ) -> SnapshotStream {
     let (tx, rx) = mpsc::channel(IN_FLIGHT);
     let outcome: Outcome = Arc::default();
@@ -208,6 +253,9 @@ pub(crate) fn stream_written(
             chunk,
             stall,
             runtime,
+            started: tokio::time::Instant::now(),
+            sent: 0,
+            min_rate,
         };
         let written =
             write(&mut sink).and_then(|()| sink.flush().map_err(|error| error.to_string()));
@@ -275,6 +323,24 @@ mod tests {
         Arc::new(State::new(registry, Limits::default(), None, 0))
     }
 
+    /// The snapshot of every index of `state` in 256-byte chunks: far more than the channel
+    /// buffers.
+    fn in_small_chunks(
+        state: &State,
+        held: Held,
+        stall: Duration,
+        min_rate: u64,
+    ) -> SnapshotStream {
+        stream_in_chunks(
+            Arc::clone(&state.registry),
+            |_| true,
+            held,
+            stall,
+            256,
+            min_rate,
+        )
+    }
+
     /// Every item of a stream: the bytes before the first error, and that error.
     async fn drain(mut stream: SnapshotStream) -> (Vec<u8>, Option<io::Error>) {
         let mut bytes = Vec::new();
@@ -309,7 +375,7 @@ mod tests {
                 let held = state
                     .admit_dump("Snapshot", Some(request))
                     .expect("a place");
-                stream_in_chunks(Arc::clone(&state.registry), |_| true, held, stall, 256)
+                in_small_chunks(&state, held, stall, MIN_READ_RATE)
             })
             .collect();
         assert!(
@@ -357,7 +423,7 @@ mod tests {
             );
         }
 
-        let read = stream_in_chunks(Arc::clone(&state.registry), |_| true, held, stall, 256);
+        let read = in_small_chunks(&state, held, stall, MIN_READ_RATE);
         let (bytes, error) = drain(read).await;
         assert!(error.is_none(), "{error:?}");
         let (_, images) = crate::snapshot::read(bytes.as_slice()).expect("a whole snapshot");
@@ -368,5 +434,33 @@ mod tests {
             state.registry.all()[0].image().snapshot,
             "the snapshot read back is the index's"
         );
+    }
+
+    /// A reader that never stalls but takes a chunk only now and then (here 256 bytes every
+    /// 50 ms, about 5 KiB/s, against a minimum of 20 KiB/s) loses the answer once twice the
+    /// stall timeout has passed and it is behind the minimum rate: its place is freed and what it
+    /// reads ends in an error naming the rate. (A chunk every 29 s held a place for hours.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_slower_than_the_minimum_rate_loses_its_place() {
+        let state = state_holding(5_000);
+        let stall = Duration::from_millis(300);
+        let held = state.admit_dump("Snapshot", None).expect("a place");
+        let mut trickle = in_small_chunks(&state, held, stall, 20 << 10);
+        let started = Instant::now();
+        let error = loop {
+            match trickle.next().await {
+                Some(Ok(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Some(Err(error)) => break error,
+                None => panic!("a trickling reader was sent the whole answer"),
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "still reading after 20 s"
+            );
+        };
+        assert!(error.to_string().contains("KiB/s"), "{error}");
+        state
+            .admit_dump("/snapshot", None)
+            .expect("its place is free again");
     }
 }
