@@ -869,18 +869,6 @@ pub fn read_within(
                     runs.push((entry as usize, last as usize, tiers));
                     memberships += u64::from(tiers.bits().count_ones()) * (further + 1);
                     pairs[image] = pairs[image].saturating_add(further + 1);
-                    // A writer bounded by a capacity never holds more: the stream is damaged (its
-                    // checksum, at its end, is not read yet; without this, a damaged count was
-                    // blamed on this server's --capacity).
-                    if let Some(written) = images[image].capacity
-                        && pairs[image] > written
-                    {
-                        return Err(SnapshotError::Corrupt(format!(
-                            "index {} holds at least {} (rank, block) pairs, more than the \
-                             capacity of {written} it was written with",
-                            images[image].key, pairs[image]
-                        )));
-                    }
                     // As read, not at the trailer: what is beyond the bound is not held first.
                     if let Some(capacity) = limits.capacity
                         && pairs[image] > capacity
@@ -1412,32 +1400,6 @@ mod tests {
             ),
             "refused at the rank that passes the bound"
         );
-    }
-
-    /// An index holding more pairs than the capacity it was written with is damaged, and said
-    /// to be, also on a server whose own capacity it exceeds (it was blamed on `--capacity`).
-    #[test]
-    fn more_pairs_than_the_written_capacity_is_damage_not_over_capacity() {
-        let mut stream = whole_table_ranks(4, 3, |i| i, 12, true);
-        // The index record's last byte is its capacity (0: unbounded); 10 instead, and the
-        // checksum made to match, so only the count betrays it.
-        stream[header_and_index().len() - 1] = 10;
-        let body = stream.len() - 8;
-        let digest = xxhash_rust::xxh3::xxh3_64(&stream[..body]);
-        stream[body..].copy_from_slice(&digest.to_le_bytes());
-        for limits in [
-            ReadLimits::default(),
-            ReadLimits {
-                capacity: Some(11),
-                ..ReadLimits::default()
-            },
-        ] {
-            let Err(error) = read_within(&stream[..], limits) else {
-                panic!("12 pairs under a written capacity of 10 are refused");
-            };
-            assert!(matches!(error, SnapshotError::Corrupt(_)), "{error}");
-            assert!(error.to_string().contains("written with"), "{error}");
-        }
     }
 
     /// A rank's run that starts within the run before it is refused: a writer writes a rank's

@@ -7,8 +7,9 @@
 //! The task holds the answer's places (`Held`: its place among the whole-state reads, its
 //! request's place among the concurrent requests and its token's) until it ends: it ends when
 //! the answer is written, when the reader goes away, when the reader takes no chunk for the
-//! stall timeout (`Limits::stall_timeout`), or when, once twice the stall timeout has passed
-//! since the answer began, the reader has taken less than [`MIN_READ_RATE`] on average. A reader that
+//! stall timeout (`Limits::stall_timeout`), or when the time the answer has waited for its
+//! reader exceeds twice the stall timeout plus the time the bytes taken earn at
+//! [`MIN_READ_RATE`] (the time spent producing the answer is not counted). A reader that
 //! stalls, or that trickles (a chunk every 29 s held a place for hours), therefore cannot hold
 //! a place for ever; what it later reads ends with an error, never as a clean but cut answer.
 
@@ -32,8 +33,8 @@ use crate::state::{DumpPermit, Permit};
 pub(crate) const CHUNK: usize = 1 << 20;
 /// Chunks buffered between the encoder and the network.
 const IN_FLIGHT: usize = 4;
-/// The slowest a reader may take a whole-state answer on average, once twice the stall timeout
-/// has passed since the answer began (256 KiB/s, 2 Mbit/s: a 1 GiB snapshot in 68 minutes).
+/// The slowest a reader may take a whole-state answer on average, beyond a grace of twice the
+/// stall timeout (256 KiB/s, 2 Mbit/s: a 1 GiB snapshot in 68 minutes).
 pub(crate) const MIN_READ_RATE: u64 = 256 << 10;
 
 /// How a snapshot's writing ended: `None` until it ended; then `Ok` or the reason it stopped.
@@ -50,15 +51,19 @@ pub(crate) struct Held {
 }
 
 /// Writes into the channel in pieces of at most `chunk` bytes; fails once the receiver is gone,
-/// has taken nothing for `stall`, or has taken less than `min_rate` bytes per second on average
-/// once twice `stall` has passed since `started`.
+/// has taken nothing for `stall`, or the time spent waiting for it exceeds twice `stall` plus
+/// the time its bytes earn at `min_rate` bytes per second.
 pub(crate) struct ChannelWriter {
     tx: mpsc::Sender<Bytes>,
     buf: Vec<u8>,
     chunk: usize,
     stall: Duration,
     runtime: tokio::runtime::Handle,
+    /// When the answer began, moved on by the time spent producing it: the origin of the time
+    /// spent waiting for the reader.
     started: tokio::time::Instant,
+    /// When the last send ended (the producer's time since is excused).
+    last_sent: tokio::time::Instant,
     /// Bytes the reader has taken (sent into the channel).
     sent: u64,
     min_rate: u64,
@@ -74,6 +79,10 @@ impl ChannelWriter {
             Vec::with_capacity(self.chunk),
         ));
         let length = chunk.len() as u64;
+        // Only the time spent waiting for the reader counts against it: the time since the
+        // last send (taking an index's image, encoding) is excused.
+        let now = tokio::time::Instant::now();
+        self.started += now.saturating_duration_since(self.last_sent);
         // What the reader has taken earns it time beyond twice `stall` (a reader that takes
         // nothing meets the stall deadline first, and is told so).
         let earned = Duration::from_secs_f64(self.sent as f64 / self.min_rate.max(1) as f64);
@@ -83,6 +92,7 @@ impl ChannelWriter {
             rate_deadline.min(stall_deadline),
             self.tx.send(chunk),
         ));
+        self.last_sent = tokio::time::Instant::now();
         match sent {
             Ok(Ok(())) => {
                 self.sent += length;
@@ -254,6 +264,7 @@ fn stream_written_at(
             stall,
             runtime,
             started: tokio::time::Instant::now(),
+            last_sent: tokio::time::Instant::now(),
             sent: 0,
             min_rate,
         };
@@ -436,15 +447,47 @@ mod tests {
         );
     }
 
+    /// The time spent producing an answer (an index's image taken, encoded) is not the
+    /// reader's: an answer whose first chunk comes after three times the stall timeout, read
+    /// at once, ends whole (the rate's clock started with the answer, and such an answer was
+    /// cut at its first full buffer).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_time_spent_producing_an_answer_is_not_the_readers() {
+        let state = state_holding(1);
+        let stall = Duration::from_millis(200);
+        let held = state.admit_dump("Snapshot", None).expect("a place");
+        let answer = stream_written_at(
+            move |sink| {
+                std::thread::sleep(3 * stall);
+                for _ in 0..8 {
+                    sink.write_all(&[7; 256]).map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            },
+            held,
+            stall,
+            256,
+            1 << 20,
+        );
+        // Read once the buffer is full: the answer waits for the reader briefly.
+        tokio::time::sleep(3 * stall + Duration::from_millis(100)).await;
+        let (bytes, error) = drain(answer).await;
+        assert!(error.is_none(), "{error:?}");
+        assert_eq!(bytes.len(), 8 * 256);
+    }
+
     /// A reader that never stalls but takes a chunk only now and then (here 256 bytes every
-    /// 50 ms, about 5 KiB/s, against a minimum of 20 KiB/s) loses the answer once twice the
-    /// stall timeout has passed and it is behind the minimum rate: its place is freed and what it
+    /// 50 ms, about 5 KiB/s, against a minimum of 20 KiB/s) loses the answer once it has waited
+    /// for it beyond twice the stall timeout and what its bytes earn: its place is freed and what it
     /// reads ends in an error naming the rate. (A chunk every 29 s held a place for hours.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reader_slower_than_the_minimum_rate_loses_its_place() {
         let state = state_holding(5_000);
         let stall = Duration::from_millis(300);
         let held = state.admit_dump("Snapshot", None).expect("a place");
+        // The other place is taken: only the trickling reader's, freed, lets another in.
+        let _other = state.admit_dump("Snapshot", None).expect("the other place");
+        assert!(state.admit_dump("/snapshot", None).is_err(), "both held");
         let mut trickle = in_small_chunks(&state, held, stall, 20 << 10);
         let started = Instant::now();
         let error = loop {
