@@ -1242,13 +1242,27 @@ impl<N: RunNode> RunLedger<N> {
         r
     }
 
-    /// Restores one block from a snapshot (any order; dangling parents allowed).
-    pub(crate) fn restore<M: Membership<Node = N>>(&mut self, sink: &mut M, block: &SnapshotBlock) {
+    /// Restores one block from a snapshot (any order; dangling parents allowed). `open` is the
+    /// run the rank's previous restored block went into ([`RestoreRun::default`] for a rank's
+    /// first): a block whose parent is that run's last block, placed in the next slot with the
+    /// same tiers, extends it — a chain restored block by block is one run, as stored (a run
+    /// per block took 3–5× the original's heap).
+    pub(crate) fn restore<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
+        block: &SnapshotBlock,
+        open: &mut RestoreRun,
+    ) {
         if block.tiers.is_empty() || self.find(block.external).is_some() {
             return;
         }
         let previous = block.parent.and_then(|p| self.find(p));
-        let mut open = NIL;
+        let mut open_run = open.0;
+        // The open run is continued only by its own last block's child (`place_stretch`
+        // checks the slot and the tiers).
+        if open_run != NIL && previous != Some(self.end(open_run) - 1) {
+            open_run = NIL;
+        }
         let (pos, _) = self.alloc(1);
         self.hashes[pos as usize] = block.external;
         let hashes = &self.hashes;
@@ -1264,9 +1278,10 @@ impl<N: RunNode> RunLedger<N> {
             block.tiers,
             previous,
             block.parent,
-            &mut open,
+            &mut open_run,
             pos,
         );
+        open.0 = open_run;
         self.touch(pos);
     }
 
@@ -1673,5 +1688,16 @@ impl<N: RunNode> RunLedger<N> {
                 run.flags & FREE == 0 && run.flags & HAS_PARENT != 0 && run.parent_run == NIL
             })
         });
+    }
+}
+
+/// Where a rank's restore places its next block ([`RunLedger::restore`]): the run the previous
+/// block went into, if any.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RestoreRun(u32);
+
+impl Default for RestoreRun {
+    fn default() -> Self {
+        Self(NIL)
     }
 }

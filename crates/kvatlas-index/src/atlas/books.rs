@@ -185,8 +185,9 @@ impl Books {
                 ledger.track_recency(0);
             }
             let mut sink = Sink::new(forest, rank_index);
+            let mut open = crate::run_ledger::RestoreRun::default();
             for block in &w.blocks {
-                ledger.restore(&mut sink, block);
+                ledger.restore(&mut sink, block, &mut open);
             }
             drop(sink);
             clock = clock.max(ledger.clock());
