@@ -1242,25 +1242,43 @@ impl<N: RunNode> RunLedger<N> {
         r
     }
 
-    /// Restores one block from a snapshot (any order; dangling parents allowed). `open` is the
-    /// run the rank's previous restored block went into ([`RestoreRun::default`] for a rank's
-    /// first): a block whose parent is that run's last block, placed in the next slot with the
-    /// same tiers, extends it — a chain restored block by block is one run, as stored (a run
-    /// per block took 3–5× the original's heap).
+    /// Restores a rank's blocks from a snapshot (any order; dangling parents allowed), parents
+    /// before their children: a snapshot lists them by engine hash, so a chain's blocks are
+    /// scattered through it, and restored in that order each became a run of its own (3×
+    /// the original's heap). In parent-first order each block extends the run its parent
+    /// went into, and a chain is one run again, as stored. (Blocks on a cycle of parent links
+    /// come last, from the first of them listed.) Recency, under a capacity bound, is stamped
+    /// in that order.
     pub(crate) fn restore<M: Membership<Node = N>>(
         &mut self,
         sink: &mut M,
+        blocks: &[SnapshotBlock],
+    ) {
+        let mut open = NIL;
+        for i in parent_first(blocks) {
+            self.restore_one(sink, &blocks[i], &mut open);
+        }
+        #[cfg(debug_assertions)]
+        self.check();
+    }
+
+    /// Restores one block; `open` is the run the previous one went into (`NIL` for a rank's
+    /// first): a block whose parent is that run's last block, placed in the next slot with the
+    /// same tiers, extends it.
+    fn restore_one<M: Membership<Node = N>>(
+        &mut self,
+        sink: &mut M,
         block: &SnapshotBlock,
-        open: &mut RestoreRun,
+        open: &mut u32,
     ) {
         if block.tiers.is_empty() || self.find(block.external).is_some() {
             return;
         }
         let previous = block.parent.and_then(|p| self.find(p));
-        let mut open_run = open.0;
+        let mut open_run = *open;
         // The open run is continued only by its own last block's child (`place_stretch`
         // checks the slot and the tiers).
-        if open_run != NIL && previous != Some(self.end(open_run) - 1) {
+        if open_run != NIL && previous.is_none_or(|p| p + 1 != self.end(open_run)) {
             open_run = NIL;
         }
         let (pos, _) = self.alloc(1);
@@ -1281,7 +1299,7 @@ impl<N: RunNode> RunLedger<N> {
             &mut open_run,
             pos,
         );
-        open.0 = open_run;
+        *open = open_run;
         self.touch(pos);
     }
 
@@ -1691,13 +1709,60 @@ impl<N: RunNode> RunLedger<N> {
     }
 }
 
-/// Where a rank's restore places its next block ([`RunLedger::restore`]): the run the previous
-/// block went into, if any.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RestoreRun(u32);
-
-impl Default for RestoreRun {
-    fn default() -> Self {
-        Self(NIL)
+/// The positions of `blocks` with every block after its parent when its parent is among them,
+/// and each block's first child right after it (depth first, in listed order otherwise);
+/// blocks on a cycle of parent links last, from the first of them listed.
+fn parent_first(blocks: &[SnapshotBlock]) -> Vec<usize> {
+    let mut at: FxHashMap<ExternalBlockHash, usize> =
+        FxHashMap::with_capacity_and_hasher(blocks.len(), Default::default());
+    for (i, block) in blocks.iter().enumerate() {
+        at.entry(block.external).or_insert(i);
     }
+    let parent_of = |i: usize| {
+        blocks[i]
+            .parent
+            .and_then(|p| at.get(&p).copied())
+            .filter(|&p| p != i)
+    };
+    // Children in listed order, as index lists (a block's first child at `first[parent]`,
+    // the next at `next[child]`).
+    let mut first = vec![usize::MAX; blocks.len()];
+    let mut next = vec![usize::MAX; blocks.len()];
+    for i in (0..blocks.len()).rev() {
+        if let Some(p) = parent_of(i) {
+            next[i] = first[p];
+            first[p] = i;
+        }
+    }
+    let mut order = Vec::with_capacity(blocks.len());
+    let mut emitted = vec![false; blocks.len()];
+    let (mut stack, mut children) = (Vec::new(), Vec::new());
+    let mut walk = |root: usize, order: &mut Vec<usize>, emitted: &mut Vec<bool>| {
+        stack.push(root);
+        while let Some(i) = stack.pop() {
+            if std::mem::replace(&mut emitted[i], true) {
+                continue;
+            }
+            order.push(i);
+            // Pushed last-first, so that the first child is taken next.
+            children.clear();
+            let mut c = first[i];
+            while c != usize::MAX {
+                children.push(c);
+                c = next[c];
+            }
+            stack.extend(children.iter().rev());
+        }
+    };
+    for i in 0..blocks.len() {
+        if parent_of(i).is_none() {
+            walk(i, &mut order, &mut emitted);
+        }
+    }
+    for i in 0..blocks.len() {
+        if !emitted[i] {
+            walk(i, &mut order, &mut emitted);
+        }
+    }
+    order
 }

@@ -180,15 +180,13 @@ impl Books {
         for w in &snapshot.workers {
             let (rank_index, ledger, _) = self.rank_index_and_ledger(forest, w.worker);
             if bounded {
-                // Restored blocks count as stored now, in snapshot order, each rank's from 0
+                // Restored blocks count as stored now, in the order restored (a rank's parents
+                // before their children, `RunLedger::restore`), each rank's from 0
                 // (so a bound evicts the ranks' restored blocks in turn, not one rank's first).
                 ledger.track_recency(0);
             }
             let mut sink = Sink::new(forest, rank_index);
-            let mut open = crate::run_ledger::RestoreRun::default();
-            for block in &w.blocks {
-                ledger.restore(&mut sink, block, &mut open);
-            }
+            ledger.restore(&mut sink, &w.blocks);
             drop(sink);
             clock = clock.max(ledger.clock());
             self.release_if_empty(w.worker);
