@@ -1275,11 +1275,10 @@ impl<N: RunNode> RunLedger<N> {
             return;
         }
         let previous = block.parent.and_then(|p| self.find(p));
-        let mut open_run = *open;
         // The open run is continued only by its own last block's child (`place_stretch`
         // checks the slot and the tiers).
-        if open_run != NIL && previous.is_none_or(|p| p + 1 != self.end(open_run)) {
-            open_run = NIL;
+        if *open != NIL && previous.is_none_or(|p| p + 1 != self.end(*open)) {
+            *open = NIL;
         }
         let (pos, _) = self.alloc(1);
         self.hashes[pos as usize] = block.external;
@@ -1296,10 +1295,9 @@ impl<N: RunNode> RunLedger<N> {
             block.tiers,
             previous,
             block.parent,
-            &mut open_run,
+            open,
             pos,
         );
-        *open = open_run;
         self.touch(pos);
     }
 
@@ -1718,18 +1716,20 @@ fn parent_first(blocks: &[SnapshotBlock]) -> Vec<usize> {
     for (i, block) in blocks.iter().enumerate() {
         at.entry(block.external).or_insert(i);
     }
-    let parent_of = |i: usize| {
-        blocks[i]
-            .parent
-            .and_then(|p| at.get(&p).copied())
-            .filter(|&p| p != i)
-    };
+    let parents: Vec<Option<usize>> = (0..blocks.len())
+        .map(|i| {
+            blocks[i]
+                .parent
+                .and_then(|p| at.get(&p).copied())
+                .filter(|&p| p != i)
+        })
+        .collect();
     // Children in listed order, as index lists (a block's first child at `first[parent]`,
     // the next at `next[child]`).
     let mut first = vec![usize::MAX; blocks.len()];
     let mut next = vec![usize::MAX; blocks.len()];
     for i in (0..blocks.len()).rev() {
-        if let Some(p) = parent_of(i) {
+        if let Some(p) = parents[i] {
             next[i] = first[p];
             first[p] = i;
         }
@@ -1754,8 +1754,8 @@ fn parent_first(blocks: &[SnapshotBlock]) -> Vec<usize> {
             stack.extend(children.iter().rev());
         }
     };
-    for i in 0..blocks.len() {
-        if parent_of(i).is_none() {
+    for (i, parent) in parents.iter().enumerate() {
+        if parent.is_none() {
             walk(i, &mut order, &mut emitted);
         }
     }

@@ -966,32 +966,30 @@ pub fn serve(args: &ServeArgs) -> Result<(), CliError> {
                 return Ok(None);
             }
         };
-        let watcher = std::sync::Arc::new(std::sync::Mutex::new(None));
-        let watcher_slot = std::sync::Arc::clone(&watcher);
-        let first_then_watch = async move {
-            signal.await;
-            // A second signal while the graceful shutdown runs (open streams waited for up to
-            // --shutdown-timeout-secs, then the final snapshot) stops the process at once, as
-            // an operator pressing Ctrl-C twice expects.
-            let second = crate::shutdown_signal();
-            let watching = tokio::spawn(async move {
+        // A second signal while the graceful shutdown runs (open streams waited for up to
+        // --shutdown-timeout-secs, then the final snapshot) stops the process at once, as an
+        // operator pressing Ctrl-C twice expects. Its listener is taken as the first signal
+        // comes (not before: it would see the first one too).
+        let (first_came, second_signal) = tokio::sync::oneshot::channel();
+        let watching = tokio::spawn(async move {
+            if let Ok(second) = second_signal.await {
                 second.await;
                 tracing::warn!(
                     "a second shutdown signal: exiting now, without the rest of the graceful \
                      shutdown or the final snapshot"
                 );
                 std::process::exit(SECOND_SIGNAL_EXIT);
-            });
-            if let Ok(mut slot) = watcher_slot.lock() {
-                *slot = Some(watching);
             }
-        };
-        let report = server.run_until(first_then_watch).await;
+        });
+        let report = server
+            .run_until(async move {
+                signal.await;
+                let _ = first_came.send(crate::shutdown_signal());
+            })
+            .await;
         // The shutdown is complete (its snapshot written): a signal now does not cut the
         // summary short.
-        if let Some(watching) = watcher.lock().ok().and_then(|mut slot| slot.take()) {
-            watching.abort();
-        }
+        watching.abort();
         Ok::<_, CliError>(Some(report))
     })?;
     match report {

@@ -963,31 +963,15 @@ impl IndexEntry {
     }
 
     /// Queues an unregistration of `instance_id` (one rank, or all) for the event log, on an
-    /// ingest; `true` if it was queued.
-    fn publish_unregistration(&self, instance_id: u64, dp_rank: Option<u32>) -> bool {
-        let Some(log) = &self.log else {
-            return false;
-        };
-        log.send_now(log_record::encode_unregister(
-            &self.key,
-            self.block_size,
-            instance_id,
-            dp_rank,
-        ));
-        true
-    }
-
-    /// Publishes an unregistration of `instance_id` (one rank, or all) that matched nothing
-    /// here to the event log, for the replicas (an ingest only; see `Registry::unregister`).
-    fn forward_unregistration(&self, instance_id: u64, dp_rank: Option<u32>) {
-        if self.publish_unregistration(instance_id, dp_rank) {
-            tracing::info!(
-                model = %self.key.model,
-                tenant = %self.key.tenant,
+    /// ingest.
+    fn publish_unregistration(&self, instance_id: u64, dp_rank: Option<u32>) {
+        if let Some(log) = &self.log {
+            log.send_now(log_record::encode_unregister(
+                &self.key,
+                self.block_size,
                 instance_id,
-                ?dp_rank,
-                "forwarded the unregistration of a worker this ingest does not hold"
-            );
+                dp_rank,
+            ));
         }
     }
 
@@ -1810,6 +1794,15 @@ impl Registry {
             // On a blocking thread: every caller runs this off the runtime.
             let order = self.publish_order(&key, instance_id);
             let _in_order = order.blocking_lock();
+            let forwarded = |key: &IndexKey| {
+                tracing::info!(
+                    model = %key.model,
+                    tenant = %key.tenant,
+                    instance_id,
+                    ?dp_rank,
+                    "forwarded the unregistration of a worker this ingest does not hold"
+                );
+            };
             let Some(entry) = self.get(&key) else {
                 if let Some(log) = ingest {
                     // The replicas do not read an unregistration's block size.
@@ -1822,13 +1815,7 @@ impl Registry {
                         instance_id,
                         dp_rank,
                     ));
-                    tracing::info!(
-                        model = %key.model,
-                        tenant = %key.tenant,
-                        instance_id,
-                        ?dp_rank,
-                        "forwarded the unregistration of a worker this ingest holds no index of"
-                    );
+                    forwarded(&key);
                     result.indexes.push(key);
                 }
                 continue;
@@ -1850,7 +1837,8 @@ impl Registry {
                 );
             } else if ingest.is_some() {
                 // Held here nowhere in this index: the replicas may hold it all the same.
-                entry.forward_unregistration(instance_id, dp_rank);
+                entry.publish_unregistration(instance_id, dp_rank);
+                forwarded(&key);
                 result.indexes.push(key);
             }
             result.ranks_removed += ranks;

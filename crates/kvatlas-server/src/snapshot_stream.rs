@@ -59,11 +59,9 @@ pub(crate) struct ChannelWriter {
     chunk: usize,
     stall: Duration,
     runtime: tokio::runtime::Handle,
-    /// When the answer began, moved on by the time spent producing it: the origin of the time
-    /// spent waiting for the reader.
-    started: tokio::time::Instant,
-    /// When the last send ended (the producer's time since is excused).
-    last_sent: tokio::time::Instant,
+    /// The time spent waiting for the reader (in sends; the time spent producing the answer
+    /// is not the reader's).
+    waited: Duration,
     /// Bytes the reader has taken (sent into the channel).
     sent: u64,
     min_rate: u64,
@@ -79,20 +77,17 @@ impl ChannelWriter {
             Vec::with_capacity(self.chunk),
         ));
         let length = chunk.len() as u64;
-        // Only the time spent waiting for the reader counts against it: the time since the
-        // last send (taking an index's image, encoding) is excused.
-        let now = tokio::time::Instant::now();
-        self.started += now.saturating_duration_since(self.last_sent);
         // What the reader has taken earns it time beyond twice `stall` (a reader that takes
         // nothing meets the stall deadline first, and is told so).
         let earned = Duration::from_secs_f64(self.sent as f64 / self.min_rate.max(1) as f64);
-        let rate_deadline = self.started + 2 * self.stall + earned;
-        let stall_deadline = tokio::time::Instant::now() + self.stall;
+        let now = tokio::time::Instant::now();
+        let rate_deadline = now + (2 * self.stall + earned).saturating_sub(self.waited);
+        let stall_deadline = now + self.stall;
         let sent = self.runtime.block_on(tokio::time::timeout_at(
             rate_deadline.min(stall_deadline),
             self.tx.send(chunk),
         ));
-        self.last_sent = tokio::time::Instant::now();
+        self.waited += now.elapsed();
         match sent {
             Ok(Ok(())) => {
                 self.sent += length;
@@ -101,11 +96,11 @@ impl ChannelWriter {
             Err(_) if rate_deadline < stall_deadline => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!(
-                    "the reader took {} bytes in {:.1?}, under {} KiB/s: the answer was \
-                     abandoned and its places (among the whole-state reads and the concurrent \
-                     requests) freed; read faster",
+                    "the reader took {} bytes while the answer waited {:.1?} for it, under {} \
+                     KiB/s: the answer was abandoned and its places (among the whole-state \
+                     reads and the concurrent requests) freed; read faster",
                     self.sent,
-                    self.started.elapsed(),
+                    self.waited,
                     self.min_rate >> 10
                 ),
             )),
@@ -263,8 +258,7 @@ fn stream_written_at(
             chunk,
             stall,
             runtime,
-            started: tokio::time::Instant::now(),
-            last_sent: tokio::time::Instant::now(),
+            waited: Duration::ZERO,
             sent: 0,
             min_rate,
         };
