@@ -1101,6 +1101,7 @@ fn a_record_larger_than_the_streams_message_limit_is_refused_and_the_next_ones_a
 #[test]
 fn a_record_the_stream_refuses_does_not_go_live() {
     const LADDER: u64 = 24;
+    const SMALL_AT_MOST: u64 = 40;
     let nats = NatsServer::start_with_max_payload(4096)
         .expect("nats-server starts (cargo xtask ci installs it)");
     let ingest = Served::start(&["--publish-to", &nats.url()]);
@@ -1109,8 +1110,8 @@ fn a_record_the_stream_refuses_does_not_go_live() {
     ready(&replica);
     // Batches of 236 to 259 blocks, each block 16 bytes of the record (two fixed64 hashes):
     // records from below the 4,096 bytes of the stream's messages to above them, and above
-    // what a live message takes; then two batches of one block. One at a time, each stored
-    // (or refused) and read before the next, so that the replica's chain continues.
+    // what a live message takes; then batches of one block. One at a time, each stored (or
+    // refused) and read before the next, so that the replica's chain continues.
     let ladder = (0..LADDER).map(|seq| {
         let blocks = 236 + seq;
         let mut batch = published(seq, None, 0, 0);
@@ -1120,19 +1121,40 @@ fn a_record_the_stream_refuses_does_not_go_live() {
         }
         batch
     });
-    let small = [
-        published(LADDER, None, 1, 1001),
-        published(LADDER + 1, Some(1), 2, 1002),
-    ];
-    for (done, batch) in (1..).zip(ladder.chain(small)) {
+    let send = |done: u64, batch| {
         common::publish(&ingest.grpc, vec![batch]);
         eventually("the record stored or refused, and read", || {
             let published = metric(&ingest, "kvatlas_log_published_total");
             published + metric(&ingest, "kvatlas_log_publish_refused_total") == done
                 && metric(&replica, "kvatlas_log_consumed_total") == published
         });
+    };
+    for (done, batch) in (1..).zip(ladder) {
+        send(done, batch);
     }
-    assert_eq!(blocks_of_worker_7(&replica, &[1001, 1002]), 2);
+    // A chain of one-block batches until one is applied live (a few dozen at most): the live
+    // copy races the stream's, and under load the stream's can reach the replica first, the
+    // live one then skipped. Local hashes 1001, 1002, ...
+    let mut chain = Vec::new();
+    for block in 1..=SMALL_AT_MOST {
+        send(
+            LADDER + block,
+            published(
+                LADDER + block - 1,
+                (block > 1).then_some(block - 1),
+                block,
+                1000 + block,
+            ),
+        );
+        chain.push(1000 + block);
+        if block >= 2 && metric(&replica, "kvatlas_log_live_applied_total") > 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        blocks_of_worker_7(&replica, &chain),
+        u32::try_from(chain.len()).expect("small")
+    );
     let refused = metric(&ingest, "kvatlas_log_publish_refused_total");
     assert!(
         refused > 0 && refused < LADDER,
