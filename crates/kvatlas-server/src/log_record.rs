@@ -217,6 +217,30 @@ pub(crate) fn digest(record: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(record)
 }
 
+/// What a resync batch does, as a digest of its mutations (0 for any other record). A resync's
+/// clears are its ingest's own account of the ranks the source fed (a listener restarted since
+/// knows fewer), so two ingests' copies of one resync, alike in sequence number, fingerprint
+/// and flag, can clear different ranks: told apart by this, not by the engine's fingerprint.
+pub(crate) fn resync_content(body: &Body) -> u64 {
+    match body {
+        Body::Batch {
+            resync: true,
+            mutations,
+            ..
+        } => {
+            let mut bytes = Vec::new();
+            for mutation in mutations {
+                let encoded = encode_mutation(mutation).encode_to_vec();
+                prost::encoding::encode_varint(encoded.len() as u64, &mut bytes);
+                bytes.extend_from_slice(&encoded);
+            }
+            // Never 0, which stands for "not a resync".
+            digest(&bytes).max(1)
+        }
+        _ => 0,
+    }
+}
+
 /// A NATS message's payload: the records, each prefixed with its length (a protobuf varint).
 pub(crate) fn frame(records: &[Outgoing]) -> bytes::Bytes {
     let mut payload =
@@ -500,6 +524,31 @@ mod tests {
             received: None,
             published: None,
         }
+    }
+
+    #[test]
+    fn a_resyncs_content_is_its_mutations_not_its_stamp() {
+        let key = IndexKey::new("m", "t");
+        let size = BlockSize::new(16).expect("a block size");
+        let content = |unit: &Unit| {
+            let outgoing = encode_unit(&key, size, unit);
+            resync_content(&Record::decode(&outgoing.payload).expect("decodes").body)
+        };
+        let resync = sample();
+        let stamped = Unit {
+            published: Some(std::time::Instant::now()),
+            ..sample()
+        };
+        assert_ne!(content(&resync), 0);
+        assert_eq!(content(&resync), content(&stamped), "another ingest's stamp");
+        let mut fewer_clears = sample();
+        fewer_clears.mutations.remove(0);
+        assert_ne!(content(&resync), content(&fewer_clears));
+        let not_a_resync = Unit {
+            resync: false,
+            ..sample()
+        };
+        assert_eq!(content(&not_a_resync), 0);
     }
 
     #[test]

@@ -303,20 +303,23 @@ struct LiveId {
     resync: bool,
     /// Its batch's engine stamp (Unix µs), if any.
     published_micros: Option<i64>,
+    /// For a resync, the digest of its mutations (`log_record::resync_content`); else 0.
+    content: u64,
 }
 
 impl LiveId {
     /// Whether the stream's record `other` is this live record: the same bytes, or, for an
     /// engine's sequenced batch, the same sequence number, fingerprint (the hash of the
-    /// engine's payload, which fixes the mutations) and resync flag. (Two ingests stamp the
-    /// same batch with publish times that may differ by a microsecond: the bytes differ, the
-    /// state they make does not.)
+    /// engine's payload, which fixes the mutations) and resync flag, and for a resync the same
+    /// mutations (its clears are the ingest's, not the engine's). (Two ingests stamp the same
+    /// batch with publish times that may differ by a microsecond: the bytes differ, the state
+    /// they make does not.)
     fn is(&self, other: &LiveId) -> bool {
         self.digest == other.digest
             || (self.seq.is_some()
                 && self.fingerprint != 0
-                && (self.seq, self.fingerprint, self.resync)
-                    == (other.seq, other.fingerprint, other.resync))
+                && (self.seq, self.fingerprint, self.resync, self.content)
+                    == (other.seq, other.fingerprint, other.resync, other.content))
     }
 }
 
@@ -673,6 +676,7 @@ impl Consumer {
             fingerprint: *fingerprint,
             resync: *resync,
             published_micros: *published_unix_micros,
+            content: crate::log_record::resync_content(&record.body),
         });
         self.live_pending
             .insert(digest, (source_key, tokio::time::Instant::now()));
@@ -1100,6 +1104,7 @@ impl Consumer {
                     fingerprint: *fingerprint,
                     resync: *resync,
                     published_micros: *published_unix_micros,
+                    content: crate::log_record::resync_content(&record.body),
                 };
                 let admission = match chain.judge(source, &id) {
                     Verdict::Confirmed(confirmed) => {
@@ -1890,6 +1895,7 @@ mod tests {
                 fingerprint: digest * 10,
                 resync: false,
                 published_micros: None,
+                content: 0,
             });
         }
         assert_eq!(chain.recorded_pending(), 1);
@@ -1912,6 +1918,7 @@ mod tests {
             fingerprint: 77,
             resync: false,
             published_micros: None,
+            content: 0,
         };
         // Another ingest's copy: stamped a microsecond apart, the same engine batch.
         assert!(live.is(&LiveId { digest: 2, ..live }));
@@ -1929,6 +1936,22 @@ mod tests {
             digest: 2,
             resync: true,
             ..live
+        }));
+        // A resync's copy from another ingest clearing other ranks is another record; one
+        // making the same mutations is the same.
+        let resync = LiveId {
+            resync: true,
+            content: 41,
+            ..live
+        };
+        assert!(resync.is(&LiveId {
+            digest: 2,
+            ..resync
+        }));
+        assert!(!resync.is(&LiveId {
+            digest: 2,
+            content: 42,
+            ..resync
         }));
         // Without an engine fingerprint (PublishEvents) or a sequence, only the same bytes.
         let pushed = LiveId {
@@ -1963,6 +1986,7 @@ mod tests {
             fingerprint: 1,
             resync: false,
             published_micros: None,
+            content: 0,
         });
         assert_eq!(chain.tip(), Some(11));
         // Confirmed, the record is the stream's: the chain goes on from it.
@@ -1984,6 +2008,7 @@ mod tests {
             fingerprint: digest,
             resync: false,
             published_micros: None,
+            content: 0,
         }
     }
 

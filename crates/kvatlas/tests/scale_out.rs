@@ -389,7 +389,8 @@ fn record_of(
     .encode_to_vec()
 }
 
-/// Worker 7's device blocks matching `prompt` at `server` (0: not listed).
+/// Worker 7's device blocks matching `prompt` at `server`, on its rank matching most (0: not
+/// listed).
 fn blocks_of_worker_7(server: &Served, prompt: &[u64]) -> u32 {
     runtime().block_on(async {
         let mut client = IndexerClient::connect(server.grpc.clone())
@@ -403,8 +404,10 @@ fn blocks_of_worker_7(server: &Served, prompt: &[u64]) -> u32 {
             answer
                 .matches
                 .iter()
-                .find(|m| m.instance_id == 7)
-                .map_or(0, |m| m.device_blocks)
+                .filter(|m| m.instance_id == 7)
+                .map(|m| m.device_blocks)
+                .max()
+                .unwrap_or(0)
         })
     })
 }
@@ -773,6 +776,59 @@ fn a_live_record_whose_stream_copy_retention_dropped_is_kept() {
     );
     assert_eq!(metric(&replica, "kvatlas_log_live_applied_total"), 1);
     assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
+    replica.kill_9();
+}
+
+/// Two ingests' copies of one resync (the same engine batch: sequence number, fingerprint and
+/// flag) clearing different ranks (a listener restarted since knows only the ranks it has seen
+/// since) are two records: a replica that applied the copy clearing fewer ranks live is not
+/// confirmed by the stream's copy clearing more (it was: the replica kept, uncounted, blocks the
+/// stream's state had cleared), it goes back to the stream's state.
+#[test]
+fn a_resync_clearing_other_ranks_than_the_streams_copy_is_not_confirmed_by_it() {
+    use prost::Message as _;
+    use v1::log_mutation::Event;
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let (replica, feed, _first) = hand_fed_replica(&nats, &[]);
+    // Worker 7 feeds rank 1 too (one endpoint, several ranks): block 50, local 5001.
+    let mut on_rank_1 =
+        v1::LogRecord::decode(&record(2, 102, None, 50, 5001)[..]).expect("a record");
+    if let Some(v1::log_record::Body::Batch(batch)) = &mut on_rank_1.body {
+        batch.mutations[0].dp_rank = 1;
+    }
+    let on_rank_1 = on_rank_1.encode_to_vec();
+    feed.to_stream(&on_rank_1);
+    eventually("rank 1's block applied", || {
+        blocks_of_worker_7(&replica, &[5001]) == 1
+    });
+    // The engine restarted: sequence 3 is a resync. One ingest clears ranks 0 and 1, the
+    // other (restarted, it has seen rank 0 only) rank 0.
+    let resync = |ranks: &[u32]| {
+        let mut resync =
+            v1::LogRecord::decode(&record(3, 103, None, 2, 1002)[..]).expect("a record");
+        if let Some(v1::log_record::Body::Batch(batch)) = &mut resync.body {
+            batch.resync = true;
+            let clears = ranks.iter().map(|&dp_rank| v1::LogMutation {
+                dp_rank,
+                event: Some(Event::Cleared(v1::AllBlocksCleared {})),
+            });
+            batch.mutations.splice(0..0, clears);
+        }
+        resync.encode_to_vec()
+    };
+    feed.live(&resync(&[0]), &on_rank_1);
+    eventually("the narrower resync applied live", || {
+        metric(&replica, "kvatlas_log_live_applied_total") == 1
+            && blocks_of_worker_7(&replica, &[1002]) == 1
+    });
+    assert_eq!(blocks_of_worker_7(&replica, &[5001]), 1);
+    feed.to_stream(&resync(&[0, 1]));
+    eventually("the stream's state: rank 1 cleared", || {
+        metric(&replica, "kvatlas_log_live_divergences_total") == 1
+            && blocks_of_worker_7(&replica, &[5001]) == 0
+            && blocks_of_worker_7(&replica, &[1002]) == 1
+    });
+    ready(&replica);
     replica.kill_9();
 }
 
