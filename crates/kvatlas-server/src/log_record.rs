@@ -540,7 +540,11 @@ mod tests {
             ..sample()
         };
         assert_ne!(content(&resync), 0);
-        assert_eq!(content(&resync), content(&stamped), "another ingest's stamp");
+        assert_eq!(
+            content(&resync),
+            content(&stamped),
+            "another ingest's stamp"
+        );
         let mut fewer_clears = sample();
         fewer_clears.mutations.remove(0);
         assert_ne!(content(&resync), content(&fewer_clears));

@@ -384,6 +384,7 @@ pub(crate) async fn start(
         live_paused: false,
         overdue_stream_end: None,
         next_stream_info: tokio::time::Instant::now(),
+        stream_unreachable: None,
         applied: covered.unwrap_or(0),
         caught_up: false,
         last_snapshot: tokio::time::Instant::now(),
@@ -424,6 +425,12 @@ struct Consumer {
     /// When the stream's end may be asked for next (at most every 5 s: while JetStream is down
     /// each ask waits for its timeout, and the live subscription is not read meanwhile).
     next_stream_info: tokio::time::Instant,
+    /// When the stream was last seen out of reach (the connection down, an ask for its end
+    /// failing, the consumer stopping on an error). A live record's confirmation wait runs
+    /// from then if that is later than its applying: its ingest could not store it meanwhile
+    /// and may still be retrying (an outage longer than the wait made every replica take
+    /// its pending records for orphans and re-bootstrap at once, as the outage ended).
+    stream_unreachable: Option<tokio::time::Instant>,
     /// The last stream sequence applied (or covered by the restored snapshot).
     applied: u64,
     caught_up: bool,
@@ -447,6 +454,7 @@ impl Consumer {
             match self.consume(&stop).await {
                 Ok(()) => return,
                 Err(error) => {
+                    self.stream_unreachable = Some(tokio::time::Instant::now());
                     // A run that read records was not a failure that repeats (a re-bootstrap,
                     // a divergence): the backoff starts again (it stayed at 2 s for good, the
                     // live path unread meanwhile).
@@ -544,6 +552,11 @@ impl Consumer {
                     continue;
                 }
                 _ = tick.tick() => {
+                    if self.js.client().connection_state()
+                        != async_nats::connection::State::Connected
+                    {
+                        self.stream_unreachable = Some(tokio::time::Instant::now());
+                    }
                     if self.live_overdue() && self.read_to_the_streams_end().await? {
                         self.diverged().await?;
                         return Err("re-bootstrapped: a live record was never stored".into());
@@ -718,10 +731,20 @@ impl Consumer {
     /// stream does not, and, while a snapshot is due, the live path stays paused for it. Such a
     /// replica goes back to the stream's state (counted as a divergence).
     fn live_overdue(&self) -> bool {
-        let deadline = self.log.live_confirm_timeout;
+        let now = tokio::time::Instant::now();
         self.live_pending
             .values()
-            .any(|(_, applied)| applied.elapsed() > deadline)
+            .any(|(_, applied)| self.confirmation_due(*applied) < now)
+    }
+
+    /// When a live record applied at `applied` has waited its time for the stream's copy:
+    /// `--nats-live-confirm-secs` after it was applied, or after the stream was last out of
+    /// reach if that is later.
+    fn confirmation_due(&self, applied: tokio::time::Instant) -> tokio::time::Instant {
+        let from = self
+            .stream_unreachable
+            .map_or(applied, |unreachable| unreachable.max(applied));
+        from + self.log.live_confirm_timeout
     }
 
     /// Whether a live record overdue for `--nats-live-confirm-secs` is one the stream does not
@@ -735,16 +758,14 @@ impl Consumer {
     /// read that came after it became overdue. `Err`: the stream was created again (its end is
     /// not this replica's to compare; the consumer starts again and reads the new stream).
     async fn read_to_the_streams_end(&mut self) -> Result<bool, String> {
-        let deadline = self.log.live_confirm_timeout;
         let now = tokio::time::Instant::now();
-        let due = |applied: tokio::time::Instant| applied + deadline;
         if let Some((end, read)) = self.overdue_stream_end
             && self.applied >= end
         {
             if self
                 .live_pending
                 .values()
-                .any(|(_, applied)| due(*applied) < read)
+                .any(|(_, applied)| self.confirmation_due(*applied) < read)
             {
                 return Ok(true);
             }
@@ -753,13 +774,14 @@ impl Consumer {
         }
         if self.overdue_stream_end.is_none() && now >= self.next_stream_info {
             self.next_stream_info = now + Duration::from_secs(5);
-            if let Ok(Ok(info)) =
-                tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await
-            {
-                if created_nanos(info) != self.stream_created {
-                    return Err("the stream was created again".into());
+            match tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await {
+                Ok(Ok(info)) => {
+                    if created_nanos(info) != self.stream_created {
+                        return Err("the stream was created again".into());
+                    }
+                    self.overdue_stream_end = Some((info.state.last_sequence, now));
                 }
-                self.overdue_stream_end = Some((info.state.last_sequence, now));
+                _ => self.stream_unreachable = Some(tokio::time::Instant::now()),
             }
         }
         Ok(false)

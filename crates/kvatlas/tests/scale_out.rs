@@ -444,6 +444,21 @@ impl HandFeed {
 
     /// Stores `record` of worker `worker` in the stream, framed as an ingest frames it.
     fn to_stream_of(&self, worker: u64, record: &[u8]) {
+        self.try_to_stream_of(worker, record)
+            .expect("published and stored");
+    }
+
+    /// [`Self::to_stream_of`], retried (as an ingest does) until the stream stores it, for at
+    /// most 30 s: for a record sent while the connection comes back.
+    fn to_stream_retrying(&self, worker: u64, record: &[u8]) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(error) = self.try_to_stream_of(worker, record) {
+            assert!(Instant::now() < deadline, "never stored: {error}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn try_to_stream_of(&self, worker: u64, record: &[u8]) -> Result<(), String> {
         let mut framed = Vec::new();
         prost::encoding::encode_varint(record.len() as u64, &mut framed);
         framed.extend_from_slice(record);
@@ -454,10 +469,11 @@ impl HandFeed {
                     framed.into(),
                 )
                 .await
-                .expect("published")
+                .map_err(|e| e.to_string())?
                 .await
-                .expect("stored");
-        });
+                .map_err(|e| e.to_string())?;
+            Ok(())
+        })
     }
 
     /// Publishes `record` on the live path, naming `prev` as its predecessor.
@@ -718,6 +734,47 @@ fn hand_fed_replica(nats: &NatsServer, extra: &[&str]) -> (Served, HandFeed, Vec
         blocks_of_worker_7(&replica, &[1001, 1002]) == 1
     });
     (replica, feed, first)
+}
+
+/// A live record whose stream copy comes after a NATS outage longer than the confirmation wait
+/// (its ingest retried meanwhile) is confirmed: the wait runs from the end of the outage.
+/// (The record was taken for an orphan as soon as the replica could read the stream's end
+/// again: every replica emptied its indexes and re-bootstrapped at once.)
+#[test]
+fn a_live_record_stored_after_an_outage_longer_than_the_wait_is_confirmed() {
+    const WAIT_SECS: u64 = 10;
+    let mut nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let wait = WAIT_SECS.to_string();
+    let (replica, feed, first) = hand_fed_replica(&nats, &["--nats-live-confirm-secs", &wait]);
+    let second = record(2, 102, Some(1), 2, 1002);
+    feed.live(&second, &first);
+    eventually("the live record applied", || {
+        metric(&replica, "kvatlas_log_live_applied_total") == 1
+    });
+    nats.stop();
+    std::thread::sleep(Duration::from_secs(WAIT_SECS + 1));
+    nats.restart().expect("nats-server starts again");
+    // Another worker's record read: the replica is back on the stream.
+    let consumed = metric(&replica, "kvatlas_log_consumed_total");
+    feed.to_stream_retrying(8, &record_of(8, 1, 1, None, 10_001, 20_001));
+    eventually("the replica reads the stream again", || {
+        metric(&replica, "kvatlas_log_consumed_total") > consumed
+    });
+    // Past the replica's next read of the stream's end (asked for at most every 5 s), and
+    // short of the wait after the outage.
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(
+        metric(&replica, "kvatlas_log_live_divergences_total"),
+        0,
+        "the outage was taken for an orphaned live record"
+    );
+    feed.to_stream(&second);
+    eventually("the stream's copy confirms the live record", || {
+        metric(&replica, "kvatlas_log_live_confirmed_total") == 1
+    });
+    assert_eq!(blocks_of_worker_7(&replica, &[1001, 1002]), 2);
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
+    replica.kill_9();
 }
 
 /// A live record whose ingest died before the stream stored it is undone once the
