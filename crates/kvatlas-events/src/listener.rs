@@ -28,7 +28,7 @@
 //! - **Resync** ([`Action::Resync`]) → a [`Mutation::Cleared`] for every rank the source has fed,
 //!   counted and logged (`tracing`, target `kvatlas_events::listener`). A source feeds at most
 //!   [`MAX_RANKS_PER_SOURCE`] ranks, so every one is remembered; a batch of a further rank is
-//!   dropped and counted.
+//!   dropped and counted. A resumed listener is told the ranks fed before ([`Resume::ranks`]).
 //! - **Units and checkpoints**: each applied batch goes to the sink as one [`Unit`] — its
 //!   mutations and a [`Checkpoint`] (the source's rank, the batch's sequence number and
 //!   fingerprint) — so an index that records checkpoints pairs its snapshots exactly with the

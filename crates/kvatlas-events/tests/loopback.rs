@@ -512,6 +512,7 @@ impl Harness {
                 .enumerate()
                 .map(|(seq, payload)| (seq as u64, xxhash_rust::xxh3::xxh3_64(payload)))
                 .collect(),
+            ranks: Vec::new(),
         }
     }
 
@@ -998,6 +999,57 @@ fn a_resumed_listener_finds_an_engine_that_restarted_while_it_was_away() {
     assert_eq!((c.restarts, c.resyncs, c.catch_ups), (1, 1, 1), "{c:?}");
     h.reference_apply(&events_a);
     h.reference_clear();
+    h.reference_apply(&events_b);
+    h.assert_index_matches_reference();
+}
+
+/// A listener resumed from a snapshot of a source whose batches also fed a further rank (a
+/// batch names its rank): the resumed state names that rank, and the resync after the engine
+/// restarted clears it with the registered rank. A listener that remembered only its own rank
+/// after resuming left the further rank's blocks in the index for good.
+#[test]
+fn a_resumed_listener_clears_the_further_ranks_its_source_fed_on_a_resync() {
+    let mut h = Harness::new();
+    let mut a = Publisher::loopback(&h.ctx);
+    let mut events_a = event_stream(1, 10);
+    events_a.push(store_batch_on_rank(
+        1_700_000_100.0,
+        &[(1 << 41) | 7, (1 << 41) | 8],
+        None,
+        1,
+    ));
+    publish_all(&mut a, &events_a, |_| false);
+    let resume = kvatlas_events::Resume {
+        // Another worker's rank is not the source's to clear.
+        ranks: vec![Worker::new(WORKER, 1), Worker::new(WORKER + 1, 1)],
+        ..h.restore(&events_a)
+    };
+    let mut b = a.restart(&h.ctx);
+    let events_b = event_stream(2, 6);
+    publish_all(&mut b, &events_b, |_| false);
+    let config = ListenerConfig::new(source(), b.endpoint.clone())
+        .with_replay_endpoint(b.replay_endpoint.clone())
+        .with_options(ListenerOptions {
+            quiet_probe: Some(Duration::from_secs(600)),
+            ..fast_options()
+        })
+        .with_resume(Some(resume));
+    let id = h.listeners.start(config).expect("listener starts");
+    wait_for("the restart found and the new incarnation applied", || {
+        state(&h.listeners, id).last_seq == Some(b.next_seq - 1)
+    });
+    let c = state(&h.listeners, id).counters;
+    assert_eq!(
+        (c.restarts, c.resyncs, c.resync_clears),
+        (1, 1, 2),
+        "both ranks the source fed are cleared: {c:?}"
+    );
+    h.reference_apply(&events_a);
+    for rank in [0, 1] {
+        h.reference.apply(&Mutation::Cleared {
+            worker: Worker::new(WORKER, rank),
+        });
+    }
     h.reference_apply(&events_b);
     h.assert_index_matches_reference();
 }

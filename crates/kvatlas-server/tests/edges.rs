@@ -25,14 +25,6 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn token_query(model: &str, tenant: &str, tokens: Vec<u32>) -> v1::QueryRequest {
-    v1::QueryRequest {
-        index: selector(model, tenant),
-        input: Some(query_request::Input::Tokens(v1::TokenIds { ids: tokens })),
-        ..v1::QueryRequest::default()
-    }
-}
-
 /// A codec sending and receiving raw bytes, to put arbitrary bytes on the wire.
 #[derive(Debug, Default, Clone)]
 struct RawCodec;

@@ -154,6 +154,71 @@ async fn a_restart_from_the_data_dir_continues_where_it_stopped() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Whether the server answers `query` with `want`'s rows.
+fn rows_are(
+    client: &v1::indexer_client::IndexerClient<tonic::transport::Channel>,
+    query: &v1::QueryRequest,
+    want: &[(u64, u32, u32, u32, u32)],
+) -> impl std::future::Future<Output = bool> + use<> {
+    let (mut client, query, want) = (client.clone(), query.clone(), want.to_vec());
+    async move { answer_rows(&client.query(query).await.expect("query").into_inner()) == want }
+}
+
+/// A ZMQ listener resumed after a restart from the data directory remembers the further rank
+/// its engine's batches fed (a batch names its rank; that rank holds blocks and no one
+/// registers it): when the engine restarts (its numbering starts again), the resync clears it
+/// with the registered rank. A listener that remembered only its own rank after resuming left
+/// the further rank's blocks in the index for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_after_a_server_restart_clears_the_ranks_its_batches_fed() {
+    let dir = temp_dir("batch-ranks");
+    let mut engine = VllmPublisher::bind();
+    let mut h = start(persistent(&dir, None)).await;
+    register_engine(&mut h.client, (MODEL, BLOCK), 7, &engine).await;
+    wait_for_an_active_listener(&h.client, &mut engine).await;
+    let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
+    let stored = |hashes: Vec<u64>, blocks: usize| VllmEvent::Stored {
+        hashes,
+        parent: None,
+        tokens: tokens[..blocks * BLOCK as usize].to_vec(),
+        block_size: BLOCK,
+    };
+    engine.publish(&[stored(vec![71, 72, 73], 3)], None);
+    engine.publish(&[stored(vec![171, 172], 2)], Some(1));
+    let query = token_query(MODEL, "", tokens.clone());
+    let both = [(7, 0, 3, 3, 3), (7, 1, 2, 2, 2)];
+    wait_until("both ranks' blocks", || rows_are(&h.client, &query, &both)).await;
+    let report = h.server.shutdown().await;
+    assert!(matches!(report.snapshot, Some(Ok(_))), "{report:?}");
+
+    let mut h = start(persistent(&dir, None)).await;
+    assert!(rows_are(&h.client, &query, &both).await, "restored");
+    // The engine restarts: its numbering starts again, with other content (sent until the
+    // resumed listener has joined; a repeat is a duplicate).
+    wait_until(
+        "the restart's resync and the new incarnation's block",
+        || {
+            engine.seq = 0;
+            engine.publish_at(&[stored(vec![81], 1)], None, VLLM_TS + 1.0);
+            rows_are(&h.client, &query, &[(7, 0, 1, 1, 1)])
+        },
+    )
+    .await;
+    let listed = listed_workers(&mut h.client).await;
+    let ranks: Vec<_> = listed
+        .workers
+        .iter()
+        .map(|w| (w.instance_id, w.dp_rank))
+        .collect();
+    assert_eq!(
+        ranks,
+        [(7, 0)],
+        "the further rank holds nothing: {listed:?}"
+    );
+    h.server.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn periodic_snapshots_and_the_snapshot_streams_hold_the_state() {
     let dir = temp_dir("periodic");

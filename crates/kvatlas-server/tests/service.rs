@@ -29,14 +29,6 @@ async fn publish(
         .map(tonic::Response::into_inner)
 }
 
-fn token_query(model: &str, tenant: &str, tokens: Vec<u32>) -> v1::QueryRequest {
-    v1::QueryRequest {
-        index: selector(model, tenant),
-        input: Some(query_request::Input::Tokens(v1::TokenIds { ids: tokens })),
-        ..v1::QueryRequest::default()
-    }
-}
-
 fn hash_query(model: &str, locals: &[LocalBlockHash]) -> v1::QueryRequest {
     v1::QueryRequest {
         index: selector(model, ""),

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use kvatlas_index::Worker;
+
 use super::ListenerError;
 use crate::convert::Source;
 use crate::sequence::SequencerConfig;
@@ -106,6 +108,15 @@ pub struct Resume {
     /// applied from a restarted engine's new one; see
     /// [`Sequencer::resume`](crate::sequence::Sequencer::resume)).
     pub recent: Vec<(u64, u64)>,
+    /// Further ranks of the source's worker its batches fed before (a batch names its rank, and
+    /// one publisher of a wide-EP deployment feeds many): a resync clears them with the
+    /// registered rank, as it clears every rank the source fed since. The caller knows them
+    /// from the state it resumes (the ranks of the worker holding blocks that no other source
+    /// registers); ranks of another worker and those beyond [`MAX_RANKS_PER_SOURCE`] are
+    /// ignored.
+    ///
+    /// [`MAX_RANKS_PER_SOURCE`]: super::MAX_RANKS_PER_SOURCE
+    pub ranks: Vec<Worker>,
 }
 
 impl ListenerConfig {

@@ -14,7 +14,7 @@ use kvatlas_index::{Checkpoint, Mutation, Unit, Worker};
 use super::config::{MAX_PROBE_BACKOFF, millis_i32};
 use super::status::{Shared, bump};
 use super::{ListenerConfig, ListenerStatus, MutationSink, Resume, SinkError};
-use crate::convert::Converter;
+use crate::convert::{Converter, Source};
 use crate::counters::{DropCounters, Reason};
 use crate::decode::decode_batch;
 use crate::frames::{ReplayReply, decode_live_message, decode_replay_reply, replay_request};
@@ -282,6 +282,24 @@ pub(super) struct ListenerCore {
     watch: Option<Watch>,
 }
 
+/// The ranks a source resumed from `resume` has fed: its registered rank, and the further ranks
+/// of its worker the resumed state names (at most [`MAX_RANKS_PER_SOURCE`] in all).
+fn fed_ranks(source: Source, resume: Option<&Resume>) -> BTreeSet<Worker> {
+    let own = Worker::new(source.worker_id, source.dp_rank);
+    let mut ranks = BTreeSet::from([own]);
+    let further = resume
+        .into_iter()
+        .flat_map(|resume| resume.ranks.iter().copied())
+        .filter(|worker| worker.worker_id == source.worker_id);
+    for worker in further {
+        if ranks.len() >= MAX_RANKS_PER_SOURCE {
+            break;
+        }
+        ranks.insert(worker);
+    }
+    ranks
+}
+
 impl ListenerCore {
     /// The listener's state for `config`'s source, owning `sub` and `monitor`: held if the config
     /// says so, the sequencer resumed from [`ListenerConfig::resume`] if set.
@@ -318,7 +336,7 @@ impl ListenerCore {
                 }),
             sequencer,
             converter: Converter::new(source),
-            ranks: BTreeSet::from([Worker::new(source.worker_id, source.dp_rank)]),
+            ranks: fed_ranks(source, config.resume.as_ref()),
             mutations: Vec::new(),
             pending_clears: Vec::new(),
             taken: None,
@@ -502,6 +520,8 @@ impl ListenerCore {
     fn release(&mut self, resume: Option<Resume>) -> Result<(), Exit> {
         let resumed = resume.is_some();
         if let Some(resume) = resume {
+            // Nothing was applied while held: the ranks fed are the resumed state's.
+            self.ranks = fed_ranks(self.config.source, Some(&resume));
             self.sequencer = Sequencer::resume(
                 self.config.options.sequencer,
                 resume.position,

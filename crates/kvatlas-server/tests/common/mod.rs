@@ -116,6 +116,18 @@ pub async fn wait_for_an_active_listener(
     .await;
 }
 
+/// A query of `tokens` in `model`'s index for `tenant`.
+#[allow(dead_code)] // not every test binary uses it
+pub fn token_query(model: &str, tenant: &str, tokens: Vec<u32>) -> v1::QueryRequest {
+    v1::QueryRequest {
+        index: selector(model, tenant),
+        input: Some(v1::query_request::Input::Tokens(v1::TokenIds {
+            ids: tokens,
+        })),
+        ..v1::QueryRequest::default()
+    }
+}
+
 pub fn selector(model: &str, tenant: &str) -> Option<v1::IndexSelector> {
     Some(v1::IndexSelector {
         model: model.into(),
