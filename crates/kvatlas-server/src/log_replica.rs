@@ -353,8 +353,15 @@ pub(crate) async fn start(
     state.set_bootstrapping(true);
     let stream_created = created_nanos(stream.cached_info());
     let reads_from = stream.cached_info().state.first_sequence;
-    let covered =
-        restore_newest(&state.registry, &bucket, stream_created, reads_from, &stats).await?;
+    let covered = restore_newest(
+        &state.registry,
+        &bucket,
+        &log.stream,
+        stream_created,
+        reads_from,
+        &stats,
+    )
+    .await?;
     let live = if log.live {
         let client = js.client();
         let live = client
@@ -905,6 +912,7 @@ impl Consumer {
         self.applied = restore_newest(
             &self.state.registry,
             &self.bucket,
+            &self.log.stream,
             self.stream_created,
             reads_from,
             &self.stats,
@@ -933,7 +941,7 @@ impl Consumer {
         let lost = sequence - self.applied - 1;
         // A listing that fails is not an empty bucket: the consumer starts again and asks
         // again (taken for one, the records a snapshot covers were counted lost for good).
-        let newest = newest_position(&self.bucket, self.stream_created).await?;
+        let newest = newest_position(&self.bucket, &self.log.stream, self.stream_created).await?;
         // Every hole found, whether a snapshot covers it or its records are lost; counted once
         // it is handled (a restore that fails has the consumer start again and find it again).
         if let Some(covered) = newest
@@ -948,6 +956,7 @@ impl Consumer {
             if let Some(covered) = restore_newest(
                 &self.state.registry,
                 &self.bucket,
+                &self.log.stream,
                 self.stream_created,
                 sequence,
                 &self.stats,
@@ -1183,7 +1192,9 @@ impl Consumer {
         }
         self.live_paused = false;
         self.last_snapshot = tokio::time::Instant::now();
-        if let Ok(Some(newest)) = newest_snapshot(&self.bucket, self.stream_created).await {
+        if let Ok(Some(newest)) =
+            newest_snapshot(&self.bucket, &self.log.stream, self.stream_created).await
+        {
             let age = newest.info.modified.map(|modified| {
                 let now = time_now_nanos();
                 Duration::from_nanos(
@@ -1218,9 +1229,9 @@ impl Consumer {
         let (bucket, stats) = (self.bucket.clone(), Arc::clone(&self.stats));
         let (bucket_stream, bucket_name) =
             (self.bucket_stream.clone(), self.log.snapshot_bucket.clone());
-        let stream = self.stream.clone();
+        let (stream, stream_name) = (self.stream.clone(), self.log.stream.clone());
         self.snapshot_put = Some(tokio::spawn(async move {
-            let put = put_snapshot(&bucket, images, covered, stream_created).await;
+            let put = put_snapshot(&bucket, images, &stream_name, covered, stream_created).await;
             if put.is_ok() {
                 // Ranked by the stream as it is now (created again during the put, the cut's
                 // stream would rank the new stream's snapshots last and delete them).
@@ -1228,7 +1239,7 @@ impl Consumer {
                     Ok(info) => created_nanos(&info),
                     Err(_) => stream_created,
                 };
-                prune_snapshots(&bucket, &bucket_stream, &bucket_name, current).await;
+                prune_snapshots(&bucket, &bucket_stream, &bucket_name, &stream_name, current).await;
                 purge_orphan_chunks(&bucket, &bucket_stream, &bucket_name, ORPHAN_CHUNK_AGE).await;
             }
             match put {
@@ -1374,21 +1385,30 @@ impl SnapshotObject {
     }
 }
 
-/// The name of the snapshot object covering `covered`: one object per cut, so that a put that
-/// finishes late (its replica paused, or cut off from NATS, mid-put) never hides a newer
-/// snapshot: readers take the highest sequence in the bucket, whatever the order of puts.
-fn snapshot_name(covered: u64) -> String {
-    format!("{SNAPSHOT_OBJECT}-{covered:020}")
+/// The name of the snapshot object of stream `stream` covering `covered`: one object per cut,
+/// so that a put that finishes late (its replica paused, or cut off from NATS, mid-put) never
+/// hides a newer snapshot: readers take the highest sequence in the bucket, whatever the order
+/// of puts. The stream's name is part of it: fleets of two streams sharing a bucket (the
+/// default one) neither overwrite, restore nor prune each other's snapshots.
+fn snapshot_name(stream: &str, covered: u64) -> String {
+    format!("{SNAPSHOT_OBJECT}-{stream}-{covered:020}")
 }
 
-/// The stream sequence a snapshot object of the bucket covers, by its name (or, for the single
-/// `snapshot` object of kvatlas before per-cut names, by its description); `None`: not a
-/// replica snapshot.
-fn covered_by(name: &str, description: Option<&str>) -> Option<u64> {
+/// The stream sequence a snapshot object of the bucket covers, by its name, if it is a replica
+/// snapshot of stream `stream`: named for it ([`snapshot_name`]), or named as kvatlas did before
+/// names carried the stream (`snapshot-N`, or the single `snapshot` object of kvatlas before
+/// per-cut names, by its description), which are taken for any stream's as they were then.
+/// `None`: not a replica snapshot, or another stream's.
+fn covered_by(name: &str, description: Option<&str>, stream: &str) -> Option<u64> {
     if name == SNAPSHOT_OBJECT {
         return covered_of(description);
     }
-    let digits = name.strip_prefix(SNAPSHOT_OBJECT)?.strip_prefix('-')?;
+    let rest = name.strip_prefix(SNAPSHOT_OBJECT)?.strip_prefix('-')?;
+    let digits = match rest.strip_prefix(stream).and_then(|r| r.strip_prefix('-')) {
+        Some(digits) => digits,
+        // Before names carried the stream: the digits alone.
+        None => rest,
+    };
     if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
@@ -1399,6 +1419,7 @@ fn covered_by(name: &str, description: Option<&str>) -> Option<u64> {
 /// `current` ([`SnapshotObject::rank`]).
 async fn snapshots(
     bucket: &jetstream::object_store::ObjectStore,
+    stream: &str,
     current: i128,
 ) -> Result<Vec<SnapshotObject>, String> {
     let mut list = bucket
@@ -1408,7 +1429,7 @@ async fn snapshots(
     let mut found = Vec::new();
     while let Some(info) = list.next().await {
         let info = info.map_err(|e| format!("listing the snapshot bucket: {e}"))?;
-        if let Some(covered) = covered_by(&info.name, info.description.as_deref()) {
+        if let Some(covered) = covered_by(&info.name, info.description.as_deref(), stream) {
             let stream = stream_of(info.description.as_deref());
             found.push(SnapshotObject {
                 covered,
@@ -1424,18 +1445,20 @@ async fn snapshots(
 /// The bucket's best snapshot object for a replica of the stream created at `current`.
 async fn newest_snapshot(
     bucket: &jetstream::object_store::ObjectStore,
+    stream: &str,
     current: i128,
 ) -> Result<Option<SnapshotObject>, String> {
-    Ok(snapshots(bucket, current).await?.into_iter().next())
+    Ok(snapshots(bucket, stream, current).await?.into_iter().next())
 }
 
 /// Where a replica of the stream created at `current` reads on after restoring the newest
 /// snapshot ([`SnapshotObject::position_in`]), if there is one.
 async fn newest_position(
     bucket: &jetstream::object_store::ObjectStore,
+    stream: &str,
     current: i128,
 ) -> Result<Option<u64>, String> {
-    Ok(newest_snapshot(bucket, current)
+    Ok(newest_snapshot(bucket, stream, current)
         .await?
         .map(|object| object.position_in(current)))
 }
@@ -1458,6 +1481,7 @@ async fn newest_position(
 pub(crate) async fn restore_newest(
     registry: &Arc<Registry>,
     bucket: &jetstream::object_store::ObjectStore,
+    stream: &str,
     current: i128,
     reads_from: u64,
     stats: &LogStats,
@@ -1473,7 +1497,7 @@ pub(crate) async fn restore_newest(
     let mut listings = 0;
     'listing: loop {
         listings += 1;
-        let listed = snapshots(bucket, current).await?;
+        let listed = snapshots(bucket, stream, current).await?;
         for candidate in &listed {
             if unreadable.contains(&candidate.info.name) {
                 continue;
@@ -1658,6 +1682,7 @@ async fn take_cut(registry: &Arc<Registry>) -> Result<Vec<crate::snapshot::Index
 async fn put_snapshot(
     bucket: &jetstream::object_store::ObjectStore,
     images: Vec<crate::snapshot::IndexImage>,
+    stream: &str,
     covered: u64,
     stream_created: i128,
 ) -> Result<usize, String> {
@@ -1676,7 +1701,7 @@ async fn put_snapshot(
     .map_err(|e| e.to_string())??;
     let size = bytes.len();
     let meta = jetstream::object_store::ObjectMetadata {
-        name: snapshot_name(covered),
+        name: snapshot_name(stream, covered),
         description: Some(snapshot_description(covered, stream_created)),
         ..Default::default()
     };
@@ -1699,10 +1724,11 @@ async fn prune_snapshots(
     bucket: &jetstream::object_store::ObjectStore,
     bucket_stream: &jetstream::stream::Stream,
     bucket_name: &str,
+    stream: &str,
     current: i128,
 ) {
     use base64::Engine as _;
-    let stale = match snapshots(bucket, current).await {
+    let stale = match snapshots(bucket, stream, current).await {
         Ok(found) => found.into_iter().skip(SNAPSHOTS_KEPT),
         Err(error) => {
             tracing::warn!("pruning old replica snapshots: {error}");
@@ -1809,6 +1835,9 @@ pub(crate) async fn purge_orphan_chunks(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The stream the tests' snapshot objects are of.
+    const STREAM: &str = "EVENTS";
 
     #[test]
     fn duplicates_and_stale_batches_are_dropped_and_resyncs_applied() {
@@ -2148,10 +2177,16 @@ mod tests {
         assert_eq!(covered_of(Some("stream_sequence=42")), Some(42));
         assert_eq!(covered_of(Some("something else")), None);
         assert_eq!(covered_of(None), None);
-        assert_eq!(covered_by(&snapshot_name(42), None), Some(42));
-        assert_eq!(covered_by(&snapshot_name(u64::MAX), None), Some(u64::MAX));
         assert_eq!(
-            covered_by(SNAPSHOT_OBJECT, Some("stream_sequence=7")),
+            covered_by(&snapshot_name(STREAM, 42), None, STREAM),
+            Some(42)
+        );
+        assert_eq!(
+            covered_by(&snapshot_name(STREAM, u64::MAX), None, STREAM),
+            Some(u64::MAX)
+        );
+        assert_eq!(
+            covered_by(SNAPSHOT_OBJECT, Some("stream_sequence=7"), STREAM),
             Some(7),
             "the single object of kvatlas before per-cut names"
         );
@@ -2161,10 +2196,33 @@ mod tests {
             "notes",
             "snapshot",
         ] {
-            assert_eq!(covered_by(other, None), None, "{other}");
+            assert_eq!(covered_by(other, None, STREAM), None, "{other}");
         }
         // Names sort as the sequences they cover.
-        assert!(snapshot_name(9) < snapshot_name(10));
+        assert!(snapshot_name(STREAM, 9) < snapshot_name(STREAM, 10));
+        // Another stream's snapshots (a bucket two fleets share) are none of this stream's,
+        // also when one name begins with the other.
+        for other in ["EVENTS-B", "EVENT", "OTHER"] {
+            assert_eq!(
+                covered_by(&snapshot_name(other, 42), None, STREAM),
+                None,
+                "{other}"
+            );
+            assert_eq!(
+                covered_by(&snapshot_name(STREAM, 42), None, other),
+                None,
+                "{other}"
+            );
+        }
+        // Named before names carried the stream: any stream's, as then.
+        assert_eq!(
+            covered_by("snapshot-00000000000000000042", None, STREAM),
+            Some(42)
+        );
+        assert_eq!(
+            covered_by("snapshot-00000000000000000042", None, "OTHER"),
+            Some(42)
+        );
     }
 
     #[test]
@@ -2178,7 +2236,7 @@ mod tests {
             covered,
             stream,
             info: jetstream::object_store::ObjectInfo {
-                name: snapshot_name(covered),
+                name: snapshot_name(STREAM, covered),
                 description: None,
                 metadata: HashMap::new(),
                 headers: None,
@@ -2365,7 +2423,7 @@ mod tests {
         bytes: &[u8],
     ) {
         let meta = jetstream::object_store::ObjectMetadata {
-            name: snapshot_name(covered),
+            name: snapshot_name(STREAM, covered),
             description: Some(snapshot_description(covered, 1)),
             ..Default::default()
         };
@@ -2388,10 +2446,10 @@ mod tests {
         let registry = empty_registry();
         // The stream begins after the first record: no snapshot, no start without a hole.
         let stats = LogStats::default();
-        let error = restore_newest(&registry, &bucket, 1, 2, &stats)
+        let error = restore_newest(&registry, &bucket, STREAM, 1, 2, &stats)
             .await
             .expect_err("garbage is not restored");
-        assert!(error.contains(&snapshot_name(7)), "{error}");
+        assert!(error.contains(&snapshot_name(STREAM, 7)), "{error}");
         assert!(error.contains("nats object rm broken"), "{error}");
         assert!(registry.all().is_empty(), "nothing restored");
         assert_eq!(
@@ -2402,21 +2460,16 @@ mod tests {
         );
         // The stream holds every record: read from its start.
         assert_eq!(
-            restore_newest(&registry, &bucket, 1, 1, &stats).await,
+            restore_newest(&registry, &bucket, STREAM, 1, 1, &stats).await,
             Ok(None)
         );
         assert!(registry.all().is_empty(), "nothing restored");
     }
 
-    /// A newest snapshot object that cannot be read does not keep a replica from starting from
-    /// the next one — when the stream continues that one; one it does not continue (records
-    /// dropped by retention between the two) is not restored, and the error names the newest.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_older_snapshot_is_restored_when_the_newest_cannot_be_read() {
+    /// An index image of one block held by `worker`.
+    fn image_of(worker: Worker) -> crate::snapshot::IndexImage {
         use kvatlas_index::{Snapshot, SnapshotBlock, Tier, TierSet, WorkerSnapshot};
-        let (_nats, bucket) = nats_with_bucket("fallback").await;
-        let worker = Worker::new(3, 0);
-        let image = crate::snapshot::IndexImage {
+        crate::snapshot::IndexImage {
             key: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
             block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
             capacity: None,
@@ -2433,8 +2486,67 @@ mod tests {
                     }],
                 }],
             },
-        };
-        put_snapshot(&bucket, vec![image], 7, 1)
+        }
+    }
+
+    /// Two streams' fleets sharing a snapshot bucket (the default one) each restore and prune
+    /// only their own stream's snapshots: a replica of one restores its stream's snapshot even
+    /// when the other's covers the same or a higher sequence, and a put of the other prunes
+    /// none of its.
+    /// With a real nats-server. (Objects named by the sequence alone were every stream's: a
+    /// replica restored the other fleet's state, and each fleet's puts pruned the other's.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streams_sharing_a_bucket_keep_to_their_own_snapshots() {
+        let (nats, bucket) = nats_with_bucket("shared").await;
+        let (ours, theirs) = (Worker::new(3, 0), Worker::new(4, 0));
+        put_snapshot(&bucket, vec![image_of(ours)], "A", 7, 1)
+            .await
+            .expect("put");
+        // One at the same sequence as ours (its name once replaced ours).
+        for covered in [5, 7, 9] {
+            put_snapshot(&bucket, vec![image_of(theirs)], "B", covered, 2)
+                .await
+                .expect("put");
+        }
+        let (restored, stats) = (empty_registry(), LogStats::default());
+        assert_eq!(
+            restore_newest(&restored, &bucket, "A", 1, 1, &stats).await,
+            Ok(Some(7))
+        );
+        let entries = restored.all();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].image().snapshot.workers[0].worker, ours);
+
+        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
+        let bucket_stream = js
+            .get_stream("OBJ_shared")
+            .await
+            .expect("the bucket's stream");
+        prune_snapshots(&bucket, &bucket_stream, "shared", "B", 2).await;
+        let mut names = Vec::new();
+        let mut list = bucket.list().await.expect("lists");
+        while let Some(info) = list.next().await {
+            names.push(info.expect("an object").name);
+        }
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                snapshot_name("A", 7),
+                snapshot_name("B", 7),
+                snapshot_name("B", 9)
+            ]
+        );
+    }
+
+    /// A newest snapshot object that cannot be read does not keep a replica from starting from
+    /// the next one — when the stream continues that one; one it does not continue (records
+    /// dropped by retention between the two) is not restored, and the error names the newest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_older_snapshot_is_restored_when_the_newest_cannot_be_read() {
+        let (_nats, bucket) = nats_with_bucket("fallback").await;
+        let worker = Worker::new(3, 0);
+        put_snapshot(&bucket, vec![image_of(worker)], STREAM, 7, 1)
             .await
             .expect("the older snapshot");
         put_garbage_snapshot(&bucket, 9, b"cut off").await;
@@ -2442,7 +2554,7 @@ mod tests {
         // The stream still holds sequence 8: the older cut is continued.
         let (restored, stats) = (empty_registry(), LogStats::default());
         assert_eq!(
-            restore_newest(&restored, &bucket, 1, 8, &stats).await,
+            restore_newest(&restored, &bucket, STREAM, 1, 8, &stats).await,
             Ok(Some(7))
         );
         assert_eq!(
@@ -2457,10 +2569,10 @@ mod tests {
 
         // The stream begins at 9: restoring 7 would leave sequence 8 unread.
         let (untouched, stats) = (empty_registry(), LogStats::default());
-        let error = restore_newest(&untouched, &bucket, 1, 9, &stats)
+        let error = restore_newest(&untouched, &bucket, STREAM, 1, 9, &stats)
             .await
             .expect_err("no snapshot the stream continues can be read");
-        assert!(error.contains(&snapshot_name(9)), "{error}");
+        assert!(error.contains(&snapshot_name(STREAM, 9)), "{error}");
         assert!(untouched.all().is_empty(), "nothing restored");
         assert_eq!(
             stats

@@ -642,7 +642,7 @@ fn a_stream_created_again_is_read_from_its_start() {
     let old_sequence = metric(&first, "kvatlas_log_stream_sequence");
     // A snapshot of the old stream's last record: more sequences than the new one will hold.
     let feed = HandFeed::connect(&nats);
-    let old_name = format!("snapshot-{old_sequence:020}");
+    let old_name = format!("snapshot-KVATLAS_EVENTS-{old_sequence:020}");
     let mut old_stream = None;
     eventually("a snapshot of the old stream", || {
         old_stream = feed
