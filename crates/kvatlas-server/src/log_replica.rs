@@ -69,7 +69,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::log_record::{Body, Record};
 use crate::nats::{LogStats, NatsLog, SNAPSHOT_OBJECT};
-use crate::registry::{IndexKey, Registry};
+use crate::registry::{IndexEntry, IndexKey, Registry};
 use crate::state::State;
 
 /// The first bytes of a replica snapshot object.
@@ -324,9 +324,13 @@ impl LiveId {
 }
 
 /// The stream delivered, for a source with live records pending, something else the stream
-/// alone would have applied.
+/// alone would have applied: the replica no longer holds the stream's state of instance
+/// `instance` of index `key`.
 #[derive(Debug)]
-struct Diverged;
+struct Diverged {
+    key: IndexKey,
+    instance: u64,
+}
 
 /// The replica's running part.
 #[derive(Debug)]
@@ -565,7 +569,8 @@ impl Consumer {
                         self.stream_unreachable = Some(tokio::time::Instant::now());
                     }
                     if self.live_overdue() && self.read_to_the_streams_end().await? {
-                        self.diverged().await?;
+                        let overdue = self.overdue_instances();
+                        self.diverged(overdue).await?;
                         return Err("re-bootstrapped: a live record was never stored".into());
                     }
                     self.maybe_snapshot().await;
@@ -596,12 +601,11 @@ impl Consumer {
             if sequence > self.applied + 1 && self.skipped(sequence).await? {
                 return Err("re-bootstrapped from a snapshot".into());
             }
-            if self
+            if let Err(Diverged { key, instance }) = self
                 .apply_message(&message.payload, arrived, published_nanos)
                 .await
-                .is_err()
             {
-                self.diverged().await?;
+                self.diverged(vec![(key, instance)]).await?;
                 return Err("re-bootstrapped after a live-path divergence".into());
             }
             self.applied = sequence;
@@ -744,6 +748,20 @@ impl Consumer {
             .any(|(_, applied)| self.confirmation_due(*applied) < now)
     }
 
+    /// The instances (index, instance) of the live records overdue for their confirmation.
+    fn overdue_instances(&self) -> Vec<(IndexKey, u64)> {
+        let now = tokio::time::Instant::now();
+        let mut overdue: Vec<(IndexKey, u64)> = self
+            .live_pending
+            .values()
+            .filter(|(_, applied)| self.confirmation_due(*applied) < now)
+            .map(|((key, worker), _)| (key.clone(), worker.worker_id))
+            .collect();
+        overdue.sort();
+        overdue.dedup();
+        overdue
+    }
+
     /// When a live record applied at `applied` has waited its time for the stream's copy:
     /// `--nats-live-confirm-secs` after it was applied, or after the stream was last out of
     /// reach if that is later.
@@ -877,14 +895,37 @@ impl Consumer {
         self.overdue_stream_end = None;
     }
 
-    /// The stream is no longer what the live path applied: count it, report not ready, empty
-    /// every index, restore the newest snapshot and consume again from after it.
-    async fn diverged(&mut self) -> Result<(), String> {
+    /// The stream is no longer what the live path applied for the instances `diverged` (index,
+    /// instance): count it, report not ready, empty every index, restore the newest snapshot
+    /// and consume again from after it — if a snapshot the stream continues is there. Without
+    /// one (snapshots off, none written yet, or retention dropped records after the newest),
+    /// that would lose what only the dropped records held, of every worker: the replica then
+    /// removes the diverged instances alone (their blocks, checkpoints and sequencing; the
+    /// stream's next records of them start afresh) and keeps every other worker's state,
+    /// still serving.
+    async fn diverged(&mut self, diverged: Vec<(IndexKey, u64)>) -> Result<(), String> {
         // A stream created again is not a divergence: the consumer starts again and keeps the
         // state. Where the stream begins: an older snapshot than the best is restored only if
         // the stream continues it.
         let reads_from = self.check_same_stream(None).await?;
         LogStats::bump(&self.stats.live_divergences);
+        let newest = newest_position(&self.bucket, &self.log.stream, self.stream_created).await?;
+        if reads_from > 1 && newest.is_none_or(|covered| covered.saturating_add(1) < reads_from) {
+            tracing::warn!(
+                stream_sequence = self.applied,
+                instances = ?diverged,
+                "the event log delivered something else than a record the live path applied, \
+                 and no snapshot the stream continues is there: removing the instances \
+                 concerned; their next records start them afresh"
+            );
+            for (key, instance) in diverged {
+                self.forget_sources(&key, instance, None);
+                if let Some(entry) = self.state.registry.get(&key) {
+                    remove_from_index(entry, instance, None).await;
+                }
+            }
+            return Ok(());
+        }
         tracing::warn!(
             stream_sequence = self.applied,
             "the event log delivered something else than a record the live path applied: \
@@ -920,6 +961,28 @@ impl Consumer {
         .await?
         .unwrap_or(0);
         Ok(())
+    }
+
+    /// Forgets the sequencing state, the chains and the pending live records of the sources
+    /// of `instance` of index `key` (one rank, or all): their blocks are going, and the
+    /// stream's next records of them start afresh.
+    fn forget_sources(&mut self, key: &IndexKey, instance: u64, rank: Option<u32>) {
+        let kept = |(source_key, worker): &(IndexKey, Worker)| {
+            source_key != key
+                || worker.worker_id != instance
+                || rank.is_some_and(|r| r != worker.dp_rank)
+        };
+        self.sources.retain(|source, _| kept(source));
+        let live_pending = &mut self.live_pending;
+        self.chains.retain(|source, chain| {
+            if kept(source) {
+                return true;
+            }
+            for live in &chain.pending {
+                live_pending.remove(&live.digest);
+            }
+            false
+        });
     }
 
     fn caught_up(&mut self) {
@@ -1073,33 +1136,13 @@ impl Consumer {
                 if self.chains.iter().any(|(source, chain)| {
                     !kept(source) && !chain.pending.is_empty() && !chain.after_loss
                 }) {
-                    return Err(Diverged);
+                    return Err(Diverged {
+                        key: record.key.clone(),
+                        instance,
+                    });
                 }
-                self.sources.retain(|source, _| kept(source));
-                let live_pending = &mut self.live_pending;
-                self.chains.retain(|source, chain| {
-                    if kept(source) {
-                        return true;
-                    }
-                    for live in &chain.pending {
-                        live_pending.remove(&live.digest);
-                    }
-                    false
-                });
-                let entry = Arc::clone(&entry);
-                let _ = tokio::task::spawn_blocking(move || {
-                    // The units still queued first (they record their checkpoints), then the
-                    // blocks go and the checkpoints are forgotten in one step (before the
-                    // flush, a stale one stayed), as at the ingest.
-                    entry.pool.flush();
-                    match rank {
-                        None => entry.index().remove_worker_forgetting_marks(instance),
-                        Some(rank) => entry
-                            .index()
-                            .clear_rank_forgetting_mark(Worker::new(instance, rank)),
-                    };
-                })
-                .await;
+                self.forget_sources(&record.key, instance, rank);
+                remove_from_index(Arc::clone(&entry), instance, rank).await;
                 LogStats::bump(&self.stats.applied);
             }
             Body::Batch {
@@ -1152,7 +1195,12 @@ impl Consumer {
                         }
                         admission
                     }
-                    Verdict::Diverged => return Err(Diverged),
+                    Verdict::Diverged => {
+                        return Err(Diverged {
+                            key: record.key.clone(),
+                            instance: record.source.worker_id,
+                        });
+                    }
                 };
                 match admission {
                     Admission::Apply => {}
@@ -1710,6 +1758,23 @@ async fn put_snapshot(
         .await
         .map_err(|e| format!("putting the snapshot object: {e}"))?;
     Ok(size)
+}
+
+/// Removes `instance` (one rank, or all) from `entry`'s index and forgets its checkpoints: the
+/// units still queued first (they record their checkpoints), then the blocks go and the
+/// checkpoints are forgotten in one step (before the flush, a stale one stayed), as at the
+/// ingest.
+async fn remove_from_index(entry: Arc<IndexEntry>, instance: u64, rank: Option<u32>) {
+    let _ = tokio::task::spawn_blocking(move || {
+        entry.pool.flush();
+        match rank {
+            None => entry.index().remove_worker_forgetting_marks(instance),
+            Some(rank) => entry
+                .index()
+                .clear_rank_forgetting_mark(Worker::new(instance, rank)),
+        };
+    })
+    .await;
 }
 
 /// Snapshot objects kept in the bucket: the newest, and the one before it for a replica that

@@ -392,6 +392,12 @@ fn record_of(
 /// Worker 7's device blocks matching `prompt` at `server`, on its rank matching most (0: not
 /// listed).
 fn blocks_of_worker_7(server: &Served, prompt: &[u64]) -> u32 {
+    blocks_of(server, 7, prompt)
+}
+
+/// Worker `instance`'s device blocks matching `prompt` at `server`, on its rank matching most
+/// (0: not listed).
+fn blocks_of(server: &Served, instance: u64, prompt: &[u64]) -> u32 {
     runtime().block_on(async {
         let mut client = IndexerClient::connect(server.grpc.clone())
             .await
@@ -404,7 +410,7 @@ fn blocks_of_worker_7(server: &Served, prompt: &[u64]) -> u32 {
             answer
                 .matches
                 .iter()
-                .filter(|m| m.instance_id == 7)
+                .filter(|m| m.instance_id == instance)
                 .map(|m| m.device_blocks)
                 .max()
                 .unwrap_or(0)
@@ -792,6 +798,49 @@ fn an_orphaned_live_record_is_undone() {
             && blocks_of_worker_7(&replica, &[1001, 1002]) == 1
     });
     ready(&replica);
+    replica.kill_9();
+}
+
+/// A live record never stored (its ingest died) at a replica whose stream no longer holds its
+/// first records, with no snapshot: the replica removes the instance the record was of and
+/// keeps every other worker's state, still serving; that instance's next record starts it
+/// afresh. (It emptied every index and read the stream from its start: worker 8's first
+/// block, which only the dropped records held, was lost with everything else.)
+#[test]
+fn an_orphaned_live_record_without_a_snapshot_removes_only_its_instance() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    // Snapshots off (hand_fed_replica); a stream that keeps about 20 kB of records.
+    let (replica, feed, first) = hand_fed_replica(
+        &nats,
+        &["--nats-live-confirm-secs", "1", "--nats-max-bytes", "20000"],
+    );
+    // Worker 8's blocks, each message about 100 B: retention drops the first ones.
+    for seq in 1..=500 {
+        feed.to_stream_of(8, &record_of(8, seq, seq, None, 10_000 + seq, 20_000 + seq));
+    }
+    eventually("worker 8's records applied", || {
+        blocks_of(&replica, 8, &[20_500]) == 1
+    });
+    assert_eq!(blocks_of(&replica, 8, &[20_001]), 1);
+    feed.live(&record(2, 102, Some(1), 2, 1002), &first);
+    eventually("the orphaned live record undone", || {
+        metric(&replica, "kvatlas_log_live_divergences_total") == 1
+            && blocks_of_worker_7(&replica, &[1001, 1002]) == 0
+    });
+    ready(&replica);
+    for seq in [1, 250, 500] {
+        assert_eq!(
+            blocks_of(&replica, 8, &[20_000 + seq]),
+            1,
+            "worker 8's block {seq} kept"
+        );
+    }
+    assert_eq!(metric(&replica, "kvatlas_log_rebootstraps_total"), 0);
+    // Worker 7's next record starts it afresh.
+    feed.to_stream(&record(3, 103, None, 3, 1003));
+    eventually("worker 7's next record applied", || {
+        blocks_of_worker_7(&replica, &[1003]) == 1
+    });
     replica.kill_9();
 }
 
