@@ -397,6 +397,7 @@ pub(crate) async fn start(
         next_stream_info: tokio::time::Instant::now(),
         stream_unreachable: None,
         applied: covered.unwrap_or(0),
+        newest_seen: None,
         caught_up: false,
         last_snapshot: tokio::time::Instant::now(),
         snapshot_put: None,
@@ -444,6 +445,10 @@ struct Consumer {
     stream_unreachable: Option<tokio::time::Instant>,
     /// The last stream sequence applied (or covered by the restored snapshot).
     applied: u64,
+    /// The name of the newest snapshot object this replica has seen in the bucket (or put),
+    /// and when it first saw it, by its own monotonic clock: the snapshot turns judge a
+    /// snapshot's age by it, not by the object's modification time (its writer's clock).
+    newest_seen: Option<(String, tokio::time::Instant)>,
     caught_up: bool,
     last_snapshot: tokio::time::Instant,
     /// The snapshot being encoded and put, if any.
@@ -1239,20 +1244,20 @@ impl Consumer {
             return;
         }
         self.live_paused = false;
-        self.last_snapshot = tokio::time::Instant::now();
+        let now = tokio::time::Instant::now();
+        self.last_snapshot = now;
         if let Ok(Some(newest)) =
             newest_snapshot(&self.bucket, &self.log.stream, self.stream_created).await
         {
-            let age = newest.info.modified.map(|modified| {
-                let now = time_now_nanos();
-                Duration::from_nanos(
-                    u64::try_from(now - modified.unix_timestamp_nanos()).unwrap_or(0),
-                )
-            });
-            // Newer: cut from this stream (saying so) at or after this replica's position.
-            let newer =
-                newest.stream == Some(self.stream_created) && newest.covered >= self.applied;
-            if newer || age.is_some_and(|age| age < interval * 3 / 4) {
+            let seen = match &self.newest_seen {
+                Some((name, seen)) if *name == newest.info.name => *seen,
+                _ => {
+                    self.newest_seen = Some((newest.info.name.clone(), now));
+                    now
+                }
+            };
+            let seen_for = now.saturating_duration_since(seen);
+            if newest.takes_the_turn(self.stream_created, self.applied, seen_for, interval) {
                 LogStats::bump(&self.stats.snapshots_skipped);
                 return;
             }
@@ -1278,6 +1283,8 @@ impl Consumer {
         let (bucket_stream, bucket_name) =
             (self.bucket_stream.clone(), self.log.snapshot_bucket.clone());
         let (stream, stream_name) = (self.stream.clone(), self.log.stream.clone());
+        // Its own put is seen from now (a put that fails leaves another object the newest).
+        self.newest_seen = Some((snapshot_name(&stream_name, covered), now));
         self.snapshot_put = Some(tokio::spawn(async move {
             let put = put_snapshot(&bucket, images, &stream_name, covered, stream_created).await;
             if put.is_ok() {
@@ -1410,6 +1417,23 @@ impl SnapshotObject {
         } else {
             0
         }
+    }
+
+    /// Whether it takes the snapshot turn of a replica of the stream created at `current` at
+    /// position `applied`, which has seen it for `seen_for` (or put it that long ago): it is of
+    /// this stream and covers that position or a later one, or was first seen less than ¾ of
+    /// `interval` ago. Its age is judged by the replica's own clock, not by the object's
+    /// modification time, its writer's clock: a writer's clock minutes ahead made every other
+    /// replica skip for as long, one behind made them all write at every turn.
+    fn takes_the_turn(
+        &self,
+        current: i128,
+        applied: u64,
+        seen_for: Duration,
+        interval: Duration,
+    ) -> bool {
+        let this_stream = self.stream == Some(current);
+        this_stream && (self.covered >= applied || seen_for < interval * 3 / 4)
     }
 
     /// Whether it was cut from the stream created at `current` (or does not say).
@@ -2329,6 +2353,41 @@ mod tests {
         assert!(object(3, None).rank(7) > object(42, Some(8)).rank(7));
         assert!(object(3, Some(7)).rank(7) > object(99, None).rank(7));
         assert!(object(3, Some(6)).rank(7) > object(42, Some(5)).rank(7));
+    }
+
+    /// The snapshot turn is judged by how long the replica has seen the newest object (its own
+    /// clock), not by the object's modification time (its writer's clock, which is not read).
+    #[test]
+    fn a_snapshot_turn_is_judged_by_the_replicas_own_clock() {
+        let interval = Duration::from_secs(30);
+        let object = |covered: u64, stream: Option<i128>| SnapshotObject {
+            covered,
+            stream,
+            info: jetstream::object_store::ObjectInfo {
+                name: snapshot_name(STREAM, covered),
+                description: None,
+                metadata: HashMap::new(),
+                headers: None,
+                options: None,
+                bucket: "b".into(),
+                nuid: String::new(),
+                size: 0,
+                chunks: 0,
+                modified: None,
+                digest: None,
+                deleted: false,
+            },
+        };
+        let seconds = Duration::from_secs;
+        // Another replica's, seen for 10 s: recent, its turn is taken.
+        assert!(object(10, Some(7)).takes_the_turn(7, 20, seconds(10), interval));
+        // Seen for a whole interval (its writer stopped writing): this replica's turn.
+        assert!(!object(10, Some(7)).takes_the_turn(7, 20, seconds(30), interval));
+        // This position or a later one: taken, however long seen.
+        assert!(object(20, Some(7)).takes_the_turn(7, 20, seconds(600), interval));
+        // Another stream's (or one that does not say): not taken.
+        assert!(!object(30, Some(8)).takes_the_turn(7, 20, Duration::ZERO, interval));
+        assert!(!object(30, None).takes_the_turn(7, 20, Duration::ZERO, interval));
     }
 
     /// A `nats-server` with JetStream on a free loopback port and a fresh store (killed and
