@@ -722,26 +722,35 @@ impl IndexEntry {
     }
 
     /// Where a listener of `worker` continues the stream: the rank's checkpoint, if the index
-    /// holds one, with the further ranks of its instance that hold blocks (in `blocks`) and
-    /// that no feed in `feeds` and no rank recorded by a restore registers. A batch names its
-    /// rank, so such a rank was fed by a source of the instance through its batches; the
-    /// source's resync clears it (a listener that remembered only its own rank after a restart,
-    /// a peer bootstrap or a release left those blocks for good). Two sources of one instance
-    /// both carrying further ranks each clear them all (the state does not say which fed what).
+    /// holds one, with the further ranks of its instance that hold blocks and that no
+    /// registration feeds: no checkpoint of their own (a rank fed by a registration of its
+    /// own, ZMQ or `PublishEvents`, records one with its first batch, and keeps it across a
+    /// restore, also before its registration is made again), no feed in `feeds` and no rank
+    /// recorded by a restore. A batch names its rank, so such a rank was fed by a source of
+    /// the instance through its batches; the source's resync clears it (a listener that
+    /// remembered only its own rank after a restart, a peer bootstrap or a release left those
+    /// blocks for good). Two sources of one instance both carrying further ranks each clear
+    /// them all (the state does not say which fed what). `blocks`: the blocks per rank, taken
+    /// from the index's statistics on first need and kept for the caller's next rank.
     fn resume_of(
         &self,
         worker: Worker,
         feeds: &BTreeMap<Worker, Feed>,
-        blocks: &BTreeMap<Worker, [u64; 4]>,
+        blocks: &mut Option<BTreeMap<Worker, [u64; 4]>>,
     ) -> Option<Resume> {
         let mark = self.index().mark(worker)?;
+        let blocks = blocks.get_or_insert_with(|| self.blocks_per_rank());
+        let marked = self.index().marked_workers(); // sorted
         let unfed = self.unfed.lock();
         let instance = Worker::new(worker.worker_id, 0)..=Worker::new(worker.worker_id, u32::MAX);
         let ranks = blocks
             .range(instance)
             .map(|(rank, _)| *rank)
             .filter(|rank| {
-                *rank != worker && !feeds.contains_key(rank) && !unfed.contains_key(rank)
+                *rank != worker
+                    && marked.binary_search(rank).is_err()
+                    && !feeds.contains_key(rank)
+                    && !unfed.contains_key(rank)
             })
             .collect();
         Some(Resume {
@@ -860,7 +869,7 @@ impl IndexEntry {
         } else {
             None
         };
-        let resume = self.resume_of(worker, &feeds, &self.blocks_per_rank());
+        let resume = self.resume_of(worker, &feeds, &mut None);
         let mut config = ListenerConfig::new(source, registration.endpoint.clone())
             .with_topic(registration.topic.clone().into_bytes())
             .with_mode(registration.mode)
@@ -1032,10 +1041,10 @@ impl IndexEntry {
     /// Releases every held listener, each from its rank's checkpoint if the index has one.
     pub(crate) fn release_held(&self) {
         let feeds = self.feeds.lock();
-        let blocks = self.blocks_per_rank();
+        let mut blocks = None;
         for (worker, feed) in feeds.iter() {
             if let Feed::Zmq { listener, .. } = feed {
-                let resume = self.resume_of(*worker, &feeds, &blocks);
+                let resume = self.resume_of(*worker, &feeds, &mut blocks);
                 let _ = self.listeners.release(*listener, resume);
             }
         }

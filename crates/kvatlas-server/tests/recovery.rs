@@ -219,6 +219,68 @@ async fn an_engine_restart_after_a_server_restart_clears_the_ranks_its_batches_f
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two ranks of one instance, each registered with an engine of its own (vLLM's data
+/// parallelism): after a restart from the data directory, the first engine's restart clears
+/// its rank only. The other rank is no further rank of the first's source, also while the
+/// restore registers the ranks again one after the other (it holds a checkpoint of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_after_a_server_restart_leaves_a_sibling_ranks_blocks() {
+    let dir = temp_dir("sibling-ranks");
+    let mut engines = [VllmPublisher::bind(), VllmPublisher::bind()];
+    let mut h = start(persistent(&dir, None)).await;
+    for (rank, engine) in (0..).zip(&mut engines) {
+        h.client
+            .register_worker(v1::RegisterWorkerRequest {
+                index: selector(MODEL, ""),
+                instance_id: 7,
+                dp_rank: rank,
+                block_size: BLOCK,
+                endpoint: engine.endpoint.clone(),
+                ..v1::RegisterWorkerRequest::default()
+            })
+            .await
+            .expect("registers");
+        wait_until("the rank's listener to become active", || {
+            engine.publish(&[], None);
+            let mut client = h.client.clone();
+            async move {
+                let listed = listed_workers(&mut client).await;
+                listed
+                    .workers
+                    .iter()
+                    .any(|w| w.dp_rank == rank && w.status == v1::WorkerStatus::Active as i32)
+            }
+        })
+        .await;
+    }
+    let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
+    let stored = |hashes: Vec<u64>, blocks: usize| VllmEvent::Stored {
+        hashes,
+        parent: None,
+        tokens: tokens[..blocks * BLOCK as usize].to_vec(),
+        block_size: BLOCK,
+    };
+    engines[0].publish(&[stored(vec![71, 72, 73], 3)], None);
+    engines[1].publish(&[stored(vec![171, 172], 2)], None);
+    let query = token_query(MODEL, "", tokens.clone());
+    let both = [(7, 0, 3, 3, 3), (7, 1, 2, 2, 2)];
+    wait_until("both ranks' blocks", || rows_are(&h.client, &query, &both)).await;
+    let report = h.server.shutdown().await;
+    assert!(matches!(report.snapshot, Some(Ok(_))), "{report:?}");
+
+    let h = start(persistent(&dir, None)).await;
+    assert!(rows_are(&h.client, &query, &both).await, "restored");
+    // Rank 0's engine restarts: its numbering starts again, with other content.
+    wait_until("rank 0's resync and its new incarnation's block", || {
+        engines[0].seq = 0;
+        engines[0].publish_at(&[stored(vec![81], 1)], None, VLLM_TS + 1.0);
+        rows_are(&h.client, &query, &[(7, 0, 1, 1, 1), (7, 1, 2, 2, 2)])
+    })
+    .await;
+    h.server.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn periodic_snapshots_and_the_snapshot_streams_hold_the_state() {
     let dir = temp_dir("periodic");

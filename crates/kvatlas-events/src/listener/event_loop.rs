@@ -520,7 +520,8 @@ impl ListenerCore {
     fn release(&mut self, resume: Option<Resume>) -> Result<(), Exit> {
         let resumed = resume.is_some();
         if let Some(resume) = resume {
-            // Nothing was applied while held: the ranks fed are the resumed state's.
+            // Nothing was applied while held: the ranks fed are the resumed state's (without
+            // one, the sequencer and the ranks stay those the listener was started with).
             self.ranks = fed_ranks(self.config.source, Some(&resume));
             self.sequencer = Sequencer::resume(
                 self.config.options.sequencer,
