@@ -1286,7 +1286,8 @@ impl Consumer {
         // Its own put is seen from now (a put that fails leaves another object the newest).
         self.newest_seen = Some((snapshot_name(&stream_name, covered), now));
         self.snapshot_put = Some(tokio::spawn(async move {
-            let put = put_snapshot(&bucket, images, &stream_name, covered, stream_created).await;
+            let name = snapshot_name(&stream_name, covered);
+            let put = put_snapshot(&bucket, images, name, covered, stream_created).await;
             if put.is_ok() {
                 // Ranked by the stream as it is now (created again during the put, the cut's
                 // stream would rank the new stream's snapshots last and delete them).
@@ -1502,7 +1503,18 @@ async fn snapshots(
     while let Some(info) = list.next().await {
         let info = info.map_err(|e| format!("listing the snapshot bucket: {e}"))?;
         if let Some(covered) = covered_by(&info.name, info.description.as_deref(), stream) {
-            let stream = stream_of(info.description.as_deref());
+            let stream_created = stream_of(info.description.as_deref());
+            // Named as before names carried the stream: any stream's, taken for this one only
+            // if cut from it (or not saying), so that a fleet of another stream sharing the
+            // bucket neither restores nor prunes it.
+            if !info
+                .name
+                .starts_with(&format!("{SNAPSHOT_OBJECT}-{stream}-"))
+                && stream_created.is_some_and(|created| created != current)
+            {
+                continue;
+            }
+            let stream = stream_created;
             found.push(SnapshotObject {
                 covered,
                 stream,
@@ -1750,11 +1762,12 @@ async fn take_cut(registry: &Arc<Registry>) -> Result<Vec<crate::snapshot::Index
     .map_err(|e| e.to_string())
 }
 
-/// Encodes a cut and puts it in the bucket as covering `covered`; returns its size.
+/// Encodes a cut and puts it in the bucket as object `name` covering `covered`; returns its
+/// size.
 async fn put_snapshot(
     bucket: &jetstream::object_store::ObjectStore,
     images: Vec<crate::snapshot::IndexImage>,
-    stream: &str,
+    name: String,
     covered: u64,
     stream_created: i128,
 ) -> Result<usize, String> {
@@ -1773,7 +1786,7 @@ async fn put_snapshot(
     .map_err(|e| e.to_string())??;
     let size = bytes.len();
     let meta = jetstream::object_store::ObjectMetadata {
-        name: snapshot_name(stream, covered),
+        name,
         description: Some(snapshot_description(covered, stream_created)),
         ..Default::default()
     };
@@ -2623,14 +2636,20 @@ mod tests {
     async fn streams_sharing_a_bucket_keep_to_their_own_snapshots() {
         let (nats, bucket) = nats_with_bucket("shared").await;
         let (ours, theirs) = (Worker::new(3, 0), Worker::new(4, 0));
-        put_snapshot(&bucket, vec![image_of(ours)], "A", 7, 1)
+        put_snapshot(&bucket, vec![image_of(ours)], snapshot_name("A", 7), 7, 1)
             .await
             .expect("put");
         // One at the same sequence as ours (its name once replaced ours).
         for covered in [5, 7, 9] {
-            put_snapshot(&bucket, vec![image_of(theirs)], "B", covered, 2)
-                .await
-                .expect("put");
+            put_snapshot(
+                &bucket,
+                vec![image_of(theirs)],
+                snapshot_name("B", covered),
+                covered,
+                2,
+            )
+            .await
+            .expect("put");
         }
         let (restored, stats) = (empty_registry(), LogStats::default());
         assert_eq!(
@@ -2663,6 +2682,58 @@ mod tests {
         );
     }
 
+    /// A snapshot named as before names carried the stream (`snapshot-N`) of another stream
+    /// sharing the bucket (a fleet not upgraded yet) is neither restored nor pruned by a replica
+    /// of this one; one cut from this stream is. With a real nats-server.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_old_style_snapshot_of_another_stream_is_neither_restored_nor_pruned() {
+        let (nats, bucket) = nats_with_bucket("old-style").await;
+        let old_style = |covered: u64| format!("{SNAPSHOT_OBJECT}-{covered:020}");
+        let theirs = Worker::new(4, 0);
+        put_snapshot(&bucket, vec![image_of(theirs)], old_style(9), 9, 3)
+            .await
+            .expect("put");
+        let (registry, stats) = (empty_registry(), LogStats::default());
+        assert_eq!(
+            restore_newest(&registry, &bucket, "A", 1, 1, &stats).await,
+            Ok(None),
+            "nothing of this stream: read from its start"
+        );
+        assert!(registry.all().is_empty(), "nothing restored");
+        // This stream's: one named as before, cut from it, and three named for it.
+        let ours = Worker::new(3, 0);
+        put_snapshot(&bucket, vec![image_of(ours)], old_style(4), 4, 1)
+            .await
+            .expect("put");
+        for covered in [5, 6, 7] {
+            put_snapshot(
+                &bucket,
+                vec![image_of(ours)],
+                snapshot_name("A", covered),
+                covered,
+                1,
+            )
+            .await
+            .expect("put");
+        }
+        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
+        let bucket_stream = js
+            .get_stream("OBJ_old-style")
+            .await
+            .expect("the bucket's stream");
+        prune_snapshots(&bucket, &bucket_stream, "old-style", "A", 1).await;
+        let mut names = Vec::new();
+        let mut list = bucket.list().await.expect("lists");
+        while let Some(info) = list.next().await {
+            names.push(info.expect("an object").name);
+        }
+        names.sort();
+        assert_eq!(
+            names,
+            [old_style(9), snapshot_name("A", 6), snapshot_name("A", 7)]
+        );
+    }
+
     /// A newest snapshot object that cannot be read does not keep a replica from starting from
     /// the next one — when the stream continues that one; one it does not continue (records
     /// dropped by retention between the two) is not restored, and the error names the newest.
@@ -2670,9 +2741,15 @@ mod tests {
     async fn an_older_snapshot_is_restored_when_the_newest_cannot_be_read() {
         let (_nats, bucket) = nats_with_bucket("fallback").await;
         let worker = Worker::new(3, 0);
-        put_snapshot(&bucket, vec![image_of(worker)], STREAM, 7, 1)
-            .await
-            .expect("the older snapshot");
+        put_snapshot(
+            &bucket,
+            vec![image_of(worker)],
+            snapshot_name(STREAM, 7),
+            7,
+            1,
+        )
+        .await
+        .expect("the older snapshot");
         put_garbage_snapshot(&bucket, 9, b"cut off").await;
 
         // The stream still holds sequence 8: the older cut is continued.
