@@ -26,7 +26,10 @@
 //! - the stream delivers anything else the stream alone would have applied: the replica no longer
 //!   holds the stream's state (two ingests disagreed about a source). It counts a divergence,
 //!   reports not ready, empties its indexes, restores the newest snapshot and consumes the stream
-//!   from after it: the stream's state again.
+//!   from after it: the stream's state again — when a snapshot the stream continues is there, or
+//!   the stream holds every record. Otherwise that would lose, of every worker, what only the
+//!   records retention dropped held: the replica removes the diverged instance alone (blocks,
+//!   checkpoints, sequencing), applies the stream's record to it afresh and goes on.
 //!
 //! With one ingest the stream carries a source's records in the order they were published live,
 //! so the third case needs two ingests that publish different records for one source (one of
@@ -574,9 +577,15 @@ impl Consumer {
                         self.stream_unreachable = Some(tokio::time::Instant::now());
                     }
                     if self.live_overdue() && self.read_to_the_streams_end().await? {
-                        let overdue = self.overdue_instances();
-                        self.diverged(overdue).await?;
-                        return Err("re-bootstrapped: a live record was never stored".into());
+                        // Those overdue before the stream's end was read: their copies would
+                        // have been read (a later one's may still come).
+                        let read = self
+                            .overdue_stream_end
+                            .map_or_else(tokio::time::Instant::now, |(_, read)| read);
+                        let overdue = self.overdue_instances(read);
+                        if !self.diverged(overdue).await? {
+                            return Err("re-bootstrapped: a live record was never stored".into());
+                        }
                     }
                     self.maybe_snapshot().await;
                     continue;
@@ -606,11 +615,10 @@ impl Consumer {
             if sequence > self.applied + 1 && self.skipped(sequence).await? {
                 return Err("re-bootstrapped from a snapshot".into());
             }
-            if let Err(Diverged { key, instance }) = self
+            if !self
                 .apply_message(&message.payload, arrived, published_nanos)
-                .await
+                .await?
             {
-                self.diverged(vec![(key, instance)]).await?;
                 return Err("re-bootstrapped after a live-path divergence".into());
             }
             self.applied = sequence;
@@ -753,13 +761,13 @@ impl Consumer {
             .any(|(_, applied)| self.confirmation_due(*applied) < now)
     }
 
-    /// The instances (index, instance) of the live records overdue for their confirmation.
-    fn overdue_instances(&self) -> Vec<(IndexKey, u64)> {
-        let now = tokio::time::Instant::now();
+    /// The instances (index, instance) of the live records whose confirmation was due before
+    /// `before`.
+    fn overdue_instances(&self, before: tokio::time::Instant) -> Vec<(IndexKey, u64)> {
         let mut overdue: Vec<(IndexKey, u64)> = self
             .live_pending
             .values()
-            .filter(|(_, applied)| self.confirmation_due(*applied) < now)
+            .filter(|(_, applied)| self.confirmation_due(*applied) < before)
             .map(|((key, worker), _)| (key.clone(), worker.worker_id))
             .collect();
         overdue.sort();
@@ -907,14 +915,15 @@ impl Consumer {
     /// that would lose what only the dropped records held, of every worker: the replica then
     /// removes the diverged instances alone (their blocks, checkpoints and sequencing; the
     /// stream's next records of them start afresh) and keeps every other worker's state,
-    /// still serving.
-    async fn diverged(&mut self, diverged: Vec<(IndexKey, u64)>) -> Result<(), String> {
+    /// still serving, and goes on consuming. `Ok(true)`: removed in place; `Ok(false)`:
+    /// re-bootstrapped (the consumer starts again from after the snapshot).
+    async fn diverged(&mut self, diverged: Vec<(IndexKey, u64)>) -> Result<bool, String> {
         // A stream created again is not a divergence: the consumer starts again and keeps the
         // state. Where the stream begins: an older snapshot than the best is restored only if
         // the stream continues it.
         let reads_from = self.check_same_stream(None).await?;
-        LogStats::bump(&self.stats.live_divergences);
         let newest = newest_position(&self.bucket, &self.log.stream, self.stream_created).await?;
+        LogStats::bump(&self.stats.live_divergences);
         if reads_from > 1 && newest.is_none_or(|covered| covered.saturating_add(1) < reads_from) {
             tracing::warn!(
                 stream_sequence = self.applied,
@@ -929,7 +938,7 @@ impl Consumer {
                     remove_from_index(entry, instance, None).await;
                 }
             }
-            return Ok(());
+            return Ok(true);
         }
         tracing::warn!(
             stream_sequence = self.applied,
@@ -965,7 +974,7 @@ impl Consumer {
         )
         .await?
         .unwrap_or(0);
-        Ok(())
+        Ok(false)
     }
 
     /// Forgets the sequencing state, the chains and the pending live records of the sources
@@ -1060,17 +1069,32 @@ impl Consumer {
     }
 
     /// Applies the records of one message, which the stream stored at `stored_nanos` (Unix
-    /// ns) and arrived at `arrived` (a malformed message is counted and skipped).
+    /// ns) and arrived at `arrived` (a malformed message is counted and skipped). A record
+    /// that shows a divergence ([`Consumer::diverged`]) is applied once its instance was
+    /// removed in place, and the message's next records after it (those before it stay
+    /// applied once); `Ok(false)`: the replica re-bootstrapped instead, and the consumer starts
+    /// again from after the snapshot.
     async fn apply_message(
         &mut self,
         payload: &[u8],
         arrived: std::time::Instant,
         stored_nanos: i128,
-    ) -> Result<(), Diverged> {
+    ) -> Result<bool, String> {
         match crate::log_record::unframe(payload) {
             Ok(records) => {
                 for record in records {
-                    self.apply(record, arrived, stored_nanos).await?;
+                    let Err(Diverged { key, instance }) =
+                        self.apply(record, arrived, stored_nanos).await
+                    else {
+                        continue;
+                    };
+                    if !self.diverged(vec![(key, instance)]).await? {
+                        return Ok(false);
+                    }
+                    // Its instance's sources start afresh: nothing pending to diverge from.
+                    if self.apply(record, arrived, stored_nanos).await.is_err() {
+                        return Err("a record diverged again once its instance was removed".into());
+                    }
                 }
             }
             Err(why) => {
@@ -1078,7 +1102,7 @@ impl Consumer {
                 tracing::warn!("dropped an event-log message: {why}");
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Decodes, sequences and applies one record of a message that the stream stored at

@@ -844,6 +844,54 @@ fn an_orphaned_live_record_without_a_snapshot_removes_only_its_instance() {
     replica.kill_9();
 }
 
+/// The stream delivering another record than one applied live, at a replica whose stream no
+/// longer holds its first records, with no snapshot: the replica removes that record's
+/// instance, applies the stream's record to it afresh and goes on, keeping every other
+/// worker's state; the live path carries on from the stream's record.
+#[test]
+fn a_divergence_without_a_snapshot_applies_the_streams_record_to_its_instance_afresh() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let (replica, feed, first) = hand_fed_replica(&nats, &["--nats-max-bytes", "20000"]);
+    for seq in 1..=500 {
+        feed.to_stream_of(8, &record_of(8, seq, seq, None, 10_000 + seq, 20_000 + seq));
+    }
+    eventually("worker 8's records applied", || {
+        blocks_of(&replica, 8, &[20_500]) == 1
+    });
+    feed.live(&record(2, 102, None, 2, 1002), &first);
+    eventually("the live record applied", || {
+        blocks_of_worker_7(&replica, &[1002]) == 1
+    });
+    // Another ingest's batch at that position.
+    let other = record(2, 999, None, 4, 2002);
+    feed.to_stream(&other);
+    eventually("the stream's record applied afresh", || {
+        blocks_of_worker_7(&replica, &[2002]) == 1 && blocks_of_worker_7(&replica, &[1002]) == 0
+    });
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 1);
+    assert_eq!(blocks_of_worker_7(&replica, &[1001]), 0, "worker 7 removed");
+    for seq in [1, 500] {
+        assert_eq!(
+            blocks_of(&replica, 8, &[20_000 + seq]),
+            1,
+            "worker 8's block {seq}"
+        );
+    }
+    ready(&replica);
+    // The live path goes on from the stream's record, and the stream confirms it.
+    let third = record(3, 103, Some(4), 5, 2003);
+    feed.live(&third, &other);
+    eventually("the live record after the divergence applied", || {
+        blocks_of_worker_7(&replica, &[2002, 2003]) == 2
+    });
+    feed.to_stream(&third);
+    eventually("the stream confirmed it", || {
+        metric(&replica, "kvatlas_log_live_confirmed_total") == 1
+    });
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 1);
+    replica.kill_9();
+}
+
 /// A replica whose live path keeps up while its stream reading falls behind the retention
 /// window keeps the live record whose stream copy retention dropped: the stream's next record
 /// of that source continues it. (It was taken for a divergence: the replica emptied its
