@@ -969,18 +969,14 @@ fn restart_quietly_and_check(
     h.assert_index_matches_reference();
 }
 
-/// A listener resumed from a snapshot (as after its server restarted) whose engine restarted
-/// while it was away, published a few batches no one heard and went quiet. The catch-up,
-/// anchored at the snapshot's position, gets nothing but the end marker, and no replay has yet
-/// shown that the engine keeps a ring, so that alone proves nothing; the listener then asks for
-/// the whole ring, whose batches show it exists: the worker is resynced and they are applied.
-#[test]
-fn a_resumed_listener_finds_an_engine_that_restarted_while_it_was_away() {
-    let mut h = Harness::new();
-    let mut a = Publisher::loopback(&h.ctx);
-    let events_a = event_stream(1, 20);
-    publish_all(&mut a, &events_a, |_| false);
-    let resume = h.restore(&events_a);
+/// Restarts `a`'s engine, whose new incarnation publishes a few batches no one hears and goes
+/// quiet, then starts a listener resumed at `resume` (probing only when asked); returns its
+/// counters once it applied the new incarnation's batches, and those batches.
+fn resume_after_a_quiet_restart(
+    h: &Harness,
+    a: Publisher,
+    resume: kvatlas_events::Resume,
+) -> (ListenerCounters, Vec<Vec<u8>>) {
     let mut b = a.restart(&h.ctx);
     let events_b = event_stream(2, 6);
     publish_all(&mut b, &events_b, |_| false);
@@ -995,7 +991,22 @@ fn a_resumed_listener_finds_an_engine_that_restarted_while_it_was_away() {
     wait_for("the restart found and the new incarnation applied", || {
         state(&h.listeners, id).last_seq == Some(b.next_seq - 1)
     });
-    let c = state(&h.listeners, id).counters;
+    (state(&h.listeners, id).counters, events_b)
+}
+
+/// A listener resumed from a snapshot (as after its server restarted) whose engine restarted
+/// while it was away, published a few batches no one heard and went quiet. The catch-up,
+/// anchored at the snapshot's position, gets nothing but the end marker, and no replay has yet
+/// shown that the engine keeps a ring, so that alone proves nothing; the listener then asks for
+/// the whole ring, whose batches show it exists: the worker is resynced and they are applied.
+#[test]
+fn a_resumed_listener_finds_an_engine_that_restarted_while_it_was_away() {
+    let mut h = Harness::new();
+    let mut a = Publisher::loopback(&h.ctx);
+    let events_a = event_stream(1, 20);
+    publish_all(&mut a, &events_a, |_| false);
+    let resume = h.restore(&events_a);
+    let (c, events_b) = resume_after_a_quiet_restart(&h, a, resume);
     assert_eq!((c.restarts, c.resyncs, c.catch_ups), (1, 1, 1), "{c:?}");
     h.reference_apply(&events_a);
     h.reference_clear();
@@ -1024,21 +1035,7 @@ fn a_resumed_listener_clears_the_further_ranks_its_source_fed_on_a_resync() {
         ranks: vec![Worker::new(WORKER, 1), Worker::new(WORKER + 1, 1)],
         ..h.restore(&events_a)
     };
-    let mut b = a.restart(&h.ctx);
-    let events_b = event_stream(2, 6);
-    publish_all(&mut b, &events_b, |_| false);
-    let config = ListenerConfig::new(source(), b.endpoint.clone())
-        .with_replay_endpoint(b.replay_endpoint.clone())
-        .with_options(ListenerOptions {
-            quiet_probe: Some(Duration::from_secs(600)),
-            ..fast_options()
-        })
-        .with_resume(Some(resume));
-    let id = h.listeners.start(config).expect("listener starts");
-    wait_for("the restart found and the new incarnation applied", || {
-        state(&h.listeners, id).last_seq == Some(b.next_seq - 1)
-    });
-    let c = state(&h.listeners, id).counters;
+    let (c, events_b) = resume_after_a_quiet_restart(&h, a, resume);
     assert_eq!(
         (c.restarts, c.resyncs, c.resync_clears),
         (1, 1, 2),

@@ -2351,14 +2351,10 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_snapshot_names_its_stream_and_one_of_a_stream_created_again_is_read_from_its_start() {
-        let description = snapshot_description(42, -5);
-        assert_eq!(covered_of(Some(&description)), Some(42));
-        assert_eq!(stream_of(Some(&description)), Some(-5));
-        assert_eq!(stream_of(Some("stream_sequence=42")), None);
-        assert_eq!(stream_of(Some("stream_sequence=42 stream_created=x")), None);
-        let object = |covered: u64, stream: Option<i128>| SnapshotObject {
+    /// A listed snapshot object of stream [`STREAM`] covering `covered`, cut from the stream
+    /// created at `stream` (`None`: not saying).
+    fn object(covered: u64, stream: Option<i128>) -> SnapshotObject {
+        SnapshotObject {
             covered,
             stream,
             info: jetstream::object_store::ObjectInfo {
@@ -2375,7 +2371,16 @@ mod tests {
                 digest: None,
                 deleted: false,
             },
-        };
+        }
+    }
+
+    #[test]
+    fn a_snapshot_names_its_stream_and_one_of_a_stream_created_again_is_read_from_its_start() {
+        let description = snapshot_description(42, -5);
+        assert_eq!(covered_of(Some(&description)), Some(42));
+        assert_eq!(stream_of(Some(&description)), Some(-5));
+        assert_eq!(stream_of(Some("stream_sequence=42")), None);
+        assert_eq!(stream_of(Some("stream_sequence=42 stream_created=x")), None);
         // Of its own stream, or not saying: read on after what it covers.
         assert_eq!(object(42, Some(7)).position_in(7), 42);
         assert_eq!(object(42, None).position_in(7), 42);
@@ -2397,24 +2402,6 @@ mod tests {
     #[test]
     fn a_snapshot_turn_is_judged_by_the_replicas_own_clock() {
         let interval = Duration::from_secs(30);
-        let object = |covered: u64, stream: Option<i128>| SnapshotObject {
-            covered,
-            stream,
-            info: jetstream::object_store::ObjectInfo {
-                name: snapshot_name(STREAM, covered),
-                description: None,
-                metadata: HashMap::new(),
-                headers: None,
-                options: None,
-                bucket: "b".into(),
-                nuid: String::new(),
-                size: 0,
-                chunks: 0,
-                modified: None,
-                digest: None,
-                deleted: false,
-            },
-        };
         let seconds = Duration::from_secs;
         // Another replica's, seen for 10 s: recent, its turn is taken.
         assert!(object(10, Some(7)).takes_the_turn(7, 20, seconds(10), interval));

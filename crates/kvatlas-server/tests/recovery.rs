@@ -154,6 +154,17 @@ async fn a_restart_from_the_data_dir_continues_where_it_stopped() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A root chain of `hashes` holding the first blocks of the prompt `[1, 1, 1]`.
+fn stored(hashes: Vec<u64>) -> VllmEvent {
+    let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
+    VllmEvent::Stored {
+        tokens: tokens[..hashes.len() * BLOCK as usize].to_vec(),
+        hashes,
+        parent: None,
+        block_size: BLOCK,
+    }
+}
+
 /// Whether the server answers `query` with `want`'s rows.
 fn rows_are(
     client: &v1::indexer_client::IndexerClient<tonic::transport::Channel>,
@@ -177,14 +188,8 @@ async fn an_engine_restart_after_a_server_restart_clears_the_ranks_its_batches_f
     register_engine(&mut h.client, (MODEL, BLOCK), 7, &engine).await;
     wait_for_an_active_listener(&h.client, &mut engine).await;
     let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
-    let stored = |hashes: Vec<u64>, blocks: usize| VllmEvent::Stored {
-        hashes,
-        parent: None,
-        tokens: tokens[..blocks * BLOCK as usize].to_vec(),
-        block_size: BLOCK,
-    };
-    engine.publish(&[stored(vec![71, 72, 73], 3)], None);
-    engine.publish(&[stored(vec![171, 172], 2)], Some(1));
+    engine.publish(&[stored(vec![71, 72, 73])], None);
+    engine.publish(&[stored(vec![171, 172])], Some(1));
     let query = token_query(MODEL, "", tokens.clone());
     let both = [(7, 0, 3, 3, 3), (7, 1, 2, 2, 2)];
     wait_until("both ranks' blocks", || rows_are(&h.client, &query, &both)).await;
@@ -199,7 +204,7 @@ async fn an_engine_restart_after_a_server_restart_clears_the_ranks_its_batches_f
         "the restart's resync and the new incarnation's block",
         || {
             engine.seq = 0;
-            engine.publish_at(&[stored(vec![81], 1)], None, VLLM_TS + 1.0);
+            engine.publish_at(&[stored(vec![81])], None, VLLM_TS + 1.0);
             rows_are(&h.client, &query, &[(7, 0, 1, 1, 1)])
         },
     )
@@ -254,14 +259,8 @@ async fn an_engine_restart_after_a_server_restart_leaves_a_sibling_ranks_blocks(
         .await;
     }
     let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
-    let stored = |hashes: Vec<u64>, blocks: usize| VllmEvent::Stored {
-        hashes,
-        parent: None,
-        tokens: tokens[..blocks * BLOCK as usize].to_vec(),
-        block_size: BLOCK,
-    };
-    engines[0].publish(&[stored(vec![71, 72, 73], 3)], None);
-    engines[1].publish(&[stored(vec![171, 172], 2)], None);
+    engines[0].publish(&[stored(vec![71, 72, 73])], None);
+    engines[1].publish(&[stored(vec![171, 172])], None);
     let query = token_query(MODEL, "", tokens.clone());
     let both = [(7, 0, 3, 3, 3), (7, 1, 2, 2, 2)];
     wait_until("both ranks' blocks", || rows_are(&h.client, &query, &both)).await;
@@ -273,7 +272,7 @@ async fn an_engine_restart_after_a_server_restart_leaves_a_sibling_ranks_blocks(
     // Rank 0's engine restarts: its numbering starts again, with other content.
     wait_until("rank 0's resync and its new incarnation's block", || {
         engines[0].seq = 0;
-        engines[0].publish_at(&[stored(vec![81], 1)], None, VLLM_TS + 1.0);
+        engines[0].publish_at(&[stored(vec![81])], None, VLLM_TS + 1.0);
         rows_are(&h.client, &query, &[(7, 0, 1, 1, 1), (7, 1, 2, 2, 2)])
     })
     .await;
