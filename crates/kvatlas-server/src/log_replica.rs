@@ -2637,6 +2637,44 @@ mod tests {
         }
     }
 
+    /// Puts the image of one block of `worker` as object `name` covering `covered` of the
+    /// stream created at `created`.
+    async fn put_image(
+        bucket: &jetstream::object_store::ObjectStore,
+        worker: Worker,
+        name: String,
+        covered: u64,
+        created: i128,
+    ) {
+        put_snapshot(bucket, vec![image_of(worker)], name, covered, created)
+            .await
+            .expect("put");
+    }
+
+    /// Prunes bucket `bucket_name`'s snapshots for a replica of stream `stream` created at
+    /// `current`, and lists the names left, sorted.
+    async fn pruned(
+        nats: &TestNats,
+        bucket: &jetstream::object_store::ObjectStore,
+        bucket_name: &str,
+        stream: &str,
+        current: i128,
+    ) -> Vec<String> {
+        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
+        let bucket_stream = js
+            .get_stream(format!("OBJ_{bucket_name}"))
+            .await
+            .expect("the bucket's stream");
+        prune_snapshots(bucket, &bucket_stream, bucket_name, stream, current).await;
+        let mut names = Vec::new();
+        let mut list = bucket.list().await.expect("lists");
+        while let Some(info) = list.next().await {
+            names.push(info.expect("an object").name);
+        }
+        names.sort();
+        names
+    }
+
     /// Two streams' fleets sharing a snapshot bucket (the default one) each restore and prune
     /// only their own stream's snapshots: a replica of one restores its stream's snapshot even
     /// when the other's covers the same or a higher sequence, and a put of the other prunes
@@ -2647,20 +2685,10 @@ mod tests {
     async fn streams_sharing_a_bucket_keep_to_their_own_snapshots() {
         let (nats, bucket) = nats_with_bucket("shared").await;
         let (ours, theirs) = (Worker::new(3, 0), Worker::new(4, 0));
-        put_snapshot(&bucket, vec![image_of(ours)], snapshot_name("A", 7), 7, 1)
-            .await
-            .expect("put");
+        put_image(&bucket, ours, snapshot_name("A", 7), 7, 1).await;
         // One at the same sequence as ours (its name once replaced ours).
         for covered in [5, 7, 9] {
-            put_snapshot(
-                &bucket,
-                vec![image_of(theirs)],
-                snapshot_name("B", covered),
-                covered,
-                2,
-            )
-            .await
-            .expect("put");
+            put_image(&bucket, theirs, snapshot_name("B", covered), covered, 2).await;
         }
         let (restored, stats) = (empty_registry(), LogStats::default());
         assert_eq!(
@@ -2671,18 +2699,7 @@ mod tests {
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].image().snapshot.workers[0].worker, ours);
 
-        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
-        let bucket_stream = js
-            .get_stream("OBJ_shared")
-            .await
-            .expect("the bucket's stream");
-        prune_snapshots(&bucket, &bucket_stream, "shared", "B", 2).await;
-        let mut names = Vec::new();
-        let mut list = bucket.list().await.expect("lists");
-        while let Some(info) = list.next().await {
-            names.push(info.expect("an object").name);
-        }
-        names.sort();
+        let names = pruned(&nats, &bucket, "shared", "B", 2).await;
         assert_eq!(
             names,
             [
@@ -2701,9 +2718,7 @@ mod tests {
         let (nats, bucket) = nats_with_bucket("old-style").await;
         let old_style = |covered: u64| format!("{SNAPSHOT_OBJECT}-{covered:020}");
         let theirs = Worker::new(4, 0);
-        put_snapshot(&bucket, vec![image_of(theirs)], old_style(9), 9, 3)
-            .await
-            .expect("put");
+        put_image(&bucket, theirs, old_style(9), 9, 3).await;
         let (registry, stats) = (empty_registry(), LogStats::default());
         assert_eq!(
             restore_newest(&registry, &bucket, "A", 1, 1, &stats).await,
@@ -2713,32 +2728,11 @@ mod tests {
         assert!(registry.all().is_empty(), "nothing restored");
         // This stream's: one named as before, cut from it, and three named for it.
         let ours = Worker::new(3, 0);
-        put_snapshot(&bucket, vec![image_of(ours)], old_style(4), 4, 1)
-            .await
-            .expect("put");
+        put_image(&bucket, ours, old_style(4), 4, 1).await;
         for covered in [5, 6, 7] {
-            put_snapshot(
-                &bucket,
-                vec![image_of(ours)],
-                snapshot_name("A", covered),
-                covered,
-                1,
-            )
-            .await
-            .expect("put");
+            put_image(&bucket, ours, snapshot_name("A", covered), covered, 1).await;
         }
-        let js = jetstream::new(async_nats::connect(&nats.url).await.expect("connects"));
-        let bucket_stream = js
-            .get_stream("OBJ_old-style")
-            .await
-            .expect("the bucket's stream");
-        prune_snapshots(&bucket, &bucket_stream, "old-style", "A", 1).await;
-        let mut names = Vec::new();
-        let mut list = bucket.list().await.expect("lists");
-        while let Some(info) = list.next().await {
-            names.push(info.expect("an object").name);
-        }
-        names.sort();
+        let names = pruned(&nats, &bucket, "old-style", "A", 1).await;
         assert_eq!(
             names,
             [old_style(9), snapshot_name("A", 6), snapshot_name("A", 7)]
@@ -2752,15 +2746,7 @@ mod tests {
     async fn an_older_snapshot_is_restored_when_the_newest_cannot_be_read() {
         let (_nats, bucket) = nats_with_bucket("fallback").await;
         let worker = Worker::new(3, 0);
-        put_snapshot(
-            &bucket,
-            vec![image_of(worker)],
-            snapshot_name(STREAM, 7),
-            7,
-            1,
-        )
-        .await
-        .expect("the older snapshot");
+        put_image(&bucket, worker, snapshot_name(STREAM, 7), 7, 1).await;
         put_garbage_snapshot(&bucket, 9, b"cut off").await;
 
         // The stream still holds sequence 8: the older cut is continued.
