@@ -400,7 +400,7 @@ pub(crate) async fn start(
         next_stream_info: tokio::time::Instant::now(),
         stream_unreachable: None,
         applied: covered.unwrap_or(0),
-        newest_seen: None,
+        newest_seen: SeenSnapshots::new(tokio::time::Instant::now()),
         caught_up: false,
         last_snapshot: tokio::time::Instant::now(),
         snapshot_put: None,
@@ -448,10 +448,9 @@ struct Consumer {
     stream_unreachable: Option<tokio::time::Instant>,
     /// The last stream sequence applied (or covered by the restored snapshot).
     applied: u64,
-    /// The name of the newest snapshot object this replica has seen in the bucket (or put),
-    /// and when it first saw it, by its own monotonic clock: the snapshot turns judge a
-    /// snapshot's age by it, not by the object's modification time (its writer's clock).
-    newest_seen: Option<(String, tokio::time::Instant)>,
+    /// Since when this replica has seen the bucket's newest snapshot object: the snapshot
+    /// turns judge a snapshot's age by it, not by the object's modification time.
+    newest_seen: SeenSnapshots,
     caught_up: bool,
     last_snapshot: tokio::time::Instant,
     /// The snapshot being encoded and put, if any.
@@ -1273,14 +1272,8 @@ impl Consumer {
         if let Ok(Some(newest)) =
             newest_snapshot(&self.bucket, &self.log.stream, self.stream_created).await
         {
-            let seen = match &self.newest_seen {
-                Some((name, seen)) if *name == newest.info.name => *seen,
-                _ => {
-                    self.newest_seen = Some((newest.info.name.clone(), now));
-                    now
-                }
-            };
-            let seen_for = now.saturating_duration_since(seen);
+            let seen_for =
+                now.saturating_duration_since(self.newest_seen.seen(&newest.info.name, now));
             if newest.takes_the_turn(self.stream_created, self.applied, seen_for, interval) {
                 LogStats::bump(&self.stats.snapshots_skipped);
                 return;
@@ -1308,7 +1301,8 @@ impl Consumer {
             (self.bucket_stream.clone(), self.log.snapshot_bucket.clone());
         let (stream, stream_name) = (self.stream.clone(), self.log.stream.clone());
         // Its own put is seen from now (a put that fails leaves another object the newest).
-        self.newest_seen = Some((snapshot_name(&stream_name, covered), now));
+        self.newest_seen
+            .put(snapshot_name(&stream_name, covered), now);
         self.snapshot_put = Some(tokio::spawn(async move {
             let name = snapshot_name(&stream_name, covered);
             let put = put_snapshot(&bucket, images, name, covered, stream_created).await;
@@ -1420,6 +1414,54 @@ fn snapshot_description(covered: u64, stream_created: i128) -> String {
 /// again after it was deleted or its storage lost (the time survives a nats-server restart).
 fn created_nanos(info: &jetstream::stream::Info) -> i128 {
     info.created.unix_timestamp_nanos()
+}
+
+/// Since when a replica has seen the bucket's newest snapshot object, by its own monotonic
+/// clock (a snapshot's age for the snapshot turns; the object's modification time is its
+/// writer's wall clock).
+#[derive(Debug)]
+struct SeenSnapshots {
+    /// When the replica started: the age of an object already there when it first lists the
+    /// bucket (a replica started after a fleet restart takes its first turn when due).
+    started: tokio::time::Instant,
+    /// The newest object listed last, and when it was first listed.
+    listed: Option<(String, tokio::time::Instant)>,
+    /// The replica's own last put (its object, and when it was put). Not taken for a listed
+    /// one: a put that fails, or is still under way, leaves the object listed before as the
+    /// newest, with the age it had.
+    own: Option<(String, tokio::time::Instant)>,
+}
+
+impl SeenSnapshots {
+    fn new(started: tokio::time::Instant) -> Self {
+        Self {
+            started,
+            listed: None,
+            own: None,
+        }
+    }
+
+    /// Since when object `name`, listed now as the newest, has been seen.
+    fn seen(&mut self, name: &str, now: tokio::time::Instant) -> tokio::time::Instant {
+        if let Some((own, put)) = &self.own
+            && own == name
+        {
+            return *put;
+        }
+        match &self.listed {
+            Some((listed, seen)) if listed == name => *seen,
+            listed => {
+                let seen = if listed.is_none() { self.started } else { now };
+                self.listed = Some((name.to_owned(), seen));
+                seen
+            }
+        }
+    }
+
+    /// The replica puts object `name` now.
+    fn put(&mut self, name: String, now: tokio::time::Instant) {
+        self.own = Some((name, now));
+    }
 }
 
 /// A snapshot object of the bucket.
@@ -2395,6 +2437,28 @@ mod tests {
         assert!(object(3, None).rank(7) > object(42, Some(8)).rank(7));
         assert!(object(3, Some(7)).rank(7) > object(99, None).rank(7));
         assert!(object(3, Some(6)).rank(7) > object(42, Some(5)).rank(7));
+    }
+
+    /// How long a replica has seen the newest object: since it started for one there at its
+    /// first listing, since it was first listed for a newer one, since its put for its own; a
+    /// put that failed or is still under way does not make the object listed before new again.
+    #[test]
+    fn a_snapshot_is_seen_since_the_start_its_listing_or_its_put() {
+        let started = tokio::time::Instant::now();
+        let at = |seconds: u64| started + Duration::from_secs(seconds);
+        let mut seen = SeenSnapshots::new(started);
+        assert_eq!(
+            seen.seen("a", at(30)),
+            started,
+            "there at the first listing"
+        );
+        assert_eq!(seen.seen("a", at(60)), started);
+        assert_eq!(seen.seen("b", at(90)), at(90), "another replica's, new");
+        seen.put("c".into(), at(120));
+        // The put failed, or is under way: "b" is as old as it was.
+        assert_eq!(seen.seen("b", at(150)), at(90));
+        assert_eq!(seen.seen("c", at(180)), at(120), "its own, since its put");
+        assert_eq!(seen.seen("b", at(210)), at(90));
     }
 
     /// The snapshot turn is judged by how long the replica has seen the newest object (its own
