@@ -724,9 +724,10 @@ impl IndexEntry {
     /// Where a listener of `worker` continues the stream: the rank's checkpoint, if the index
     /// holds one, with the further ranks of its instance that hold blocks and that no
     /// registration feeds: no checkpoint of their own (a rank fed by a registration of its
-    /// own, ZMQ or `PublishEvents`, records one with its first batch, and keeps it across a
-    /// restore, also before its registration is made again), no feed in `feeds` and no rank
-    /// recorded by a restore. A batch names its rank, so such a rank was fed by a source of
+    /// own records one with its first sequenced batch and keeps it across a restore), no feed
+    /// in `feeds` and no rank recorded by a restore (while a restore registers its recorded
+    /// feeds again, one after the other, those not yet registered are recorded so; a
+    /// `PublishEvents` rank fed without sequence numbers has no checkpoint). A batch names its rank, so such a rank was fed by a source of
     /// the instance through its batches; the source's resync clears it (a listener that
     /// remembered only its own rank after a restart, a peer bootstrap or a release left those
     /// blocks for good). Two sources of one instance both carrying further ranks each clear
@@ -1614,16 +1615,36 @@ impl Registry {
             {
                 // What was not fed refers to the state the image replaces.
                 let _feeds = entry.feeds.lock();
-                entry.unfed.lock().clear();
+                let mut unfed = entry.unfed.lock();
+                unfed.clear();
+                // The recorded feeds are registered again one after the other: until its turn,
+                // each is recorded and not fed, so that a rank registered before it does not
+                // take its blocks for ranks its own source fed through its batches (a rank fed
+                // over PublishEvents without sequence numbers holds no checkpoint to tell).
+                if adopt_feeds.is_some() {
+                    for feed in &image.feeds {
+                        let worker = recorded_worker(feed);
+                        if !configured
+                            .iter()
+                            .any(|c| c.index == image.key && c.worker() == worker)
+                        {
+                            unfed.insert(
+                                worker,
+                                Unfed {
+                                    recorded: feed.clone(),
+                                    reason: "recorded in the snapshot, being registered again"
+                                        .into(),
+                                },
+                            );
+                        }
+                    }
+                }
             }
             if adopt_feeds.is_none() {
                 continue;
             }
             for feed in &image.feeds {
-                let worker = match feed {
-                    RecordedFeed::Zmq(registration) => registration.worker(),
-                    RecordedFeed::Grpc { worker } => *worker,
-                };
+                let worker = recorded_worker(feed);
                 if configured
                     .iter()
                     .any(|c| c.index == image.key && c.worker() == worker)
@@ -1649,9 +1670,14 @@ impl Registry {
                             room_beside_configured()
                                 .and_then(|()| self.register(registration.clone()).map(drop))
                         };
+                        if registered.is_ok() {
+                            entry.unfed.lock().remove(&worker);
+                        }
                         if let Err(error) = registered {
                             let feeds = entry.feeds.lock();
-                            if !feeds.contains_key(&worker) {
+                            if feeds.contains_key(&worker) {
+                                entry.unfed.lock().remove(&worker);
+                            } else {
                                 entry.unfed.lock().insert(
                                     worker,
                                     Unfed {
@@ -1666,6 +1692,7 @@ impl Registry {
                     RecordedFeed::Grpc { worker } => {
                         let mut feeds = entry.feeds.lock();
                         if feeds.contains_key(worker) {
+                            entry.unfed.lock().remove(worker);
                             continue;
                         }
                         if let Err(error) =
@@ -1687,6 +1714,7 @@ impl Registry {
                             );
                         } else {
                             self.confirm_rank();
+                            entry.unfed.lock().remove(worker);
                             let last_seq = image.marks.get(worker).map(|m| m.position);
                             feeds.insert(
                                 *worker,
@@ -1887,6 +1915,14 @@ impl Registry {
             )));
         }
         Ok(result)
+    }
+}
+
+/// The rank a recorded feed fed.
+fn recorded_worker(feed: &RecordedFeed) -> Worker {
+    match feed {
+        RecordedFeed::Zmq(registration) => registration.worker(),
+        RecordedFeed::Grpc { worker } => *worker,
     }
 }
 

@@ -261,23 +261,71 @@ async fn an_engine_restart_after_a_server_restart_leaves_a_sibling_ranks_blocks(
     let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
     engines[0].publish(&[stored(vec![71, 72, 73])], None);
     engines[1].publish(&[stored(vec![171, 172])], None);
-    let query = token_query(MODEL, "", tokens.clone());
+    let query = token_query(MODEL, "", tokens);
+    restart_the_server_then_rank_0s_engine(&dir, h, &mut engines[0], &query).await;
+}
+
+/// As [`an_engine_restart_after_a_server_restart_leaves_a_sibling_ranks_blocks`] with the
+/// sibling rank fed over `PublishEvents` without sequence numbers, which records no checkpoint:
+/// while the restore registers the ranks again one after the other, the sibling is recorded
+/// and not yet fed, and no further rank of rank 0's source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_after_a_server_restart_leaves_an_unsequenced_publish_events_ranks_blocks()
+ {
+    let dir = temp_dir("unsequenced-sibling");
+    let mut engine = VllmPublisher::bind();
+    let mut h = start(persistent(&dir, None)).await;
+    register_engine(&mut h.client, (MODEL, BLOCK), 7, &engine).await;
+    wait_for_an_active_listener(&h.client, &mut engine).await;
+    let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
+    engine.publish(&[stored(vec![71, 72, 73])], None);
+    let sibling = v1::PublishEventsRequest {
+        index: selector(MODEL, ""),
+        instance_id: 7,
+        dp_rank: 1,
+        seq: None,
+        block_size: BLOCK,
+        events: vec![v1::KvEvent {
+            event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                block_hashes: vec![171, 172],
+                token_ids: tokens[..2 * BLOCK as usize].to_vec(),
+                tier: v1::StorageTier::Device as i32,
+                ..v1::BlocksStored::default()
+            })),
+        }],
+    };
+    h.client
+        .publish_events(tokio_stream::iter([sibling]))
+        .await
+        .expect("published");
+    let query = token_query(MODEL, "", tokens);
+    restart_the_server_then_rank_0s_engine(&dir, h, &mut engine, &query).await;
+}
+
+/// With instance 7's rank 0 fed by `engine` holding 3 blocks of `query` and rank 1 (fed
+/// otherwise) 2: restarts the server `h` from `dir`, then `engine` (its numbering starts
+/// again, with other content). Rank 0 is resynced and rank 1 keeps its blocks.
+async fn restart_the_server_then_rank_0s_engine(
+    dir: &Path,
+    h: Harness,
+    engine: &mut VllmPublisher,
+    query: &v1::QueryRequest,
+) {
     let both = [(7, 0, 3, 3, 3), (7, 1, 2, 2, 2)];
-    wait_until("both ranks' blocks", || rows_are(&h.client, &query, &both)).await;
+    wait_until("both ranks' blocks", || rows_are(&h.client, query, &both)).await;
     let report = h.server.shutdown().await;
     assert!(matches!(report.snapshot, Some(Ok(_))), "{report:?}");
 
-    let h = start(persistent(&dir, None)).await;
-    assert!(rows_are(&h.client, &query, &both).await, "restored");
-    // Rank 0's engine restarts: its numbering starts again, with other content.
+    let h = start(persistent(dir, None)).await;
+    assert!(rows_are(&h.client, query, &both).await, "restored");
     wait_until("rank 0's resync and its new incarnation's block", || {
-        engines[0].seq = 0;
-        engines[0].publish_at(&[stored(vec![81])], None, VLLM_TS + 1.0);
-        rows_are(&h.client, &query, &[(7, 0, 1, 1, 1), (7, 1, 2, 2, 2)])
+        engine.seq = 0;
+        engine.publish_at(&[stored(vec![81])], None, VLLM_TS + 1.0);
+        rows_are(&h.client, query, &[(7, 0, 1, 1, 1), (7, 1, 2, 2, 2)])
     })
     .await;
     h.server.shutdown().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
