@@ -165,6 +165,18 @@ fn stored(hashes: Vec<u64>) -> VllmEvent {
     }
 }
 
+/// A server persisting into a fresh data directory named after `name`, and an engine
+/// registered as instance 7 (rank 0) that stored the first 3 blocks of the prompt `[1, 1, 1]`.
+async fn rank_0_of_an_engine(name: &str) -> (PathBuf, Harness, VllmPublisher) {
+    let dir = temp_dir(name);
+    let mut engine = VllmPublisher::bind();
+    let mut h = start(persistent(&dir, None)).await;
+    register_engine(&mut h.client, (MODEL, BLOCK), 7, &engine).await;
+    wait_for_an_active_listener(&h.client, &mut engine).await;
+    engine.publish(&[stored(vec![71, 72, 73])], None);
+    (dir, h, engine)
+}
+
 /// Whether the server answers `query` with `want`'s rows.
 fn rows_are(
     client: &v1::indexer_client::IndexerClient<tonic::transport::Channel>,
@@ -182,13 +194,8 @@ fn rows_are(
 /// the further rank's blocks in the index for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_after_a_server_restart_clears_the_ranks_its_batches_fed() {
-    let dir = temp_dir("batch-ranks");
-    let mut engine = VllmPublisher::bind();
-    let mut h = start(persistent(&dir, None)).await;
-    register_engine(&mut h.client, (MODEL, BLOCK), 7, &engine).await;
-    wait_for_an_active_listener(&h.client, &mut engine).await;
+    let (dir, h, mut engine) = rank_0_of_an_engine("batch-ranks").await;
     let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
-    engine.publish(&[stored(vec![71, 72, 73])], None);
     engine.publish(&[stored(vec![171, 172])], Some(1));
     let query = token_query(MODEL, "", tokens.clone());
     let both = [(7, 0, 3, 3, 3), (7, 1, 2, 2, 2)];
@@ -272,13 +279,8 @@ async fn an_engine_restart_after_a_server_restart_leaves_a_sibling_ranks_blocks(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_after_a_server_restart_leaves_an_unsequenced_publish_events_ranks_blocks()
  {
-    let dir = temp_dir("unsequenced-sibling");
-    let mut engine = VllmPublisher::bind();
-    let mut h = start(persistent(&dir, None)).await;
-    register_engine(&mut h.client, (MODEL, BLOCK), 7, &engine).await;
-    wait_for_an_active_listener(&h.client, &mut engine).await;
+    let (dir, mut h, mut engine) = rank_0_of_an_engine("unsequenced-sibling").await;
     let tokens = prompt_tokens(&[1, 1, 1], BLOCK);
-    engine.publish(&[stored(vec![71, 72, 73])], None);
     let sibling = v1::PublishEventsRequest {
         index: selector(MODEL, ""),
         instance_id: 7,
