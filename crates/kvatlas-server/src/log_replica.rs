@@ -923,7 +923,7 @@ impl Consumer {
         let reads_from = self.check_same_stream(None).await?;
         let newest = newest_position(&self.bucket, &self.log.stream, self.stream_created).await?;
         LogStats::bump(&self.stats.live_divergences);
-        if reads_from > 1 && newest.is_none_or(|covered| covered.saturating_add(1) < reads_from) {
+        if reads_from > 1 && !newest.is_some_and(|covered| continues(covered, reads_from)) {
             tracing::warn!(
                 stream_sequence = self.applied,
                 instances = ?diverged,
@@ -980,15 +980,11 @@ impl Consumer {
     /// of `instance` of index `key` (one rank, or all): their blocks are going, and the
     /// stream's next records of them start afresh.
     fn forget_sources(&mut self, key: &IndexKey, instance: u64, rank: Option<u32>) {
-        let kept = |(source_key, worker): &(IndexKey, Worker)| {
-            source_key != key
-                || worker.worker_id != instance
-                || rank.is_some_and(|r| r != worker.dp_rank)
-        };
-        self.sources.retain(|source, _| kept(source));
+        self.sources
+            .retain(|source, _| !of_instance(source, key, instance, rank));
         let live_pending = &mut self.live_pending;
         self.chains.retain(|source, chain| {
-            if kept(source) {
+            if !of_instance(source, key, instance, rank) {
                 return true;
             }
             for live in &chain.pending {
@@ -1021,7 +1017,7 @@ impl Consumer {
         // Every hole found, whether a snapshot covers it or its records are lost; counted once
         // it is handled (a restore that fails has the consumer start again and find it again).
         if let Some(covered) = newest
-            && covered + 1 >= sequence
+            && continues(covered, sequence)
         {
             tracing::warn!(
                 from = self.applied + 1,
@@ -1154,15 +1150,12 @@ impl Consumer {
         match &record.body {
             Body::Unregister { dp_rank } => {
                 let (instance, rank) = (record.source.worker_id, *dp_rank);
-                let kept = |(key, worker): &(IndexKey, Worker)| {
-                    *key != record.key
-                        || worker.worker_id != instance
-                        || rank.is_some_and(|r| r != worker.dp_rank)
-                };
                 // After a loss, the pending records' copies may have been skipped: they go
                 // with their ranks.
                 if self.chains.iter().any(|(source, chain)| {
-                    !kept(source) && !chain.pending.is_empty() && !chain.after_loss
+                    of_instance(source, &record.key, instance, rank)
+                        && !chain.pending.is_empty()
+                        && !chain.after_loss
                 }) {
                     return Err(Diverged {
                         key: record.key.clone(),
@@ -1300,11 +1293,10 @@ impl Consumer {
         let (bucket_stream, bucket_name) =
             (self.bucket_stream.clone(), self.log.snapshot_bucket.clone());
         let (stream, stream_name) = (self.stream.clone(), self.log.stream.clone());
+        let name = snapshot_name(&stream_name, covered);
         // Its own put is seen from now (a put that fails leaves another object the newest).
-        self.newest_seen
-            .put(snapshot_name(&stream_name, covered), now);
+        self.newest_seen.put(name.clone(), now);
         self.snapshot_put = Some(tokio::spawn(async move {
-            let name = snapshot_name(&stream_name, covered);
             let put = put_snapshot(&bucket, images, name, covered, stream_created).await;
             if put.is_ok() {
                 // Ranked by the stream as it is now (created again during the put, the cut's
@@ -1536,16 +1528,20 @@ fn snapshot_name(stream: &str, covered: u64) -> String {
 /// The stream sequence a snapshot object of the bucket covers, by its name, if it is a replica
 /// snapshot of stream `stream`: named for it ([`snapshot_name`]), or named as kvatlas did before
 /// names carried the stream (`snapshot-N`, or the single `snapshot` object of kvatlas before
-/// per-cut names, by its description), which are taken for any stream's as they were then.
+/// per-cut names, by its description), which are taken for this stream's only if their
+/// description says they were cut from the stream created at `current` (or does not say), so
+/// that a fleet of another stream sharing the bucket neither restores nor prunes them.
 /// `None`: not a replica snapshot, or another stream's.
-fn covered_by(name: &str, description: Option<&str>, stream: &str) -> Option<u64> {
+fn covered_by(name: &str, description: Option<&str>, stream: &str, current: i128) -> Option<u64> {
+    let old_style_of_another = || stream_of(description).is_some_and(|created| created != current);
     if name == SNAPSHOT_OBJECT {
-        return covered_of(description);
+        return covered_of(description).filter(|_| !old_style_of_another());
     }
     let rest = name.strip_prefix(SNAPSHOT_OBJECT)?.strip_prefix('-')?;
     let digits = match rest.strip_prefix(stream).and_then(|r| r.strip_prefix('-')) {
         Some(digits) => digits,
         // Before names carried the stream: the digits alone.
+        None if old_style_of_another() => return None,
         None => rest,
     };
     if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
@@ -1568,19 +1564,9 @@ async fn snapshots(
     let mut found = Vec::new();
     while let Some(info) = list.next().await {
         let info = info.map_err(|e| format!("listing the snapshot bucket: {e}"))?;
-        if let Some(covered) = covered_by(&info.name, info.description.as_deref(), stream) {
-            let stream_created = stream_of(info.description.as_deref());
-            // Named as before names carried the stream: any stream's, taken for this one only
-            // if cut from it (or not saying), so that a fleet of another stream sharing the
-            // bucket neither restores nor prunes it.
-            if !info
-                .name
-                .starts_with(&format!("{SNAPSHOT_OBJECT}-{stream}-"))
-                && stream_created.is_some_and(|created| created != current)
-            {
-                continue;
-            }
-            let stream = stream_created;
+        let description = info.description.as_deref();
+        if let Some(covered) = covered_by(&info.name, description, stream, current) {
+            let stream = stream_of(description);
             found.push(SnapshotObject {
                 covered,
                 stream,
@@ -1653,7 +1639,7 @@ pub(crate) async fn restore_newest(
                 continue;
             }
             // Once the best was passed over, only a cut the stream still continues.
-            if past_best && candidate.position_in(current).saturating_add(1) < reads_from {
+            if past_best && !continues(candidate.position_in(current), reads_from) {
                 continue;
             }
             match restore_object(registry, bucket, &candidate.info, current).await {
@@ -1861,6 +1847,22 @@ async fn put_snapshot(
         .await
         .map_err(|e| format!("putting the snapshot object: {e}"))?;
     Ok(size)
+}
+
+/// Whether a stream whose next record to read is `next` continues a snapshot read on after
+/// `covered` (nothing between them is missing).
+fn continues(covered: u64, next: u64) -> bool {
+    covered.saturating_add(1) >= next
+}
+
+/// Whether `source` (index, rank) is a rank of `instance` of index `key` (one rank, or all).
+fn of_instance(
+    (source_key, worker): &(IndexKey, Worker),
+    key: &IndexKey,
+    instance: u64,
+    rank: Option<u32>,
+) -> bool {
+    source_key == key && worker.worker_id == instance && rank.is_none_or(|r| r == worker.dp_rank)
 }
 
 /// Removes `instance` (one rank, or all) from `entry`'s index and forgets its checkpoints: the
@@ -2346,15 +2348,15 @@ mod tests {
         assert_eq!(covered_of(Some("something else")), None);
         assert_eq!(covered_of(None), None);
         assert_eq!(
-            covered_by(&snapshot_name(STREAM, 42), None, STREAM),
+            covered_by(&snapshot_name(STREAM, 42), None, STREAM, 1),
             Some(42)
         );
         assert_eq!(
-            covered_by(&snapshot_name(STREAM, u64::MAX), None, STREAM),
+            covered_by(&snapshot_name(STREAM, u64::MAX), None, STREAM, 1),
             Some(u64::MAX)
         );
         assert_eq!(
-            covered_by(SNAPSHOT_OBJECT, Some("stream_sequence=7"), STREAM),
+            covered_by(SNAPSHOT_OBJECT, Some("stream_sequence=7"), STREAM, 1),
             Some(7),
             "the single object of kvatlas before per-cut names"
         );
@@ -2364,7 +2366,7 @@ mod tests {
             "notes",
             "snapshot",
         ] {
-            assert_eq!(covered_by(other, None, STREAM), None, "{other}");
+            assert_eq!(covered_by(other, None, STREAM, 1), None, "{other}");
         }
         // Names sort as the sequences they cover.
         assert!(snapshot_name(STREAM, 9) < snapshot_name(STREAM, 10));
@@ -2372,23 +2374,23 @@ mod tests {
         // also when one name begins with the other.
         for other in ["EVENTS-B", "EVENT", "OTHER"] {
             assert_eq!(
-                covered_by(&snapshot_name(other, 42), None, STREAM),
+                covered_by(&snapshot_name(other, 42), None, STREAM, 1),
                 None,
                 "{other}"
             );
             assert_eq!(
-                covered_by(&snapshot_name(STREAM, 42), None, other),
+                covered_by(&snapshot_name(STREAM, 42), None, other, 1),
                 None,
                 "{other}"
             );
         }
         // Named before names carried the stream: any stream's, as then.
         assert_eq!(
-            covered_by("snapshot-00000000000000000042", None, STREAM),
+            covered_by("snapshot-00000000000000000042", None, STREAM, 1),
             Some(42)
         );
         assert_eq!(
-            covered_by("snapshot-00000000000000000042", None, "OTHER"),
+            covered_by("snapshot-00000000000000000042", None, "OTHER", 1),
             Some(42)
         );
     }

@@ -727,8 +727,8 @@ impl IndexEntry {
     /// own records one with its first sequenced batch and keeps it across a restore), no feed
     /// in `feeds` and no rank recorded by a restore (while a restore registers its recorded
     /// feeds again, one after the other, those not yet registered are recorded so; a
-    /// `PublishEvents` rank fed without sequence numbers has no checkpoint). A batch names its rank, so such a rank was fed by a source of
-    /// the instance through its batches; the source's resync clears it (a listener that
+    /// `PublishEvents` rank fed without sequence numbers has no checkpoint). A batch names its
+    /// rank, so such a rank was fed by a source of the instance through its batches; the source's resync clears it (a listener that
     /// remembered only its own rank after a restart, a peer bootstrap or a release left those
     /// blocks for good). Two sources of one instance both carrying further ranks each clear
     /// them all (the state does not say which fed what). `blocks`: the blocks per rank, taken
@@ -1611,6 +1611,11 @@ impl Registry {
         };
         let mut failed = Vec::new();
         for (image, entry) in images.iter().zip(entries) {
+            let configured_rank = |worker: Worker| {
+                configured
+                    .iter()
+                    .any(|c| c.index == image.key && c.worker() == worker)
+            };
             entry.index().restore_image(&image.snapshot, &image.marks);
             {
                 // What was not fed refers to the state the image replaces.
@@ -1624,10 +1629,7 @@ impl Registry {
                 if adopt_feeds.is_some() {
                     for feed in &image.feeds {
                         let worker = recorded_worker(feed);
-                        if !configured
-                            .iter()
-                            .any(|c| c.index == image.key && c.worker() == worker)
-                        {
+                        if !configured_rank(worker) {
                             unfed.insert(
                                 worker,
                                 Unfed {
@@ -1645,10 +1647,7 @@ impl Registry {
             }
             for feed in &image.feeds {
                 let worker = recorded_worker(feed);
-                if configured
-                    .iter()
-                    .any(|c| c.index == image.key && c.worker() == worker)
-                {
+                if configured_rank(worker) {
                     continue; // the configuration registers it
                 }
                 match feed {
