@@ -802,6 +802,48 @@ fn a_forced_gap_is_healed_by_replay() {
     }
 }
 
+/// Replay replies are read a budget at a time (`max_batches_per_wakeup`, here 1 per wake-up):
+/// a listener left with replies to read is served again without waiting for a new socket
+/// event, so a long replay still completes within its per-reply timeout (a listener left
+/// waiting would time the replay out and resync).
+#[test]
+fn a_long_replay_read_one_reply_per_wakeup_completes() {
+    let mut h = Harness::new();
+    let mut publisher = Publisher::start(
+        &h.ctx,
+        "tcp://127.0.0.1:*",
+        false,
+        "tcp://127.0.0.1:*",
+        1,
+        PublisherOptions::default(),
+    );
+    let config = listener_config(source(), &publisher, b"").with_options(ListenerOptions {
+        max_batches_per_wakeup: 1,
+        ..fast_options()
+    });
+    let id = h.listeners.start(config).expect("listener starts");
+    let warm = publisher.warm_up(&h.listeners, id);
+    let before = state(&h.listeners, id).counters;
+    let events = event_stream(1, 300);
+    // Batches 10..260 are kept in the ring but never sent live: one replay of 250 batches.
+    publish_all(&mut publisher, &events, |i| !(10..260).contains(&i));
+    let tail = publisher.pump(&h.listeners, id);
+    wait_for("the replay's end marker", || {
+        state(&h.listeners, id).counters.replays_completed > before.replays_completed
+    });
+    let s = state(&h.listeners, id);
+    assert_eq!(s.counters.resyncs, before.resyncs, "{s:?}");
+    assert_eq!(s.counters.replays_failed, before.replays_failed, "{s:?}");
+    assert!(
+        s.counters.batches_replayed >= before.batches_replayed + 250,
+        "{s:?}"
+    );
+    h.reference_apply(&warm);
+    h.reference_apply(&events);
+    h.reference_apply(&tail);
+    h.assert_index_matches_reference();
+}
+
 /// Starts a listener on `publisher` that probes its quiet stream after `quiet_probe`, and warms
 /// it up; returns it, the warm-up batches and the counters after them.
 fn listen_probing(
@@ -1556,6 +1598,21 @@ fn the_registry_rejects_bad_input_and_stops_listeners() {
         h.listeners.start(zero_timeout),
         Err(ListenerError::InvalidOption { .. })
     ));
+    // libzmq reads a high-water mark of 0 as "no limit": refused, memory stays bounded.
+    for unbounded in [0, -1] {
+        let config =
+            ListenerConfig::new(source(), "tcp://127.0.0.1:1").with_options(ListenerOptions {
+                receive_hwm: unbounded,
+                ..fast_options()
+            });
+        assert!(matches!(
+            h.listeners.start(config),
+            Err(ListenerError::InvalidOption {
+                name: "receive_hwm",
+                ..
+            })
+        ));
+    }
     assert!(h.listeners.list().is_empty());
 
     // Nothing listens on port 1: the listener stays pending.

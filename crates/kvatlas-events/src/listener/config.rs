@@ -37,11 +37,14 @@ pub struct ListenerOptions {
     pub reconnect_interval_max: Duration,
     /// The SUB's receive high-water mark in messages (`ZMQ_RCVHWM`): how much libzmq buffers
     /// while the listener is backpressured before dropping (→ gap → replay). Default 10 000.
+    /// Must be at least 1: libzmq takes 0 for "no limit", which would let a fast engine grow
+    /// the buffer without bound while the listener is backpressured.
     pub receive_hwm: i32,
     /// Largest accepted frame in bytes (`ZMQ_MAXMSGSIZE`; a larger one drops the connection).
     /// Default 64 MiB.
     pub max_frame_bytes: i64,
-    /// Live messages read per wake-up before checking replay replies and stop. Default 256.
+    /// Live messages, and replay replies, read per wake-up before the poller thread serves its
+    /// other listeners (this one is served again after them). Default 256.
     pub max_batches_per_wakeup: usize,
     /// The sequencer's buffer and duplicate window.
     pub sequencer: SequencerConfig,
@@ -214,10 +217,10 @@ impl ListenerOptions {
                 reason: "must be at least 1 ms",
             });
         }
-        if self.receive_hwm < 0 {
+        if self.receive_hwm < 1 {
             return Err(ListenerError::InvalidOption {
                 name: "receive_hwm",
-                reason: "must not be negative",
+                reason: "must be at least 1 (0 means no limit in libzmq: unbounded memory)",
             });
         }
         if self.max_frame_bytes < 1 {
