@@ -1078,6 +1078,7 @@ impl Consumer {
         match crate::log_record::unframe(payload) {
             Ok(records) => {
                 for record in records {
+                    LogStats::bump(&self.stats.consumed);
                     let Err(Diverged { key, instance }) =
                         self.apply(record, arrived, stored_nanos).await
                     else {
@@ -1087,6 +1088,7 @@ impl Consumer {
                         return Ok(false);
                     }
                     // Its instance's sources start afresh: nothing pending to diverge from.
+                    // (Consumed once: counted above.)
                     if self.apply(record, arrived, stored_nanos).await.is_err() {
                         return Err("a record diverged again once its instance was removed".into());
                     }
@@ -1102,14 +1104,13 @@ impl Consumer {
 
     /// Decodes, sequences and applies one record of a message that the stream stored at
     /// `stored_nanos` and arrived at `arrived` (an invalid one is counted and skipped), or
-    /// confirms the live record it is.
+    /// confirms the live record it is. The caller counts it consumed.
     async fn apply(
         &mut self,
         payload: &[u8],
         arrived: std::time::Instant,
         stored_nanos: i128,
     ) -> Result<(), Diverged> {
-        LogStats::bump(&self.stats.consumed);
         let digest = crate::log_record::digest(payload);
         if self.confirm(digest, stored_nanos) {
             return Ok(());

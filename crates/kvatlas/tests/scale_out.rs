@@ -863,12 +863,15 @@ fn a_divergence_without_a_snapshot_applies_the_streams_record_to_its_instance_af
         blocks_of_worker_7(&replica, &[1002]) == 1
     });
     // Another ingest's batch at that position.
+    let consumed = metric(&replica, "kvatlas_log_consumed_total");
     let other = record(2, 999, None, 4, 2002);
     feed.to_stream(&other);
     eventually("the stream's record applied afresh", || {
         blocks_of_worker_7(&replica, &[2002]) == 1 && blocks_of_worker_7(&replica, &[1002]) == 0
     });
     assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 1);
+    // Applied twice (the divergence, then afresh), consumed once.
+    assert_eq!(metric(&replica, "kvatlas_log_consumed_total"), consumed + 1);
     assert_eq!(blocks_of_worker_7(&replica, &[1001]), 0, "worker 7 removed");
     for seq in [1, 500] {
         assert_eq!(
