@@ -28,8 +28,9 @@
 //!   reports not ready, empties its indexes, restores the newest snapshot and consumes the stream
 //!   from after it: the stream's state again — when a snapshot the stream continues is there, or
 //!   the stream holds every record. Otherwise that would lose, of every worker, what only the
-//!   records retention dropped held: the replica removes the diverged instance alone (blocks,
-//!   checkpoints, sequencing), applies the stream's record to it afresh and goes on.
+//!   records retention dropped held: the replica removes the ranks the diverged source changed
+//!   alone (its own and those of its unconfirmed live records: blocks, checkpoints, sequencing),
+//!   applies the stream's record to them afresh and goes on.
 //!
 //! With one ingest the stream carries a source's records in the order they were published live,
 //! so the third case needs two ingests that publish different records for one source (one of
@@ -308,6 +309,44 @@ struct LiveId {
     published_micros: Option<i64>,
     /// For a resync, the digest of its mutations (`log_record::resync_content`); else 0.
     content: u64,
+    /// The ranks it changed: its source's and its mutations'.
+    ranks: TouchedRanks,
+}
+
+/// A set of ranks of one instance, small and `Copy`: bit `r` for rank `r` below
+/// [`TouchedRanks::BEYOND`], that bit for any rank from it on (then the set stands for every
+/// rank of the instance).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct TouchedRanks(u64);
+
+impl TouchedRanks {
+    /// The first rank not told apart from the ones above it.
+    const BEYOND: u32 = 63;
+
+    /// The ranks a batch of source rank `source` with `mutations` changes.
+    fn of(source: u32, mutations: &[kvatlas_index::Mutation]) -> Self {
+        mutations
+            .iter()
+            .fold(Self::default().with(source), |set, m| {
+                set.with(m.worker().dp_rank)
+            })
+    }
+
+    fn with(self, rank: u32) -> Self {
+        Self(self.0 | 1 << rank.min(Self::BEYOND))
+    }
+
+    fn union(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
+    /// The ranks, or `None` for every rank of the instance (one from [`Self::BEYOND`] on).
+    fn ranks(self) -> Option<Vec<u32>> {
+        if self.0 & 1 << Self::BEYOND != 0 {
+            return None;
+        }
+        Some((0..Self::BEYOND).filter(|r| self.0 & 1 << r != 0).collect())
+    }
 }
 
 impl LiveId {
@@ -333,6 +372,8 @@ impl LiveId {
 struct Diverged {
     key: IndexKey,
     instance: u64,
+    /// The rank whose source diverged (`None`: every rank, an unregistration of them all).
+    rank: Option<u32>,
 }
 
 /// The replica's running part.
@@ -713,6 +754,10 @@ impl Consumer {
             resync: *resync,
             published_micros: *published_unix_micros,
             content: crate::log_record::resync_content(&record.body),
+            ranks: match &record.body {
+                Body::Batch { mutations, .. } => TouchedRanks::of(record.source.dp_rank, mutations),
+                Body::Unregister { .. } => TouchedRanks::default(),
+            },
         });
         self.live_pending
             .insert(digest, (source_key, tokio::time::Instant::now()));
@@ -762,16 +807,23 @@ impl Consumer {
 
     /// The instances (index, instance) of the live records whose confirmation was due before
     /// `before`.
-    fn overdue_instances(&self, before: tokio::time::Instant) -> Vec<(IndexKey, u64)> {
-        let mut overdue: Vec<(IndexKey, u64)> = self
+    fn overdue_instances(&self, before: tokio::time::Instant) -> Vec<Diverged> {
+        let mut overdue: Vec<(IndexKey, Worker)> = self
             .live_pending
             .values()
             .filter(|(_, applied)| self.confirmation_due(*applied) < before)
-            .map(|((key, worker), _)| (key.clone(), worker.worker_id))
+            .map(|(source, _)| source.clone())
             .collect();
         overdue.sort();
         overdue.dedup();
         overdue
+            .into_iter()
+            .map(|(key, worker)| Diverged {
+                key,
+                instance: worker.worker_id,
+                rank: Some(worker.dp_rank),
+            })
+            .collect()
     }
 
     /// When a live record applied at `applied` has waited its time for the stream's copy:
@@ -907,16 +959,17 @@ impl Consumer {
         self.overdue_stream_end = None;
     }
 
-    /// The stream is no longer what the live path applied for the instances `diverged` (index,
-    /// instance): count it, report not ready, empty every index, restore the newest snapshot
-    /// and consume again from after it — if a snapshot the stream continues is there. Without
-    /// one (snapshots off, none written yet, or retention dropped records after the newest),
-    /// that would lose what only the dropped records held, of every worker: the replica then
-    /// removes the diverged instances alone (their blocks, checkpoints and sequencing; the
-    /// stream's next records of them start afresh) and keeps every other worker's state,
-    /// still serving, and goes on consuming. `Ok(true)`: removed in place; `Ok(false)`:
-    /// re-bootstrapped (the consumer starts again from after the snapshot).
-    async fn diverged(&mut self, diverged: Vec<(IndexKey, u64)>) -> Result<bool, String> {
+    /// The stream is no longer what the live path applied for the sources `diverged`: count
+    /// it, report not ready, empty every index, restore the newest snapshot and consume again
+    /// from after it — if a snapshot the stream continues is there. Without one (snapshots
+    /// off, none written yet, or retention dropped records after the newest), that would lose
+    /// what only the dropped records held, of every worker: the replica then removes, of each
+    /// diverged source, its rank and the ranks its unconfirmed live records changed (their
+    /// blocks, checkpoints and sequencing; the stream's next records of them start afresh),
+    /// keeps every other rank's state (a sibling rank fed by an engine of its own, vLLM's data
+    /// parallelism), still serving, and goes on consuming. `Ok(true)`: removed in place;
+    /// `Ok(false)`: re-bootstrapped (the consumer starts again from after the snapshot).
+    async fn diverged(&mut self, diverged: Vec<Diverged>) -> Result<bool, String> {
         // A stream created again is not a divergence: the consumer starts again and keeps the
         // state. Where the stream begins: an older snapshot than the best is restored only if
         // the stream continues it.
@@ -926,15 +979,31 @@ impl Consumer {
         if reads_from > 1 && !newest.is_some_and(|covered| continues(covered, reads_from)) {
             tracing::warn!(
                 stream_sequence = self.applied,
-                instances = ?diverged,
+                sources = ?diverged,
                 "the event log delivered something else than a record the live path applied, \
-                 and no snapshot the stream continues is there: removing the instances \
-                 concerned; their next records start them afresh"
+                 and no snapshot the stream continues is there: removing the ranks the \
+                 diverged sources changed; their next records start them afresh"
             );
-            for (key, instance) in diverged {
-                self.forget_sources(&key, instance, None);
-                if let Some(entry) = self.state.registry.get(&key) {
-                    remove_from_index(entry, instance, None).await;
+            for Diverged {
+                key,
+                instance,
+                rank,
+            } in diverged
+            {
+                let ranks = rank.and_then(|rank| self.changed_ranks(&key, instance, rank));
+                let entry = self.state.registry.get(&key);
+                let Some(ranks) = ranks else {
+                    self.forget_sources(&key, instance, None);
+                    if let Some(entry) = entry {
+                        remove_from_index(entry, instance, None).await;
+                    }
+                    continue;
+                };
+                for rank in ranks {
+                    self.forget_sources(&key, instance, Some(rank));
+                    if let Some(entry) = &entry {
+                        remove_from_index(Arc::clone(entry), instance, Some(rank)).await;
+                    }
                 }
             }
             return Ok(true);
@@ -974,6 +1043,21 @@ impl Consumer {
         .await?
         .unwrap_or(0);
         Ok(false)
+    }
+
+    /// The ranks of `instance` of index `key` that the source at `rank` changed without the
+    /// stream's confirmation: its own and those its pending live records changed (`None`:
+    /// every rank of the instance).
+    fn changed_ranks(&self, key: &IndexKey, instance: u64, rank: u32) -> Option<Vec<u32>> {
+        let source = (key.clone(), Worker::new(instance, rank));
+        let pending = self.chains.get(&source).map(|chain| &chain.pending);
+        pending
+            .into_iter()
+            .flatten()
+            .fold(TouchedRanks::default().with(rank), |set, live| {
+                set.union(live.ranks)
+            })
+            .ranks()
     }
 
     /// Forgets the sequencing state, the chains and the pending live records of the sources
@@ -1079,12 +1163,10 @@ impl Consumer {
             Ok(records) => {
                 for record in records {
                     LogStats::bump(&self.stats.consumed);
-                    let Err(Diverged { key, instance }) =
-                        self.apply(record, arrived, stored_nanos).await
-                    else {
+                    let Err(diverged) = self.apply(record, arrived, stored_nanos).await else {
                         continue;
                     };
-                    if !self.diverged(vec![(key, instance)]).await? {
+                    if !self.diverged(vec![diverged]).await? {
                         return Ok(false);
                     }
                     // Its instance's sources start afresh: nothing pending to diverge from.
@@ -1161,6 +1243,7 @@ impl Consumer {
                     return Err(Diverged {
                         key: record.key.clone(),
                         instance,
+                        rank,
                     });
                 }
                 self.forget_sources(&record.key, instance, rank);
@@ -1201,6 +1284,9 @@ impl Consumer {
                     resync: *resync,
                     published_micros: *published_unix_micros,
                     content: crate::log_record::resync_content(&record.body),
+                    // The stream's copy is judged by the fields above; what it changes is
+                    // the pending live records' to tell.
+                    ranks: TouchedRanks::default(),
                 };
                 let admission = match chain.judge(source, &id) {
                     Verdict::Confirmed(confirmed) => {
@@ -1221,6 +1307,7 @@ impl Consumer {
                         return Err(Diverged {
                             key: record.key.clone(),
                             instance: record.source.worker_id,
+                            rank: Some(record.source.dp_rank),
                         });
                     }
                 };
@@ -2011,6 +2098,23 @@ mod tests {
     const STREAM: &str = "EVENTS";
 
     #[test]
+    fn a_live_records_changed_ranks_are_its_sources_and_its_mutations() {
+        let cleared = |rank| kvatlas_index::Mutation::Cleared {
+            worker: Worker::new(7, rank),
+        };
+        let set = TouchedRanks::of(1, &[cleared(0), cleared(2), cleared(2)]);
+        assert_eq!(set.ranks(), Some(vec![0, 1, 2]));
+        assert_eq!(
+            set.union(TouchedRanks::of(5, &[])).ranks(),
+            Some(vec![0, 1, 2, 5])
+        );
+        assert_eq!(TouchedRanks::of(62, &[]).ranks(), Some(vec![62]));
+        // From rank 63 on, ranks are not told apart: every rank of the instance.
+        assert_eq!(TouchedRanks::of(0, &[cleared(63)]).ranks(), None);
+        assert_eq!(TouchedRanks::of(u32::MAX, &[]).ranks(), None);
+    }
+
+    #[test]
     fn duplicates_and_stale_batches_are_dropped_and_resyncs_applied() {
         let mut source = SourceState::default();
         assert_eq!(source.admit(Some(0), 10, false), Admission::Apply);
@@ -2118,6 +2222,7 @@ mod tests {
                 resync: false,
                 published_micros: None,
                 content: 0,
+                ranks: TouchedRanks::default(),
             });
         }
         assert_eq!(chain.recorded_pending(), 1);
@@ -2141,6 +2246,7 @@ mod tests {
             resync: false,
             published_micros: None,
             content: 0,
+            ranks: TouchedRanks::default(),
         };
         // Another ingest's copy: stamped a microsecond apart, the same engine batch.
         assert!(live.is(&LiveId { digest: 2, ..live }));
@@ -2164,6 +2270,7 @@ mod tests {
         let resync = LiveId {
             resync: true,
             content: 41,
+            ranks: TouchedRanks::default(),
             ..live
         };
         assert!(resync.is(&LiveId {
@@ -2173,6 +2280,7 @@ mod tests {
         assert!(!resync.is(&LiveId {
             digest: 2,
             content: 42,
+            ranks: TouchedRanks::default(),
             ..resync
         }));
         // Without an engine fingerprint (PublishEvents) or a sequence, only the same bytes.
@@ -2209,6 +2317,7 @@ mod tests {
             resync: false,
             published_micros: None,
             content: 0,
+            ranks: TouchedRanks::default(),
         });
         assert_eq!(chain.tip(), Some(11));
         // Confirmed, the record is the stream's: the chain goes on from it.
@@ -2231,6 +2340,7 @@ mod tests {
             resync: false,
             published_micros: None,
             content: 0,
+            ranks: TouchedRanks::default(),
         }
     }
 

@@ -895,6 +895,90 @@ fn a_divergence_without_a_snapshot_applies_the_streams_record_to_its_instance_af
     replica.kill_9();
 }
 
+/// [`record`] of worker 7's source at rank `source_rank`, storing one block on each of the
+/// ranks `stores` name (rank, external hash, local hash).
+fn record_on_ranks(
+    seq: u64,
+    fingerprint: u64,
+    source_rank: u32,
+    stores: &[(u32, u64, u64)],
+) -> Vec<u8> {
+    use prost::Message as _;
+    let mut record =
+        v1::LogRecord::decode(&record(seq, fingerprint, None, 0, 0)[..]).expect("a record");
+    record.dp_rank = source_rank;
+    if let Some(v1::log_record::Body::Batch(batch)) = &mut record.body {
+        let template = batch.mutations[0].clone();
+        batch.mutations = stores
+            .iter()
+            .map(|&(dp_rank, external, local)| {
+                let mut mutation = template.clone();
+                mutation.dp_rank = dp_rank;
+                if let Some(v1::log_mutation::Event::Stored(stored)) = &mut mutation.event {
+                    stored.block_hashes = vec![external];
+                    stored.local_hashes = vec![local];
+                }
+                mutation
+            })
+            .collect();
+    }
+    record.encode_to_vec()
+}
+
+/// A divergence repaired in place removes, of the worker, the diverged source's rank and the
+/// ranks its unconfirmed live record changed, and nothing else: a sibling rank fed by an
+/// engine of its own (vLLM's data parallelism) and a further rank only the stream's confirmed
+/// records fed keep their blocks. (Every rank of the worker was removed, and this replica
+/// under-counted them until their engines stored the blocks again.)
+#[test]
+fn a_divergence_repaired_in_place_keeps_the_ranks_it_did_not_change() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let (replica, feed, _first) = hand_fed_replica(&nats, &["--nats-max-bytes", "20000"]);
+    // Rank 1, a source of its own; rank 2, fed by rank 0's confirmed record.
+    feed.to_stream(&record_on_ranks(1, 201, 1, &[(1, 50, 5001)]));
+    let second = record_on_ranks(2, 102, 0, &[(0, 2, 1002), (2, 60, 6001)]);
+    feed.to_stream(&second);
+    for seq in 1..=500 {
+        feed.to_stream_of(8, &record_of(8, seq, seq, None, 10_000 + seq, 20_000 + seq));
+    }
+    eventually("every record applied", || {
+        blocks_of(&replica, 8, &[20_500]) == 1
+            && blocks_of_worker_7(&replica, &[5001]) == 1
+            && blocks_of_worker_7(&replica, &[6001]) == 1
+    });
+    // Rank 0's live record changes rank 3 too; another ingest's batch takes its place.
+    feed.live(
+        &record_on_ranks(3, 103, 0, &[(0, 3, 1003), (3, 70, 7001)]),
+        &second,
+    );
+    eventually("the live record applied", || {
+        blocks_of_worker_7(&replica, &[7001]) == 1
+    });
+    feed.to_stream(&record_on_ranks(3, 999, 0, &[(0, 4, 2004)]));
+    eventually("the stream's record applied afresh", || {
+        blocks_of_worker_7(&replica, &[2004]) == 1
+    });
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 1);
+    assert_eq!(blocks_of_worker_7(&replica, &[1001]), 0, "rank 0 removed");
+    assert_eq!(
+        blocks_of_worker_7(&replica, &[7001]),
+        0,
+        "rank 3, which the live record changed, removed"
+    );
+    assert_eq!(
+        blocks_of_worker_7(&replica, &[5001]),
+        1,
+        "the sibling rank 1 kept"
+    );
+    assert_eq!(
+        blocks_of_worker_7(&replica, &[6001]),
+        1,
+        "rank 2, fed by confirmed records, kept"
+    );
+    ready(&replica);
+    replica.kill_9();
+}
+
 /// A replica whose live path keeps up while its stream reading falls behind the retention
 /// window keeps the live record whose stream copy retention dropped: the stream's next record
 /// of that source continues it. (It was taken for a divergence: the replica emptied its

@@ -684,9 +684,11 @@ impl ListenerCore {
         Ok(())
     }
 
-    /// Reads every replay reply available without blocking.
+    /// Reads up to `max_batches_per_wakeup` replay replies without blocking: a long replay
+    /// does not keep the poller thread from the other listeners on it (this one stays marked
+    /// and is served again after them, [`Self::ready_now`]).
     fn read_replay(&mut self) -> Result<(), Exit> {
-        loop {
+        for _ in 0..self.config.options.max_batches_per_wakeup {
             let Some(replay) = &self.replay else {
                 return Ok(());
             };
@@ -735,6 +737,7 @@ impl ListenerCore {
                 return Ok(());
             }
         }
+        Ok(())
     }
 
     fn replay_failed(&mut self, id: ReplayId, error: String) {
