@@ -78,11 +78,8 @@ fn ok(status: StatusCode) -> Response {
 
 /// The caller of a request, or the 401/403 response.
 fn caller(state: &State, headers: &HeaderMap) -> Result<Caller, Box<Response>> {
-    let header = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
     state
-        .authenticate(header)
+        .authenticate(headers.get(header::AUTHORIZATION))
         .map_err(|e| Box::new(service_error(&e)))
 }
 

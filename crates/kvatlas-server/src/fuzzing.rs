@@ -207,6 +207,11 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             let decoded = GetPodScoresRequest::decode(body).ok()?;
             decoded_no_larger_than_counted(body, &decoded);
             let mut request = tonic::Request::new(decoded);
+            // What the gate in front of the service attaches.
+            let permit = state.admit(crate::metrics::Rpc::GetPodScores, &caller);
+            request
+                .extensions_mut()
+                .insert(crate::grpc::Admitted::new(permit.expect("a place")));
             request.extensions_mut().insert(caller);
             runtime().block_on(pod_scores().answer(request)).map(drop)
         }

@@ -128,16 +128,142 @@ where
     }
 }
 
-/// The interceptor in front of the service: authenticates the `authorization` header and
-/// attaches the [`Caller`] (anonymous without authentication) to the request.
-pub(crate) fn authenticate(state: &State, mut request: Request<()>) -> Result<Request<()>, Status> {
-    let header = request
-        .metadata()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok());
-    let caller = state.authenticate(header).map_err(status)?;
-    request.extensions_mut().insert(caller);
-    Ok(request)
+/// The gate in front of a gRPC service (`kvatlas.v1.Indexer`, llm-d's `GetPodScores`): from a
+/// request's headers alone, before its message is read and decoded, it authenticates the
+/// `authorization` header and admits the request within the concurrency limit and its token's
+/// quota ([`State::admit`]), or answers at once (UNAUTHENTICATED, RESOURCE_EXHAUSTED). The
+/// request carries its [`Caller`] (anonymous without authentication) and its [`Admitted`]
+/// place to the handler.
+///
+/// Admitted after decoding (an interceptor and the handler), a burst of requests each declaring
+/// a message of `--max-message-bytes` was read and decoded in full, every one of them, before
+/// the limit shed all but a few: the limit bounded the work, not the memory. Through the gate,
+/// what requests hold in memory is at most the limit's count of messages.
+#[derive(Debug, Clone)]
+pub(crate) struct Gate<S> {
+    inner: S,
+    state: Arc<State>,
+}
+
+impl<S> Gate<S> {
+    pub(crate) fn new(inner: S, state: Arc<State>) -> Self {
+        Self { inner, state }
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for Gate<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+/// The RPC a request's path names (`None`: a path no handler answers; tonic answers it
+/// UNIMPLEMENTED).
+fn rpc_of_path(path: &str) -> Option<Rpc> {
+    Some(match path {
+        "/kvatlas.v1.Indexer/Query" => Rpc::Query,
+        "/kvatlas.v1.Indexer/QueryStream" => Rpc::QueryStream,
+        "/kvatlas.v1.Indexer/RegisterWorker" => Rpc::RegisterWorker,
+        "/kvatlas.v1.Indexer/UnregisterWorker" => Rpc::UnregisterWorker,
+        "/kvatlas.v1.Indexer/ListWorkers" => Rpc::ListWorkers,
+        "/kvatlas.v1.Indexer/ListIndexes" => Rpc::ListIndexes,
+        "/kvatlas.v1.Indexer/PublishEvents" => Rpc::PublishEvents,
+        "/kvatlas.v1.Indexer/Snapshot" => Rpc::Snapshot,
+        "/indexer.v1.IndexerService/GetPodScores" => Rpc::GetPodScores,
+        _ => return None,
+    })
+}
+
+impl<S, B, R> tonic::codegen::Service<tonic::codegen::http::Request<B>> for Gate<S>
+where
+    S: tonic::codegen::Service<
+            tonic::codegen::http::Request<B>,
+            Response = tonic::codegen::http::Response<R>,
+        >,
+    S::Future: Unpin,
+    R: Default,
+{
+    type Response = tonic::codegen::http::Response<R>;
+    type Error = S::Error;
+    type Future = GateAnswer<S::Future, R>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: tonic::codegen::http::Request<B>) -> Self::Future {
+        let started = Instant::now();
+        let header = request.headers().get("authorization");
+        let caller = match self.state.authenticate(header) {
+            Ok(caller) => caller,
+            Err(error) => return GateAnswer::Refused(Some(status(error).into_http())),
+        };
+        if let Some(rpc) = rpc_of_path(request.uri().path()) {
+            match self.state.admit(rpc, &caller) {
+                Ok(permit) => {
+                    request.extensions_mut().insert(Admitted::new(permit));
+                }
+                Err(error) => {
+                    let refused = status(error);
+                    self.state
+                        .metrics
+                        .record(rpc, started.elapsed(), refused.code() as i32);
+                    return GateAnswer::Refused(Some(refused.into_http()));
+                }
+            }
+        }
+        request.extensions_mut().insert(caller);
+        GateAnswer::Inner(self.inner.call(request))
+    }
+}
+
+/// The answer of a [`Gate`]: the service's, or the gate's refusal (trailers only).
+#[derive(Debug)]
+pub(crate) enum GateAnswer<F, R> {
+    Inner(F),
+    /// Taken when polled.
+    Refused(Option<tonic::codegen::http::Response<R>>),
+}
+
+impl<F, R, E> std::future::Future for GateAnswer<F, R>
+where
+    F: std::future::Future<Output = Result<tonic::codegen::http::Response<R>, E>> + Unpin,
+    R: Default,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // `GateAnswer` is `Unpin`: `F` is, and a response is only moved out of its `Option`.
+        match self.get_mut() {
+            GateAnswer::Inner(answer) => Pin::new(answer).poll(cx),
+            GateAnswer::Refused(refused) => Poll::Ready(Ok(refused
+                .take()
+                .unwrap_or_else(|| Status::internal("polled after completion").into_http()))),
+        }
+    }
+}
+
+impl<F: Unpin, R> Unpin for GateAnswer<F, R> {}
+
+/// A request's place among the concurrent requests, taken by the [`Gate`] (cloneable, as a
+/// request's extensions must be; the handler takes the place out once and holds it while it
+/// works, a stream for its life; a request dropped unanswered gives it back).
+#[derive(Debug, Clone)]
+pub(crate) struct Admitted(Arc<parking_lot::Mutex<Option<crate::state::Permit>>>);
+
+impl Admitted {
+    /// A request's extension holding `permit`.
+    pub(crate) fn new(permit: crate::state::Permit) -> Self {
+        Self(Arc::new(parking_lot::Mutex::new(Some(permit))))
+    }
+}
+
+/// The place the [`Gate`] admitted `request` with (its absence is a wiring error of the
+/// server, hence INTERNAL).
+pub(crate) fn permit_of<T>(request: &Request<T>) -> Result<crate::state::Permit, ServiceError> {
+    request
+        .extensions()
+        .get::<Admitted>()
+        .and_then(|admitted| admitted.0.lock().take())
+        .ok_or_else(|| ServiceError::Internal("the request was not admitted".into()))
 }
 
 /// The caller the authentication interceptor attached to `request` (its absence is a wiring
@@ -469,7 +595,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = (|| {
             let caller = caller_of(&request).map_err(status)?;
-            let _permit = self.state.admit(Rpc::Query, &caller).map_err(status)?;
+            let _permit = permit_of(&request).map_err(status)?;
             self.answer(&caller, request.get_ref())
                 .map(Response::new)
                 .map_err(status)
@@ -486,10 +612,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = (|| {
             let caller = caller_of(&request).map_err(status)?;
-            let permit = self
-                .state
-                .admit(Rpc::QueryStream, &caller)
-                .map_err(status)?;
+            let permit = permit_of(&request).map_err(status)?;
             Ok(Response::new(QueryAnswers {
                 service: self.clone(),
                 caller,
@@ -512,7 +635,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let caller = caller_of(&request)?;
-            let _permit = self.state.admit(Rpc::RegisterWorker, &caller)?;
+            let _permit = permit_of(&request)?;
             let registration = registration_of(request.get_ref())?;
             caller.check(&registration.index.tenant)?;
             check_remote_bind(
@@ -542,7 +665,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let caller = caller_of(&request)?;
-            let _permit = self.state.admit(Rpc::UnregisterWorker, &caller)?;
+            let _permit = permit_of(&request)?;
             let message = request.get_ref();
             let key = key_of(message.index.as_ref())?;
             let tenant = if message.all_tenants {
@@ -586,7 +709,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let caller = caller_of(&request)?;
-            let _permit = self.state.admit(Rpc::ListWorkers, &caller)?;
+            let _permit = permit_of(&request)?;
             let filter = request.into_inner();
             let entries = self.listed_entries(&caller, &filter.model, &filter.tenant)?;
             let workers = blocking(move || {
@@ -611,7 +734,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = async {
             let caller = caller_of(&request)?;
-            let _permit = self.state.admit(Rpc::ListIndexes, &caller)?;
+            let _permit = permit_of(&request)?;
             let filter = request.into_inner();
             let entries = self.listed_entries(&caller, &filter.model, &filter.tenant)?;
             let indexes = blocking(move || {
@@ -671,7 +794,7 @@ impl Indexer for IndexerService {
         let started = Instant::now();
         let result = (|| {
             let caller = caller_of(&request).map_err(status)?;
-            let permit = self.state.admit(Rpc::Snapshot, &caller).map_err(status)?;
+            let permit = permit_of(&request).map_err(status)?;
             let filter = request.into_inner();
             caller.check_named(&filter.tenant).map_err(status)?;
             let held = self
@@ -726,10 +849,7 @@ impl IndexerService {
         request: Request<Streaming<v1::PublishEventsRequest>>,
     ) -> Result<Response<v1::PublishEventsResponse>, Status> {
         let mut caller = caller_of(&request).map_err(status)?;
-        let _permit = self
-            .state
-            .admit(Rpc::PublishEvents, &caller)
-            .map_err(status)?;
+        let _permit = permit_of(&request).map_err(status)?;
         let mut inbound = request.into_inner();
         let mut publisher = Publisher::new(
             self.state.next_stream_id(),

@@ -109,11 +109,7 @@ async fn authenticate_and_admit(
         count(error.http_status());
         dynamo::service_error(&error)
     };
-    let credentials = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok());
-    let caller = match state.authenticate(credentials) {
+    let caller = match state.authenticate(request.headers().get(header::AUTHORIZATION)) {
         Ok(caller) => caller,
         Err(error) => return refuse(error),
     };
@@ -199,20 +195,19 @@ fn unrestricted(
     headers: &HeaderMap,
     route: &'static str,
 ) -> Result<(), Box<Response>> {
-    let header_value = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    let allowed = state.authenticate(header_value).and_then(|caller| {
-        if caller.unrestricted() {
-            Ok(())
-        } else {
-            Err(ServiceError::PermissionDenied(format!(
-                "the token {:?} is limited to some tenants; {route} covers every index, so it \
+    let allowed = state
+        .authenticate(headers.get(header::AUTHORIZATION))
+        .and_then(|caller| {
+            if caller.unrestricted() {
+                Ok(())
+            } else {
+                Err(ServiceError::PermissionDenied(format!(
+                    "the token {:?} is limited to some tenants; {route} covers every index, so it \
                  needs a token allowed every tenant",
-                caller.name
-            )))
-        }
-    });
+                    caller.name
+                )))
+            }
+        });
     allowed.map_err(|error| {
         // A route behind `authenticate_and_admit` is counted there.
         if !LIMITED_ROUTES.contains(&route) {

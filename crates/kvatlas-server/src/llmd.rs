@@ -277,7 +277,7 @@ impl PodScoresService {
         request: Request<GetPodScoresRequest>,
     ) -> Result<GetPodScoresResponse, ServiceError> {
         let caller = caller_of(&request)?;
-        let permit = self.state.admit(Rpc::GetPodScores, &caller)?;
+        let permit = crate::grpc::permit_of(&request)?;
         caller.check(DEFAULT_TENANT)?;
         self.state.check_ready()?;
         let GetPodScoresRequest {

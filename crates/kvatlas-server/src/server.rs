@@ -36,7 +36,6 @@ use kvatlas_proto::v1::indexer_server::IndexerServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
@@ -44,7 +43,7 @@ use crate::auth::{TokenFile, TokenFileError};
 use crate::config::Persistence;
 use crate::config::{ConfigError, ServerConfig};
 use crate::error::ServiceError;
-use crate::grpc::{IndexerService, OversizeStatus, authenticate};
+use crate::grpc::{Gate, IndexerService, OversizeStatus};
 use crate::llmd::{PodScoresService, TokenizerError, Tokenizers};
 use crate::peers::Bootstrap;
 use crate::registry::{Feed, IndexKey, Registry, WorkerRegistration};
@@ -984,30 +983,27 @@ fn serve_grpc(
     stop: CancellationToken,
 ) -> Result<JoinHandle<Result<(), tonic::transport::Error>>, StartError> {
     let limits = state.limits;
-    let auth = {
-        let state = Arc::clone(state);
-        move |request| authenticate(&state, request)
-    };
     // A message over the size limit is RESOURCE_EXHAUSTED (`OversizeStatus`), as gRPC's other
     // implementations answer it. The limit is on what the server accepts, not on its answers:
     // those are its own, bounded by its state's limits (an answer over it — a `Snapshot` chunk
     // is 1 MiB — failed as OUT_OF_RANGE in the trailers, the answer lost).
-    let service = InterceptedService::new(
+    // Authentication and admission happen at the `Gate`, before a message is read.
+    let service = Gate::new(
         OversizeStatus(
             IndexerServer::new(IndexerService::new(Arc::clone(state)))
                 .max_decoding_message_size(limits.max_message_bytes)
                 .max_encoding_message_size(usize::MAX),
         ),
-        auth.clone(),
+        Arc::clone(state),
     );
     // llm-d's API behind the same token check, limits and metrics.
-    let llmd = InterceptedService::new(
+    let llmd = Gate::new(
         OversizeStatus(
             IndexerServiceServer::new(PodScoresService::new(Arc::clone(state), tokenizers))
                 .max_decoding_message_size(limits.max_message_bytes)
                 .max_encoding_message_size(usize::MAX),
         ),
-        auth,
+        Arc::clone(state),
     );
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -1036,7 +1032,7 @@ fn serve_grpc(
         .initial_connection_window_size(Some(WINDOW_BYTES))
         .initial_stream_window_size(Some(WINDOW_BYTES));
     // Health and reflection (the API's schema, public in any case) need no token, so probes and
-    // grpcurl work; every kvatlas.v1 RPC and llm-d's GetPodScores go through `authenticate`.
+    // grpcurl work; every kvatlas.v1 RPC and llm-d's GetPodScores go through the `Gate`.
     let router = builder
         .add_service(health)
         .add_service(reflection_v1)

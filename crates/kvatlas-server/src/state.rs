@@ -239,14 +239,27 @@ impl State {
         self.shutdown.cancel();
     }
 
-    /// The caller of an `authorization` header value.
-    pub(crate) fn authenticate(&self, header: Option<&str>) -> Result<Caller, ServiceError> {
-        match &self.tokens {
-            None => Ok(Caller::anonymous()),
-            Some(tokens) => tokens.authorize_header(header).inspect_err(|_| {
+    /// The caller of a request's `authorization` header (gRPC metadata or HTTP); a header
+    /// that is not visible ASCII is refused as such (it was taken for a missing one).
+    pub(crate) fn authenticate(
+        &self,
+        header: Option<&tonic::codegen::http::HeaderValue>,
+    ) -> Result<Caller, ServiceError> {
+        let Some(tokens) = &self.tokens else {
+            return Ok(Caller::anonymous());
+        };
+        let text = match header.map(|value| value.to_str()) {
+            None => Ok(None),
+            Some(Ok(text)) => Ok(Some(text)),
+            Some(Err(_)) => Err(ServiceError::Unauthenticated(
+                "the authorization header holds bytes that are not visible ASCII: send                  `authorization: Bearer <token>` with the token as the token file has it"
+                    .into(),
+            )),
+        };
+        text.and_then(|text| tokens.authorize_header(text))
+            .inspect_err(|_| {
                 self.metrics.auth_failure();
-            }),
-        }
+            })
     }
 
     /// For a stream's next message: its caller as the tokens in force now have it

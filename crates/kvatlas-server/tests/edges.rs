@@ -712,6 +712,24 @@ async fn every_rpc_but_health_needs_a_token_and_tokens_keep_to_their_tenants() {
 
     let http = h.server.http_addr();
     assert_eq!(http_get(http, "/metrics", None).0, 401);
+    // A header that is there but not visible ASCII is not called missing.
+    let (status, text) = http_get(http, "/metrics", Some("t\u{f6}k\u{e9}n"));
+    assert_eq!(status, 401, "{text}");
+    assert!(text.contains("not visible ASCII"), "{text}");
+    let mut garbled = tonic::Request::new(v1::ListIndexesRequest::default());
+    garbled.metadata_mut().insert(
+        "authorization",
+        tonic::metadata::AsciiMetadataValue::try_from("Bearer t\u{f6}k\u{e9}n".as_bytes())
+            .expect("obs-text is a header value"),
+    );
+    let status = h
+        .client
+        .clone()
+        .list_indexes(garbled)
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("not visible ASCII"), "{status:?}");
     // Without credentials, a request is refused before its body is looked at: 401, not what
     // the body would have earned (400 for bad JSON or fields the server refuses).
     for body in [
@@ -1063,6 +1081,65 @@ async fn public_addresses_without_auth_are_refused_at_start() {
         .await
         .expect_err("no token file");
     assert!(error.to_string().contains("/nonexistent/tokens"), "{error}");
+}
+
+/// A request beyond the concurrency limit is shed from its headers, before its message is read:
+/// a unary `Query` whose message never comes is answered RESOURCE_EXHAUSTED at once. (The limit
+/// was checked by the handler, after the whole message was read and decoded: a burst of
+/// requests of `--max-message-bytes` each was held in memory in full before being shed, and
+/// this request waited for its message until its deadline.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_beyond_the_limit_is_shed_before_its_message_is_read() {
+    let config = ServerConfig {
+        limits: Limits {
+            max_concurrent_requests: 1,
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    };
+    let mut h = start(config).await;
+    // An open QueryStream holds the only place.
+    let (tx, rx) = tokio::sync::mpsc::channel::<v1::QueryRequest>(1);
+    let mut stream = h
+        .client
+        .query_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("stream opens")
+        .into_inner();
+    let channel = tonic::transport::Channel::from_shared(h.url.clone())
+        .expect("a url")
+        .connect()
+        .await
+        .expect("connects");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    // A unary method called with a request body that never sends its message.
+    let never = tokio_stream::pending::<v1::QueryRequest>();
+    let answer = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        grpc.client_streaming(
+            tonic::Request::new(never),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/kvatlas.v1.Indexer/Query"),
+            kvatlas_proto::codec::Codec::<v1::QueryRequest, v1::QueryResponse>::default(),
+        ),
+    )
+    .await
+    .expect("answered without its message");
+    let status = answer.expect_err("shed");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("limit of 1 concurrent"),
+        "{status:?}"
+    );
+    let (_, body) = http_get(h.server.http_addr(), "/metrics", None);
+    assert_eq!(
+        metric(&body, "kvatlas_requests_shed_total{rpc=\"Query\"}"),
+        Some(1.0),
+        "{body}"
+    );
+    drop(tx);
+    assert!(stream.message().await.expect("ends cleanly").is_none());
+    h.server.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
