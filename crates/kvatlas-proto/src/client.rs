@@ -9,6 +9,7 @@
 //! [`Client::raw`] gives the generated stub for every other RPC.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use kvatlas_hash::{BlockHasher, BlockSize, LocalBlockHash};
@@ -26,6 +27,16 @@ use crate::v1::{
 /// At most this many (block size, LoRA, salt) hashers are cached; the cache is emptied when
 /// full (a router uses a handful).
 const MAX_CACHED_HASHERS: usize = 64;
+
+/// At most this many indexes' block sizes are remembered; the memory is emptied when full.
+const MAX_REMEMBERED_INDEXES: usize = 4096;
+
+/// An idle connection is pinged this often (HTTP/2 PING; TCP keepalive at the same period)...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// ...and closed if the ping is not answered within this: a server host that vanished (lost
+/// power, a partition) is found within a minute, and the next call connects again, instead of
+/// calls waiting for TCP's retransmission timeout (about 15 minutes).
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The generated stub with the client's authentication.
 pub type RawClient = IndexerClient<InterceptedService<Channel, BearerToken>>;
@@ -72,6 +83,18 @@ pub enum ClientError {
     /// The server reported a block size kvatlas-hash cannot cut prompts into.
     #[error("the server reports block size {0}, which is not usable")]
     BadBlockSize(u32),
+    /// The index's block size changed again while a query was asked again with the new one
+    /// (the index is being recreated): retry later.
+    #[error(
+        "the block size of model {model:?} tenant {tenant:?} changed twice during one query \
+         (the index is being recreated); retry"
+    )]
+    BlockSizeUnsettled {
+        /// The model.
+        model: String,
+        /// The tenant.
+        tenant: String,
+    },
 }
 
 /// The canonical name of a gRPC status code (`NOT_FOUND`, `INVALID_ARGUMENT`, ...).
@@ -160,7 +183,10 @@ impl Interceptor for BearerToken {
 pub struct ConnectOptions {
     /// A bearer token sent with every call.
     pub token: Option<String>,
-    /// A timeout for every call (none by default).
+    /// A timeout for every call, and for connecting (at the start and when the client
+    /// connects again); none by default. Without it, a call on a connection to a server host
+    /// that vanished fails once the keepalive (a ping every 30 s, answered within 20 s) finds
+    /// the connection dead.
     pub timeout: Option<Duration>,
     /// A PEM CA certificate to trust for `https://` addresses (the system roots are not used).
     #[cfg(feature = "tls")]
@@ -235,11 +261,13 @@ impl<'a> Prompt<'a> {
     }
 }
 
-/// A typed client (see the module docs). Cheap to clone: clones share the connection.
+/// A typed client (see the module docs). Cheap to clone: clones share the connection and the
+/// block sizes learned (a router that clones the client per call asks `ListIndexes` once per
+/// index, not once per clone); each keeps its own hashers.
 #[derive(Debug, Clone)]
 pub struct Client {
     raw: RawClient,
-    block_sizes: HashMap<(String, String), BlockSize>,
+    block_sizes: Arc<Mutex<HashMap<(String, String), BlockSize>>>,
     hashers: HashMap<(BlockSize, String, String), BlockHasher>,
 }
 
@@ -266,9 +294,13 @@ impl Client {
                 address: address.to_owned(),
                 source,
             })?
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            .tcp_keepalive(Some(KEEPALIVE_INTERVAL))
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true);
         if let Some(timeout) = options.timeout {
-            endpoint = endpoint.timeout(timeout);
+            endpoint = endpoint.timeout(timeout).connect_timeout(timeout);
         }
         #[cfg(feature = "tls")]
         if let Some(ca) = &options.ca_certificate_pem {
@@ -292,7 +324,7 @@ impl Client {
         Self {
             raw: IndexerClient::with_interceptor(channel, token)
                 .max_decoding_message_size(64 << 20),
-            block_sizes: HashMap::new(),
+            block_sizes: Arc::default(),
             hashers: HashMap::new(),
         }
     }
@@ -313,8 +345,8 @@ impl Client {
     ) -> Result<BlockSize, ClientError> {
         let tenant = if tenant.is_empty() { "default" } else { tenant };
         let key = (model.to_owned(), tenant.to_owned());
-        if let Some(size) = self.block_sizes.get(&key) {
-            return Ok(*size);
+        if let Some(size) = self.remembered(&key) {
+            return Ok(size);
         }
         let listed = self
             .raw
@@ -338,8 +370,29 @@ impl Client {
             })?;
         let size = BlockSize::new(info.block_size)
             .map_err(|_| ClientError::BadBlockSize(info.block_size))?;
-        self.block_sizes.insert(key, size);
+        self.remember(key, size);
         Ok(size)
+    }
+
+    /// The block size learned for (model, tenant), by this client or a clone.
+    fn remembered(&self, key: &(String, String)) -> Option<BlockSize> {
+        // A panic elsewhere while the map was held leaves it whole (inserts and clears only).
+        let sizes = self
+            .block_sizes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        sizes.get(key).copied()
+    }
+
+    fn remember(&self, key: (String, String), size: BlockSize) {
+        let mut sizes = self
+            .block_sizes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if sizes.len() >= MAX_REMEMBERED_INDEXES && !sizes.contains_key(&key) {
+            sizes.clear();
+        }
+        sizes.insert(key, size);
     }
 
     /// Hashes `prompt` locally and asks which worker ranks hold how much of it.
@@ -373,7 +426,7 @@ impl Client {
             }
             size = BlockSize::new(response.block_size)
                 .map_err(|_| ClientError::BadBlockSize(response.block_size))?;
-            self.block_sizes.insert(
+            self.remember(
                 (
                     prompt.model.to_owned(),
                     prompt.tenant_or_default().to_owned(),
@@ -381,7 +434,10 @@ impl Client {
                 size,
             );
         }
-        Err(ClientError::BadBlockSize(size.get()))
+        Err(ClientError::BlockSizeUnsettled {
+            model: prompt.model.to_owned(),
+            tenant: prompt.tenant_or_default().to_owned(),
+        })
     }
 
     /// The local hashes of `prompt`'s full blocks for `size`.

@@ -209,6 +209,28 @@ async fn the_client_wrapper_hashes_like_the_server() {
         .await
         .expect("query");
     assert_eq!(answer_rows(&with_salt), [(1, 0, 3, 3, 3)]);
+    // Clones share the block sizes learned: one ListIndexes for the index, not one per clone
+    // (a router clones the client it connected per call). `client` asked once above.
+    let template = kvatlas_proto::client::Client::connect(&h.url)
+        .await
+        .expect("connects");
+    for _ in 0..3 {
+        let answer = template
+            .clone()
+            .query(&prompt, v1::QueryOptions::default())
+            .await
+            .expect("query");
+        assert_eq!(answer_rows(&answer), [(2, 0, 3, 3, 3)]);
+    }
+    let (_, metrics) = http_get(h.server.http_addr(), "/metrics", None);
+    assert_eq!(
+        metric(
+            &metrics,
+            "kvatlas_requests_total{rpc=\"ListIndexes\",code=\"OK\"}"
+        ),
+        Some(2.0),
+        "{metrics}"
+    );
     // The server hashes tokens with the same LoRA and salt.
     let mut request = token_query(MODEL, "", tokens.clone());
     request.lora_name = "sql".into();
