@@ -39,6 +39,21 @@ pub enum ServiceError {
 }
 
 impl ServiceError {
+    /// The same error (the same answer code) with its message rewritten by `f`.
+    pub(crate) fn with_message(self, f: impl FnOnce(String) -> String) -> Self {
+        match self {
+            ServiceError::InvalidArgument(m) => ServiceError::InvalidArgument(f(m)),
+            ServiceError::NotFound(m) => ServiceError::NotFound(f(m)),
+            ServiceError::FailedPrecondition(m) => ServiceError::FailedPrecondition(f(m)),
+            ServiceError::AlreadyExists(m) => ServiceError::AlreadyExists(f(m)),
+            ServiceError::ResourceExhausted(m) => ServiceError::ResourceExhausted(f(m)),
+            ServiceError::Unavailable(m) => ServiceError::Unavailable(f(m)),
+            ServiceError::Unauthenticated(m) => ServiceError::Unauthenticated(f(m)),
+            ServiceError::PermissionDenied(m) => ServiceError::PermissionDenied(f(m)),
+            ServiceError::Internal(m) => ServiceError::Internal(f(m)),
+        }
+    }
+
     /// The HTTP status code of the error.
     pub fn http_status(&self) -> u16 {
         match self {

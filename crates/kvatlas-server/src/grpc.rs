@@ -865,7 +865,19 @@ impl IndexerService {
             let message = match message {
                 Ok(Some(message)) => message,
                 Ok(None) => break None,
-                Err(status) => break Some(inbound_status(status)),
+                Err(refused) => {
+                    // What was applied, for a publisher that resends unsequenced messages.
+                    let refused = inbound_status(refused);
+                    break Some(Status::new(
+                        refused.code(),
+                        format!(
+                            "message {}: {}; the {} message(s) before it were applied",
+                            publisher.counts.messages_received + 1,
+                            refused.message(),
+                            publisher.counts.messages_applied
+                        ),
+                    ));
+                }
             };
             // A token revoked (or its tenants changed) since the stream opened: from this
             // message on.
@@ -874,17 +886,19 @@ impl IndexerService {
                 Err(revoked) => Err(revoked),
             };
             if let Err(error) = published {
+                // Whatever the code (a bad field, a revoked token, a rank another source took,
+                // a bootstrap starting), a publisher that resends unsequenced messages needs
+                // to know which were applied: their clears and removes are not idempotent.
                 let applied = publisher.counts.messages_applied;
-                break Some(status(match error {
-                    ServiceError::InvalidArgument(m) => ServiceError::InvalidArgument(format!(
-                        "message {} (instance {} rank {}): {m}; the {applied} message(s) before it \
-                         were applied",
+                break Some(status(error.with_message(|m| {
+                    format!(
+                        "message {} (instance {} rank {}): {m}; the {applied} message(s) before \
+                         it were applied",
                         publisher.counts.messages_received + 1,
                         message.instance_id,
                         message.dp_rank
-                    )),
-                    other => other,
-                }));
+                    )
+                })));
             }
         };
         // Everything enqueued is applied before the stream's messages are acknowledged.

@@ -1486,6 +1486,19 @@ async fn a_token_revoked_or_narrowed_reaches_its_open_streams() {
         .expect("joins")
         .expect_err("the publish stream ends");
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    // The status says what was applied (an unsequenced publisher resends the rest).
+    assert!(
+        refused
+            .message()
+            .contains("message 2 (instance 1 rank 0): the token of this stream was revoked"),
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .message()
+            .contains("the 1 message(s) before it were applied"),
+        "{refused:?}"
+    );
     assert_eq!(
         matches(2).await,
         0,
