@@ -18,9 +18,15 @@
 //! while the [`DataDir`] (or a clone) lives and released when the process ends, however it
 //! ends. A second server on the same directory would remove the first's snapshot under way as
 //! a crash's leftover, prune its snapshots and write its own among them; it is refused at start.
+//!
+//! The files are the server's user's alone: a directory it creates is `0700`, and its snapshot
+//! and lock files are `0600` (they hold every tenant's block hashes, hashes of prompt prefixes,
+//! and the registrations; with the umask's `0644` any user of the host could read them, which
+//! over the API only a token allowed every tenant can).
 
 use std::fs::{self, File};
 use std::io::{BufReader, BufWriter};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -73,12 +79,16 @@ impl DataDir {
     /// another server (or another `DataDir` of this process) holds it.
     pub fn open(path: impl Into<PathBuf>) -> std::io::Result<Self> {
         let path = path.into();
-        fs::create_dir_all(&path)?;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&path)?;
         let lock_path = path.join(LOCK_FILE);
         let lock = File::options()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(&lock_path)?;
         match lock.try_lock() {
             Ok(()) => {}
@@ -152,7 +162,12 @@ impl DataDir {
         let temp = self.path.join(format!("{TEMP_PREFIX}{name}"));
         let mut memberships = 0;
         let result = (|| {
-            let file = File::create(&temp)?;
+            let file = File::options()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&temp)?;
             let mut writer =
                 snapshot::Writer::new(BufWriter::with_capacity(1 << 20, file), created)?;
             for image in images {
@@ -167,8 +182,6 @@ impl DataDir {
             let bytes = file.metadata()?.len();
             drop(file);
             fs::rename(&temp, &final_path)?;
-            // The rename is durable once the directory is.
-            File::open(&self.path)?.sync_all()?;
             Ok::<_, SnapshotError>(bytes)
         })();
         let bytes = match result {
@@ -178,8 +191,28 @@ impl DataDir {
                 return Err(error);
             }
         };
-        for old in self.snapshots()?.into_iter().skip(KEEP) {
-            let _ = fs::remove_file(old);
+        // From here the snapshot is in place, whole and fsynced: it is written, whatever
+        // follows (reported as failed, it was there all the same, and the older ones were not
+        // pruned). The rename is durable once the directory is; if that sync fails, a crash
+        // may still bring back the directory without it (the older snapshots are there).
+        if let Err(error) = File::open(&self.path).and_then(|dir| dir.sync_all()) {
+            tracing::warn!(
+                dir = %self.path.display(),
+                "syncing the data directory after a snapshot failed: {error}; the snapshot is \
+                 in place but a crash may lose its name"
+            );
+        }
+        match self.snapshots() {
+            Ok(files) => {
+                for old in files.into_iter().skip(KEEP) {
+                    let _ = fs::remove_file(old);
+                }
+            }
+            Err(error) => tracing::warn!(
+                dir = %self.path.display(),
+                "listing the data directory to prune old snapshots failed: {error}; they are \
+                 pruned after the next snapshot"
+            ),
         }
         Ok(Written {
             path: final_path,
@@ -324,6 +357,20 @@ mod tests {
         assert_eq!((created, images[0].snapshot.blocks()), (2_000, 5));
         assert!(dir.path().join("snapshot-backup.kvs").exists());
         let _ = fs::remove_dir_all(dir.path());
+    }
+
+    /// The directory a server creates, its snapshots and its lock are its user's alone, whatever
+    /// the umask.
+    #[test]
+    fn the_files_are_the_servers_users_alone() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = |path: &Path| fs::metadata(path).expect("metadata").permissions().mode() & 0o777;
+        let dir = DataDir::open(temp("modes").join("nested")).expect("dir");
+        let written = dir.write([image(3)], 1_000).expect("write");
+        assert_eq!(mode(dir.path()), 0o700);
+        assert_eq!(mode(&written.path), 0o600);
+        assert_eq!(mode(&dir.path().join(LOCK_FILE)), 0o600);
+        let _ = fs::remove_dir_all(temp("modes"));
     }
 
     #[test]
