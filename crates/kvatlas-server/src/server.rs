@@ -658,15 +658,17 @@ async fn restore_local(
     let (dir, registry, configured) = (dir.clone(), Arc::clone(registry), configured.to_vec());
     let path = dir.path().to_owned();
     let loaded = tokio::task::spawn_blocking(move || {
-        let mut refused: Vec<(std::path::PathBuf, String)> = Vec::new();
+        // Each file refused, why, and whether it was left in place (a newer build's, found
+        // again by each load below: reported once).
+        let mut refused: Vec<(std::path::PathBuf, String, bool)> = Vec::new();
         loop {
             let loaded = dir.load()?;
-            refused.extend(
-                loaded
-                    .rejected
-                    .into_iter()
-                    .map(|(file, why)| (file, why.to_string())),
-            );
+            for (file, why) in loaded.rejected {
+                let left = matches!(why, crate::snapshot::SnapshotError::NewerVersion { .. });
+                if !refused.iter().any(|(seen, _, _)| *seen == file) {
+                    refused.push((file, why.to_string(), left));
+                }
+            }
             let Some((path, created, images)) = loaded.snapshot else {
                 return Ok::<_, std::io::Error>((None, refused));
             };
@@ -723,6 +725,7 @@ async fn restore_local(
                     refused.push((
                         path,
                         format!("it cannot be restored on this server ({error}); nothing of it was applied"),
+                        false,
                     ));
                 }
             }
@@ -732,7 +735,15 @@ async fn restore_local(
     .map_err(|e| StartError::Grpc(e.to_string()))?
     .map_err(|source| StartError::DataDir { path, source })?;
     let (restored, rejected) = loaded;
-    for (file, why) in &rejected {
+    for (file, why, left_in_place) in &rejected {
+        if *left_in_place {
+            tracing::error!(
+                file = %file.display(),
+                "skipped snapshot file {}: {why}; left in place for the newer kvatlas",
+                file.display()
+            );
+            continue;
+        }
         tracing::error!(
             file = %file.display(),
             "refused snapshot file {}: {why}; moved aside to {}.rejected",

@@ -6,10 +6,13 @@
 //! directory fsynced: a crash at any point leaves the previous snapshots intact and at most a
 //! temporary file, which the next start removes. The newest [`KEEP`] snapshots are kept.
 //!
-//! Loading tries the snapshots newest first; one that cannot be read (truncated, altered, from a
-//! newer kvatlas) is logged with the reason and renamed to `*.kvs.rejected` — moved aside, never
-//! deleted, never retried — and the next older one is tried; with none left the server starts
-//! empty. A file that reads but does not fit the server's settings (an index whose block size
+//! Loading tries the snapshots newest first; one that cannot be read (truncated, altered) is
+//! logged with the reason and renamed to `*.kvs.rejected` — moved aside, never deleted, never
+//! retried — and the next older one is tried; with none left the server starts empty. One
+//! written by a newer kvatlas (its format version above this build's: a rollback) is sound: it
+//! is logged and skipped but left in place, and pruning keeps it, so that rolling forward again
+//! can read it (renamed aside, every rollback lost the newer build's snapshots for good and
+//! left three full-size `.rejected` files). A file that reads but does not fit the server's settings (an index whose block size
 //! the server's own configuration fixes otherwise, more indexes than its limit) is set aside the
 //! same way by the server ([`DataDir::set_aside`]). A bad file never stops the server from
 //! starting.
@@ -205,7 +208,9 @@ impl DataDir {
         match self.snapshots() {
             Ok(files) => {
                 for old in files.into_iter().skip(KEEP) {
-                    let _ = fs::remove_file(old);
+                    if !written_by_a_newer_build(&old) {
+                        let _ = fs::remove_file(old);
+                    }
                 }
             }
             Err(error) => tracing::warn!(
@@ -245,6 +250,10 @@ impl DataDir {
                         error.kind(),
                         format!("reading the snapshot {}: {error}", path.display()),
                     ));
+                }
+                Err(newer @ SnapshotError::NewerVersion { .. }) => {
+                    // Sound, for a newer build: left where it is (see the module docs).
+                    rejected.push((path, newer));
                 }
                 Err(error) => {
                     // A file that cannot be renamed (a read-only directory) is skipped here
@@ -290,6 +299,18 @@ fn number_of(path: &Path) -> Option<i64> {
         return None;
     }
     digits.parse().ok()
+}
+
+/// Whether the file at `path` is a snapshot of a format version above this build's (its
+/// header says so; a file that cannot be read says nothing).
+fn written_by_a_newer_build(path: &Path) -> bool {
+    use std::io::Read as _;
+    let mut header = [0u8; 10];
+    File::open(path)
+        .and_then(|mut file| file.read_exact(&mut header))
+        .is_ok()
+        && header[..8] == snapshot::MAGIC[..]
+        && u16::from_le_bytes([header[8], header[9]]) > snapshot::FORMAT_VERSION
 }
 
 /// Renames `path` to `path.rejected` (kept for the operator, never retried).
@@ -356,6 +377,33 @@ mod tests {
         let (_, created, images) = dir.load().expect("load").snapshot.expect("one");
         assert_eq!((created, images[0].snapshot.blocks()), (2_000, 5));
         assert!(dir.path().join("snapshot-backup.kvs").exists());
+        let _ = fs::remove_dir_all(dir.path());
+    }
+
+    /// A snapshot of a newer format (a rollback to this build) is skipped but left in place and
+    /// never pruned, so that rolling forward reads it again.
+    #[test]
+    fn a_snapshot_of_a_newer_build_is_skipped_left_in_place_and_kept() {
+        let dir = DataDir::open(temp("newer")).expect("dir");
+        dir.write([image(1)], 10).expect("write");
+        let newer = dir.write([image(2)], 20).expect("write").path;
+        let mut bytes = fs::read(&newer).expect("read");
+        bytes[8..10].copy_from_slice(&(snapshot::FORMAT_VERSION + 1).to_le_bytes());
+        fs::write(&newer, bytes).expect("made newer");
+        let loaded = dir.load().expect("load");
+        let (_, created, _) = loaded.snapshot.expect("the older one");
+        assert_eq!(created, 10);
+        assert!(matches!(
+            loaded.rejected[..],
+            [(_, SnapshotError::NewerVersion { .. })]
+        ));
+        assert!(newer.is_file(), "left in place");
+        // Written after it and pruned past KEEP: the newer build's file stays.
+        for created in 30..30 + KEEP as i64 + 2 {
+            dir.write([image(3)], created).expect("write");
+        }
+        assert!(newer.is_file(), "not pruned");
+        assert_eq!(dir.snapshots().expect("list").len(), KEEP + 1);
         let _ = fs::remove_dir_all(dir.path());
     }
 
