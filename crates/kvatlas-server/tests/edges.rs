@@ -1083,13 +1083,13 @@ async fn public_addresses_without_auth_are_refused_at_start() {
     assert!(error.to_string().contains("/nonexistent/tokens"), "{error}");
 }
 
-/// A request beyond the concurrency limit is shed from its headers, before its message is read:
-/// a unary `Query` whose message never comes is answered RESOURCE_EXHAUSTED at once. (The limit
-/// was checked by the handler, after the whole message was read and decoded: a burst of
-/// requests of `--max-message-bytes` each was held in memory in full before being shed, and
-/// this request waited for its message until its deadline.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_beyond_the_limit_is_shed_before_its_message_is_read() {
+/// A server of one concurrent request, its place held by an open `QueryStream`: the server, the
+/// stream's sender (dropped, the stream ends) and its answers.
+async fn one_place_held_by_a_stream() -> (
+    Harness,
+    tokio::sync::mpsc::Sender<v1::QueryRequest>,
+    tonic::Streaming<v1::QueryStreamResponse>,
+) {
     let config = ServerConfig {
         limits: Limits {
             max_concurrent_requests: 1,
@@ -1098,14 +1098,24 @@ async fn a_request_beyond_the_limit_is_shed_before_its_message_is_read() {
         ..ServerConfig::default()
     };
     let mut h = start(config).await;
-    // An open QueryStream holds the only place.
     let (tx, rx) = tokio::sync::mpsc::channel::<v1::QueryRequest>(1);
-    let mut stream = h
+    let stream = h
         .client
         .query_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
         .expect("stream opens")
         .into_inner();
+    (h, tx, stream)
+}
+
+/// A request beyond the concurrency limit is shed from its headers, before its message is read:
+/// a unary `Query` whose message never comes is answered RESOURCE_EXHAUSTED at once. (The limit
+/// was checked by the handler, after the whole message was read and decoded: a burst of
+/// requests of `--max-message-bytes` each was held in memory in full before being shed, and
+/// this request waited for its message until its deadline.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_beyond_the_limit_is_shed_before_its_message_is_read() {
+    let (mut h, tx, mut stream) = one_place_held_by_a_stream().await;
     let channel = tonic::transport::Channel::from_shared(h.url.clone())
         .expect("a url")
         .connect()
@@ -1144,22 +1154,7 @@ async fn a_request_beyond_the_limit_is_shed_before_its_message_is_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_concurrency_limit_are_shed() {
-    let config = ServerConfig {
-        limits: Limits {
-            max_concurrent_requests: 1,
-            ..Limits::default()
-        },
-        ..ServerConfig::default()
-    };
-    let mut h = start(config).await;
-    // An open QueryStream holds the only place.
-    let (tx, rx) = tokio::sync::mpsc::channel::<v1::QueryRequest>(1);
-    let mut stream = h
-        .client
-        .query_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .expect("stream opens")
-        .into_inner();
+    let (mut h, tx, mut stream) = one_place_held_by_a_stream().await;
     let status = h
         .client
         .list_indexes(v1::ListIndexesRequest::default())
