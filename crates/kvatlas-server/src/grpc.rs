@@ -172,10 +172,10 @@ fn rpc_of_path(path: &str) -> Option<Rpc> {
     })
 }
 
-impl<S, B, R> tonic::codegen::Service<tonic::codegen::http::Request<B>> for Gate<S>
+impl<S, R> tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for Gate<S>
 where
     S: tonic::codegen::Service<
-            tonic::codegen::http::Request<B>,
+            tonic::codegen::http::Request<tonic::body::Body>,
             Response = tonic::codegen::http::Response<R>,
         >,
     S::Future: Unpin,
@@ -189,14 +189,34 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut request: tonic::codegen::http::Request<B>) -> Self::Future {
+    fn call(&mut self, request: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
         let started = Instant::now();
         let header = request.headers().get("authorization");
         let caller = match self.state.authenticate(header) {
             Ok(caller) => caller,
             Err(error) => return GateAnswer::Refused(Some(status(error).into_http())),
         };
-        if let Some(rpc) = rpc_of_path(request.uri().path()) {
+        let rpc = rpc_of_path(request.uri().path());
+        // A one-message request body that stalls fails (and gives its place back); a stream's
+        // may rightly stay quiet between messages.
+        let mut request = match rpc {
+            Some(Rpc::QueryStream | Rpc::PublishEvents) | None => request,
+            Some(_) => {
+                let stall = self.state.limits.stall_timeout;
+                request.map(|body| {
+                    tonic::body::Body::new(crate::stalled_body::StallLimited::new(
+                        body,
+                        stall,
+                        |timeout| {
+                            Box::new(Status::deadline_exceeded(
+                                crate::stalled_body::stalled_message(timeout),
+                            ))
+                        },
+                    ))
+                })
+            }
+        };
+        if let Some(rpc) = rpc {
             match self.state.admit(rpc, &caller) {
                 Ok(permit) => {
                     request.extensions_mut().insert(Admitted::new(permit));

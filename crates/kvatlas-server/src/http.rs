@@ -117,7 +117,15 @@ async fn authenticate_and_admit(
         Ok(permit) => permit,
         Err(error) => return refuse(error),
     };
-    let mut request = request;
+    // The place is held from here: a body that stalls fails, and gives it back.
+    let stall = state.limits.stall_timeout;
+    let mut request = request.map(|body| {
+        Body::new(crate::stalled_body::StallLimited::new(
+            body,
+            stall,
+            |timeout| crate::stalled_body::stalled_message(timeout).into(),
+        ))
+    });
     if HANDED_ROUTES.contains(&request.uri().path()) {
         request
             .extensions_mut()

@@ -62,6 +62,7 @@ mod served_index;
 mod server;
 pub mod snapshot;
 mod snapshot_stream;
+mod stalled_body;
 mod state;
 pub mod store;
 mod tls;

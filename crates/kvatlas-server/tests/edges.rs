@@ -1152,6 +1152,69 @@ async fn a_request_beyond_the_limit_is_shed_before_its_message_is_read() {
     h.server.shutdown().await;
 }
 
+/// A request whose body stalls gives its place back after `--stall-timeout-secs`: over HTTP a
+/// POST that declared a body and sent none, over gRPC a unary call whose message never comes.
+/// (The place was held until the client closed the connection: as many stalled uploads as
+/// places filled both APIs for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_body_stalls_gives_its_place_back() {
+    let config = ServerConfig {
+        limits: Limits {
+            max_concurrent_requests: 1,
+            stall_timeout: std::time::Duration::from_secs(1),
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    };
+    let h = start(config).await;
+    let http = h.server.http_addr();
+    let stalled = tokio::task::spawn_blocking(move || {
+        let mut stream = std::net::TcpStream::connect(http).expect("connect");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .expect("timeout");
+        std::io::Write::write_all(
+            &mut stream,
+            b"POST /query HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+              content-length: 100\r\n\r\n{\"token",
+        )
+        .expect("send");
+        let mut response = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stream, &mut response);
+        String::from_utf8_lossy(&response).into_owned()
+    });
+    let answer = stalled.await.expect("joined");
+    assert!(answer.starts_with("HTTP/1.1 4"), "{answer}");
+    assert_eq!(http_get(http, "/workers", None).0, 200, "the place is free");
+
+    let channel = tonic::transport::Channel::from_shared(h.url.clone())
+        .expect("a url")
+        .connect()
+        .await
+        .expect("connects");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    let status = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        grpc.client_streaming(
+            tonic::Request::new(tokio_stream::pending::<v1::QueryRequest>()),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/kvatlas.v1.Indexer/Query"),
+            kvatlas_proto::codec::Codec::<v1::QueryRequest, v1::QueryResponse>::default(),
+        ),
+    )
+    .await
+    .expect("answered")
+    .expect_err("stalled");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("stalled"), "{status:?}");
+    h.client
+        .clone()
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect("the place is free");
+    h.server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_concurrency_limit_are_shed() {
     let (mut h, tx, mut stream) = one_place_held_by_a_stream().await;
