@@ -588,14 +588,47 @@ pub(crate) fn count_client_event(stats: &LogStats, event: &async_nats::Event) {
 }
 
 /// The event-log stream, created with `log`'s retention if absent (an existing stream keeps
-/// its own configuration).
+/// its own configuration, but must take the log's subjects: one of that name made by hand or
+/// by a deployment with another `--nats-subject-prefix` is refused, naming both; accepted, an
+/// ingest's every publish found no stream and was retried for ever, its queue full and its
+/// engines waiting, and a replica read nothing).
 pub(crate) async fn stream(
     js: &jetstream::Context,
     log: &NatsLog,
 ) -> Result<jetstream::stream::Stream, String> {
-    js.get_or_create_stream(stream_config(log))
+    let stream = js
+        .get_or_create_stream(stream_config(log))
         .await
-        .map_err(|e| format!("NATS stream {}: {e}", log.stream))
+        .map_err(|e| format!("NATS stream {}: {e}", log.stream))?;
+    let subjects = &stream.cached_info().config.subjects;
+    if !subjects.iter().any(|taken| covers(taken, &log.subjects())) {
+        return Err(format!(
+            "NATS stream {} takes the subjects {subjects:?}, not {}: it was made with other \
+             settings (by hand, or with another --nats-subject-prefix); use that prefix, name \
+             another stream with --nats-stream, or delete the stream",
+            log.stream,
+            log.subjects()
+        ));
+    }
+    Ok(stream)
+}
+
+/// Whether the stream subject `taken` (NATS wildcards: `*` one token, `>` one or more at the
+/// end) takes every subject of `wanted`, which ends in `>`.
+fn covers(taken: &str, wanted: &str) -> bool {
+    let wanted: Vec<&str> = wanted.split('.').collect();
+    // Every token of `wanted` before its final `>` is matched one to one; the final `>` (one
+    // or more tokens of any length) only by a `>`.
+    let last = wanted.len() - 1;
+    for (at, token) in taken.split('.').enumerate() {
+        if token == ">" {
+            return true;
+        }
+        if at >= last || (token != "*" && token != wanted[at]) {
+            return false;
+        }
+    }
+    false
 }
 
 /// The event-log stream's configuration from `log`'s settings.
@@ -628,6 +661,35 @@ pub(crate) async fn snapshot_bucket(
             })
             .await
             .map_err(|e| format!("NATS object store {}: {e}", log.snapshot_bucket)),
+    }
+}
+
+#[cfg(test)]
+mod subject_tests {
+    use super::covers;
+
+    #[test]
+    fn a_stream_subject_covers_the_logs_subjects_only_if_it_takes_all_of_them() {
+        for taken in [
+            "kvatlas.events.>",
+            "kvatlas.>",
+            ">",
+            "*.events.>",
+            "kvatlas.*.>",
+        ] {
+            assert!(covers(taken, "kvatlas.events.>"), "{taken}");
+        }
+        for taken in [
+            "kvatlas.prod.>",
+            "kvatlas.events.*",
+            "kvatlas.events",
+            "kvatlas.events.m.>",
+            "kvatlas.*",
+            "other.>",
+            "",
+        ] {
+            assert!(!covers(taken, "kvatlas.events.>"), "{taken}");
+        }
     }
 }
 

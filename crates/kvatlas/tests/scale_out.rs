@@ -895,6 +895,34 @@ fn a_divergence_without_a_snapshot_applies_the_streams_record_to_its_instance_af
     replica.kill_9();
 }
 
+/// A stream of the log's name that does not take its subjects (made by hand, or by a deployment
+/// with another prefix) is refused at start, by an ingest and by a replica, naming both. (An
+/// ingest started and every publish was retried for ever, its queue full and its engines
+/// waiting; a replica read nothing.)
+#[test]
+fn a_stream_that_does_not_take_the_logs_subjects_is_refused_at_start() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let feed = HandFeed::connect(&nats);
+    feed.runtime.block_on(async {
+        feed.js
+            .create_stream(async_nats::jetstream::stream::Config {
+                name: "KVATLAS_EVENTS".into(),
+                subjects: vec!["kvatlas.prod.>".into()],
+                ..Default::default()
+            })
+            .await
+            .expect("created");
+    });
+    for role in ["--publish-to", "--consume-from"] {
+        let (status, log) = refused_start(&[role, &nats.url()]);
+        assert!(!status.success(), "{role}: started: {log}");
+        assert!(
+            log.contains("takes the subjects") && log.contains("kvatlas.prod.>"),
+            "{role}: {log}"
+        );
+    }
+}
+
 /// [`record`] of worker 7's source at rank `source_rank`, storing one block on each of the
 /// ranks `stores` name (rank, external hash, local hash).
 fn record_on_ranks(
