@@ -571,7 +571,12 @@ pub(crate) async fn run_publisher(
                     if let Some(published) = record.published {
                         stats.sent_age.observe(published.elapsed());
                     }
-                    if let Some(live) = &mut live {
+                    // Not while stopping: the drain may end before the stream stores it, and a
+                    // record applied live that the stream never holds is an orphan at every
+                    // replica (each goes back to the stream's state for it).
+                    if let Some(live) = &mut live
+                        && !stopping
+                    {
                         live.publish(&record);
                     }
                     if let Some(record) = lanes.take(record) {
