@@ -1204,16 +1204,21 @@ pub(crate) async fn dump_route(
     }
 }
 
-/// One partition of a peer's `/dump`.
+/// One partition of a peer's `/dump`: its block size and events, or, from Dynamo, the error
+/// that kept the peer from dumping it (`{"error": ...}`; peers.md §1.12).
 #[derive(Debug, Deserialize)]
 struct DumpEntry {
-    block_size: u32,
+    #[serde(default)]
+    block_size: Option<u32>,
     /// kvatlas's dumps name the model and tenant (Dynamo's name them only in the key).
     #[serde(default)]
     model: Option<String>,
     #[serde(default)]
     tenant: Option<String>,
-    events: Vec<RouterEvent>,
+    #[serde(default)]
+    events: Option<Vec<RouterEvent>>,
+    #[serde(default)]
+    error: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1272,6 +1277,21 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
         serde_json::from_slice(body).map_err(|e| format!("the dump is not valid: {e}"))?;
     let mut out = Vec::new();
     for (key, entry) in parsed {
+        // A partition the peer could not dump is left out; the others are taken (a whole dump
+        // refused for one failed partition left a replica with nothing from that peer).
+        if let Some(error) = &entry.error {
+            tracing::warn!(
+                partition = %key,
+                "the peer could not dump this partition ({error}); it is not bootstrapped \
+                 from this peer"
+            );
+            continue;
+        }
+        let (Some(block_size), Some(events)) = (entry.block_size, entry.events) else {
+            return Err(format!(
+                "dump partition {key:?} has no block_size or no events (nor an error)"
+            ));
+        };
         let index_key = match (entry.model, entry.tenant) {
             (Some(model), Some(tenant)) => IndexKey::new(model, tenant),
             // Dynamo's dump: the key alone. Its own reader splits at the first colon, which
@@ -1287,8 +1307,8 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
         index_key
             .validate()
             .map_err(|e| format!("dump key {key:?}: {e}"))?;
-        let mut mutations = Vec::with_capacity(entry.events.len());
-        for event in entry.events {
+        let mut mutations = Vec::with_capacity(events.len());
+        for event in events {
             let tier = tier_of_name(&event.storage_tier)
                 .ok_or_else(|| format!("unknown storage tier {:?}", event.storage_tier))?;
             let worker = Worker::new(event.worker_id, event.event.dp_rank);
@@ -1318,7 +1338,7 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
                 EventData::Cleared => Mutation::Cleared { worker },
             });
         }
-        out.push((index_key, entry.block_size, mutations));
+        out.push((index_key, block_size, mutations));
     }
     Ok(out)
 }
@@ -1789,6 +1809,25 @@ mod tests {
         }
         let kept = registry.get(&IndexKey::new("m", "g")).expect("m");
         assert_eq!(kept.image().snapshot.blocks(), 1);
+    }
+
+    /// A partition Dynamo answers with its error is left out and the others are taken; a
+    /// partition with neither events nor an error is refused.
+    #[test]
+    fn a_dump_partition_the_peer_could_not_dump_is_left_out() {
+        let body =
+            br#"{"a:g": {"error": "lock poisoned"}, "b:g": {"block_size": 16, "events": []}}"#;
+        let parsed = parse_dump(body).expect("parses");
+        let keys: Vec<_> = parsed
+            .iter()
+            .map(|(key, size, _)| (key.clone(), *size))
+            .collect();
+        assert_eq!(keys, vec![(IndexKey::new("b", "g"), 16)]);
+        let refused = parse_dump(br#"{"b:g": {"block_size": 16}}"#).expect_err("no events");
+        assert!(
+            refused.contains("\"b:g\" has no block_size or no events"),
+            "{refused}"
+        );
     }
 
     #[test]
