@@ -18,17 +18,24 @@ pub(crate) const MAX_SECRET_FILE_BYTES: u64 = 1 << 20;
 /// The I/O error; [`std::io::ErrorKind::InvalidData`] for text that is not UTF-8 or a file
 /// larger than `max_bytes` (saying so).
 pub(crate) fn read_text_within(path: &Path, max_bytes: u64) -> std::io::Result<String> {
-    let mut text = String::new();
+    // The size first, then the text: a long file cut inside a character is too long, not
+    // "not UTF-8".
+    let mut bytes = Vec::new();
     std::fs::File::open(path)?
         .take(max_bytes.saturating_add(1))
-        .read_to_string(&mut text)?;
-    if text.len() as u64 > max_bytes {
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_bytes {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("larger than {max_bytes} bytes: not such a file"),
         ));
     }
-    Ok(text)
+    String::from_utf8(bytes).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not UTF-8 text: not such a file",
+        )
+    })
 }
 
 #[cfg(test)]
@@ -48,6 +55,16 @@ mod tests {
             refused.to_string().contains("larger than 9 bytes"),
             "{refused}"
         );
+        // Cut inside a character: still too long, not "not UTF-8".
+        std::fs::write(&path, "12345678\u{e9}").expect("write");
+        let refused = read_text_within(&path, 8).expect_err("beyond");
+        assert!(
+            refused.to_string().contains("larger than 8 bytes"),
+            "{refused}"
+        );
+        std::fs::write(&path, [0xff, 0xfe]).expect("write");
+        let refused = read_text_within(&path, 8).expect_err("not text");
+        assert!(refused.to_string().contains("not UTF-8"), "{refused}");
         let _ = std::fs::remove_file(&path);
         let endless = read_text_within(Path::new("/dev/zero"), 1 << 10).expect_err("endless");
         assert!(endless.to_string().contains("larger than"), "{endless}");
