@@ -20,26 +20,31 @@ use http_body::{Body, Frame, SizeHint};
 /// A boxed error, as the bodies of hyper, axum and tonic take them.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A body that fails with `stalled(timeout)` once `timeout` has passed since it was made or
-/// since its last frame, with none ready.
+/// A body that fails with `stalled(timeout)` once `timeout` has passed, with no frame ready,
+/// since it was first found waiting or since its last frame after that.
+///
+/// The timer is made only when the body is first found waiting: a one-message request usually
+/// arrives with its headers, and is read without one (a timer per query cost a registration in
+/// tokio's timer wheel on the hot path).
 pub(crate) struct StallLimited<B> {
     inner: B,
     timeout: Duration,
-    /// When the body is taken for stalled; moved on at every frame.
-    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// When the body is taken for stalled (`None` until it first waits); moved on at every
+    /// frame.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     stalled: fn(Duration) -> BoxError,
     /// The error was reported: the body ends.
     failed: bool,
 }
 
 impl<B> StallLimited<B> {
-    /// `inner`, failing with `stalled(timeout)` after `timeout` without a frame. Must be made
-    /// inside a tokio runtime (its timer).
+    /// `inner`, failing with `stalled(timeout)` after `timeout` without a frame. Read inside a
+    /// tokio runtime (its timer).
     pub(crate) fn new(inner: B, timeout: Duration, stalled: fn(Duration) -> BoxError) -> Self {
         Self {
             inner,
             timeout,
-            deadline: Box::pin(tokio::time::sleep(timeout)),
+            deadline: None,
             stalled,
             failed: false,
         }
@@ -74,12 +79,19 @@ where
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
-                let next = tokio::time::Instant::now() + this.timeout;
-                this.deadline.as_mut().reset(next);
+                if let Some(deadline) = &mut this.deadline {
+                    deadline
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + this.timeout);
+                }
                 Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
             }
             Poll::Pending => {
-                if this.deadline.as_mut().poll(cx).is_ready() {
+                let timeout = this.timeout;
+                let deadline = this
+                    .deadline
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                if deadline.as_mut().poll(cx).is_ready() {
                     this.failed = true;
                     return Poll::Ready(Some(Err((this.stalled)(this.timeout))));
                 }
