@@ -1083,6 +1083,31 @@ async fn public_addresses_without_auth_are_refused_at_start() {
     assert!(error.to_string().contains("/nonexistent/tokens"), "{error}");
 }
 
+/// Calls the unary `Query` at `url` with a request body that never sends its message; its
+/// answer, which must come within `wait_secs`.
+async fn query_without_its_message(
+    url: &str,
+    wait_secs: u64,
+) -> Result<tonic::Response<v1::QueryResponse>, tonic::Status> {
+    let channel = tonic::transport::Channel::from_shared(url.to_owned())
+        .expect("a url")
+        .connect()
+        .await
+        .expect("connects");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    tokio::time::timeout(
+        std::time::Duration::from_secs(wait_secs),
+        grpc.client_streaming(
+            tonic::Request::new(tokio_stream::pending::<v1::QueryRequest>()),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/kvatlas.v1.Indexer/Query"),
+            kvatlas_proto::codec::Codec::<v1::QueryRequest, v1::QueryResponse>::default(),
+        ),
+    )
+    .await
+    .expect("answered without its message")
+}
+
 /// A server of one concurrent request, its place held by an open `QueryStream`: the server, the
 /// stream's sender (dropped, the stream ends) and its answers.
 async fn one_place_held_by_a_stream() -> (
@@ -1115,27 +1140,10 @@ async fn one_place_held_by_a_stream() -> (
 /// this request waited for its message until its deadline.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_beyond_the_limit_is_shed_before_its_message_is_read() {
-    let (mut h, tx, mut stream) = one_place_held_by_a_stream().await;
-    let channel = tonic::transport::Channel::from_shared(h.url.clone())
-        .expect("a url")
-        .connect()
+    let (h, tx, mut stream) = one_place_held_by_a_stream().await;
+    let status = query_without_its_message(&h.url, 5)
         .await
-        .expect("connects");
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.expect("ready");
-    // A unary method called with a request body that never sends its message.
-    let never = tokio_stream::pending::<v1::QueryRequest>();
-    let answer = tokio::time::timeout(
-        std::time::Duration::from_secs(5),
-        grpc.client_streaming(
-            tonic::Request::new(never),
-            tonic::codegen::http::uri::PathAndQuery::from_static("/kvatlas.v1.Indexer/Query"),
-            kvatlas_proto::codec::Codec::<v1::QueryRequest, v1::QueryResponse>::default(),
-        ),
-    )
-    .await
-    .expect("answered without its message");
-    let status = answer.expect_err("shed");
+        .expect_err("shed");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(
         status.message().contains("limit of 1 concurrent"),
@@ -1187,24 +1195,9 @@ async fn a_request_whose_body_stalls_gives_its_place_back() {
     assert!(answer.starts_with("HTTP/1.1 4"), "{answer}");
     assert_eq!(http_get(http, "/workers", None).0, 200, "the place is free");
 
-    let channel = tonic::transport::Channel::from_shared(h.url.clone())
-        .expect("a url")
-        .connect()
+    let status = query_without_its_message(&h.url, 20)
         .await
-        .expect("connects");
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.expect("ready");
-    let status = tokio::time::timeout(
-        std::time::Duration::from_secs(20),
-        grpc.client_streaming(
-            tonic::Request::new(tokio_stream::pending::<v1::QueryRequest>()),
-            tonic::codegen::http::uri::PathAndQuery::from_static("/kvatlas.v1.Indexer/Query"),
-            kvatlas_proto::codec::Codec::<v1::QueryRequest, v1::QueryResponse>::default(),
-        ),
-    )
-    .await
-    .expect("answered")
-    .expect_err("stalled");
+        .expect_err("stalled");
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert!(status.message().contains("stalled"), "{status:?}");
     h.client

@@ -502,6 +502,16 @@ impl HandFeed {
 }
 
 impl HandFeed {
+    /// Makes the event-log stream by hand, with `config` (before a server makes it).
+    fn stream_made_by_hand(&self, config: async_nats::jetstream::stream::Config) {
+        self.runtime.block_on(async {
+            self.js
+                .create_stream(config)
+                .await
+                .expect("the stream is made by hand");
+        });
+    }
+
     /// The replicas' snapshot bucket.
     async fn bucket(&self) -> async_nats::jetstream::object_store::ObjectStore {
         self.js
@@ -902,16 +912,10 @@ fn a_divergence_without_a_snapshot_applies_the_streams_record_to_its_instance_af
 #[test]
 fn a_stream_that_does_not_take_the_logs_subjects_is_refused_at_start() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
-    let feed = HandFeed::connect(&nats);
-    feed.runtime.block_on(async {
-        feed.js
-            .create_stream(async_nats::jetstream::stream::Config {
-                name: "KVATLAS_EVENTS".into(),
-                subjects: vec!["kvatlas.prod.>".into()],
-                ..Default::default()
-            })
-            .await
-            .expect("created");
+    HandFeed::connect(&nats).stream_made_by_hand(async_nats::jetstream::stream::Config {
+        name: "KVATLAS_EVENTS".into(),
+        subjects: vec!["kvatlas.prod.>".into()],
+        ..Default::default()
     });
     for role in ["--publish-to", "--consume-from"] {
         let (status, log) = refused_start(&[role, &nats.url()]);
@@ -1396,16 +1400,11 @@ fn publish_a_record_of_7_kb_between_two(ingest: &Served, replica: &Served) {
 fn a_record_larger_than_the_streams_message_limit_is_refused_and_the_next_ones_are_published() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
     let feed = HandFeed::connect(&nats);
-    feed.runtime.block_on(async {
-        feed.js
-            .create_stream(async_nats::jetstream::stream::Config {
-                name: "KVATLAS_EVENTS".into(),
-                subjects: vec!["kvatlas.events.>".into()],
-                max_message_size: 4096,
-                ..Default::default()
-            })
-            .await
-            .expect("the stream is made by hand");
+    feed.stream_made_by_hand(async_nats::jetstream::stream::Config {
+        name: "KVATLAS_EVENTS".into(),
+        subjects: vec!["kvatlas.events.>".into()],
+        max_message_size: 4096,
+        ..Default::default()
     });
     let ingest = Served::start(&["--publish-to", &nats.url()]);
     let replica = replica(&nats);
