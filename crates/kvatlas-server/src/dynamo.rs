@@ -1150,7 +1150,7 @@ pub(crate) fn dump(images: &[IndexImage]) -> Value {
 /// them with the stall timeout.
 pub(crate) async fn dump_route(
     AxumState(state): AxumState<Arc<State>>,
-    Extension(place): Extension<crate::http::HandedPlace>,
+    Extension(place): Extension<crate::state::HandedPlace>,
     headers: HeaderMap,
 ) -> Response {
     let caller = match caller(&state, &headers) {

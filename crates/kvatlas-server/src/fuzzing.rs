@@ -211,7 +211,7 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             let permit = state.admit(crate::metrics::Rpc::GetPodScores, &caller);
             request
                 .extensions_mut()
-                .insert(crate::grpc::Admitted::new(permit.expect("a place")));
+                .insert(crate::state::HandedPlace::new(permit.expect("a place")));
             request.extensions_mut().insert(caller);
             runtime().block_on(pod_scores().answer(request)).map(drop)
         }

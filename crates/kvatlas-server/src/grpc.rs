@@ -132,8 +132,8 @@ where
 /// request's headers alone, before its message is read and decoded, it authenticates the
 /// `authorization` header and admits the request within the concurrency limit and its token's
 /// quota ([`State::admit`]), or answers at once (UNAUTHENTICATED, RESOURCE_EXHAUSTED). The
-/// request carries its [`Caller`] (anonymous without authentication) and its [`Admitted`]
-/// place to the handler.
+/// request carries its [`Caller`] (anonymous without authentication) and its place
+/// ([`crate::state::HandedPlace`]) to the handler.
 ///
 /// Admitted after decoding (an interceptor and the handler), a burst of requests each declaring
 /// a message of `--max-message-bytes` was read and decoded in full, every one of them, before
@@ -219,7 +219,9 @@ where
         if let Some(rpc) = rpc {
             match self.state.admit(rpc, &caller) {
                 Ok(permit) => {
-                    request.extensions_mut().insert(Admitted::new(permit));
+                    request
+                        .extensions_mut()
+                        .insert(crate::state::HandedPlace::new(permit));
                 }
                 Err(error) => {
                     let refused = status(error);
@@ -263,26 +265,13 @@ where
 
 impl<F: Unpin, R> Unpin for GateAnswer<F, R> {}
 
-/// A request's place among the concurrent requests, taken by the [`Gate`] (cloneable, as a
-/// request's extensions must be; the handler takes the place out once and holds it while it
-/// works, a stream for its life; a request dropped unanswered gives it back).
-#[derive(Debug, Clone)]
-pub(crate) struct Admitted(Arc<parking_lot::Mutex<Option<crate::state::Permit>>>);
-
-impl Admitted {
-    /// A request's extension holding `permit`.
-    pub(crate) fn new(permit: crate::state::Permit) -> Self {
-        Self(Arc::new(parking_lot::Mutex::new(Some(permit))))
-    }
-}
-
 /// The place the [`Gate`] admitted `request` with (its absence is a wiring error of the
 /// server, hence INTERNAL).
 pub(crate) fn permit_of<T>(request: &Request<T>) -> Result<crate::state::Permit, ServiceError> {
     request
         .extensions()
-        .get::<Admitted>()
-        .and_then(|admitted| admitted.0.lock().take())
+        .get::<crate::state::HandedPlace>()
+        .and_then(crate::state::HandedPlace::take)
         .ok_or_else(|| ServiceError::Internal("the request was not admitted".into()))
 }
 

@@ -16,7 +16,7 @@ use axum::{Extension, Router};
 
 use crate::dynamo;
 use crate::error::ServiceError;
-use crate::state::State;
+use crate::state::{HandedPlace, State};
 
 /// The HTTP routes. Every route but `/health`, `/ready` and `/metrics` (which must answer
 /// under overload) is authenticated first (`authenticate_and_admit`) and counts against
@@ -72,19 +72,6 @@ const LIMITED_ROUTES: [&str; 10] = [
 /// it, and its token's, for as long as its connection lives.
 const HANDED_ROUTES: [&str; 2] = ["/snapshot", "/dump"];
 
-/// A request's place, handed by `authenticate_and_admit` to a route of `HANDED_ROUTES` in the
-/// request's extensions. The route takes it; if it does not, the place is freed when the
-/// request is dropped.
-#[derive(Clone, Debug)]
-pub(crate) struct HandedPlace(Arc<parking_lot::Mutex<Option<crate::state::Permit>>>);
-
-impl HandedPlace {
-    /// The place, once (`None` after it was taken).
-    pub(crate) fn take(&self) -> Option<crate::state::Permit> {
-        self.0.lock().take()
-    }
-}
-
 /// Authenticates a request before anything else looks at it (an unauthenticated caller gets
 /// 401, whatever its body: it learns nothing of what the server accepts), then admits it
 /// within `--max-concurrent-requests` and holds its place until its response body is dropped
@@ -127,9 +114,7 @@ async fn authenticate_and_admit(
         ))
     });
     if HANDED_ROUTES.contains(&request.uri().path()) {
-        request
-            .extensions_mut()
-            .insert(HandedPlace(Arc::new(parking_lot::Mutex::new(Some(permit)))));
+        request.extensions_mut().insert(HandedPlace::new(permit));
         let response = next.run(request).await;
         count(response.status().as_u16());
         return response;

@@ -337,6 +337,25 @@ impl Drop for DumpPermit {
     }
 }
 
+/// A request's place, handed in the request's extensions from where it was admitted (the gRPC
+/// gate, the HTTP middleware for the routes that hand it on) to its handler; cloneable, as
+/// extensions must be. The handler takes it once and holds it while it works (a stream for its
+/// life); if none does, the place is freed when the request is dropped.
+#[derive(Clone, Debug)]
+pub(crate) struct HandedPlace(Arc<parking_lot::Mutex<Option<Permit>>>);
+
+impl HandedPlace {
+    /// Hands `permit` on.
+    pub(crate) fn new(permit: Permit) -> Self {
+        Self(Arc::new(parking_lot::Mutex::new(Some(permit))))
+    }
+
+    /// The place, once (`None` after it was taken).
+    pub(crate) fn take(&self) -> Option<Permit> {
+        self.0.lock().take()
+    }
+}
+
 /// One admitted request; dropping it frees its place and its token's.
 #[derive(Debug)]
 pub(crate) struct Permit {
