@@ -252,7 +252,8 @@ impl State {
             None => Ok(None),
             Some(Ok(text)) => Ok(Some(text)),
             Some(Err(_)) => Err(ServiceError::Unauthenticated(
-                "the authorization header holds bytes that are not visible ASCII: send                  `authorization: Bearer <token>` with the token as the token file has it"
+                "the authorization header holds bytes that are not visible ASCII: send \
+                 `authorization: Bearer <token>` with the token as the token file has it"
                     .into(),
             )),
         };
