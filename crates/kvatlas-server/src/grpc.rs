@@ -967,9 +967,12 @@ impl IndexerService {
             ));
         }
         let prepared = publisher.prepare(message)?;
-        let resync = match publisher.admit(&prepared)? {
+        let (resync, fingerprint) = match publisher.admit(&prepared)? {
             Admission::Duplicate => return Ok(()),
-            Admission::Apply { resync } => resync,
+            Admission::Apply {
+                resync,
+                fingerprint,
+            } => (resync, fingerprint),
         };
         let events = prepared.mutations.len();
         let mut mutations = Vec::with_capacity(events + 1);
@@ -983,11 +986,14 @@ impl IndexerService {
         // with it (a restarted server continues the rank's numbering).
         let unit = Unit {
             worker_id: prepared.worker.worker_id,
-            checkpoint: prepared.seq.map(|seq| Checkpoint {
-                source: prepared.worker,
-                position: seq,
-                fingerprint: crate::publish::fingerprint(&mutations),
-            }),
+            checkpoint: prepared
+                .seq
+                .zip(fingerprint)
+                .map(|(seq, fingerprint)| Checkpoint {
+                    source: prepared.worker,
+                    position: seq,
+                    fingerprint,
+                }),
             mutations,
             resync,
             received: Some(received),

@@ -163,6 +163,9 @@ pub(crate) struct LogHandle {
     /// The ingest only publishes (`--publish-only`): units are not applied to its indexes,
     /// and its indexes refuse queries.
     pub(crate) publish_only: bool,
+    /// The stream's duplicate window: how long a message id, once stored, makes a later
+    /// message with the same id a duplicate.
+    pub(crate) duplicate_window: Duration,
 }
 
 impl LogHandle {
@@ -170,6 +173,7 @@ impl LogHandle {
     pub(crate) fn new(
         stats: Arc<LogStats>,
         publish_only: bool,
+        duplicate_window: Duration,
     ) -> (Arc<Self>, mpsc::Receiver<Outgoing>) {
         let (tx, rx) = mpsc::channel(QUEUE);
         (
@@ -177,6 +181,7 @@ impl LogHandle {
                 tx,
                 stats,
                 publish_only,
+                duplicate_window,
             }),
             rx,
         )

@@ -15,6 +15,11 @@
 //! | 0 after a higher number | an engine restart: the rank is cleared (counted), then applied |
 //! | beyond last + 1 | a gap: the lost batches cannot be recovered, so the rank is cleared (counted, and reported in `last_error`), then the batch is applied |
 //!
+//! A sequenced batch's checkpoint fingerprint is chained onto the rank's batch before it
+//! ([`fingerprint`]), across producer restarts and, on an ingest, across an unregistration
+//! within the event log's duplicate window ([`RetiredChains`]): the stream's duplicate window
+//! never takes a restarted producer's batch for its earlier incarnation's.
+//!
 //! A rank fed over gRPC is registered by its first message (source `GRPC` in `ListWorkers`); it
 //! cannot also have a ZMQ listener, and one stream at a time feeds it, so its events reach its
 //! writer lane in order. A rank restored from the data directory's snapshot keeps its last
@@ -42,13 +47,34 @@ pub(crate) struct Prepared {
     pub(crate) worker: Worker,
     pub(crate) seq: Option<u64>,
     pub(crate) mutations: Vec<Mutation>,
+    /// A sequenced batch's [`content_digest`] (0 for an unsequenced one).
+    content: u64,
 }
 
-/// The fingerprint a `PublishEvents` batch's checkpoint records: a hash of its mutations (the
-/// resync's clear included), as a listener's is the hash of the engine's payload. A replica and
-/// the event log's duplicate window tell two batches of a rank at one sequence number apart by
-/// it: a producer that restarted at 0 is not taken for a retry of its first incarnation's batch.
-pub(crate) fn fingerprint(mutations: &[Mutation]) -> u64 {
+/// The fingerprint a `PublishEvents` batch's checkpoint records, as a listener's is the hash
+/// of the engine's payload: the digest of its mutations (`content`, [`content_digest`]),
+/// whether a resync's clear goes before them, chained onto the fingerprint of the rank's batch
+/// before it (`after`; `None` for a feed's first). A replica and the event log's duplicate
+/// window tell two batches of a rank at one sequence number apart by it: a producer that
+/// restarted at 0 is not taken for a retry of its first incarnation's batch. The chain is
+/// what tells a restarted producer's batches from its earlier incarnation's when their
+/// contents are alike: without it, a producer that sent the same batch 1 after a restart had
+/// it dropped by the stream as a duplicate of the first incarnation's batch 1, and one that
+/// restarted twice with the same batch 0 had its second resync dropped — the replicas missed
+/// either. Two ingests fed the same messages of a rank chain alike, so they still publish
+/// each batch under one message id.
+pub(crate) fn fingerprint(content: u64, resync: bool, after: Option<u64>) -> u64 {
+    let mut bytes = [0u8; 18];
+    bytes[0] = u8::from(resync);
+    bytes[1] = u8::from(after.is_some());
+    bytes[2..10].copy_from_slice(&content.to_le_bytes());
+    bytes[10..].copy_from_slice(&after.unwrap_or(0).to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64(&bytes)
+}
+
+/// The digest of a batch's mutations (computed before the rank's lock is taken: a message may
+/// hold a million blocks).
+pub(crate) fn content_digest(mutations: &[Mutation]) -> u64 {
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     for mutation in mutations {
         let worker = mutation.worker();
@@ -89,6 +115,9 @@ pub(crate) enum Admission {
     Apply {
         /// Clear the rank first (a gap or an engine restart).
         resync: bool,
+        /// A sequenced batch's fingerprint ([`fingerprint`]), for its checkpoint; `None` for
+        /// an unsequenced one.
+        fingerprint: Option<u64>,
     },
     /// Drop it: its sequence number was already applied.
     Duplicate,
@@ -140,12 +169,14 @@ impl Publisher {
                 return Err(error);
             }
         };
+        let content = message.seq.map_or(0, |_| content_digest(&mutations));
         Ok(Prepared {
             entry,
             created,
             worker,
             seq: message.seq,
             mutations,
+            content,
         })
     }
 
@@ -205,11 +236,14 @@ impl Publisher {
                 // at or below it is a duplicate. (Any other checkpoint — a ZMQ listener's
                 // position — numbers another source's batches: a new feed starts afresh.)
                 let was_unfed = entry.unfed.lock().remove(&worker);
-                let last_seq = match was_unfed {
+                // (The last sequence number and the chain head the feed continues.)
+                let (last_seq, last_fingerprint) = match was_unfed {
                     Some(Unfed {
                         recorded: RecordedFeed::Grpc { .. },
                         ..
-                    }) => entry.index().mark(worker).map(|mark| mark.position),
+                    }) => entry.index().mark(worker).map_or((None, None), |mark| {
+                        (Some(mark.position), chain_head(&mark))
+                    }),
                     Some(Unfed {
                         recorded: RecordedFeed::Zmq(_),
                         ..
@@ -219,14 +253,19 @@ impl Publisher {
                         entry
                             .index()
                             .forget_marks(worker.worker_id, Some(worker.dp_rank));
-                        None
+                        (None, None)
                     }
-                    None => None,
+                    // A fresh feed, numbered afresh; unregistered within the stream's duplicate
+                    // window, it chains onto where the unregistered feed's chain stood: the same
+                    // batches sent again were dropped by the stream as duplicates of the
+                    // unregistered feed's, and the replicas missed them.
+                    None => (None, entry.retired_chains.lock().take(worker)),
                 };
-                vacant.insert(Feed::Grpc(GrpcFeed {
+                vacant.insert(Feed::Grpc(Box::new(GrpcFeed {
                     last_seq,
+                    last_fingerprint,
                     ..GrpcFeed::default()
-                }))
+                })))
             }
             Entry::Occupied(occupied) => occupied.into_mut(),
         };
@@ -253,28 +292,34 @@ impl Publisher {
         grpc.counters.batches_received += 1;
         grpc.last_batch = Some(Instant::now());
         self.counts.messages_received += 1;
-        let admission = match sequence(grpc, prepared.seq) {
-            Sequenced::InOrder => Admission::Apply { resync: false },
+        let resync = match sequence(grpc, prepared.seq) {
+            Sequenced::InOrder => false,
             Sequenced::Duplicate => {
                 grpc.counters.duplicates += 1;
                 self.counts.duplicates += 1;
-                Admission::Duplicate
+                return Ok(Admission::Duplicate);
             }
             Sequenced::Gap => {
                 self.counts.gaps += 1;
-                Admission::Apply { resync: true }
+                true
             }
-            Sequenced::Restart => Admission::Apply { resync: true },
+            Sequenced::Restart => true,
         };
-        if let Admission::Apply { resync } = admission {
-            grpc.counters.batches_applied += 1;
-            grpc.counters.mutations_enqueued += prepared.mutations.len() as u64;
-            if resync {
-                grpc.counters.resyncs += 1;
-                self.counts.resyncs += 1;
-            }
+        let fingerprint = prepared.seq.map(|_| {
+            let chained = fingerprint(prepared.content, resync, grpc.last_fingerprint);
+            grpc.last_fingerprint = Some(chained);
+            chained
+        });
+        grpc.counters.batches_applied += 1;
+        grpc.counters.mutations_enqueued += prepared.mutations.len() as u64;
+        if resync {
+            grpc.counters.resyncs += 1;
+            self.counts.resyncs += 1;
         }
-        Ok(admission)
+        Ok(Admission::Apply {
+            resync,
+            fingerprint,
+        })
     }
 
     /// Counts an applied message.
@@ -347,6 +392,59 @@ enum Sequenced {
 
 /// The sequencing rules of the module docs, recording gaps and restarts in `grpc` and moving
 /// its last sequence number.
+/// Where the chains of `PublishEvents` ranks unregistered at an ingest stood
+/// ([`fingerprint`]), kept for the stream's duplicate window: a new feed of the rank within it
+/// chains onto its predecessor's head, so its batches are not taken for the unregistered
+/// feed's. Invariant: at most [`RETIRED_CHAINS_KEPT`] entries, none older than the window it
+/// was retired with (pruned as entries are added; an entry evicted early, past the bound, lets
+/// a new feed that sends the same batches again within the window lose them at the replicas).
+#[derive(Debug, Default)]
+pub(crate) struct RetiredChains {
+    heads: std::collections::HashMap<Worker, (u64, Instant)>,
+    /// The entries in the order they were retired (an ingest's window is one length, so also
+    /// in the order they expire), with when they expire; one whose rank was retired again
+    /// since is stale (its expiry is not the rank's in `heads`).
+    order: std::collections::VecDeque<(Worker, Instant)>,
+}
+
+/// The most unregistered chains an index remembers ([`RetiredChains`]).
+pub(crate) const RETIRED_CHAINS_KEPT: usize = 65_536;
+
+impl RetiredChains {
+    /// Remembers that `worker`'s chain stood at `head` when it was unregistered, for `window`.
+    pub(crate) fn retire(&mut self, worker: Worker, head: u64, window: std::time::Duration) {
+        let now = Instant::now();
+        let expires = now.checked_add(window).unwrap_or(now);
+        while let Some(&(oldest, until)) = self.order.front()
+            && (until <= now || self.order.len() >= RETIRED_CHAINS_KEPT)
+        {
+            self.order.pop_front();
+            if self.heads.get(&oldest).is_some_and(|(_, at)| *at == until) {
+                self.heads.remove(&oldest);
+            }
+        }
+        self.heads.insert(worker, (head, expires));
+        self.order.push_back((worker, expires));
+    }
+
+    /// The head `worker`'s unregistered chain stood at, if within its window; forgotten.
+    pub(crate) fn take(&mut self, worker: Worker) -> Option<u64> {
+        self.heads
+            .remove(&worker)
+            .filter(|(_, until)| *until > Instant::now())
+            .map(|(head, _)| head)
+    }
+}
+
+/// The fingerprint of the batch at `mark`'s position (what a restored rank's next batch chains
+/// onto, [`fingerprint`]), if the mark still has it.
+pub(crate) fn chain_head(mark: &crate::snapshot::SourceMark) -> Option<u64> {
+    mark.recent
+        .last()
+        .filter(|(seq, _)| *seq == mark.position)
+        .map(|(_, fingerprint)| *fingerprint)
+}
+
 fn sequence(grpc: &mut GrpcFeed, seq: Option<u64>) -> Sequenced {
     let Some(seq) = seq else {
         return Sequenced::InOrder;
@@ -503,6 +601,44 @@ fn convert_events(
 mod tests {
     use super::*;
 
+    /// A retired chain is handed to the rank's next feed once, within its window only, and
+    /// the oldest goes first past the bound.
+    #[test]
+    fn retired_chains_keep_to_their_window_and_bound() {
+        let window = std::time::Duration::from_secs(120);
+        let mut chains = RetiredChains::default();
+        chains.retire(Worker::new(1, 0), 11, window);
+        chains.retire(Worker::new(2, 0), 22, std::time::Duration::ZERO);
+        assert_eq!(chains.take(Worker::new(1, 0)), Some(11));
+        assert_eq!(chains.take(Worker::new(1, 0)), None, "handed over once");
+        assert_eq!(chains.take(Worker::new(2, 0)), None, "past its window");
+        for id in 0..RETIRED_CHAINS_KEPT as u64 + 1 {
+            chains.retire(Worker::new(100 + id, 0), id, window);
+        }
+        assert_eq!(chains.heads.len(), RETIRED_CHAINS_KEPT);
+        assert_eq!(chains.take(Worker::new(100, 0)), None, "the oldest went");
+        assert_eq!(chains.take(Worker::new(101, 0)), Some(1));
+    }
+
+    /// A batch's fingerprint tells apart what the duplicate window must not merge: the same
+    /// mutations after another chain head, or with a resync's clear.
+    #[test]
+    fn fingerprints_chain_onto_the_batch_before() {
+        let content = 0xabcd;
+        let fresh = fingerprint(content, false, None);
+        assert_eq!(
+            fresh,
+            fingerprint(content, false, None),
+            "alike for two ingests"
+        );
+        assert_ne!(fresh, fingerprint(content, true, None));
+        assert_ne!(fresh, fingerprint(content, false, Some(0)));
+        assert_ne!(
+            fingerprint(content, false, Some(1)),
+            fingerprint(content, false, Some(2))
+        );
+    }
+
     #[test]
     fn sequence_rules() {
         let mut feed = GrpcFeed::default();
@@ -618,10 +754,10 @@ mod tests {
             Admission::Duplicate
         );
         let next = publisher.prepare(&message(2, 8)).expect("prepared");
-        assert_eq!(
+        assert!(matches!(
             publisher.admit(&next).expect("admitted"),
-            Admission::Apply { resync: false }
-        );
+            Admission::Apply { resync: false, .. }
+        ));
         assert!(entry.unfed.lock().is_empty(), "the rank is fed again");
         // Batch 8 is accepted, not applied (nothing was queued here): ListWorkers' last_seq is
         // what a query sees, the checkpoint 7.
@@ -667,10 +803,10 @@ mod tests {
             .expect("bootstrapped as from a peer");
         let mut publisher = Publisher::new(1, Arc::clone(&registry));
         let first = publisher.prepare(&message(2, 1)).expect("prepared");
-        assert_eq!(
+        assert!(matches!(
             publisher.admit(&first).expect("admitted"),
-            Admission::Apply { resync: false }
-        );
+            Admission::Apply { resync: false, .. }
+        ));
     }
 
     /// A rank a restore recorded as fed by a ZMQ listener, and could not feed again, fed over
@@ -693,10 +829,10 @@ mod tests {
 
         let mut publisher = Publisher::new(1, Arc::clone(&registry));
         let first = publisher.prepare(&message(2, 1)).expect("prepared");
-        assert_eq!(
+        assert!(matches!(
             publisher.admit(&first).expect("admitted"),
-            Admission::Apply { resync: false }
-        );
+            Admission::Apply { resync: false, .. }
+        ));
         assert!(
             entry.index().mark(Worker::new(2, 0)).is_none(),
             "the listener's checkpoint is forgotten"

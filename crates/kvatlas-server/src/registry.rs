@@ -320,6 +320,9 @@ impl From<&ListenerCounters> for FeedCounters {
 pub(crate) struct GrpcFeed {
     /// The last applied sequence number (`None` before the first sequenced batch).
     pub(crate) last_seq: Option<u64>,
+    /// The fingerprint of that batch: what the next one's chains onto
+    /// ([`crate::publish::fingerprint`]).
+    pub(crate) last_fingerprint: Option<u64>,
     /// The stream feeding the rank now, if one is open.
     pub(crate) stream: Option<u64>,
     pub(crate) counters: FeedCounters,
@@ -336,7 +339,7 @@ pub(crate) enum Feed {
         registration: WorkerRegistration,
     },
     /// `PublishEvents` streams.
-    Grpc(GrpcFeed),
+    Grpc(Box<GrpcFeed>),
 }
 
 /// A registered rank as `ListWorkers` shows it.
@@ -445,6 +448,9 @@ pub(crate) struct IndexEntry {
     membership: Mutex<()>,
     /// Counters of feeds that were stopped, and of listeners being stopped.
     retired: Mutex<Retired>,
+    /// The chain heads of `PublishEvents` ranks unregistered within the event log's duplicate
+    /// window (an ingest's only): what the rank's next feed chains onto. Locked after `feeds`.
+    pub(crate) retired_chains: Mutex<crate::publish::RetiredChains>,
 }
 
 /// The counters of feeds no longer in an index's feeds.
@@ -521,6 +527,7 @@ impl IndexEntry {
             unregistrations: std::sync::atomic::AtomicU64::new(0),
             membership: Mutex::new(()),
             retired: Mutex::new(Retired::default()),
+            retired_chains: Mutex::new(crate::publish::RetiredChains::default()),
         })
     }
 
@@ -935,6 +942,18 @@ impl IndexEntry {
                 }
             }
             drop(retired);
+            // An ingest remembers where their chains stood, for as long as the stream would
+            // take a batch of a new feed, chained afresh, for a duplicate.
+            if let Some(log) = &self.log {
+                let mut chains = self.retired_chains.lock();
+                for (worker, feed) in &removed {
+                    if let Feed::Grpc(grpc) = feed
+                        && let Some(head) = grpc.last_fingerprint
+                    {
+                        chains.retire(*worker, head, log.duplicate_window);
+                    }
+                }
+            }
             let mut unfed = self.unfed.lock();
             let unfed_ranks: Vec<Worker> = unfed.keys().filter(|w| matches(w)).copied().collect();
             for worker in &unfed_ranks {
@@ -1726,13 +1745,14 @@ impl Registry {
                         } else {
                             self.confirm_rank();
                             entry.unfed.lock().remove(worker);
-                            let last_seq = image.marks.get(worker).map(|m| m.position);
+                            let mark = image.marks.get(worker);
                             feeds.insert(
                                 *worker,
-                                Feed::Grpc(GrpcFeed {
-                                    last_seq,
+                                Feed::Grpc(Box::new(GrpcFeed {
+                                    last_seq: mark.map(|m| m.position),
+                                    last_fingerprint: mark.and_then(crate::publish::chain_head),
                                     ..GrpcFeed::default()
-                                }),
+                                })),
                             );
                         }
                     }

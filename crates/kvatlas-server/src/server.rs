@@ -239,8 +239,11 @@ impl RunningServer {
                 .map_err(StartError::Nats)?;
             // A stream made by hand may limit its messages below nats-server's.
             let stream_max_message_size = stream.cached_info().config.max_message_size;
-            let (handle, queue) =
-                crate::log_ingest::LogHandle::new(Arc::clone(&stats), config.publish_only);
+            let (handle, queue) = crate::log_ingest::LogHandle::new(
+                Arc::clone(&stats),
+                config.publish_only,
+                stream.cached_info().config.duplicate_window,
+            );
             registry =
                 registry.with_log(crate::registry::LogRole::Ingest(handle), Arc::clone(&stats));
             let stop = CancellationToken::new();

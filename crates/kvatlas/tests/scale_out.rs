@@ -1248,6 +1248,67 @@ fn a_publish_events_producer_restarting_at_zero_is_resynced_at_the_replicas() {
     ingest.kill_9();
 }
 
+/// A `PublishEvents` producer that restarts with the same batches as before (a deterministic
+/// warm-up, a sidecar replaying): its batches are chained onto the rank's history, so the
+/// stream takes them as new records, not duplicates of the earlier incarnation's alike in
+/// sequence number and content; so are a new feed's after the rank was unregistered. Before,
+/// the second incarnation's batch 1 (the same as the first's) was dropped by the stream's
+/// duplicate window, a third incarnation's resync (the same as the second's) too, and so was
+/// the first batch of a feed started afresh after an unregistration: the replica missed a
+/// block, then a clear, then a block.
+#[test]
+fn a_producer_restarting_with_the_same_batches_reaches_the_replicas() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let ingest = Served::start(&["--publish-to", &nats.url()]);
+    let replica = replica(&nats);
+    ready(&ingest);
+    ready(&replica);
+    let publish = |messages| common::publish(&ingest.grpc, messages);
+    let (abc, abd) = ([1001, 1002, 1003], [1001, 1002, 1004]);
+    let agree = |what: &str, depths: (u32, u32)| {
+        for (name, server) in [("the ingest", &ingest), ("the replica", &replica)] {
+            eventually(&format!("{name}: {what}"), || {
+                (
+                    blocks_of_worker_7(server, &abc),
+                    blocks_of_worker_7(server, &abd),
+                ) == depths
+            });
+        }
+    };
+    let (a, b) = (published(0, None, 1, 1001), published(1, Some(1), 2, 1002));
+    publish(vec![a.clone(), b.clone(), published(2, Some(2), 3, 1003)]);
+    agree("the first incarnation's A B C", (3, 2));
+    // Restarted: A and B again (B alike in number and content), then D.
+    publish(vec![a.clone(), b, published(2, Some(2), 4, 1004)]);
+    agree("the second incarnation's A B D", (2, 3));
+    // Restarted again: A alone, the same resync as the second incarnation's first batch.
+    publish(vec![a.clone()]);
+    agree("the third incarnation's A", (1, 1));
+    // Unregistered, then fed afresh with the first incarnation's batch 0.
+    runtime().block_on(async {
+        let mut client = IndexerClient::connect(ingest.grpc.clone())
+            .await
+            .expect("connects");
+        client
+            .unregister_worker(v1::UnregisterWorkerRequest {
+                index: Some(v1::IndexSelector {
+                    model: MODEL.into(),
+                    tenant: String::new(),
+                }),
+                instance_id: 7,
+                ..v1::UnregisterWorkerRequest::default()
+            })
+            .await
+            .expect("unregistered");
+    });
+    agree("worker 7 unregistered", (0, 0));
+    publish(vec![a]);
+    agree("a fresh feed's A", (1, 1));
+    assert_eq!(metric(&replica, "kvatlas_log_dropped_duplicate_total"), 0);
+    replica.kill_9();
+    ingest.kill_9();
+}
+
 /// An unregistration at an ingest that holds nothing of the worker — restarted since (an
 /// ingest keeps no snapshot), or the worker was fed through another ingest — reaches the
 /// replicas all the same. Before, it was NOT_FOUND at the ingest, and the replicas kept the
