@@ -654,6 +654,7 @@ pub fn read_within(
     limits: ReadLimits,
 ) -> Result<(i64, Vec<IndexImage>), SnapshotError> {
     let mut registrations = 0usize;
+    let mut marks = 0usize;
     let mut reader = Reader::new(input);
     let magic = reader.take(8, "in the header")?;
     if magic != MAGIC {
@@ -776,6 +777,18 @@ pub fn read_within(
                 image.feeds.push(feed);
             }
             MARK => {
+                // A mark is the checkpoint of a rank this server would hold, and it holds at
+                // most `--max-registered-ranks` (a replica's sources too): a stream of marks
+                // of a few bytes each, beyond it, was held whole.
+                marks += 1;
+                if let Some(most) = limits.registrations
+                    && marks > most
+                {
+                    return Err(SnapshotError::Corrupt(format!(
+                        "more than {most} checkpoints, this server's limit of registered \
+                         ranks (--max-registered-ranks)"
+                    )));
+                }
                 let worker = Worker::new(reader.varint("a mark")?, reader.small("a mark")?);
                 let position = reader.varint("a mark")?;
                 let n = reader.varint("a mark")?;
@@ -814,8 +827,14 @@ pub fn read_within(
                         });
                     }
                 }
-                current_table = Some(tables.len());
-                tables.push(table);
+                // An empty table is kept as none (a stream of empty tables, two bytes each, was
+                // a vector held per record); a rank naming any entry of it is refused alike.
+                if table.is_empty() {
+                    current_table = None;
+                } else {
+                    current_table = Some(tables.len());
+                    tables.push(table);
+                }
             }
             RANK => {
                 let worker = Worker::new(reader.varint("a rank")?, reader.small("a rank")?);
@@ -882,12 +901,16 @@ pub fn read_within(
                     read += further + 1;
                     entry = last;
                 }
-                ranks.push(RankRuns {
-                    image,
-                    table: current_table,
-                    worker,
-                    runs,
-                });
+                // A rank of no blocks holds nothing (a writer writes none): not kept, or a
+                // stream of them, a few bytes each, was held as a rank per record.
+                if !runs.is_empty() {
+                    ranks.push(RankRuns {
+                        image,
+                        table: current_table,
+                        worker,
+                        runs,
+                    });
+                }
             }
             TRAILER => {
                 let indexes = reader.varint("in the trailer")?;
@@ -1290,6 +1313,48 @@ mod tests {
         put_varint(&mut bytes, 16);
         put_varint(&mut bytes, 0);
         bytes
+    }
+
+    /// Records that hold nothing (empty ranks, empty tables) are not kept, and checkpoints
+    /// count against the rank limit: a stream of such records, a few bytes each, is read in
+    /// memory bounded by the server's limits, not by its length.
+    #[test]
+    fn records_that_hold_nothing_are_not_kept_and_checkpoints_are_bounded() {
+        let mut bytes = header_and_index();
+        for worker in 0..3u64 {
+            bytes.push(BLOCKS);
+            put_varint(&mut bytes, 0);
+            bytes.push(RANK);
+            put_varint(&mut bytes, worker);
+            put_varint(&mut bytes, 0);
+            put_varint(&mut bytes, 0);
+            bytes.push(MARK);
+            put_varint(&mut bytes, worker);
+            put_varint(&mut bytes, 0);
+            put_varint(&mut bytes, 5);
+            put_varint(&mut bytes, 0);
+        }
+        bytes.push(TRAILER);
+        put_varint(&mut bytes, 1);
+        put_varint(&mut bytes, 0);
+        let digest = xxhash_rust::xxh3::xxh3_64(&bytes);
+        bytes.extend_from_slice(&digest.to_le_bytes());
+        let (_, images) = read(&bytes[..]).expect("sound");
+        assert!(images[0].snapshot.workers.is_empty(), "no empty rank kept");
+        assert_eq!(images[0].marks.len(), 3);
+        let within = |registrations| {
+            read_within(
+                &bytes[..],
+                ReadLimits {
+                    registrations: Some(registrations),
+                    ..ReadLimits::default()
+                },
+            )
+        };
+        assert!(within(3).is_ok());
+        assert!(
+            matches!(within(2), Err(SnapshotError::Corrupt(m)) if m.contains("more than 2 checkpoints")),
+        );
     }
 
     /// A run reaching past the largest entry number is refused, not overflowed.
