@@ -1268,14 +1268,24 @@ struct RemovedData {
 /// A peer's `/dump` as indexes to create and the mutations that rebuild them, in order.
 pub(crate) type DumpImport = Vec<(IndexKey, u32, Vec<Mutation>)>;
 
+/// A parsed `/dump`.
+#[derive(Debug)]
+pub(crate) struct ParsedDump {
+    /// The indexes it rebuilds.
+    pub(crate) indexes: DumpImport,
+    /// The partitions the peer could not dump (left out), each as `KEY (ITS ERROR)`.
+    pub(crate) skipped: Vec<String>,
+}
+
 /// Parses a Dynamo (or kvatlas) `/dump` body.
 ///
 /// # Errors
 /// What is malformed, in a sentence.
-pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
+pub(crate) fn parse_dump(body: &[u8]) -> Result<ParsedDump, String> {
     let parsed: BTreeMap<String, DumpEntry> =
         serde_json::from_slice(body).map_err(|e| format!("the dump is not valid: {e}"))?;
     let mut out = Vec::new();
+    let mut skipped = Vec::new();
     for (key, entry) in parsed {
         // A partition the peer could not dump is left out; the others are taken (a whole dump
         // refused for one failed partition left a replica with nothing from that peer).
@@ -1285,6 +1295,7 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
                 "the peer could not dump this partition ({error}); it is not bootstrapped \
                  from this peer"
             );
+            skipped.push(format!("{key} ({error})"));
             continue;
         }
         let (Some(block_size), Some(events)) = (entry.block_size, entry.events) else {
@@ -1340,7 +1351,10 @@ pub(crate) fn parse_dump(body: &[u8]) -> Result<DumpImport, String> {
         }
         out.push((index_key, block_size, mutations));
     }
-    Ok(out)
+    Ok(ParsedDump {
+        indexes: out,
+        skipped,
+    })
 }
 
 /// Applies a parsed dump whole or not at all: each index's events are applied in order to an
@@ -1358,8 +1372,23 @@ pub(crate) fn apply_dump(registry: &Registry, dump: DumpImport) -> Result<u64, S
     for (key, block_size, mutations) in dump {
         let block_size = block_size_field(block_size, "the dump's block_size")?;
         let mut index = kvatlas_index::Atlas::new();
-        for mutation in &mutations {
+        for (at, mutation) in mutations.iter().enumerate() {
             kvatlas_index::KvIndex::apply(&mut index, mutation);
+            // As applied, not only once whole: a dump far beyond the bound is refused before
+            // it is all held. (A (rank, block) pair is one to four memberships, one per tier.)
+            if let Some(capacity) = capacity
+                && at % 4096 == 4095
+            {
+                let memberships = kvatlas_index::KvIndex::stats(&index).memberships;
+                if memberships > capacity.saturating_mul(4) {
+                    return Err(ServiceError::FailedPrecondition(format!(
+                        "the dump's index for {key} holds more than {capacity} (rank, block) \
+                         pairs after {} of its events, more than this server's --capacity of \
+                         {capacity}",
+                        at + 1
+                    )));
+                }
+            }
         }
         applied += mutations.len() as u64;
         let snapshot = kvatlas_index::KvIndex::snapshot(&index);
@@ -1761,7 +1790,7 @@ mod tests {
             "one block of the cycle precedes its parent, no other: {before:?} in {order:?}"
         );
         let body = serde_json::to_vec(&dumped).expect("json");
-        let parsed = parse_dump(&body).expect("parses");
+        let parsed = parse_dump(&body).expect("parses").indexes;
         assert_eq!(parsed.len(), 1);
         assert_eq!(parsed[0].0, IndexKey::new("llama3:8b", "g"));
         let mut rebuilt = ReferenceIndex::new();
@@ -1781,6 +1810,36 @@ mod tests {
         assert_eq!(restored.image().snapshot, snapshot);
     }
 
+    /// A dump beyond `--capacity` is refused as it is applied, not once all of it is held.
+    #[test]
+    fn a_dump_beyond_the_capacity_is_refused_as_it_is_applied() {
+        let registry = Registry::new(
+            crate::config::IndexSettings {
+                capacity: Some(10),
+                ..crate::config::IndexSettings::default()
+            },
+            crate::config::Limits::default(),
+        );
+        let events: Vec<Mutation> = (0..10_000u64)
+            .map(|i| Mutation::Stored {
+                worker: Worker::new(1, 0),
+                tier: kvatlas_index::Tier::Device,
+                parent: None,
+                blocks: vec![StoredBlock {
+                    external: ExternalBlockHash::new(i + 1),
+                    local: LocalBlockHash::new(i + 1),
+                }],
+            })
+            .collect();
+        let refused = apply_dump(&registry, vec![(IndexKey::new("m", "g"), 16, events)])
+            .expect_err("beyond the capacity");
+        assert!(
+            refused.to_string().contains("after 4096 of its events"),
+            "{refused}"
+        );
+        assert!(registry.all().is_empty(), "nothing applied");
+    }
+
     /// A dump is applied whole or not at all: one index whose block size contradicts the
     /// server's, or one index named twice, and nothing of the dump is applied.
     #[test]
@@ -1792,7 +1851,11 @@ mod tests {
         let stored = r#"{"worker_id": 1, "event": {"data": {"stored": {"parent_hash": null,
             "blocks": [{"block_hash": 5, "tokens_hash": 50}]}}}}"#;
         let existing = format!(r#"{{"m:g": {{"block_size": 32, "events": [{stored}]}}}}"#);
-        apply_dump(&registry, parse_dump(existing.as_bytes()).expect("parses")).expect("applied");
+        apply_dump(
+            &registry,
+            parse_dump(existing.as_bytes()).expect("parses").indexes,
+        )
+        .expect("applied");
         let before = registry.all().len();
         let contradicting = format!(
             r#"{{"a:g": {{"block_size": 16, "events": [{stored}]}},
@@ -1803,7 +1866,7 @@ mod tests {
                 "x": {{"block_size": 16, "model": "b", "tenant": "g", "events": []}}}}"#
         );
         for body in [contradicting, twice] {
-            let parsed = parse_dump(body.as_bytes()).expect("parses");
+            let parsed = parse_dump(body.as_bytes()).expect("parses").indexes;
             assert!(apply_dump(&registry, parsed).is_err(), "{body}");
             assert_eq!(registry.all().len(), before, "no index created: {body}");
         }
@@ -1818,7 +1881,9 @@ mod tests {
         let body =
             br#"{"a:g": {"error": "lock poisoned"}, "b:g": {"block_size": 16, "events": []}}"#;
         let parsed = parse_dump(body).expect("parses");
+        assert_eq!(parsed.skipped, vec!["a:g (lock poisoned)".to_owned()]);
         let keys: Vec<_> = parsed
+            .indexes
             .iter()
             .map(|(key, size, _)| (key.clone(), *size))
             .collect();
@@ -1835,7 +1900,7 @@ mod tests {
         // Dynamo's dumps name the partition only in the key; Dynamo's own reader splits it at
         // the first colon and would read model `llama3`, group `8b:default`.
         let body = br#"{"llama3:8b:default": {"block_size": 16, "events": []}, "m:": {"block_size": 16, "events": []}}"#;
-        let parsed = parse_dump(body).expect("parses");
+        let parsed = parse_dump(body).expect("parses").indexes;
         let keys: Vec<_> = parsed.iter().map(|(key, _, _)| key.clone()).collect();
         assert_eq!(
             keys,
@@ -1856,7 +1921,9 @@ mod tests {
         let dumped = dump(&[image("a:b", "c"), image("a", "b:c")]);
         let keys: Vec<&String> = dumped.as_object().expect("an object").keys().collect();
         assert_eq!(keys, ["a:b:c", "a:b:c#2"]);
-        let read = parse_dump(&serde_json::to_vec(&dumped).expect("JSON")).expect("parses");
+        let read = parse_dump(&serde_json::to_vec(&dumped).expect("JSON"))
+            .expect("parses")
+            .indexes;
         let mut read: Vec<(String, String)> = read
             .iter()
             .map(|(key, _, _)| (key.model.to_string(), key.tenant.to_string()))

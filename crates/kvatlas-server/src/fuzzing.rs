@@ -220,7 +220,7 @@ pub fn request(data: &[u8]) -> Option<Result<(), ServiceError>> {
             .map_err(|e| ServiceError::InvalidArgument(e.to_string())),
         4 => crate::dynamo::parse_dump(body)
             .map_err(ServiceError::InvalidArgument)
-            .and_then(|dump| crate::dynamo::apply_dump(&state.registry, dump))
+            .and_then(|dump| crate::dynamo::apply_dump(&state.registry, dump.indexes))
             .map(drop),
         0 => {
             // The codec counts the token ids of any bytes before decoding them (no panic).

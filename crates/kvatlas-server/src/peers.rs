@@ -42,6 +42,8 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 const MIN_RATE: u64 = 1 << 20;
 /// The largest peer answer accepted.
 const LIMIT: usize = 4 << 30;
+/// The most of an announced length reserved before any byte arrives.
+const PREALLOCATED: usize = 256 << 20;
 /// Pieces of a snapshot in flight between the download and the reader.
 const PIECES_IN_FLIGHT: usize = 64;
 
@@ -67,6 +69,8 @@ pub enum Bootstrap {
         events: u64,
         /// Memberships held once they were applied.
         memberships: u64,
+        /// The partitions the peer could not dump (`KEY (ITS ERROR)`): not bootstrapped.
+        skipped: Vec<String>,
     },
     /// No peer answered: started empty.
     Empty {
@@ -283,8 +287,15 @@ impl Download {
 async fn get(access: &PeerAccess, url: &str) -> Result<(u16, Bytes), String> {
     let response = request(access, url).await?;
     let status = response.status().as_u16();
+    // Sized from the announced length (within the download's bound): grown by doubling, a
+    // large dump reserved up to twice its size.
+    let announced = response
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+        .unwrap_or(0);
     let mut body = Download::new(response.into_body());
-    let mut whole = Vec::new();
+    let mut whole = Vec::with_capacity(announced.min(PREALLOCATED));
     while let Some(piece) = body.next_piece().await? {
         whole.extend_from_slice(&piece);
     }
@@ -355,15 +366,28 @@ async fn try_peer(
     base: &str,
     access: &PeerAccess,
 ) -> Result<Bootstrap, String> {
+    try_peer_within(registry, base, access, BUSY_PATIENCE).await
+}
+
+/// [`try_peer`], waiting for a busy peer for `patience`.
+async fn try_peer_within(
+    registry: &Arc<Registry>,
+    base: &str,
+    access: &PeerAccess,
+    patience: Duration,
+) -> Result<Bootstrap, String> {
     // A peer serving its limit of whole-state reads answers 429, and one still bootstrapping
     // from its own peers 503: wait for it (replicas started or replaced together bootstrap from
-    // each other), up to BUSY_PATIENCE. (A 503 was taken for a failed peer at once: the replica
-    // skipped it and started empty.) A peer shutting down answers 503 for good: the next peer.
-    let mut waited = Duration::ZERO;
+    // each other), up to `patience` of wall-clock time, its answers' time included (counting
+    // the pauses alone, a peer slow to answer 429 held the bootstrap for half an hour). (A 503
+    // was taken for a failed peer at once: the replica skipped it and started empty.) A peer
+    // shutting down answers 503 for good: the next peer.
+    let started = tokio::time::Instant::now();
     let response = loop {
         let response = request(access, &format!("{base}/snapshot")).await?;
         let status = response.status().as_u16();
-        if !matches!(status, 429 | 503) || waited >= BUSY_PATIENCE {
+        let waited = started.elapsed();
+        if !matches!(status, 429 | 503) || waited >= patience {
             break response;
         }
         if status == 503 {
@@ -372,10 +396,11 @@ async fn try_peer(
                 return Err(format!("GET /snapshot answered 503: {said}"));
             }
         }
-        let pause = (waited / 2).clamp(Duration::from_millis(250), Duration::from_secs(2));
+        let pause = (waited / 2)
+            .clamp(Duration::from_millis(250), Duration::from_secs(2))
+            .min(patience.saturating_sub(started.elapsed()));
         tracing::info!(peer = %base, status, "the peer is busy or not ready; asking again in {pause:?}");
         tokio::time::sleep(pause).await;
-        waited += pause;
     };
     let status = response.status().as_u16();
     if status == 200 {
@@ -430,6 +455,7 @@ async fn try_peer(
         .await
         .map_err(|e| e.to_string())?;
     }
+    let status_of_snapshot = status;
     if status != 404 && status != 405 {
         let said = what_it_said(response).await;
         let hint = if status == 401 || status == 403 {
@@ -442,13 +468,23 @@ async fn try_peer(
     // Not a kvatlas peer: Dynamo's /dump.
     let (status, body) = get(access, &format!("{base}/dump")).await?;
     if status != 200 {
-        return Err(format!("GET /dump answered {status}"));
+        let said = String::from_utf8_lossy(&body[..body.len().min(512)])
+            .trim()
+            .to_owned();
+        return Err(format!(
+            "GET /snapshot answered {snapshot_status} and GET /dump {status}: {said} (neither \
+             a kvatlas nor a Dynamo peer here: is {base} the peer's address without a path?)",
+            snapshot_status = status_of_snapshot,
+        ));
     }
     let registry = Arc::clone(registry);
     let peer = base.to_owned();
     tokio::task::spawn_blocking(move || {
         let parsed = dynamo::parse_dump(&body)?;
-        let events = dynamo::apply_dump(&registry, parsed).map_err(|e| e.to_string())?;
+        // Parsed: the body (up to the download's bound) is not held while the dump is applied.
+        drop(body);
+        let skipped = parsed.skipped;
+        let events = dynamo::apply_dump(&registry, parsed.indexes).map_err(|e| e.to_string())?;
         let memberships = registry
             .all()
             .iter()
@@ -458,6 +494,7 @@ async fn try_peer(
             peer,
             events,
             memberships,
+            skipped,
         })
     })
     .await
@@ -512,6 +549,70 @@ mod tests {
             }
         };
         (outcome, started.elapsed())
+    }
+
+    /// A peer on a loopback port that answers every request with `status` (an empty body)
+    /// after `delay`.
+    fn slow_peer(status: &'static str, delay: Duration) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                std::thread::spawn(move || {
+                    let mut request = [0u8; 1024];
+                    let _ = stream.read(&mut request);
+                    std::thread::sleep(delay);
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    );
+                });
+            }
+        });
+        url
+    }
+
+    fn empty_registry() -> Arc<Registry> {
+        Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits::default(),
+        ))
+    }
+
+    /// A busy peer is waited for within the patience in wall-clock time, its slow answers
+    /// included (only the pauses were counted: with answers of 1 s and 1.5 s of patience it
+    /// took six answers and pauses, over 7 s).
+    #[tokio::test]
+    async fn a_busy_peer_slow_to_answer_is_waited_for_within_the_patience() {
+        let peer = slow_peer("429 Too Many Requests", Duration::from_secs(1));
+        let started = std::time::Instant::now();
+        let outcome = try_peer_within(
+            &empty_registry(),
+            &peer,
+            &PeerAccess::default(),
+            Duration::from_millis(1500),
+        )
+        .await;
+        let took = started.elapsed();
+        let why = outcome.expect_err("a peer busy for good is given up");
+        assert!(why.contains("429"), "{why}");
+        assert!(took < Duration::from_secs(5), "given up after {took:?}");
+    }
+
+    /// A URL that is neither a kvatlas nor a Dynamo peer says so, with both answers.
+    #[tokio::test]
+    async fn a_peer_answering_neither_path_is_named_as_such() {
+        let peer = slow_peer("404 Not Found", Duration::ZERO);
+        let why = try_peer(&empty_registry(), &peer, &PeerAccess::default())
+            .await
+            .expect_err("nothing to bootstrap from");
+        assert!(
+            why.contains("GET /snapshot answered 404 and GET /dump 404")
+                && why.contains("without a path"),
+            "{why}"
+        );
     }
 
     #[tokio::test]

@@ -782,13 +782,27 @@ fn record_bootstrap(state: &State, outcome: &Bootstrap) {
             peer,
             events,
             memberships,
+            skipped,
         } => {
-            tracing::info!(
-                peer = %peer,
-                events,
-                memberships,
-                "bootstrapped from the peer's /dump (Dynamo's events: no checkpoints)"
-            );
+            if skipped.is_empty() {
+                tracing::info!(
+                    peer = %peer,
+                    events,
+                    memberships,
+                    "bootstrapped from the peer's /dump (Dynamo's events: no checkpoints)"
+                );
+            } else {
+                tracing::warn!(
+                    peer = %peer,
+                    events,
+                    memberships,
+                    "bootstrapped in part from the peer's /dump (Dynamo's events: no \
+                     checkpoints): {} partition(s) the peer could not dump are not \
+                     bootstrapped: {}",
+                    skipped.len(),
+                    skipped.join("; ")
+                );
+            }
             // Memberships, as the other sources' (it recorded the events applied).
             *restored.lock() = Some(("peer_dump", *memberships));
         }
