@@ -21,8 +21,9 @@
 //!    quiesce (`/proc/PID/stat`), per million vLLM events published (the probe's queries are
 //!    included and counted).
 //! 4. **Quiesce and exactness.** Each engine's last batch stores the marker block; once a
-//!    marker query shows every worker, everything was applied. Then `exactness_queries` prompts
-//!    are asked over HTTP (and, for kvatlas, over gRPC too) and every answer's per-worker scores
+//!    marker query shows every worker (at every replica), everything was applied. Then
+//!    `exactness_queries` whole prompts (each a trace request's, and a block more) are asked
+//!    over HTTP (and, for kvatlas, over gRPC too) and every answer's per-worker scores
 //!    are compared with [`kvatlas_index::ReferenceIndex`] fed the same published bytes.
 //! 5. **Query load** (leaf-first state only). An offered-load sweep per protocol — HTTP
 //!    `POST /query` with token ids for both services (the same request bytes), and for kvatlas
@@ -238,7 +239,9 @@ pub struct Ingest {
     pub grpc_mismatches: Option<u64>,
     /// An example of a mismatch, for the report.
     pub first_mismatch: Option<String>,
-    /// Replays the fleet served (gaps the service saw).
+    /// Replay requests the fleet served. Not gaps alone: kvatlas asks each engine once for its
+    /// position when it subscribes (`docs/events.md` §4), so a kvatlas run without a gap shows
+    /// one per engine; Dynamo asks only on a gap.
     pub replays: u64,
 }
 
@@ -363,6 +366,14 @@ impl Service {
         }
     }
 
+    /// Every address that answers queries (through NATS: each replica).
+    fn query_https(&self) -> Vec<&str> {
+        match self {
+            Service::Replicated(r) => r.replicas.iter().map(|x| x.http.as_str()).collect(),
+            other => vec![other.http()],
+        }
+    }
+
     /// Where workers are registered (through NATS: the ingest).
     fn register_http(&self) -> &str {
         match self {
@@ -418,6 +429,9 @@ impl DynamoServer {
                 bail!("Dynamo's indexer exited ({status}): {}", log.join("\n"));
             }
             if Instant::now() > deadline {
+                // Not left running (a `Child` dropped is not killed).
+                let _ = child.kill();
+                let _ = child.wait();
                 bail!("Dynamo's indexer did not answer /health within 60 s");
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -657,20 +671,26 @@ fn ingest_phase(
     drop(jobs);
     let published = Instant::now();
 
-    // Quiesce: the marker on every worker.
+    // Quiesce: the marker on every worker, at every address that answers (each replica: the
+    // exactness check below asks them all).
     let marker = query_body(&marker_tokens());
-    let mut c = Connection::connect(service.http())?;
     let workers = prepared.stream.workers as usize;
-    let mut quiesced = false;
-    while published.elapsed() < Duration::from_secs(60) {
-        let (status, body) = c.send(&marker)?;
-        if status == 200 && http_scores(&body)?.len() >= workers {
-            quiesced = true;
-            break;
+    let mut quiesced = true;
+    for address in service.query_https() {
+        let mut c = Connection::connect(address)?;
+        let mut shown = false;
+        while published.elapsed() < Duration::from_secs(60) {
+            let (status, body) = c.send(&marker)?;
+            if status == 200 && http_scores(&body)?.len() >= workers {
+                shown = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
         }
-        std::thread::sleep(Duration::from_micros(200));
+        quiesced &= shown;
     }
     let quiesce_ms = published.elapsed().as_secs_f64() * 1e3;
+    let mut c = Connection::connect(service.http())?;
     let probes = prober
         .join()
         .map_err(|_| anyhow::anyhow!("the probe panicked"))??;
@@ -766,11 +786,12 @@ fn ingest_phase(
     Ok((ingest, fleet))
 }
 
-/// The prompts checked for exactness: every k-th trace request's 64-block prompt.
+/// The prompts checked for exactness: every k-th trace request's whole prompt, and a block
+/// more (a 64-block prompt left every block deeper than 64 unasked).
 fn exactness_prompts(trace: &[TraceRequest], n: usize) -> Vec<Prompt> {
     let step = (trace.len() / n.max(1)).max(1);
     let picked: Vec<TraceRequest> = trace.iter().step_by(step).take(n).cloned().collect();
-    service::prompts(&picked)
+    service::whole_prompts(&picked)
 }
 
 fn grpc_exactness(
@@ -1137,8 +1158,18 @@ fn run_service(
 /// # Errors
 /// If a service cannot be started or driven, or a run breaks off.
 pub fn run(settings: &Settings, mut progress: impl FnMut(&str)) -> Result<Summary> {
-    if settings.runs == 0 || settings.rate <= 0.0 {
+    if settings.runs == 0 || settings.rate.is_nan() || settings.rate <= 0.0 {
         bail!("--runs and --rate must be positive");
+    }
+    if settings.workers == 0 || settings.capacity == 0 {
+        bail!("--workers and --capacity must be positive");
+    }
+    if settings
+        .loads
+        .iter()
+        .any(|load| load.is_nan() || *load <= 0.0)
+    {
+        bail!("every offered load must be positive");
     }
     let mut trace = trace::load_trace(&trace::default_trace_path())?;
     if let Some(n) = settings.requests {
@@ -1342,6 +1373,21 @@ fn plots(dir: &Path, summary: &Summary) -> Result<()> {
 /// # Errors
 /// The first run and eviction order where it was not.
 pub fn check(summary: &Summary) -> Result<()> {
+    // A check that asked nothing passes nothing.
+    let asked: u64 = summary
+        .runs
+        .iter()
+        .flatten()
+        .filter(|s| s.service != ServiceKind::Dynamo)
+        .flat_map(|s| &s.ingest)
+        .map(|i| i.exactness_queries)
+        .sum();
+    if asked == 0 {
+        bail!(
+            "nothing was checked: kvatlas was not among the services measured, or no exactness \
+             query was asked (--exactness-queries 0)"
+        );
+    }
     for (r, run) in summary.runs.iter().enumerate() {
         for service in run.iter().filter(|s| s.service != ServiceKind::Dynamo) {
             for i in &service.ingest {
@@ -1425,13 +1471,20 @@ pub fn markdown(summary: &Summary) -> String {
             .collect();
         (!v.is_empty()).then(|| median(v))
     };
+    // NaN: not measured in that run (a freshness figure without a single probe seen); the
+    // median of the runs that measured it, NaN (shown as n/a) if none did.
     let ingest = |runs: &[&ServiceRun], eviction: &str, f: fn(&Ingest) -> f64| -> f64 {
-        median(
-            runs.iter()
-                .filter_map(|r| r.ingest.iter().find(|i| i.eviction == eviction))
-                .map(f)
-                .collect(),
-        )
+        let measured: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r.ingest.iter().find(|i| i.eviction == eviction))
+            .map(f)
+            .filter(|v| !v.is_nan())
+            .collect();
+        if measured.is_empty() {
+            f64::NAN
+        } else {
+            median(measured)
+        }
     };
     let worst = |runs: &[&ServiceRun], f: fn(&Ingest) -> u64| -> u64 {
         runs.iter()
@@ -1465,34 +1518,61 @@ pub fn markdown(summary: &Summary) -> String {
     for eviction in ["leaf-first", "head-first"] {
         let row = |label: &str, f: fn(&Ingest) -> f64, unit: &str| {
             let (k, d) = (ingest(&kv, eviction, f), ingest(&dy, eviction, f));
+            let shown = |v: f64| {
+                if v.is_nan() {
+                    "n/a".to_owned()
+                } else {
+                    format!("{v:.1} {unit}")
+                }
+            };
             format!(
-                "| {label}, {eviction} | {k:.1} {unit} | {d:.1} {unit} | {} |\n",
-                if d > 0.0 {
+                "| {label}, {eviction} | {} | {} | {} |\n",
+                shown(k),
+                shown(d),
+                if d > 0.0 && !k.is_nan() {
                     format!("{:.2}×", k / d)
                 } else {
                     "—".into()
                 }
             )
         };
+        // A freshness figure of a run whose probes were never seen is not 0 but unmeasured.
+        fn probed(i: &Ingest, v: f64) -> f64 {
+            if i.freshness.samples == 0 {
+                f64::NAN
+            } else {
+                v
+            }
+        }
         out.push_str(&row(
             "freshness p50 (upper bound)",
-            |i| i.freshness.p50_us,
+            |i| probed(i, i.freshness.p50_us),
             "µs",
         ));
         out.push_str(&row(
             "freshness p99 (upper bound)",
-            |i| i.freshness.p99_us,
+            |i| probed(i, i.freshness.p99_us),
             "µs",
         ));
         out.push_str(&row(
             "freshness p50 (lower bound)",
-            |i| i.freshness.lower_p50_us,
+            |i| probed(i, i.freshness.lower_p50_us),
             "µs",
         ));
         out.push_str(&row(
             "freshness p99 (lower bound)",
-            |i| i.freshness.lower_p99_us,
+            |i| probed(i, i.freshness.lower_p99_us),
             "µs",
+        ));
+        out.push_str(&row(
+            "freshness probes seen (one in flight at a time)",
+            |i| i.freshness.samples as f64,
+            "",
+        ));
+        out.push_str(&row(
+            "freshness probes unseen within 2 s (not in the figures above)",
+            |i| i.freshness.unseen as f64,
+            "",
         ));
         out.push_str(&row(
             "probe query round trip p50",
@@ -1613,4 +1693,22 @@ pub fn markdown(summary: &Summary) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A check of a summary in which nothing was asked fails: it checked nothing.
+    #[test]
+    fn a_check_that_asked_nothing_fails() {
+        let summary = Summary {
+            load: String::new(),
+            runs: vec![Vec::new()],
+            floors: Vec::new(),
+            log_floors: Vec::new(),
+        };
+        let why = check(&summary).expect_err("nothing was checked");
+        assert!(why.to_string().contains("nothing was checked"), "{why}");
+    }
 }

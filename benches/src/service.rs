@@ -166,16 +166,28 @@ pub(crate) struct Prompt {
 
 /// The prompts: every trace request as exactly [`PROMPT_BLOCKS`] blocks.
 pub(crate) fn prompts(trace: &[TraceRequest]) -> Vec<Prompt> {
+    prompts_of(trace, |_| PROMPT_BLOCKS)
+}
+
+/// Every trace request as its whole prompt and one block more (no trace block): what an
+/// exactness check queries, so that no held block, however deep, goes unasked.
+pub(crate) fn whole_prompts(trace: &[TraceRequest]) -> Vec<Prompt> {
+    prompts_of(trace, |request| request.hash_ids.len() + 1)
+}
+
+/// Every trace request as `blocks_of(request)` blocks: its own, then new ones.
+fn prompts_of(trace: &[TraceRequest], blocks_of: impl Fn(&TraceRequest) -> usize) -> Vec<Prompt> {
     let hasher = kvatlas_hash::BlockHasher::new(BLOCK_TOKENS).expect("a valid block size");
     trace
         .iter()
         .enumerate()
         .map(|(i, request)| {
-            let mut tokens = Vec::with_capacity(PROMPT_BLOCKS * BLOCK_TOKENS as usize);
-            for position in 0..PROMPT_BLOCKS {
+            let blocks = blocks_of(request);
+            let mut tokens = Vec::with_capacity(blocks * BLOCK_TOKENS as usize);
+            for position in 0..blocks {
                 let id = request.hash_ids.get(position).copied().unwrap_or_else(|| {
-                    // The prompt's new part: ids no trace block uses.
-                    (1 << 40) + (i as u64) * PROMPT_BLOCKS as u64 + position as u64
+                    // The prompt's new part: ids no trace block uses (2^20 per request).
+                    (1 << 40) + ((i as u64) << 20) + position as u64
                 });
                 trace::block_tokens(id, BLOCK_TOKENS as usize, &mut tokens);
             }
@@ -566,9 +578,15 @@ pub struct Summary {
     pub median: RunReport,
 }
 
+/// The median of `values` (of an even count, the mean of the middle two; 0 for none).
 pub(crate) fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
+    let n = values.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 fn median_point(points: &[Point]) -> Point {
@@ -712,4 +730,18 @@ pub fn markdown(summary: &Summary) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The median of an even count is the mean of its middle two (it was the upper one: two
+    /// runs reported the worse).
+    #[test]
+    fn medians() {
+        assert_eq!(median(&mut []), 0.0);
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0]), 2.5);
+    }
 }

@@ -116,7 +116,10 @@ fn main() -> Result<()> {
         } else {
             args.exactness_queries
         },
-        probe_interval: Duration::from_secs_f64(args.probe_interval_ms / 1e3),
+        probe_interval: Duration::try_from_secs_f64(args.probe_interval_ms / 1e3)
+            .ok()
+            .filter(|interval| !interval.is_zero())
+            .context("--probe-interval-ms must be a positive number of milliseconds")?,
         plots: args.plots,
         services: args.services,
         sweep: true,

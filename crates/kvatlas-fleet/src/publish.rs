@@ -246,8 +246,8 @@ impl Publishers {
         Ok(seq)
     }
 
-    /// Replay requests taken so far (each a gap an indexer saw), counted before their answer
-    /// is sent.
+    /// Replay requests taken so far, counted before their answer is sent: each a gap an
+    /// indexer saw, or kvatlas's one request per engine for its position as it subscribes.
     pub fn replays_served(&self) -> u64 {
         self.replays.load(Ordering::Relaxed)
     }

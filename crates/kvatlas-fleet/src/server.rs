@@ -82,28 +82,35 @@ impl ServeChild {
                 binary: binary.display().to_string(),
                 source,
             })?;
-        let stderr = child.stderr.take().ok_or(ServeError::NoAddresses)?;
+        let Some(stderr) = child.stderr.take() else {
+            return Err(stopped(child, ServeError::NoAddresses));
+        };
         let rx = lines_of(stderr);
         let deadline = Instant::now() + Duration::from_secs(30);
-        let line = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).map_err(|_| ServeError::NoAddresses)?;
-            if line.contains("kvatlas serving") {
-                break line;
-            }
+        let addresses = || -> Option<(String, String)> {
+            let line = loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let line = rx.recv_timeout(left).ok()?;
+                if line.contains("kvatlas serving") {
+                    break line;
+                }
+            };
+            let after = |marker: &str| -> Option<String> {
+                let at = line.find(marker)? + marker.len();
+                Some(
+                    line[at..]
+                        .split([',', ' '])
+                        .next()
+                        .unwrap_or_default()
+                        .to_owned(),
+                )
+            };
+            Some((after("gRPC on ")?, after("HTTP on ")?))
         };
-        let after = |marker: &str| -> Option<String> {
-            let at = line.find(marker)? + marker.len();
-            Some(
-                line[at..]
-                    .split([',', ' '])
-                    .next()
-                    .unwrap_or_default()
-                    .to_owned(),
-            )
-        };
-        let (Some(grpc), Some(http)) = (after("gRPC on "), after("HTTP on ")) else {
-            return Err(ServeError::NoAddresses);
+        // A server that does not report its addresses is stopped, not left running (a
+        // `Child` dropped is not killed): it kept its ports and its CPU for the next run.
+        let Some((grpc, http)) = addresses() else {
+            return Err(stopped(child, ServeError::NoAddresses));
         };
         let log = Arc::new(Mutex::new(VecDeque::new()));
         let kept = Arc::clone(&log);
@@ -146,6 +153,13 @@ impl ServeChild {
             .status();
         let _ = self.child.wait();
     }
+}
+
+/// Kills `child`, waits for it, and hands back `error`.
+fn stopped(mut child: std::process::Child, error: ServeError) -> ServeError {
+    let _ = child.kill();
+    let _ = child.wait();
+    error
 }
 
 impl Drop for ServeChild {
