@@ -10,8 +10,9 @@
 //!    serves) with its live and replay endpoints; publishing starts once the service subscribed
 //!    to every engine. The fleet publishes the Workload A stream (the Mooncake trace through the
 //!    mock engines) at the trace's timing rescaled to `rate` requests per second.
-//! 2. **Freshness.** While it publishes, a probe (a router's HTTP client) takes one stored batch
-//!    at a time, at most one per `probe_interval` (10 ms by default), and queries the stored
+//! 2. **Freshness.** While it publishes, probes (a router's HTTP clients, up to four in flight,
+//!    each on a connection of its own) take stored batches, at most one per `probe_interval`
+//!    (10 ms by default), and each queries the stored
 //!    prompt over `POST /query` until the publishing worker's score covers it: the lag from
 //!    the instant before the send to the answer that shows it (an upper bound: it includes one
 //!    query's round trip). A probe not satisfied within 2 s is counted as unseen (also when
@@ -44,8 +45,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -569,20 +570,32 @@ struct ProbeResults {
     unseen: u64,
 }
 
+impl ProbeResults {
+    fn new() -> Self {
+        Self {
+            upper: histogram(),
+            lower: histogram(),
+            round_trips: histogram(),
+            unseen: 0,
+        }
+    }
+}
+
 /// Runs probes until the channel closes.
 fn run_probes(
     http_addr: &str,
-    jobs: mpsc::Receiver<Probe>,
-    busy: &AtomicBool,
+    jobs: &Mutex<mpsc::Receiver<Probe>>,
+    in_flight: &AtomicUsize,
 ) -> Result<ProbeResults> {
     let mut c = Connection::connect(http_addr)?;
-    let mut out = ProbeResults {
-        upper: histogram(),
-        lower: histogram(),
-        round_trips: histogram(),
-        unseen: 0,
-    };
-    for job in jobs {
+    let mut out = ProbeResults::new();
+    loop {
+        // (The lock is held only to take a job: the other probers wait for theirs meanwhile.)
+        let next = jobs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .recv();
+        let Ok(job) = next else { break };
         let deadline = job.sent + Duration::from_secs(2);
         let mut last_unseen_send = None;
         loop {
@@ -611,10 +624,16 @@ fn run_probes(
                 break;
             }
         }
-        busy.store(false, Ordering::Release);
+        in_flight.fetch_sub(1, Ordering::AcqRel);
     }
     Ok(out)
 }
+
+/// Probes in flight at once, each on a connection of its own: with one, a stall of the
+/// service yielded one sample however long it lasted (the batches published meanwhile were
+/// skipped while the probe waited); with several, a stall is sampled again every
+/// `probe_interval` until they are all waiting.
+const PROBES_IN_FLIGHT: usize = 4;
 
 fn ingest_phase(
     service: &Service,
@@ -627,11 +646,18 @@ fn ingest_phase(
     fleet.wait_subscribed(1, Duration::from_secs(30))?;
 
     let (jobs, receiver) = mpsc::channel::<Probe>();
-    let busy = Arc::new(AtomicBool::new(false));
-    let prober = {
-        let (addr, busy) = (service.http().to_owned(), Arc::clone(&busy));
-        std::thread::spawn(move || run_probes(&addr, receiver, &busy))
-    };
+    let receiver = Arc::new(Mutex::new(receiver));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let probers: Vec<_> = (0..PROBES_IN_FLIGHT)
+        .map(|_| {
+            let (addr, receiver, in_flight) = (
+                service.http().to_owned(),
+                Arc::clone(&receiver),
+                Arc::clone(&in_flight),
+            );
+            std::thread::spawn(move || run_probes(&addr, &receiver, &in_flight))
+        })
+        .collect();
     let cpu_of = |processes: &[(String, u32)]| -> Result<Vec<f64>> {
         processes
             .iter()
@@ -646,7 +672,7 @@ fn ingest_phase(
         let Some(request) = item.request.filter(|_| item.stores) else {
             return;
         };
-        if busy.load(Ordering::Acquire)
+        if in_flight.load(Ordering::Acquire) >= PROBES_IN_FLIGHT
             || last_probe.is_some_and(|t| at - t < settings.probe_interval)
         {
             return;
@@ -659,7 +685,7 @@ fn ingest_phase(
         for &id in &trace[request].hash_ids[..blocks] {
             trace::block_tokens(id, BLOCK_TOKENS as usize, &mut tokens);
         }
-        busy.store(true, Ordering::Release);
+        in_flight.fetch_add(1, Ordering::AcqRel);
         last_probe = Some(at);
         let _ = jobs.send(Probe {
             sent: at,
@@ -691,9 +717,16 @@ fn ingest_phase(
     }
     let quiesce_ms = published.elapsed().as_secs_f64() * 1e3;
     let mut c = Connection::connect(service.http())?;
-    let probes = prober
-        .join()
-        .map_err(|_| anyhow::anyhow!("the probe panicked"))??;
+    let mut probes = ProbeResults::new();
+    for prober in probers {
+        let part = prober
+            .join()
+            .map_err(|_| anyhow::anyhow!("the probe panicked"))??;
+        probes.upper.add(&part.upper)?;
+        probes.lower.add(&part.lower)?;
+        probes.round_trips.add(&part.round_trips)?;
+        probes.unseen += part.unseen;
+    }
     let lags = &probes.upper;
     let cpu_by_process: Vec<(String, f64)> = processes
         .iter()
@@ -1565,7 +1598,7 @@ pub fn markdown(summary: &Summary) -> String {
             "µs",
         ));
         out.push_str(&row(
-            "freshness probes seen (one in flight at a time)",
+            "freshness probes seen (up to 4 in flight)",
             |i| i.freshness.samples as f64,
             "",
         ));
