@@ -53,16 +53,21 @@ pub(crate) struct Prepared {
 
 /// The fingerprint a `PublishEvents` batch's checkpoint records, as a listener's is the hash
 /// of the engine's payload: the digest of its mutations (`content`, [`content_digest`]),
-/// whether a resync's clear goes before them, chained onto the fingerprint of the rank's batch
-/// before it (`after`; `None` for a feed's first). A replica and the event log's duplicate
-/// window tell two batches of a rank at one sequence number apart by it: a producer that
-/// restarted at 0 is not taken for a retry of its first incarnation's batch. The chain is
-/// what tells a restarted producer's batches from its earlier incarnation's when their
-/// contents are alike: without it, a producer that sent the same batch 1 after a restart had
-/// it dropped by the stream as a duplicate of the first incarnation's batch 1, and one that
-/// restarted twice with the same batch 0 had its second resync dropped — the replicas missed
-/// either. Two ingests fed the same messages of a rank chain alike, so they still publish
-/// each batch under one message id.
+/// whether a resync's clear goes before them, chained onto `after`: for a resync, the
+/// fingerprint of the rank's batch before it, and it opens an epoch; for any other batch, its
+/// epoch's resync (`None` before the feed's first resync, or, for a rank unregistered within
+/// the event log's duplicate window, the unregistered feed's last fingerprint). A replica and
+/// the event log's duplicate window tell two batches of a rank at one sequence number apart
+/// by it: a producer that restarted at 0 is not taken for a retry of its first incarnation's
+/// batch. The chain is what tells a restarted producer's batches from its earlier
+/// incarnation's when their contents are alike: without it, a producer that sent the same
+/// batch 1 after a restart had it dropped by the stream as a duplicate of the first
+/// incarnation's batch 1, and one that restarted twice with the same batch 0 had its second
+/// resync dropped — the replicas missed either. Two ingests fed the same messages of a rank
+/// chain alike, so they still publish each batch under one message id; and since a batch
+/// chains onto its epoch, not its predecessor, an ingest restarted while the producer runs
+/// (fed from the middle, no epoch) still agrees with the other as long as the producer has
+/// not restarted since the other began.
 pub(crate) fn fingerprint(content: u64, resync: bool, after: Option<u64>) -> u64 {
     let mut bytes = [0u8; 18];
     bytes[0] = u8::from(resync);
@@ -261,9 +266,17 @@ impl Publisher {
                     // unregistered feed's, and the replicas missed them.
                     None => (None, entry.retired_chains.lock().take(worker)),
                 };
+                // (A restored rank's epoch is not recorded: none, as an ingest fed from the
+                // middle has.)
+                let epoch = if was_unfed.is_none() {
+                    last_fingerprint
+                } else {
+                    None
+                };
                 vacant.insert(Feed::Grpc(Box::new(GrpcFeed {
                     last_seq,
                     last_fingerprint,
+                    epoch,
                     ..GrpcFeed::default()
                 })))
             }
@@ -305,8 +318,16 @@ impl Publisher {
             }
             Sequenced::Restart => true,
         };
+        // A resync chains onto the batch before it and opens an epoch; any other batch chains
+        // onto its epoch (see `fingerprint`).
         let fingerprint = prepared.seq.map(|_| {
-            let chained = fingerprint(prepared.content, resync, grpc.last_fingerprint);
+            let chained = if resync {
+                let opened = fingerprint(prepared.content, true, grpc.last_fingerprint);
+                grpc.epoch = Some(opened);
+                opened
+            } else {
+                fingerprint(prepared.content, false, grpc.epoch)
+            };
             grpc.last_fingerprint = Some(chained);
             chained
         });
@@ -637,6 +658,52 @@ mod tests {
             fingerprint(content, false, Some(1)),
             fingerprint(content, false, Some(2))
         );
+    }
+
+    /// The fingerprints `seqs` of instance 1's (empty) batches get at a fresh registry's
+    /// stream, in order (`None`: a duplicate).
+    fn fingerprints_of(registry: &Arc<Registry>, seqs: &[u64]) -> Vec<Option<u64>> {
+        let mut publisher = Publisher::new(1, Arc::clone(registry));
+        seqs.iter()
+            .map(|&seq| {
+                let prepared = publisher.prepare(&message(1, seq)).expect("prepared");
+                match publisher.admit(&prepared).expect("admitted") {
+                    Admission::Apply { fingerprint, .. } => fingerprint,
+                    Admission::Duplicate => None,
+                }
+            })
+            .collect()
+    }
+
+    fn fresh_registry() -> Arc<Registry> {
+        Arc::new(Registry::new(
+            crate::config::IndexSettings::default(),
+            crate::config::Limits::default(),
+        ))
+    }
+
+    /// Batches alike in number and content are told apart across producer restarts, and two
+    /// ingests agree on every batch's fingerprint — also one fed from the middle (restarted
+    /// while the producer ran), until the producer's next restart.
+    #[test]
+    fn fingerprints_tell_incarnations_apart_and_ingests_agree() {
+        let first = fresh_registry();
+        let all = fingerprints_of(&first, &[0, 1, 2, 3, 0, 1, 0]);
+        let (run1, run2, run3) = (&all[..4], &all[4..6], &all[6..]);
+        assert!(all.iter().all(Option::is_some));
+        assert_ne!(
+            run2[1], run1[1],
+            "batch 1 after a restart is not the first run's"
+        );
+        assert_ne!(
+            run3[0], run2[0],
+            "a second restart's resync is not the first's"
+        );
+        assert_ne!(run2[0], run1[0]);
+        // An ingest fed from batch 2 on agrees from there.
+        let second = fresh_registry();
+        let from_the_middle = fingerprints_of(&second, &[2, 3, 0, 1, 0]);
+        assert_eq!(from_the_middle, all[2..].to_vec());
     }
 
     #[test]

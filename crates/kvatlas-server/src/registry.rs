@@ -320,9 +320,12 @@ impl From<&ListenerCounters> for FeedCounters {
 pub(crate) struct GrpcFeed {
     /// The last applied sequence number (`None` before the first sequenced batch).
     pub(crate) last_seq: Option<u64>,
-    /// The fingerprint of that batch: what the next one's chains onto
+    /// The fingerprint of that batch: what a resync chains onto
     /// ([`crate::publish::fingerprint`]).
     pub(crate) last_fingerprint: Option<u64>,
+    /// The fingerprint of the last resync (or what a feed started afresh within the duplicate
+    /// window chains onto): what every other batch chains onto.
+    pub(crate) epoch: Option<u64>,
     /// The stream feeding the rank now, if one is open.
     pub(crate) stream: Option<u64>,
     pub(crate) counters: FeedCounters,
