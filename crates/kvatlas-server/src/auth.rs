@@ -216,6 +216,11 @@ pub(crate) struct TokenFile {
     /// its caller's generation with it at every message, and looks its token up again only
     /// when the file changed ([`TokenFile::recheck`]).
     generation: AtomicU64,
+    /// Cancelled when the tokens in force change (and replaced by a fresh one): an open
+    /// stream waits on it as well as on its next message, so a token revoked ends its quiet
+    /// streams at once ([`TokenFile::changes`]; before, a stream that sent nothing more kept
+    /// its places and its ranks until its client went away).
+    changed: Mutex<tokio_util::sync::CancellationToken>,
 }
 
 impl TokenFile {
@@ -233,7 +238,15 @@ impl TokenFile {
             loaded: Mutex::new(sha256(text.as_bytes())),
             current: RwLock::new(Arc::new(tokens)),
             generation: AtomicU64::new(0),
+            changed: Mutex::new(tokio_util::sync::CancellationToken::new()),
         })
+    }
+
+    /// Cancelled at the next change of the tokens in force. A stream takes it, then rechecks
+    /// its caller ([`TokenFile::recheck`]: a change between its authentication and this call
+    /// is then seen), and rechecks again whenever it is cancelled, taking the next one.
+    pub(crate) fn changes(&self) -> tokio_util::sync::CancellationToken {
+        self.changed.lock().clone()
     }
 
     /// Reads the file again ([`crate::reload::reread`]: blocking, a changed file is read until
@@ -260,6 +273,9 @@ impl TokenFile {
                 tokens.set_generation(current.generation + 1);
                 self.generation.store(tokens.generation, Ordering::Release);
                 *current = Arc::new(tokens);
+                drop(current);
+                // After the swap: a stream woken rechecks against the new tokens.
+                std::mem::take(&mut *self.changed.lock()).cancel();
                 Ok(count)
             },
         )

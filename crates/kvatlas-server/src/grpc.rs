@@ -627,6 +627,8 @@ impl Indexer for IndexerService {
                 caller,
                 inbound: request.into_inner(),
                 shutdown: Box::pin(self.state.shutdown.clone().cancelled_owned()),
+                // A change before this is seen: the first poll rechecks (below).
+                tokens_changed: Box::pin(std::future::ready(())),
                 _permit: permit,
                 done: false,
             }))
@@ -865,11 +867,33 @@ impl IndexerService {
             Arc::clone(&self.state.registry),
         );
         let shutdown = self.state.shutdown.clone();
+        // Taken, then the caller rechecked (a change in between is seen); a change later ends
+        // a quiet stream of a revoked token at once, not at its next message.
+        let mut tokens_changed = self.state.token_changes();
+        self.state.recheck(&mut caller).map_err(status)?;
         let failure = loop {
-            let message = tokio::select! {
+            enum Next<M> {
+                Message(M),
+                TokensChanged,
+            }
+            let next = tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break None,
-                message = inbound.message() => message,
+                () = tokens_changed.cancelled() => Next::TokensChanged,
+                message = inbound.message() => Next::Message(message),
+            };
+            let message = match next {
+                Next::Message(message) => message,
+                Next::TokensChanged => {
+                    tokens_changed = self.state.token_changes();
+                    if let Err(revoked) = self.state.recheck(&mut caller) {
+                        let applied = publisher.counts.messages_applied;
+                        break Some(status(revoked.with_message(|m| {
+                            format!("{m}; the {applied} message(s) it sent were applied")
+                        })));
+                    }
+                    continue;
+                }
             };
             let message = match message {
                 Ok(Some(message)) => message,
@@ -1090,6 +1114,9 @@ pub(crate) struct QueryAnswers {
     caller: Caller,
     inbound: Streaming<v1::QueryRequest>,
     shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// Ready when the tokens in force change: the caller is rechecked then, so a revoked
+    /// token ends a stream that sends nothing more (and frees its places).
+    tokens_changed: Pin<Box<dyn Future<Output = ()> + Send>>,
     _permit: crate::state::Permit,
     done: bool,
 }
@@ -1112,6 +1139,15 @@ impl Stream for QueryAnswers {
             return Poll::Ready(Some(Err(Status::unavailable(
                 "the server is shutting down",
             ))));
+        }
+        // (Taken before the recheck: a change after it wakes this stream again.)
+        while self.tokens_changed.as_mut().poll(cx).is_ready() {
+            let this = &mut *self;
+            this.tokens_changed = Box::pin(this.service.state.token_changes().cancelled_owned());
+            if let Err(error) = this.service.state.recheck(&mut this.caller) {
+                self.done = true;
+                return Poll::Ready(Some(Err(status(error))));
+            }
         }
         match Pin::new(&mut self.inbound).poll_next(cx) {
             Poll::Ready(Some(Ok(request))) => {

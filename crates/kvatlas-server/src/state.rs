@@ -263,8 +263,21 @@ impl State {
             })
     }
 
-    /// For a stream's next message: its caller as the tokens in force now have it
-    /// ([`crate::auth::TokenFile::recheck`]); UNAUTHENTICATED once its token was revoked.
+    /// Cancelled at the next change of the tokens in force
+    /// ([`crate::auth::TokenFile::changes`]; never without tokens).
+    pub(crate) fn token_changes(&self) -> tokio_util::sync::CancellationToken {
+        self.tokens.as_ref().map_or_else(
+            // No tokens, no change: never cancelled.
+            tokio_util::sync::CancellationToken::new,
+            TokenFile::changes,
+        )
+    }
+
+    /// For a stream's next message, or a change of the tokens: its caller as the tokens in
+    /// force now have it ([`crate::auth::TokenFile::recheck`]).
+    ///
+    /// # Errors
+    /// UNAUTHENTICATED once its token was revoked.
     pub(crate) fn recheck(&self, caller: &mut Caller) -> Result<(), ServiceError> {
         match &self.tokens {
             None => Ok(()),
