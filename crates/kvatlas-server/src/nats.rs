@@ -610,7 +610,32 @@ pub(crate) async fn stream(
             log.subjects()
         ));
     }
+    // Nothing else either: a replica reads the log's subjects only, and takes any other
+    // message's sequence number for a record the stream lost (it re-bootstrapped or counted
+    // a loss at each, and a foreign last message kept it from ever being caught up).
+    if let Some(wider) = subjects
+        .iter()
+        .find(|taken| !within(taken, &log.subject_prefix))
+    {
+        return Err(format!(
+            "NATS stream {} takes the subjects {subjects:?}: {wider:?} is more than the event \
+             log's {}, and a replica would take the other messages for records the stream \
+             lost; give the log a stream of its own (--nats-stream) or take {wider:?} out of it",
+            log.stream,
+            log.subjects()
+        ));
+    }
     Ok(stream)
+}
+
+/// Whether every subject the stream subject `taken` takes lies under `prefix` (a subject of
+/// the log: `prefix`'s tokens as they are, then one or more).
+fn within(taken: &str, prefix: &str) -> bool {
+    let mut tokens = taken.split('.');
+    prefix
+        .split('.')
+        .all(|literal| tokens.next() == Some(literal))
+        && tokens.next().is_some()
 }
 
 /// Whether the stream subject `taken` (NATS wildcards: `*` one token, `>` one or more at the
@@ -666,7 +691,7 @@ pub(crate) async fn snapshot_bucket(
 
 #[cfg(test)]
 mod subject_tests {
-    use super::covers;
+    use super::{covers, within};
 
     #[test]
     fn a_stream_subject_covers_the_logs_subjects_only_if_it_takes_all_of_them() {
@@ -689,6 +714,23 @@ mod subject_tests {
             "",
         ] {
             assert!(!covers(taken, "kvatlas.events.>"), "{taken}");
+        }
+    }
+
+    #[test]
+    fn a_stream_subject_lies_within_the_log_only_under_its_prefix() {
+        for taken in ["kvatlas.events.>", "kvatlas.events.m.>", "kvatlas.events.*"] {
+            assert!(within(taken, "kvatlas.events"), "{taken}");
+        }
+        for taken in [
+            "kvatlas.>",
+            ">",
+            "*.events.>",
+            "kvatlas.*.>",
+            "kvatlas.events",
+            "other.>",
+        ] {
+            assert!(!within(taken, "kvatlas.events"), "{taken}");
         }
     }
 }

@@ -925,6 +925,22 @@ fn a_stream_that_does_not_take_the_logs_subjects_is_refused_at_start() {
             "{role}: {log}"
         );
     }
+    // Nor one that takes more than the log's subjects: a replica took every other message in
+    // it for a record the stream lost.
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    HandFeed::connect(&nats).stream_made_by_hand(async_nats::jetstream::stream::Config {
+        name: "KVATLAS_EVENTS".into(),
+        subjects: vec!["kvatlas.>".into()],
+        ..Default::default()
+    });
+    for role in ["--publish-to", "--consume-from"] {
+        let (status, log) = refused_start(&[role, &nats.url()]);
+        assert!(!status.success(), "{role}: started: {log}");
+        assert!(
+            log.contains("\"kvatlas.>\" is more than the event log's"),
+            "{role}: {log}"
+        );
+    }
 }
 
 /// [`record`] of worker 7's source at rank `source_rank`, storing one block on each of the
