@@ -309,44 +309,6 @@ struct LiveId {
     published_micros: Option<i64>,
     /// For a resync, the digest of its mutations (`log_record::resync_content`); else 0.
     content: u64,
-    /// The ranks it changed: its source's and its mutations'.
-    ranks: TouchedRanks,
-}
-
-/// A set of ranks of one instance, small and `Copy`: bit `r` for rank `r` below
-/// [`TouchedRanks::BEYOND`], that bit for any rank from it on (then the set stands for every
-/// rank of the instance).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-struct TouchedRanks(u64);
-
-impl TouchedRanks {
-    /// The first rank not told apart from the ones above it.
-    const BEYOND: u32 = 63;
-
-    /// The ranks a batch of source rank `source` with `mutations` changes.
-    fn of(source: u32, mutations: &[kvatlas_index::Mutation]) -> Self {
-        mutations
-            .iter()
-            .fold(Self::default().with(source), |set, m| {
-                set.with(m.worker().dp_rank)
-            })
-    }
-
-    fn with(self, rank: u32) -> Self {
-        Self(self.0 | 1 << rank.min(Self::BEYOND))
-    }
-
-    fn union(self, other: Self) -> Self {
-        Self(self.0 | other.0)
-    }
-
-    /// The ranks, or `None` for every rank of the instance (one from [`Self::BEYOND`] on).
-    fn ranks(self) -> Option<Vec<u32>> {
-        if self.0 & 1 << Self::BEYOND != 0 {
-            return None;
-        }
-        Some((0..Self::BEYOND).filter(|r| self.0 & 1 << r != 0).collect())
-    }
 }
 
 impl LiveId {
@@ -709,13 +671,24 @@ impl Consumer {
             fingerprint,
             resync,
             published_unix_micros,
-            ..
+            mutations,
         } = &record.body
         else {
             return false;
         };
         if let Some(age) = age_since(*published_unix_micros, time_now_nanos()) {
             self.stats.live_age.observe(age);
+        }
+        // A record that changes a rank other than its source's is left to the stream: live
+        // records are ordered by their source's chain only, so one applied ahead of the
+        // stream could overtake a record of that other rank (another source's, or a per-rank
+        // unregistration) that the stream holds before it, and the replica then kept a block
+        // the ingest had not, or lost one it had, for good.
+        if mutations
+            .iter()
+            .any(|m| m.worker().dp_rank != record.source.dp_rank)
+        {
+            return false;
         }
         let source_key = (record.key.clone(), record.source);
         let (Some(chain), Some(source)) = (
@@ -754,10 +727,6 @@ impl Consumer {
             resync: *resync,
             published_micros: *published_unix_micros,
             content: crate::log_record::resync_content(&record.body),
-            ranks: match &record.body {
-                Body::Batch { mutations, .. } => TouchedRanks::of(record.source.dp_rank, mutations),
-                Body::Unregister { .. } => TouchedRanks::default(),
-            },
         });
         self.live_pending
             .insert(digest, (source_key, tokio::time::Instant::now()));
@@ -964,8 +933,8 @@ impl Consumer {
     /// from after it — if a snapshot the stream continues is there. Without one (snapshots
     /// off, none written yet, or retention dropped records after the newest), that would lose
     /// what only the dropped records held, of every worker: the replica then removes, of each
-    /// diverged source, its rank and the ranks its unconfirmed live records changed (their
-    /// blocks, checkpoints and sequencing; the stream's next records of them start afresh),
+    /// diverged source, its rank — all its unconfirmed live records changed (their blocks,
+    /// checkpoints and sequencing; the stream's next records of it start afresh) —
     /// keeps every other rank's state (a sibling rank fed by an engine of its own, vLLM's data
     /// parallelism), still serving, and goes on consuming. `Ok(true)`: removed in place;
     /// `Ok(false)`: re-bootstrapped (the consumer starts again from after the snapshot).
@@ -990,20 +959,11 @@ impl Consumer {
                 rank,
             } in diverged
             {
-                let ranks = rank.and_then(|rank| self.changed_ranks(&key, instance, rank));
-                let entry = self.state.registry.get(&key);
-                let Some(ranks) = ranks else {
-                    self.forget_sources(&key, instance, None);
-                    if let Some(entry) = entry {
-                        remove_from_index(entry, instance, None).await;
-                    }
-                    continue;
-                };
-                for rank in ranks {
-                    self.forget_sources(&key, instance, Some(rank));
-                    if let Some(entry) = &entry {
-                        remove_from_index(Arc::clone(entry), instance, Some(rank)).await;
-                    }
+                // A live record changes its source's rank only (one that changes another is
+                // left to the stream), so the source's rank holds all it changed.
+                self.forget_sources(&key, instance, rank);
+                if let Some(entry) = self.state.registry.get(&key) {
+                    remove_from_index(entry, instance, rank).await;
                 }
             }
             return Ok(true);
@@ -1043,21 +1003,6 @@ impl Consumer {
         .await?
         .unwrap_or(0);
         Ok(false)
-    }
-
-    /// The ranks of `instance` of index `key` that the source at `rank` changed without the
-    /// stream's confirmation: its own and those its pending live records changed (`None`:
-    /// every rank of the instance).
-    fn changed_ranks(&self, key: &IndexKey, instance: u64, rank: u32) -> Option<Vec<u32>> {
-        let source = (key.clone(), Worker::new(instance, rank));
-        let pending = self.chains.get(&source).map(|chain| &chain.pending);
-        pending
-            .into_iter()
-            .flatten()
-            .fold(TouchedRanks::default().with(rank), |set, live| {
-                set.union(live.ranks)
-            })
-            .ranks()
     }
 
     /// Forgets the sequencing state, the chains and the pending live records of the sources
@@ -1284,9 +1229,6 @@ impl Consumer {
                     resync: *resync,
                     published_micros: *published_unix_micros,
                     content: crate::log_record::resync_content(&record.body),
-                    // The stream's copy is judged by the fields above; what it changes is
-                    // the pending live records' to tell.
-                    ranks: TouchedRanks::default(),
                 };
                 let admission = match chain.judge(source, &id) {
                     Verdict::Confirmed(confirmed) => {
@@ -2098,23 +2040,6 @@ mod tests {
     const STREAM: &str = "EVENTS";
 
     #[test]
-    fn a_live_records_changed_ranks_are_its_sources_and_its_mutations() {
-        let cleared = |rank| kvatlas_index::Mutation::Cleared {
-            worker: Worker::new(7, rank),
-        };
-        let set = TouchedRanks::of(1, &[cleared(0), cleared(2), cleared(2)]);
-        assert_eq!(set.ranks(), Some(vec![0, 1, 2]));
-        assert_eq!(
-            set.union(TouchedRanks::of(5, &[])).ranks(),
-            Some(vec![0, 1, 2, 5])
-        );
-        assert_eq!(TouchedRanks::of(62, &[]).ranks(), Some(vec![62]));
-        // From rank 63 on, ranks are not told apart: every rank of the instance.
-        assert_eq!(TouchedRanks::of(0, &[cleared(63)]).ranks(), None);
-        assert_eq!(TouchedRanks::of(u32::MAX, &[]).ranks(), None);
-    }
-
-    #[test]
     fn duplicates_and_stale_batches_are_dropped_and_resyncs_applied() {
         let mut source = SourceState::default();
         assert_eq!(source.admit(Some(0), 10, false), Admission::Apply);
@@ -2222,7 +2147,6 @@ mod tests {
                 resync: false,
                 published_micros: None,
                 content: 0,
-                ranks: TouchedRanks::default(),
             });
         }
         assert_eq!(chain.recorded_pending(), 1);
@@ -2246,7 +2170,6 @@ mod tests {
             resync: false,
             published_micros: None,
             content: 0,
-            ranks: TouchedRanks::default(),
         };
         // Another ingest's copy: stamped a microsecond apart, the same engine batch.
         assert!(live.is(&LiveId { digest: 2, ..live }));
@@ -2270,7 +2193,6 @@ mod tests {
         let resync = LiveId {
             resync: true,
             content: 41,
-            ranks: TouchedRanks::default(),
             ..live
         };
         assert!(resync.is(&LiveId {
@@ -2280,7 +2202,6 @@ mod tests {
         assert!(!resync.is(&LiveId {
             digest: 2,
             content: 42,
-            ranks: TouchedRanks::default(),
             ..resync
         }));
         // Without an engine fingerprint (PublishEvents) or a sequence, only the same bytes.
@@ -2317,7 +2238,6 @@ mod tests {
             resync: false,
             published_micros: None,
             content: 0,
-            ranks: TouchedRanks::default(),
         });
         assert_eq!(chain.tip(), Some(11));
         // Confirmed, the record is the stream's: the chain goes on from it.
@@ -2340,7 +2260,6 @@ mod tests {
             resync: false,
             published_micros: None,
             content: 0,
-            ranks: TouchedRanks::default(),
         }
     }
 

@@ -943,6 +943,24 @@ fn a_stream_that_does_not_take_the_logs_subjects_is_refused_at_start() {
     }
 }
 
+/// The record of worker 7's unregistration (of one rank, or every rank).
+fn unregistration(dp_rank: Option<u32>) -> Vec<u8> {
+    use prost::Message as _;
+    v1::LogRecord {
+        index: Some(v1::IndexSelector {
+            model: MODEL.into(),
+            tenant: "default".into(),
+        }),
+        block_size: BLOCK_TOKENS,
+        instance_id: 7,
+        dp_rank: dp_rank.unwrap_or(0),
+        body: Some(v1::log_record::Body::Unregister(v1::LogUnregister {
+            dp_rank,
+        })),
+    }
+    .encode_to_vec()
+}
+
 /// [`record`] of worker 7's source at rank `source_rank`, storing one block on each of the
 /// ranks `stores` name (rank, external hash, local hash).
 fn record_on_ranks(
@@ -994,13 +1012,10 @@ fn a_divergence_repaired_in_place_keeps_the_ranks_it_did_not_change() {
             && blocks_of_worker_7(&replica, &[5001]) == 1
             && blocks_of_worker_7(&replica, &[6001]) == 1
     });
-    // Rank 0's live record changes rank 3 too; another ingest's batch takes its place.
-    feed.live(
-        &record_on_ranks(3, 103, 0, &[(0, 3, 1003), (3, 70, 7001)]),
-        &second,
-    );
+    // Rank 0's live record; another ingest's batch takes its place.
+    feed.live(&record_on_ranks(3, 103, 0, &[(0, 3, 1003)]), &second);
     eventually("the live record applied", || {
-        blocks_of_worker_7(&replica, &[7001]) == 1
+        blocks_of_worker_7(&replica, &[1003]) == 1
     });
     feed.to_stream(&record_on_ranks(3, 999, 0, &[(0, 4, 2004)]));
     eventually("the stream's record applied afresh", || {
@@ -1009,9 +1024,9 @@ fn a_divergence_repaired_in_place_keeps_the_ranks_it_did_not_change() {
     assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 1);
     assert_eq!(blocks_of_worker_7(&replica, &[1001]), 0, "rank 0 removed");
     assert_eq!(
-        blocks_of_worker_7(&replica, &[7001]),
+        blocks_of_worker_7(&replica, &[1003]),
         0,
-        "rank 3, which the live record changed, removed"
+        "the live record's block removed"
     );
     assert_eq!(
         blocks_of_worker_7(&replica, &[5001]),
@@ -1024,6 +1039,45 @@ fn a_divergence_repaired_in_place_keeps_the_ranks_it_did_not_change() {
         "rank 2, fed by confirmed records, kept"
     );
     ready(&replica);
+    replica.kill_9();
+}
+
+/// A live record that changes a rank other than its source's is left to the stream: applied
+/// ahead of it, it could overtake the stream's record of that rank before it (here rank 1's
+/// unregistration, after which the ingest's rank 1 holds the live record's block and nothing
+/// before it). Before, the unregistration, applied after the live record, removed its block
+/// at the replica for good.
+#[test]
+fn a_live_record_that_changes_another_rank_is_left_to_the_stream() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let (replica, feed, first) = hand_fed_replica(&nats, &[]);
+    // Rank 0's source stores block 5001 on rank 1, then 5002; rank 1 is unregistered between.
+    let on_rank_1 = record_on_ranks(2, 102, 0, &[(1, 50, 5001)]);
+    feed.to_stream(&on_rank_1);
+    eventually("rank 1's first block applied", || {
+        blocks_of_worker_7(&replica, &[5001]) == 1
+    });
+    let again = record_on_ranks(3, 103, 0, &[(1, 51, 5002)]);
+    let live_seen = || {
+        metric(&replica, "kvatlas_log_live_skipped_total")
+            + metric(&replica, "kvatlas_log_live_applied_total")
+    };
+    let before = live_seen();
+    feed.live(&again, &on_rank_1);
+    eventually("the live record seen", || live_seen() > before);
+    assert_eq!(
+        blocks_of_worker_7(&replica, &[5002]),
+        0,
+        "not applied ahead of the stream"
+    );
+    feed.to_stream(&unregistration(Some(1)));
+    feed.to_stream(&again);
+    eventually(
+        "the stream's order kept: rank 1 holds the later block only",
+        || blocks_of_worker_7(&replica, &[5002]) == 1 && blocks_of_worker_7(&replica, &[5001]) == 0,
+    );
+    let _ = first;
+    assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
     replica.kill_9();
 }
 
