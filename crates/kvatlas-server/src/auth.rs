@@ -387,6 +387,17 @@ impl Tokens {
                     secret.len()
                 )));
             }
+            // An `authorization` header that is not visible ASCII is refused, so such a token
+            // could never authenticate (a byte-order mark an editor put before the first one,
+            // a pasted non-breaking space): refused here, with its line, not taken silently.
+            if let Some(other) = secret.chars().find(|c| !c.is_ascii_graphic()) {
+                return Err(bad(format!(
+                    "the token holds {other:?} (U+{:04X}); a token is visible ASCII, as the \
+                     authorization header that carries it must be (a byte-order mark at the \
+                     file's start? save it as UTF-8 without one)",
+                    u32::from(other)
+                )));
+            }
             let sha256 = sha256(secret.as_bytes());
             let mut caller = Caller {
                 name: Arc::from(format!("line {}", number + 1)),
@@ -663,6 +674,24 @@ mod tests {
         );
         one.give_back();
         assert!(one.take());
+    }
+
+    /// A token no `authorization` header can carry is refused with its line: a byte-order
+    /// mark before the first (it was taken, and that client was refused for good, unaware).
+    /// (A non-breaking space is whitespace: it splits the line, and the token is too short.)
+    #[test]
+    fn a_token_that_is_not_visible_ascii_is_refused() {
+        for text in [
+            "\u{feff}0123456789abcdef\n",
+            "0123456789abcdef\n0123456789abcdéf\n",
+        ] {
+            let error = Tokens::parse(text, "t").expect_err("refused").to_string();
+            assert!(error.contains("visible ASCII"), "{error}");
+        }
+        let error = Tokens::parse("0123456789abcdef\n0123456789abcdef\u{200b}\n", "t")
+            .expect_err("a zero-width space pasted with it")
+            .to_string();
+        assert!(error.contains("line 2") && error.contains("U+200B"), "{error}");
     }
 
     #[test]

@@ -322,6 +322,14 @@ impl ServerConfig {
                 "the stall timeout must be at least 1 second".into(),
             ));
         }
+        // (The command line maps 0 to none; a program setting zero made the reloader re-read
+        // the files in a tight loop.)
+        if self.reload_check.is_some_and(|every| every.is_zero()) {
+            return Err(ConfigError::Invalid(
+                "the reload check interval must be at least 1 second (none: no periodic check)"
+                    .into(),
+            ));
+        }
         if self.index.capacity == Some(0) {
             return Err(ConfigError::Invalid(
                 "the index capacity must be at least 1 membership (leave it unset for no bound)"
@@ -605,6 +613,18 @@ mod tests {
     /// A configuration built in code is held to the command line's bounds: a duration beyond
     /// ten years is refused naming the flag (a `Duration::MAX` shutdown timeout overflowed the
     /// clock at SIGTERM and panicked).
+    /// A reload check every zero seconds, set in code (the command line maps 0 to none), is
+    /// refused: the reloader re-read the files in a tight loop.
+    #[test]
+    fn a_reload_check_of_zero_is_refused() {
+        let config = ServerConfig {
+            reload_check: Some(Duration::ZERO),
+            ..ServerConfig::default()
+        };
+        let error = config.validate().expect_err("refused").to_string();
+        assert!(error.contains("reload check interval"), "{error}");
+    }
+
     #[test]
     fn a_duration_beyond_ten_years_is_refused_also_in_code() {
         let beyond = MAX_DURATION + Duration::from_secs(1);
