@@ -691,7 +691,10 @@ mod tests {
         let error = Tokens::parse("0123456789abcdef\n0123456789abcdef\u{200b}\n", "t")
             .expect_err("a zero-width space pasted with it")
             .to_string();
-        assert!(error.contains("line 2") && error.contains("U+200B"), "{error}");
+        assert!(
+            error.contains("line 2") && error.contains("U+200B"),
+            "{error}"
+        );
     }
 
     #[test]
