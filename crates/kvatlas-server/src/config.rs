@@ -485,6 +485,10 @@ pub fn parse_worker_list(
         let (key, value) = item
             .split_once('=')
             .ok_or_else(|| bad("expected ID[:DP_RANK]=ENDPOINT or an option"))?;
+        // Spaces around `=` are the list's, not the value's (`pod= 10.0.0.5` was the pod
+        // " 10.0.0.5", which llm-d's exact pod filter never matched; `topic= kv` subscribed to
+        // " kv").
+        let (key, value) = (key.trim(), value.trim());
         match key {
             "replay" => last_worker(&mut workers, item)?.replay_endpoint = Some(value.to_owned()),
             "topic" => last_worker(&mut workers, item)?.topic = value.to_owned(),
@@ -718,6 +722,16 @@ mod tests {
         assert_eq!(workers[1].topic, "kv");
         assert_eq!(workers[1].engine, EngineKind::Vllm);
         assert_eq!(workers[1].mode, SocketMode::Connect);
+        // Spaces around `=` are not the value's.
+        let spaced = parse_worker_list(
+            "1 = tcp://h:5557, pod = 10.0.0.5:8000, topic = kv, replay = tcp://h:5560",
+            &defaults(),
+        )
+        .expect("parses");
+        assert_eq!(spaced[0].pod_name.as_deref(), Some("10.0.0.5:8000"));
+        assert_eq!(spaced[0].topic, "kv");
+        assert_eq!(spaced[0].replay_endpoint.as_deref(), Some("tcp://h:5560"));
+        assert_eq!(spaced[0].endpoint, "tcp://h:5557");
     }
 
     #[test]
