@@ -620,15 +620,15 @@ impl Indexer for IndexerService {
     ) -> Result<Response<Self::QueryStreamStream>, Status> {
         let started = Instant::now();
         let result = (|| {
-            let caller = caller_of(&request).map_err(status)?;
+            let mut caller = caller_of(&request).map_err(status)?;
             let permit = permit_of(&request).map_err(status)?;
+            let tokens_changed = self.state.watch_tokens(&mut caller).map_err(status)?;
             Ok(Response::new(QueryAnswers {
                 service: self.clone(),
                 caller,
                 inbound: request.into_inner(),
                 shutdown: Box::pin(self.state.shutdown.clone().cancelled_owned()),
-                // A change before this is seen: the first poll rechecks (below).
-                tokens_changed: Box::pin(std::future::ready(())),
+                tokens_changed: Box::pin(tokens_changed.cancelled_owned()),
                 _permit: permit,
                 done: false,
             }))
@@ -867,10 +867,9 @@ impl IndexerService {
             Arc::clone(&self.state.registry),
         );
         let shutdown = self.state.shutdown.clone();
-        // Taken, then the caller rechecked (a change in between is seen); a change later ends
-        // a quiet stream of a revoked token at once, not at its next message.
-        let mut tokens_changed = self.state.token_changes();
-        self.state.recheck(&mut caller).map_err(status)?;
+        // A change of the tokens ends a quiet stream of a revoked token at once, not at its
+        // next message.
+        let mut tokens_changed = self.state.watch_tokens(&mut caller).map_err(status)?;
         let failure = loop {
             enum Next<M> {
                 Message(M),
@@ -884,16 +883,18 @@ impl IndexerService {
             };
             let message = match next {
                 Next::Message(message) => message,
-                Next::TokensChanged => {
-                    tokens_changed = self.state.token_changes();
-                    if let Err(revoked) = self.state.recheck(&mut caller) {
+                Next::TokensChanged => match self.state.watch_tokens(&mut caller) {
+                    Ok(next) => {
+                        tokens_changed = next;
+                        continue;
+                    }
+                    Err(revoked) => {
                         let applied = publisher.counts.messages_applied;
                         break Some(status(revoked.with_message(|m| {
                             format!("{m}; the {applied} message(s) it sent were applied")
                         })));
                     }
-                    continue;
-                }
+                },
             };
             let message = match message {
                 Ok(Some(message)) => message,
@@ -1116,7 +1117,7 @@ pub(crate) struct QueryAnswers {
     shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
     /// Ready when the tokens in force change: the caller is rechecked then, so a revoked
     /// token ends a stream that sends nothing more (and frees its places).
-    tokens_changed: Pin<Box<dyn Future<Output = ()> + Send>>,
+    tokens_changed: Pin<Box<WaitForCancellationFutureOwned>>,
     _permit: crate::state::Permit,
     done: bool,
 }
@@ -1140,13 +1141,15 @@ impl Stream for QueryAnswers {
                 "the server is shutting down",
             ))));
         }
-        // (Taken before the recheck: a change after it wakes this stream again.)
+        // (Polled again after each change: the next one wakes this stream.)
         while self.tokens_changed.as_mut().poll(cx).is_ready() {
             let this = &mut *self;
-            this.tokens_changed = Box::pin(this.service.state.token_changes().cancelled_owned());
-            if let Err(error) = this.service.state.recheck(&mut this.caller) {
-                self.done = true;
-                return Poll::Ready(Some(Err(status(error))));
+            match this.service.state.watch_tokens(&mut this.caller) {
+                Ok(next) => this.tokens_changed = Box::pin(next.cancelled_owned()),
+                Err(error) => {
+                    self.done = true;
+                    return Poll::Ready(Some(Err(status(error))));
+                }
             }
         }
         match Pin::new(&mut self.inbound).poll_next(cx) {

@@ -15,8 +15,9 @@
 //! | 0 after a higher number | an engine restart: the rank is cleared (counted), then applied |
 //! | beyond last + 1 | a gap: the lost batches cannot be recovered, so the rank is cleared (counted, and reported in `last_error`), then the batch is applied |
 //!
-//! A sequenced batch's checkpoint fingerprint is chained onto the rank's batch before it
-//! ([`fingerprint`]), across producer restarts and, on an ingest, across an unregistration
+//! A sequenced batch's checkpoint fingerprint is chained onto the rank's history (a resync
+//! onto the batch before it, any other batch onto its epoch's resync: [`fingerprint`]),
+//! across producer restarts and, on an ingest, across an unregistration
 //! within the event log's duplicate window ([`RetiredChains`]): the stream's duplicate window
 //! never takes a restarted producer's batch for its earlier incarnation's.
 //!

@@ -263,14 +263,24 @@ impl State {
             })
     }
 
-    /// Cancelled at the next change of the tokens in force
-    /// ([`crate::auth::TokenFile::changes`]; never without tokens).
-    pub(crate) fn token_changes(&self) -> tokio_util::sync::CancellationToken {
-        self.tokens.as_ref().map_or_else(
+    /// For an open stream, at its start and whenever the tokens in force change: `caller`
+    /// rechecked ([`State::recheck`]), and what is cancelled at the next change
+    /// ([`crate::auth::TokenFile::changes`]; never without tokens). Taken before the recheck,
+    /// so a change in between is seen by one or the other.
+    ///
+    /// # Errors
+    /// UNAUTHENTICATED once the caller's token was revoked.
+    pub(crate) fn watch_tokens(
+        &self,
+        caller: &mut Caller,
+    ) -> Result<tokio_util::sync::CancellationToken, ServiceError> {
+        let changes = self.tokens.as_ref().map_or_else(
             // No tokens, no change: never cancelled.
             tokio_util::sync::CancellationToken::new,
             TokenFile::changes,
-        )
+        );
+        self.recheck(caller)?;
+        Ok(changes)
     }
 
     /// For a stream's next message, or a change of the tokens: its caller as the tokens in
