@@ -930,6 +930,42 @@ fn a_stream_that_does_not_take_the_logs_subjects_is_refused_at_start() {
     }
 }
 
+/// An ingest publishing to `nats` and a replica consuming from it, both ready.
+fn ingest_and_replica(nats: &NatsServer) -> (Served, Served) {
+    let ingest = Served::start(&["--publish-to", &nats.url()]);
+    let replica = replica(nats);
+    ready(&ingest);
+    ready(&replica);
+    (ingest, replica)
+}
+
+/// Unregisters `instance_id` of model `m` at `server` (of `tenant`, or of every tenant).
+fn unregister_at(
+    server: &Served,
+    instance_id: u64,
+    tenant: &str,
+    all_tenants: bool,
+) -> v1::UnregisterWorkerResponse {
+    runtime().block_on(async {
+        let mut client = IndexerClient::connect(server.grpc.clone())
+            .await
+            .expect("connects");
+        client
+            .unregister_worker(v1::UnregisterWorkerRequest {
+                index: Some(v1::IndexSelector {
+                    model: MODEL.into(),
+                    tenant: tenant.into(),
+                }),
+                instance_id,
+                dp_rank: None,
+                all_tenants,
+            })
+            .await
+            .map(tonic::Response::into_inner)
+            .expect("unregistered")
+    })
+}
+
 /// The record of worker 7's unregistration (of one rank, or every rank).
 fn unregistration(dp_rank: Option<u32>) -> Vec<u8> {
     use prost::Message as _;
@@ -1274,10 +1310,7 @@ fn published(seq: u64, parent: Option<u64>, external: u64, local: u64) -> v1::Pu
 #[test]
 fn a_publish_events_producer_restarting_at_zero_is_resynced_at_the_replicas() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
-    let ingest = Served::start(&["--publish-to", &nats.url()]);
-    let replica = replica(&nats);
-    ready(&ingest);
-    ready(&replica);
+    let (ingest, replica) = ingest_and_replica(&nats);
     let publish = |messages| common::publish(&ingest.grpc, messages);
     let (first, second) = ([1001, 1002, 1003], [2001, 2002]);
     publish(vec![
@@ -1316,10 +1349,7 @@ fn a_publish_events_producer_restarting_at_zero_is_resynced_at_the_replicas() {
 #[test]
 fn a_producer_restarting_with_the_same_batches_reaches_the_replicas() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
-    let ingest = Served::start(&["--publish-to", &nats.url()]);
-    let replica = replica(&nats);
-    ready(&ingest);
-    ready(&replica);
+    let (ingest, replica) = ingest_and_replica(&nats);
     let publish = |messages| common::publish(&ingest.grpc, messages);
     let (abc, abd) = ([1001, 1002, 1003], [1001, 1002, 1004]);
     let agree = |what: &str, depths: (u32, u32)| {
@@ -1342,22 +1372,7 @@ fn a_producer_restarting_with_the_same_batches_reaches_the_replicas() {
     publish(vec![a.clone()]);
     agree("the third incarnation's A", (1, 1));
     // Unregistered, then fed afresh with the first incarnation's batch 0.
-    runtime().block_on(async {
-        let mut client = IndexerClient::connect(ingest.grpc.clone())
-            .await
-            .expect("connects");
-        client
-            .unregister_worker(v1::UnregisterWorkerRequest {
-                index: Some(v1::IndexSelector {
-                    model: MODEL.into(),
-                    tenant: String::new(),
-                }),
-                instance_id: 7,
-                ..v1::UnregisterWorkerRequest::default()
-            })
-            .await
-            .expect("unregistered");
-    });
+    unregister_at(&ingest, 7, "", false);
     agree("worker 7 unregistered", (0, 0));
     publish(vec![a]);
     agree("a fresh feed's A", (1, 1));
@@ -1400,24 +1415,7 @@ fn an_ingest_forwards_the_unregistration_of_a_worker_it_does_not_hold() {
     let second = Served::start(&["--publish-to", &nats.url(), "--publish-only"]);
     ready(&second);
     let unregister = |instance_id: u64, tenant: &str, all_tenants: bool| {
-        runtime().block_on(async {
-            let mut client = IndexerClient::connect(second.grpc.clone())
-                .await
-                .expect("connects");
-            client
-                .unregister_worker(v1::UnregisterWorkerRequest {
-                    index: Some(v1::IndexSelector {
-                        model: MODEL.into(),
-                        tenant: tenant.into(),
-                    }),
-                    instance_id,
-                    dp_rank: None,
-                    all_tenants,
-                })
-                .await
-                .map(tonic::Response::into_inner)
-                .expect("forwarded")
-        })
+        unregister_at(&second, instance_id, tenant, all_tenants)
     };
     // No index of the model here: to the default tenant, where registrations naming none go.
     let forwarded = unregister(6, "", true);
@@ -1468,10 +1466,7 @@ fn an_ingest_forwards_the_unregistration_of_a_worker_it_does_not_hold() {
 fn a_record_too_large_for_nats_is_refused_and_the_next_ones_are_published() {
     let nats = NatsServer::start_with_max_payload(4096)
         .expect("nats-server starts (cargo xtask ci installs it)");
-    let ingest = Served::start(&["--publish-to", &nats.url()]);
-    let replica = replica(&nats);
-    ready(&ingest);
-    ready(&replica);
+    let (ingest, replica) = ingest_and_replica(&nats);
     publish_a_record_of_7_kb_between_two(&ingest, &replica);
     assert_eq!(
         blocks_of_worker_7(&ingest, &[1001, 5000, 5001]),
@@ -1524,10 +1519,7 @@ fn a_record_larger_than_the_streams_message_limit_is_refused_and_the_next_ones_a
         max_message_size: 4096,
         ..Default::default()
     });
-    let ingest = Served::start(&["--publish-to", &nats.url()]);
-    let replica = replica(&nats);
-    ready(&ingest);
-    ready(&replica);
+    let (ingest, replica) = ingest_and_replica(&nats);
     publish_a_record_of_7_kb_between_two(&ingest, &replica);
     assert_eq!(blocks_of_worker_7(&replica, &[1001, 5000]), 1);
     assert_eq!(metric(&replica, "kvatlas_log_live_divergences_total"), 0);
@@ -1546,10 +1538,7 @@ fn a_record_the_stream_refuses_does_not_go_live() {
     const SMALL_AT_MOST: u64 = 40;
     let nats = NatsServer::start_with_max_payload(4096)
         .expect("nats-server starts (cargo xtask ci installs it)");
-    let ingest = Served::start(&["--publish-to", &nats.url()]);
-    let replica = replica(&nats);
-    ready(&ingest);
-    ready(&replica);
+    let (ingest, replica) = ingest_and_replica(&nats);
     // Batches of 236 to 259 blocks, each block 16 bytes of the record (two fixed64 hashes):
     // records from below the 4,096 bytes of the stream's messages to above them, and above
     // what a live message takes; then batches of one block. One at a time, each stored (or
