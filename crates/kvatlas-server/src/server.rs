@@ -394,6 +394,7 @@ impl RunningServer {
             crate::http::router(Arc::clone(&state)),
             http_listener,
             tls.as_deref(),
+            state.limits.stall_timeout,
             stop_accepting.clone(),
         )
         .map_err(StartError::Tls)?;
@@ -1158,78 +1159,108 @@ fn warn_accept_failed(what: &str, error: &std::io::Error, last: &mut Option<toki
     }
 }
 
+/// Serves `router` on `listener` (HTTPS with `tls`) until `stop`: HTTP/1.1 and HTTP/2 (h2c
+/// with prior knowledge on plain HTTP, ALPN over TLS). An HTTP/1.1 connection whose request
+/// headers take longer than `header_timeout` (`--stall-timeout-secs`) to arrive is closed, as
+/// is one idle that long between requests: before its headers are whole no token is checked,
+/// and without a timer hyper waits for them for ever (a client sending part of a request line
+/// held a task, a descriptor and up to ≈ 400 KiB of header buffer for good, however many). An
+/// HTTP/2 connection is pinged as gRPC's are, and closed if the ping is not answered.
 fn serve_http(
     router: axum::Router,
     listener: TcpListener,
     tls: Option<&ServerIdentity>,
+    header_timeout: Duration,
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
+    // As gRPC's: an answer is not held back by Nagle's algorithm behind an unacknowledged
+    // earlier one.
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let Some(tls) = tls else {
-        return Ok(tokio::spawn(async move {
-            use axum::serve::ListenerExt as _;
-            // As gRPC's and HTTPS's connections: an answer is not held back by Nagle's
-            // algorithm behind an unacknowledged earlier one.
-            let listener = listener.tap_io(|tcp| {
-                if let Err(error) = tcp.set_nodelay(true) {
-                    tracing::debug!("HTTP: setting TCP_NODELAY failed: {error}");
-                }
-            });
-            let served = axum::serve(listener, router)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await;
-            if let Err(error) = served {
-                tracing::warn!("the HTTP server ended with an error: {error}");
-            }
-        }));
+        return Ok(tokio::spawn(serve_connections(
+            "HTTP",
+            incoming,
+            router,
+            header_timeout,
+            stop,
+        )));
     };
     let acceptor = tls.acceptor(&[b"h2", b"http/1.1"])?;
-    // As `axum::serve`'s graceful shutdown does for plain HTTP: once `stop` is cancelled no
-    // connection is accepted, every open one finishes its request in flight and closes (HTTP/2:
-    // GOAWAY), and the task ends when they all have (the caller's deadline aborts it, and with
-    // it the connections, past `--shutdown-timeout-secs`). So a request on an open HTTPS
-    // connection is not served after the final snapshot was written.
-    let handshaken = tls_incoming(
+    let handshaken = tls_incoming("HTTPS", incoming, acceptor, stop.clone());
+    Ok(tokio::spawn(serve_connections(
         "HTTPS",
-        TcpIncoming::from(listener).with_nodelay(Some(true)),
-        acceptor,
-        stop.clone(),
-    );
-    Ok(tokio::spawn(async move {
-        use tokio_stream::StreamExt as _;
-        let mut handshaken = handshaken;
-        let mut connections = tokio::task::JoinSet::new();
-        loop {
-            let tls = tokio::select! {
-                () = stop.cancelled() => break,
-                next = handshaken.next() => match next {
-                    Some(Ok(tls)) => tls,
-                    Some(Err(_)) => continue,
-                    None => break,
-                },
-                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            };
-            let (router, stop) = (router.clone(), stop.clone());
-            connections.spawn(async move {
-                let service = hyper_util::service::TowerToHyperService::new(router);
-                let builder = hyper_util::server::conn::auto::Builder::new(
-                    hyper_util::rt::TokioExecutor::new(),
-                );
-                let connection =
-                    builder.serve_connection(hyper_util::rt::TokioIo::new(tls), service);
-                tokio::pin!(connection);
-                tokio::select! {
-                    _ = connection.as_mut() => {}
-                    () = stop.cancelled() => {
-                        connection.as_mut().graceful_shutdown();
-                        let _ = connection.await;
-                    }
+        handshaken,
+        router,
+        header_timeout,
+        stop,
+    )))
+}
+
+/// Serves `router` on each connection of `incoming` (the `what` listener's) until `stop`.
+/// As `axum::serve`'s graceful shutdown does: once `stop` is cancelled no connection is
+/// accepted, every open one finishes its request in flight and closes (HTTP/2: GOAWAY), and
+/// the task ends when they all have (the caller's deadline aborts it, and with it the
+/// connections, past `--shutdown-timeout-secs`). So a request on an open connection is not
+/// served after the final snapshot was written.
+async fn serve_connections<IO>(
+    what: &'static str,
+    incoming: impl tokio_stream::Stream<Item = Result<IO, std::io::Error>>,
+    router: axum::Router,
+    header_timeout: Duration,
+    stop: CancellationToken,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use tokio_stream::StreamExt as _;
+    // Boxed, so that dropping it below closes it (the listener, or the handshaken channel).
+    let mut incoming = Box::pin(incoming);
+    let mut connections = tokio::task::JoinSet::new();
+    let mut last_accept_warning = None;
+    let mut builder =
+        hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    builder
+        .http2()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(GRPC_KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(GRPC_KEEPALIVE_TIMEOUT);
+    let builder = Arc::new(builder);
+    loop {
+        let io = tokio::select! {
+            () = stop.cancelled() => break,
+            next = incoming.next() => match next {
+                Some(Ok(io)) => io,
+                Some(Err(error)) => {
+                    // (Out of descriptors, typically: the next accept is tried shortly.)
+                    warn_accept_failed(what, &error, &mut last_accept_warning);
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
                 }
-            });
-        }
-        // Connections handshaken and not taken are closed now, not when the others end.
-        drop(handshaken);
-        while connections.join_next().await.is_some() {}
-    }))
+                None => break,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let (router, stop, builder) = (router.clone(), stop.clone(), Arc::clone(&builder));
+        connections.spawn(async move {
+            let service = hyper_util::service::TowerToHyperService::new(router);
+            let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                () = stop.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.await;
+                }
+            }
+        });
+    }
+    // Connections accepted and not taken (handshaken, for HTTPS) are closed now, not when the
+    // others end.
+    drop(incoming);
+    while connections.join_next().await.is_some() {}
 }
 
 /// Completes on SIGINT (Ctrl-C) or SIGTERM. On unix the signals are taken from the call on,

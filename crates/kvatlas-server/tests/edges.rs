@@ -1208,6 +1208,49 @@ async fn a_request_whose_body_stalls_gives_its_place_back() {
     h.server.shutdown().await;
 }
 
+/// An HTTP connection whose request headers stall (no token checked yet), or that stays idle
+/// between requests, is closed after `--stall-timeout-secs`: it held a task, a descriptor and
+/// its header buffer for good, however many a client opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_connection_whose_headers_stall_is_closed() {
+    let config = ServerConfig {
+        limits: Limits {
+            stall_timeout: std::time::Duration::from_secs(1),
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    };
+    let h = start(config).await;
+    let http = h.server.http_addr();
+    let sent = [
+        // Half a request line.
+        &b"POST /query HTTP/1.1\r\nx-padding: "[..],
+        // A whole request, the connection kept alive, then nothing.
+        &b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n"[..],
+    ];
+    for sent in sent {
+        let answer = tokio::task::spawn_blocking(move || {
+            let mut stream = std::net::TcpStream::connect(http).expect("connect");
+            stream
+                .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+                .expect("timeout");
+            std::io::Write::write_all(&mut stream, sent).expect("send");
+            let mut response = Vec::new();
+            std::io::Read::read_to_end(&mut stream, &mut response)
+                .map(|_| String::from_utf8_lossy(&response).into_owned())
+        })
+        .await
+        .expect("joined");
+        let answer = answer.unwrap_or_else(|error| {
+            panic!("the connection stayed open 20 s after sending {sent:?}: {error}")
+        });
+        if sent.starts_with(b"GET") {
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        }
+    }
+    h.server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_concurrency_limit_are_shed() {
     let (mut h, tx, mut stream) = one_place_held_by_a_stream().await;
