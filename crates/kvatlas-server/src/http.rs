@@ -240,15 +240,28 @@ async fn metrics(AxumState(state): AxumState<Arc<State>>, headers: HeaderMap) ->
     if let Err(response) = unrestricted(&state, &headers, "/metrics") {
         return *response;
     }
-    state.metrics.http("/metrics", 200);
     let ready = state.ready();
     let registry = Arc::clone(&state.registry);
     let state_for_render = Arc::clone(&state);
     // Index statistics take each index's writer side briefly: off the async workers.
-    let body =
+    let rendered =
         tokio::task::spawn_blocking(move || state_for_render.metrics.render(&registry, ready))
-            .await
-            .unwrap_or_else(|e| format!("# rendering failed: {e}\n"));
+            .await;
+    // A render that failed is a failed scrape (500), not a successful one of no series (a 200
+    // with a comment had Prometheus keep `up` at 1 and every series go stale).
+    let body = match rendered {
+        Ok(body) => body,
+        Err(error) => {
+            state.metrics.http("/metrics", 500);
+            tracing::error!("rendering /metrics failed: {error}");
+            return (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("rendering the metrics failed: {error}\n"),
+            )
+                .into_response();
+        }
+    };
+    state.metrics.http("/metrics", 200);
     (
         StatusCode::OK,
         [(
