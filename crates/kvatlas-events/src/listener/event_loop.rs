@@ -254,9 +254,9 @@ pub(super) struct ListenerCore {
     monitor: Option<zmq::Socket>,
     /// The connection error this thread last reported in `last_error` (cleared on connect).
     connection_error: Option<String>,
-    /// While held: the live batches received, oldest first (at most the sequencer's buffer,
-    /// in batches and in bytes; the oldest are dropped beyond it, and replayed after the
-    /// release).
+    /// While held: the live batches received, oldest first (at most half the sequencer's
+    /// buffer, [`held_bound`], in batches and in bytes; the oldest are dropped beyond it, and
+    /// replayed after the release).
     held: Option<VecDeque<(u64, Payload)>>,
     /// The payload bytes in `held`.
     held_bytes: usize,
@@ -284,6 +284,19 @@ pub(super) struct ListenerCore {
 
 /// The ranks a source resumed from `resume` has fed: its registered rank, and the further ranks
 /// of its worker the resumed state names (at most [`MAX_RANKS_PER_SOURCE`] in all).
+/// The most a held listener keeps, in batches and in payload bytes: half the sequencer's
+/// buffer. Released, it asks for what came after the restored position (a catch-up) and puts
+/// the held batches in the sequencer's buffer behind that hole until the answer fills it; held
+/// up to the whole buffer, the first live batch read before the answer overflowed it, and the
+/// resync cleared the worker's restored state. The other half is the room for the live batches
+/// that come meanwhile.
+fn held_bound(sequencer: &crate::sequence::SequencerConfig) -> (usize, usize) {
+    (
+        (sequencer.max_buffered / 2).max(1),
+        sequencer.max_buffered_bytes / 2,
+    )
+}
+
 fn fed_ranks(source: Source, resume: Option<&Resume>) -> BTreeSet<Worker> {
     let own = Worker::new(source.worker_id, source.dp_rank);
     let mut ranks = BTreeSet::from([own]);
@@ -648,11 +661,11 @@ impl ListenerCore {
                     let mut frames = received.frames;
                     let payload = Payload(frames.pop().unwrap_or_else(zmq::Message::new));
                     if let Some(held) = &mut self.held {
-                        let bound = &self.config.options.sequencer;
+                        let (max_held, max_held_bytes) = held_bound(&self.config.options.sequencer);
                         let bytes = payload.as_ref().len();
                         while !held.is_empty()
-                            && (held.len() >= bound.max_buffered.max(1)
-                                || self.held_bytes.saturating_add(bytes) > bound.max_buffered_bytes)
+                            && (held.len() >= max_held
+                                || self.held_bytes.saturating_add(bytes) > max_held_bytes)
                         {
                             if let Some((_, dropped)) = held.pop_front() {
                                 self.held_bytes -= dropped.as_ref().len();
