@@ -145,6 +145,9 @@ impl Converter {
         for skipped in &batch.skipped {
             drops.record(skipped.reason);
         }
+        for &(reason, count) in &batch.skipped_beyond {
+            drops.add(reason, count);
+        }
         let worker = self.worker_for(batch.dp_rank);
         out.reserve(batch.events.len());
         for event in &batch.events {
@@ -310,5 +313,42 @@ mod tests {
         assert_eq!(tier_for_medium(Some("STORAGE")), Some(Tier::Disk));
         assert_eq!(tier_for_medium(Some("EXTERNAL")), Some(Tier::External));
         assert_eq!(tier_for_medium(Some("my-connector")), None);
+    }
+
+    /// A batch of many events that do not decode (one-byte nils) keeps the first
+    /// [`crate::MAX_SKIPPED_KEPT`] with their position, counts the others by reason (each was a
+    /// 32-byte record: 32 times the payload), and every one is counted as dropped.
+    #[test]
+    fn skipped_events_beyond_the_kept_ones_are_counted_not_kept() {
+        const EVENTS: u32 = 100_000;
+        // [ts, [nil × EVENTS], nil]
+        let mut payload = vec![0x93, 0xcb];
+        payload.extend_from_slice(&1_700_000_000.0f64.to_be_bytes());
+        payload.push(0xdd);
+        payload.extend_from_slice(&EVENTS.to_be_bytes());
+        payload.extend(std::iter::repeat_n(0xc0, EVENTS as usize));
+        payload.push(0xc0);
+        let batch = crate::decode_batch(&payload).expect("the batch decodes");
+        assert!(batch.events.is_empty());
+        assert_eq!(batch.skipped.len(), crate::MAX_SKIPPED_KEPT);
+        assert_eq!(batch.skipped[3].index, 3);
+        let beyond: u64 = batch.skipped_beyond.iter().map(|&(_, n)| n).sum();
+        assert_eq!(beyond, u64::from(EVENTS) - crate::MAX_SKIPPED_KEPT as u64);
+        assert!(
+            batch.skipped.capacity() * std::mem::size_of::<crate::SkippedEvent>()
+                <= payload.len() / 16,
+            "{} skipped events kept",
+            batch.skipped.capacity()
+        );
+        let converter = Converter::new(Source {
+            worker_id: 1,
+            dp_rank: 0,
+            block_size: kvatlas_hash::BlockSize::new(16).expect("a block size"),
+            engine: EngineKind::Vllm,
+        });
+        let (mut out, mut drops) = (Vec::new(), DropCounters::default());
+        converter.convert_batch(&batch, &mut out, &mut drops);
+        assert!(out.is_empty());
+        assert_eq!(drops.total(), u64::from(EVENTS));
     }
 }

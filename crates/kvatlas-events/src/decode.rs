@@ -33,8 +33,8 @@ mod types;
 mod visitors;
 
 pub use types::{
-    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_EVENT_AGE, MsgpackError,
-    SaltSource, SkippedEvent, instant_of_wall_clock,
+    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_EVENT_AGE, MAX_SKIPPED_KEPT,
+    MsgpackError, SaltSource, SkippedEvent, instant_of_wall_clock,
 };
 pub use visitors::decode_batch;
 #[cfg(any(test, fuzzing))]

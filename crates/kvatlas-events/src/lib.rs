@@ -58,8 +58,8 @@ pub mod sequence;
 pub use convert::{Converter, EngineKind, Source, tier_for_medium};
 pub use counters::{DropCounters, Reason};
 pub use decode::{
-    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_EVENT_AGE, MsgpackError,
-    SaltSource, SkippedEvent, decode_batch, instant_of_wall_clock,
+    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_EVENT_AGE, MAX_SKIPPED_KEPT,
+    MsgpackError, SaltSource, SkippedEvent, decode_batch, instant_of_wall_clock,
 };
 pub use frames::{FrameError, LiveMessage, ReplayReply, decode_live_message, decode_replay_reply};
 #[cfg(feature = "listener")]

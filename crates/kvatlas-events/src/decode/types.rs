@@ -14,9 +14,18 @@ pub struct EventBatch {
     pub dp_rank: Option<u32>,
     /// The events that decoded, in batch order.
     pub events: Vec<Event>,
-    /// The events that did not decode (unknown tag, malformed), with their position.
+    /// The first [`MAX_SKIPPED_KEPT`] events that did not decode (unknown tag, malformed),
+    /// with their position.
     pub skipped: Vec<SkippedEvent>,
+    /// The events that did not decode beyond those, counted by reason, not kept (a batch of
+    /// tens of millions of one-byte elements, each kept as a 32-byte record, held 32 times its
+    /// payload).
+    pub skipped_beyond: Vec<(Reason, u64)>,
 }
+
+/// The skipped events a batch keeps with their position and detail ([`EventBatch::skipped`]);
+/// the others are only counted ([`EventBatch::skipped_beyond`]).
+pub const MAX_SKIPPED_KEPT: usize = 64;
 
 /// The oldest batch timestamp [`EventBatch::published_at`] takes as the engine's wall clock:
 /// older ones are not a publication time (a test's `0.0`, a replayed trace's own clock).
@@ -241,6 +250,7 @@ mod tests {
             dp_rank: None,
             events: Vec::new(),
             skipped: Vec::new(),
+            skipped_beyond: Vec::new(),
         }
     }
 

@@ -8,7 +8,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 
 use super::msgpack::{RAW_ARRAY, RAW_STR, SliceDeserializer, raw_array};
 use super::types::{
-    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, SaltSource, SkippedEvent,
+    BlockRemoved, BlockStored, DecodeError, Event, EventBatch, MAX_SKIPPED_KEPT, SaltSource,
+    SkippedEvent,
 };
 use super::{MAX_DEPTH, MAX_PREALLOC, MAX_PREALLOC_BYTES, fast};
 use crate::counters::Reason;
@@ -963,7 +964,10 @@ impl<'de> Deserialize<'de> for EventElement {
 }
 
 /// The `events` array.
-struct Events(Result<(Vec<Event>, Vec<SkippedEvent>), Bad>);
+struct Events(Result<Decoded, Bad>);
+
+/// The `events` array decoded: the events, the skipped ones kept, those counted beyond.
+type Decoded = (Vec<Event>, Vec<SkippedEvent>, Vec<(Reason, u64)>);
 
 impl<'de> Deserialize<'de> for Events {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -976,19 +980,26 @@ impl<'de> Deserialize<'de> for Events {
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Events, A::Error> {
                 let mut events = Vec::with_capacity(cap::<Event>(seq.size_hint()));
                 let mut skipped = Vec::new();
+                let mut beyond: Vec<(Reason, u64)> = Vec::new();
                 let mut index = 0usize;
                 while let Some(EventElement(slot)) = seq.next_element()? {
                     match slot {
                         Ok(event) => events.push(event),
-                        Err((reason, detail)) => skipped.push(SkippedEvent {
-                            index,
-                            reason,
-                            detail,
-                        }),
+                        Err((reason, detail)) if skipped.len() < MAX_SKIPPED_KEPT => {
+                            skipped.push(SkippedEvent {
+                                index,
+                                reason,
+                                detail,
+                            });
+                        }
+                        Err((reason, _)) => match beyond.iter_mut().find(|(r, _)| *r == reason) {
+                            Some((_, count)) => *count += 1,
+                            None => beyond.push((reason, 1)),
+                        },
                     }
                     index = index.saturating_add(1);
                 }
-                Ok(Events(Ok((events, skipped))))
+                Ok(Events(Ok((events, skipped, beyond))))
             }
             tolerate!(Events(Err(Bad)); bool, i64, u64, f64, str, bytes, unit, map, newtype);
         }
@@ -1013,7 +1024,7 @@ fn finish_batch(
         Some(Scalar::Neg(i)) => i as f64,
         Some(_) => return Err(DecodeError::InvalidField("ts")),
     };
-    let (events, skipped) = match events {
+    let (events, skipped, skipped_beyond) = match events {
         None => return Err(DecodeError::MissingField("events")),
         Some(Events(Err(Bad))) => return Err(DecodeError::InvalidField("events")),
         Some(Events(Ok(e))) => e,
@@ -1031,6 +1042,7 @@ fn finish_batch(
         dp_rank,
         events,
         skipped,
+        skipped_beyond,
     })
 }
 
