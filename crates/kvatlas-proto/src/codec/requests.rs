@@ -280,8 +280,12 @@ pub(super) fn decode_cut<U: Any>(bytes: &[u8], keep: usize) -> Option<U> {
     slot
 }
 
-/// `packed` cut after its `keep`-th varint (whole if it holds no more).
+/// `packed` cut after its `keep`-th varint (whole if it holds no more: with a varint cut off
+/// at its end, the whole run is refused as prost refuses it, not cut to nothing).
 fn first_varints(packed: &[u8], keep: usize) -> &[u8] {
+    if keep == 0 {
+        return &packed[..0];
+    }
     if packed.len() <= keep {
         // Each varint takes at least a byte: no more than `keep` of them.
         return packed;
@@ -290,9 +294,8 @@ fn first_varints(packed: &[u8], keep: usize) -> &[u8] {
         .iter()
         .enumerate()
         .filter(|&(_, &b)| b < 0x80)
-        .nth(keep.saturating_sub(1))
-        .filter(|_| keep > 0)
-        .map_or(&packed[..0], |(end, _)| &packed[..=end])
+        .nth(keep - 1)
+        .map_or(packed, |(end, _)| &packed[..=end])
 }
 
 /// `bytes` decoded as `U` if `U` is `QueryRequest` and `bytes` have the canonical layout;
@@ -598,6 +601,18 @@ mod tests {
             "prost's layout"
         );
         assert_eq!(decode_cut::<TokenIds>(&one, 100), None);
+        // Four whole ids and one cut off at the run's end, over a bound of 4 (kept: 5): prost
+        // refuses it, and so does the cut (it was cut to no ids at all, and answered).
+        let cut_off = [
+            0x0a, 3, 0x0a, 1, b'm', TOKENS, 8, PACKED, 6, 1, 1, 1, 0x81, 0x01, 0x80,
+        ];
+        assert!(QueryRequest::decode(&cut_off[..]).is_err());
+        assert_eq!(count_token_ids(&cut_off), 5);
+        assert_eq!(
+            decode_cut::<QueryRequest>(&cut_off, 5),
+            None,
+            "left to prost"
+        );
     }
 
     #[test]
