@@ -1160,9 +1160,9 @@ fn warn_accept_failed(what: &str, error: &std::io::Error, last: &mut Option<toki
 }
 
 /// Serves `router` on `listener` (HTTPS with `tls`) until `stop`: HTTP/1.1 and HTTP/2 (h2c
-/// with prior knowledge on plain HTTP, ALPN over TLS). An HTTP/1.1 connection whose request
-/// headers take longer than `header_timeout` (`--stall-timeout-secs`) to arrive is closed, as
-/// is one idle that long between requests: before its headers are whole no token is checked,
+/// with prior knowledge on plain HTTP, ALPN over TLS). A connection that sends nothing for
+/// `header_timeout` (`--stall-timeout-secs`), or an HTTP/1.1 connection whose request headers
+/// take longer than that to arrive, is closed, as is one idle that long between requests: before its headers are whole no token is checked,
 /// and without a timer hyper waits for them for ever (a client sending part of a request line
 /// held a task, a descriptor and up to ≈ 400 KiB of header buffer for good, however many). An
 /// HTTP/2 connection is pinged as gRPC's are, and closed if the ping is not answered.
@@ -1246,13 +1246,27 @@ async fn serve_connections<IO>(
         let (router, stop, builder) = (router.clone(), stop.clone(), Arc::clone(&builder));
         connections.spawn(async move {
             let service = hyper_util::service::TowerToHyperService::new(router);
+            let (io, first_byte) = FirstByte::new(io);
             let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
             tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                () = stop.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
+            // Until its first byte hyper reads a connection's protocol version without a timer
+            // (the header timeout starts after it): one that sends nothing is closed then.
+            let silent = tokio::time::sleep(header_timeout);
+            tokio::pin!(silent);
+            let (mut stopping, mut heard) = (false, false);
+            loop {
+                tokio::select! {
+                    _ = connection.as_mut() => break,
+                    () = stop.cancelled(), if !stopping => {
+                        stopping = true;
+                        connection.as_mut().graceful_shutdown();
+                    }
+                    () = silent.as_mut(), if !heard => {
+                        if !first_byte.load(std::sync::atomic::Ordering::Relaxed) {
+                            break;
+                        }
+                        heard = true;
+                    }
                 }
             }
         });
@@ -1261,6 +1275,75 @@ async fn serve_connections<IO>(
     // others end.
     drop(incoming);
     while connections.join_next().await.is_some() {}
+}
+
+/// A connection's IO that records whether a byte was read from it.
+struct FirstByte<IO> {
+    inner: IO,
+    seen: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<IO> FirstByte<IO> {
+    /// `inner`, and the flag its first byte read sets.
+    fn new(inner: IO) -> (Self, Arc<std::sync::atomic::AtomicBool>) {
+        let seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let io = Self {
+            inner,
+            seen: Arc::clone(&seen),
+        };
+        (io, seen)
+    }
+}
+
+impl<IO: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for FirstByte<IO> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.seen.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        read
+    }
+}
+
+impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for FirstByte<IO> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
 }
 
 /// Completes on SIGINT (Ctrl-C) or SIGTERM. On unix the signals are taken from the call on,

@@ -1208,9 +1208,9 @@ async fn a_request_whose_body_stalls_gives_its_place_back() {
     h.server.shutdown().await;
 }
 
-/// An HTTP connection whose request headers stall (no token checked yet), or that stays idle
-/// between requests, is closed after `--stall-timeout-secs`: it held a task, a descriptor and
-/// its header buffer for good, however many a client opened.
+/// An HTTP connection that sends nothing, whose request headers stall (no token checked yet), or
+/// that stays idle between requests, is closed after `--stall-timeout-secs`: it held a task, a
+/// descriptor and its header buffer for good, however many a client opened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_connection_whose_headers_stall_is_closed() {
     let config = ServerConfig {
@@ -1223,6 +1223,8 @@ async fn an_http_connection_whose_headers_stall_is_closed() {
     let h = start(config).await;
     let http = h.server.http_addr();
     let sent = [
+        // Nothing at all (hyper waits for the first bytes to tell HTTP/1.1 from HTTP/2).
+        &b""[..],
         // Half a request line.
         &b"POST /query HTTP/1.1\r\nx-padding: "[..],
         // A whole request, the connection kept alive, then nothing.
