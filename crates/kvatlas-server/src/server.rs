@@ -1162,10 +1162,11 @@ fn warn_accept_failed(what: &str, error: &std::io::Error, last: &mut Option<toki
 /// Serves `router` on `listener` (HTTPS with `tls`) until `stop`: HTTP/1.1 and HTTP/2 (h2c
 /// with prior knowledge on plain HTTP, ALPN over TLS). A connection that sends nothing for
 /// `header_timeout` (`--stall-timeout-secs`), or an HTTP/1.1 connection whose request headers
-/// take longer than that to arrive, is closed, as is one idle that long between requests: before its headers are whole no token is checked,
-/// and without a timer hyper waits for them for ever (a client sending part of a request line
-/// held a task, a descriptor and up to ≈ 400 KiB of header buffer for good, however many). An
-/// HTTP/2 connection is pinged as gRPC's are, and closed if the ping is not answered.
+/// take longer than that to arrive, is closed, as is one idle that long between requests.
+/// Before its headers are whole no token is checked, and without a timer hyper waits for them
+/// for ever (a client sending part of a request line held a task, a descriptor and up to
+/// ≈ 400 KiB of header buffer for good, however many). An HTTP/2 connection is pinged as
+/// gRPC's are, and closed if the ping is not answered.
 fn serve_http(
     router: axum::Router,
     listener: TcpListener,
