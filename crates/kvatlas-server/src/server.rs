@@ -1119,9 +1119,7 @@ fn tls_incoming(
             let tcp = match accepted {
                 Some(Ok(tcp)) => tcp,
                 Some(Err(error)) => {
-                    // (Out of descriptors, typically: the next accept is tried shortly.)
-                    warn_accept_failed(what, &error, &mut last_accept_warning);
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    after_failed_accept(what, &error, &mut last_accept_warning).await;
                     continue;
                 }
                 None => break,
@@ -1151,12 +1149,18 @@ fn tls_incoming(
     tokio_stream::wrappers::ReceiverStream::new(receiver)
 }
 
-/// Logs a failed accept (out of descriptors, typically) once a second at most.
-fn warn_accept_failed(what: &str, error: &std::io::Error, last: &mut Option<tokio::time::Instant>) {
+/// After a failed accept (out of descriptors, typically): logs it, once a second at most, and
+/// pauses briefly before the next accept is tried.
+async fn after_failed_accept(
+    what: &str,
+    error: &std::io::Error,
+    last: &mut Option<tokio::time::Instant>,
+) {
     if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
         *last = Some(tokio::time::Instant::now());
         tracing::warn!("{what}: accepting a connection failed: {error}");
     }
+    tokio::time::sleep(Duration::from_millis(10)).await;
 }
 
 /// Serves `router` on `listener` (HTTPS with `tls`) until `stop`: HTTP/1.1 and HTTP/2 (h2c
@@ -1235,9 +1239,7 @@ async fn serve_connections<IO>(
             next = incoming.next() => match next {
                 Some(Ok(io)) => io,
                 Some(Err(error)) => {
-                    // (Out of descriptors, typically: the next accept is tried shortly.)
-                    warn_accept_failed(what, &error, &mut last_accept_warning);
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    after_failed_accept(what, &error, &mut last_accept_warning).await;
                     continue;
                 }
                 None => break,
