@@ -384,6 +384,14 @@ impl Client {
         sizes.get(key).copied()
     }
 
+    /// Forgets the block size learned for (model, tenant).
+    fn forget(&self, key: &(String, String)) {
+        self.block_sizes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key);
+    }
+
     fn remember(&self, key: (String, String), size: BlockSize) {
         let mut sizes = self
             .block_sizes
@@ -395,7 +403,10 @@ impl Client {
         sizes.insert(key, size);
     }
 
-    /// Hashes `prompt` locally and asks which worker ranks hold how much of it.
+    /// Hashes `prompt` locally and asks which worker ranks hold how much of it. If the index's
+    /// block size changed since it was learned (an answer names another size, or the server
+    /// refuses the prompt as INVALID_ARGUMENT and `ListIndexes` now names another size), the
+    /// prompt is hashed again at the new size and asked again.
     ///
     /// # Errors
     /// The server's status (NOT_FOUND for an unknown index, ...), or the errors of
@@ -406,8 +417,15 @@ impl Client {
         options: QueryOptions,
     ) -> Result<QueryResponse, ClientError> {
         let mut size = self.block_size(prompt.model, prompt.tenant).await?;
-        // At most one retry: the index's block size changed since it was learned.
-        for _ in 0..2 {
+        let key = (
+            prompt.model.to_owned(),
+            prompt.tenant_or_default().to_owned(),
+        );
+        let mut asked_again = false;
+        // At most two retries: the index's block size changed since it was learned (a server
+        // restarted without its state, a replica of another configuration), found by an answer
+        // naming another size, or by a refusal that the size asked again explains.
+        for _ in 0..3 {
             let hashes = self.local_hashes(size, prompt);
             let request = QueryRequest {
                 index: Some(IndexSelector {
@@ -420,19 +438,29 @@ impl Client {
                 options: Some(options.clone()),
                 ..QueryRequest::default()
             };
-            let response = self.raw.query(request).await?.into_inner();
+            let response = match self.raw.query(request).await {
+                Ok(response) => response.into_inner(),
+                // Hashed at a stale, smaller block size, a long prompt is too many blocks for
+                // the server's token limit, and refused before any answer names the size: it
+                // is asked again, once (otherwise every such prompt kept failing).
+                Err(status) if status.code() == tonic::Code::InvalidArgument && !asked_again => {
+                    asked_again = true;
+                    self.forget(&key);
+                    let fresh = self.block_size(prompt.model, prompt.tenant).await?;
+                    if fresh == size {
+                        return Err(status.into());
+                    }
+                    size = fresh;
+                    continue;
+                }
+                Err(status) => return Err(status.into()),
+            };
             if response.block_size == size.get() {
                 return Ok(response);
             }
             size = BlockSize::new(response.block_size)
                 .map_err(|_| ClientError::BadBlockSize(response.block_size))?;
-            self.remember(
-                (
-                    prompt.model.to_owned(),
-                    prompt.tenant_or_default().to_owned(),
-                ),
-                size,
-            );
+            self.remember(key.clone(), size);
         }
         Err(ClientError::BlockSizeUnsettled {
             model: prompt.model.to_owned(),

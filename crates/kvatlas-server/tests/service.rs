@@ -247,6 +247,88 @@ async fn the_client_wrapper_hashes_like_the_server() {
     assert!(unknown.to_string().contains("no index"), "{unknown}");
 }
 
+/// A client that learned an index's block size, pointed at a server where the index was made
+/// again with a larger one (a restart without its state), learns it again when a long prompt,
+/// hashed at the stale size, is refused as too many blocks for the token limit (every such
+/// prompt was refused until a short one happened to get an answer naming the size).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_learns_a_changed_block_size_from_a_refusal() {
+    /// Stores worker 1's blocks of `tokens` at `block` tokens a block.
+    async fn store(h: &Harness, block: u32, tokens: &[u32]) {
+        let hasher = BlockHasher::new(block).expect("size");
+        let locals: Vec<u64> = hasher.local_hashes(tokens).map(|l| l.get()).collect();
+        let request = v1::PublishEventsRequest {
+            index: selector(MODEL, ""),
+            instance_id: 1,
+            block_size: block,
+            events: vec![v1::KvEvent {
+                event: Some(v1::kv_event::Event::Stored(v1::BlocksStored {
+                    block_hashes: (1..=locals.len() as u64).collect(),
+                    local_hashes: locals,
+                    ..v1::BlocksStored::default()
+                })),
+            }],
+            ..v1::PublishEventsRequest::default()
+        };
+        h.client
+            .clone()
+            .publish_events(tokio_stream::iter([request]))
+            .await
+            .expect("published");
+    }
+    let tokens: Vec<u32> = (0..1024).collect();
+    let first = start(ServerConfig::default()).await;
+    store(&first, 16, &tokens).await;
+    let mut client = kvatlas_proto::client::Client::connect(&first.url)
+        .await
+        .expect("connects");
+    let prompt = kvatlas_proto::client::Prompt::new(MODEL, &tokens);
+    let answer = client
+        .query(&prompt, v1::QueryOptions::default())
+        .await
+        .expect("query");
+    assert_eq!(answer.block_size, 16);
+    let grpc_addr = first.server.grpc_addr();
+    first.server.shutdown().await;
+    // The same address, the index made again with 64-token blocks, and a limit of 1,024 tokens:
+    // 64 blocks of 16 are refused (64 × 64 tokens), 16 blocks of 64 are not.
+    let config = ServerConfig {
+        limits: kvatlas_server::Limits {
+            max_query_tokens: 1024,
+            ..kvatlas_server::Limits::default()
+        },
+        ..ServerConfig::default()
+    };
+    let second = kvatlas_server::RunningServer::start(ServerConfig {
+        grpc_addr,
+        http_addr: ServerConfig::ephemeral().http_addr,
+        ..config
+    })
+    .await
+    .expect("the second server starts on the first's address");
+    let second = Harness {
+        client: v1::indexer_client::IndexerClient::connect(format!("http://{grpc_addr}"))
+            .await
+            .expect("connects"),
+        url: format!("http://{grpc_addr}"),
+        server: second,
+    };
+    store(&second, 64, &tokens).await;
+    let start = std::time::Instant::now();
+    let answer = loop {
+        match client.query(&prompt, v1::QueryOptions::default()).await {
+            // The client's connection to the first server is made again.
+            Err(error) if error.to_string().contains("transport") && start.elapsed() < WAIT => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            answer => break answer.expect("the size is learned again"),
+        }
+    };
+    assert_eq!(answer.block_size, 64);
+    assert_eq!(answer_rows(&answer), [(1, 0, 16, 16, 16)]);
+    second.server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zmq_workers_register_override_ranks_and_unregister() {
     let mut h = start(ServerConfig::default()).await;
