@@ -179,6 +179,63 @@ fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
     );
 }
 
+/// A snapshot holding more than the capacity is evicted down to it by the restore, the oldest
+/// restored blocks of each rank in turn, in both fronts; the next mutation evicts only for
+/// itself (it evicted the whole excess, charged to its report, and the index held more than
+/// its bound until then). No eviction of the restore's is reported.
+#[test]
+fn a_restore_beyond_the_capacity_is_evicted_down_to_it() {
+    let store = |worker: Worker, i: u64| Mutation::Stored {
+        worker,
+        tier: Tier::Device,
+        parent: None,
+        blocks: vec![StoredBlock {
+            external: ExternalBlockHash::new(i),
+            local: LocalBlockHash::new(1_000 + i),
+        }],
+    };
+    let (one, other, later) = (Worker::new(9, 0), Worker::new(5, 0), Worker::new(1, 0));
+    let mut before = Atlas::new();
+    for i in 0..5 {
+        before.apply(&store(one, i));
+        before.apply(&store(other, 100 + i));
+    }
+    let snapshot = before.snapshot();
+    // What stays: the two newest of each rank.
+    let query = |i: u64| vec![LocalBlockHash::new(1_000 + i)];
+    let kept = |index: &dyn Fn(&[LocalBlockHash]) -> usize| {
+        (0..5)
+            .flat_map(|i| [i, 100 + i])
+            .filter(|&i| index(&query(i)) > 0)
+            .collect::<Vec<u64>>()
+    };
+    let mut atlas = Atlas::with_capacity(4);
+    atlas.restore(&snapshot);
+    assert_eq!(atlas.stats().memberships, 4);
+    assert!(
+        atlas.take_evictions().is_empty(),
+        "the restore's are not reported"
+    );
+    assert_eq!(
+        kept(&|q| atlas
+            .find_matches(q, &MatchOptions::default())
+            .workers
+            .len()),
+        [3, 103, 4, 104]
+    );
+    assert_eq!(atlas.apply(&store(later, 10)).evicted, 1, "its own only");
+    let concurrent = ConcurrentAtlas::with_capacity(4);
+    concurrent.restore(&snapshot);
+    assert_eq!(concurrent.stats().memberships, 4);
+    assert_eq!(
+        kept(&|q| concurrent
+            .find_matches(q, &MatchOptions::default())
+            .workers
+            .len()),
+        [3, 103, 4, 104]
+    );
+}
+
 /// Two conversations share a 4-block system prompt; over capacity, their private tails go
 /// first (least recent first) and the shared prefix stays.
 ///

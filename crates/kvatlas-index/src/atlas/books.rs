@@ -169,7 +169,10 @@ impl Books {
         Snapshot { workers }
     }
 
-    /// Replaces the contents with a snapshot's.
+    /// Replaces the contents with a snapshot's; with a capacity bound, a snapshot holding more
+    /// is evicted down to it at once, least recent first (its excess was evicted by the next
+    /// mutation, whatever it was, and charged to its report; meanwhile the index held more
+    /// than its bound). These evictions are not reported: they are the restore's.
     pub(super) fn restore(&mut self, forest: &mut Forest, snapshot: &Snapshot) {
         self.clear(forest);
         let bounded = self.bound.is_some();
@@ -196,6 +199,12 @@ impl Books {
         }
         if bounded {
             self.rebuild_heap();
+            // The bound, applied as after a mutation that changed no count.
+            if let Some(worker) = self.ledgers.keys().next().copied() {
+                let held = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
+                self.enforce_bound(forest, worker, held, &mut ApplyReport::default());
+            }
+            let _ = self.take_evictions();
         }
     }
 
