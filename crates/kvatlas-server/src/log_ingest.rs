@@ -237,6 +237,8 @@ pub(crate) struct LoggedSink {
     pub(crate) log: Arc<LogHandle>,
     pub(crate) key: IndexKey,
     pub(crate) block_size: BlockSize,
+    /// The salts of ranks registered again within the duplicate window.
+    pub(crate) id_salts: Arc<crate::registry::IdSalts>,
 }
 
 impl MutationSink for LoggedSink {
@@ -246,7 +248,8 @@ impl MutationSink for LoggedSink {
             Err(mpsc::error::TrySendError::Full(())) => return Err(SinkError::Full(unit)),
             Err(mpsc::error::TrySendError::Closed(())) => return Err(SinkError::Closed(unit)),
         };
-        let record = log_record::encode_unit(&self.key, self.block_size, &unit);
+        let salt = self.id_salts.of(log_record::source_of(&unit));
+        let record = log_record::encode_unit_salted(&self.key, self.block_size, &unit, salt);
         if !self.log.publish_only {
             self.pool.try_push(unit)?;
         }

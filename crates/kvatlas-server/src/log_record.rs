@@ -64,7 +64,7 @@ pub(crate) enum Body {
 
 /// The source of a unit: its checkpoint's; for a resync's clears alone, the first rank cleared
 /// (a listener clears its registered rank first).
-fn source_of(unit: &Unit) -> Worker {
+pub(crate) fn source_of(unit: &Unit) -> Worker {
     unit.checkpoint.map_or_else(
         || {
             Worker::new(
@@ -85,15 +85,26 @@ pub(crate) fn subject(prefix: &str, key: &IndexKey, instance_id: u64) -> String 
     )
 }
 
-/// The JetStream message id of a sequenced batch.
-pub(crate) fn message_id(key: &IndexKey, source: Worker, seq: u64, fingerprint: u64) -> String {
-    format!(
+/// The JetStream message id of a sequenced batch; with the `salt` of a rank registered again
+/// ([`crate::registry::IdSalts`]) appended.
+pub(crate) fn message_id(
+    key: &IndexKey,
+    source: Worker,
+    seq: u64,
+    fingerprint: u64,
+    salt: Option<u64>,
+) -> String {
+    let id = format!(
         "{}/{}/{}/{}/{seq}/{fingerprint:016x}",
         subject_token(&key.model),
         subject_token(&key.tenant),
         source.worker_id,
         source.dp_rank
-    )
+    );
+    match salt {
+        Some(salt) => format!("{id}/{salt:016x}"),
+        None => id,
+    }
 }
 
 /// The message id of a record without a sequence number: `MODEL/TENANT/INSTANCE/RANK/once/`
@@ -137,6 +148,16 @@ pub(crate) struct Outgoing {
 
 /// The record of a unit an ingest applied for `key`, ready to publish (the unit is not copied).
 pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) -> Outgoing {
+    encode_unit_salted(key, block_size, unit, None)
+}
+
+/// [`encode_unit`], a sequenced batch's message id salted with `salt` if given.
+pub(crate) fn encode_unit_salted(
+    key: &IndexKey,
+    block_size: BlockSize,
+    unit: &Unit,
+    salt: Option<u64>,
+) -> Outgoing {
     let source = source_of(unit);
     let batch = v1::LogBatch {
         seq: unit.checkpoint.map(|c| c.position),
@@ -148,7 +169,7 @@ pub(crate) fn encode_unit(key: &IndexKey, block_size: BlockSize, unit: &Unit) ->
     Outgoing {
         message_id: Some(unit.checkpoint.map_or_else(
             || once_id(key, source),
-            |c| message_id(key, source, c.position, c.fingerprint),
+            |c| message_id(key, source, c.position, c.fingerprint, salt),
         )),
         payload: wire(key, block_size, source, v1::log_record::Body::Batch(batch)).into(),
         source: (key.clone(), source),

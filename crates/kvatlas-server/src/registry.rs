@@ -452,8 +452,42 @@ pub(crate) struct IndexEntry {
     /// Counters of feeds that were stopped, and of listeners being stopped.
     retired: Mutex<Retired>,
     /// The chain heads of `PublishEvents` ranks unregistered within the event log's duplicate
-    /// window (an ingest's only): what the rank's next feed chains onto. Locked after `feeds`.
+    /// window (an ingest's only): what the rank's next feed chains onto; for a ZMQ rank, the
+    /// salt of its next incarnation's message ids ([`IdSalts`]). Locked after `feeds`.
     pub(crate) retired_chains: Mutex<crate::publish::RetiredChains>,
+    /// The message-id salts of ZMQ ranks registered again after an unregistration (an
+    /// ingest's only; shared with its sink).
+    id_salts: Arc<IdSalts>,
+}
+
+/// The salts of ZMQ ranks' message ids, per rank. A ZMQ rank unregistered at an ingest and
+/// registered again replays its engine's ring from 0, and those batches carry the sequence
+/// numbers and payloads they had: with the same message ids, the stream took them for
+/// duplicates within its duplicate window, and replicas missed them. Its next incarnation's
+/// ids are salted with a chain of its unregistrations (the salt it had and its last sequence
+/// number, [`next_salt`]), the same at every ingest that saw the same stream and unregistration.
+#[derive(Debug, Default)]
+pub(crate) struct IdSalts(Mutex<HashMap<Worker, u64>>);
+
+impl IdSalts {
+    /// The salt of `source`'s message ids, if it has one.
+    pub(crate) fn of(&self, source: Worker) -> Option<u64> {
+        let salts = self.0.lock();
+        if salts.is_empty() {
+            return None;
+        }
+        salts.get(&source).copied()
+    }
+}
+
+/// The salt of a ZMQ rank's next incarnation: its salt so far (`None` before its first
+/// unregistration) chained with the last sequence number its listener applied.
+fn next_salt(salt: Option<u64>, last_seq: Option<u64>) -> u64 {
+    let mut bytes = [0u8; 17];
+    bytes[..8].copy_from_slice(&salt.unwrap_or(0).to_le_bytes());
+    bytes[8..16].copy_from_slice(&last_seq.unwrap_or(u64::MAX).to_le_bytes());
+    bytes[16] = u8::from(salt.is_some());
+    xxhash_rust::xxh3::xxh3_64(&bytes)
 }
 
 /// The counters of feeds no longer in an index's feeds.
@@ -505,12 +539,14 @@ impl IndexEntry {
         )
         .map_err(|e| ServiceError::Internal(format!("cannot start the index writers: {e}")))?;
         let pool = Arc::new(pool);
+        let id_salts = Arc::new(IdSalts::default());
         let sink: Arc<dyn MutationSink> = match log {
             Some(log) => Arc::new(LoggedSink {
                 pool: Arc::clone(&pool),
                 log: Arc::clone(log),
                 key: key.clone(),
                 block_size,
+                id_salts: Arc::clone(&id_salts),
             }),
             None => pool.clone(),
         };
@@ -531,6 +567,7 @@ impl IndexEntry {
             membership: Mutex::new(()),
             retired: Mutex::new(Retired::default()),
             retired_chains: Mutex::new(crate::publish::RetiredChains::default()),
+            id_salts,
         })
     }
 
@@ -900,11 +937,25 @@ impl IndexEntry {
         if let Some(replay) = &registration.replay_endpoint {
             config = config.with_replay_endpoint(replay.clone());
         }
+        // On an ingest, a rank unregistered within the duplicate window salts its ids.
+        let salt = self
+            .log
+            .as_ref()
+            .and_then(|_| self.retired_chains.lock().take(worker));
+        if let Some(salt) = salt {
+            self.id_salts.0.lock().insert(worker, salt);
+        }
         let listener = match self.listeners.start(config) {
             Ok(listener) => listener,
             Err(e) => {
                 if let Some(mark) = foreign_mark {
                     self.index().put_back_mark(worker, mark);
+                }
+                if let (Some(salt), Some(log)) = (salt, &self.log) {
+                    self.id_salts.0.lock().remove(&worker);
+                    self.retired_chains
+                        .lock()
+                        .retire(worker, salt, log.duplicate_window);
                 }
                 return Err(listener_error(&e, &registration));
             }
@@ -978,7 +1029,7 @@ impl IndexEntry {
             return RanksRemoved::default();
         }
         let mut listeners_stopped = 0;
-        for (_, feed) in &removed {
+        for (worker, feed) in &removed {
             if let Feed::Zmq { listener, .. } = feed {
                 // Its counters as they are now count in a sum while it stops (not under the
                 // retired counters' lock: a stop waits for the listener's poller, which may be
@@ -997,9 +1048,20 @@ impl IndexEntry {
                 let stopped = self.listeners.stop(*listener);
                 let mut retired = self.retired.lock();
                 retired.stopping.remove(listener);
-                if let Ok(state) = stopped {
+                if let Ok(state) = &stopped {
                     listeners_stopped += 1;
                     retired.stopped.add(&FeedCounters::from(&state.counters));
+                }
+                drop(retired);
+                // An ingest salts the rank's next incarnation's ids (see [`IdSalts`]).
+                if let Some(log) = &self.log {
+                    let salt = self.id_salts.0.lock().remove(worker);
+                    let last_seq = stopped.ok().and_then(|state| state.last_seq);
+                    self.retired_chains.lock().retire(
+                        *worker,
+                        next_salt(salt, last_seq),
+                        log.duplicate_window,
+                    );
                 }
             }
         }
@@ -2033,6 +2095,20 @@ pub(crate) fn restored_within_one_rank(image: IndexImage) -> (Arc<Registry>, usi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rank's salts chain: the same history gives the same salt (at every ingest), and a
+    /// second unregistration at the same last sequence number gives another salt than the
+    /// first (the first incarnation's salted ids would be met again), as does a first
+    /// unregistration whose salt so far equals none's.
+    #[test]
+    fn message_id_salts_chain_over_unregistrations() {
+        let first = next_salt(None, Some(41));
+        assert_eq!(first, next_salt(None, Some(41)), "deterministic");
+        assert_ne!(first, next_salt(None, Some(42)));
+        assert_ne!(next_salt(Some(first), Some(41)), first);
+        assert_ne!(next_salt(Some(0), Some(41)), next_salt(None, Some(41)));
+        assert_ne!(next_salt(None, None), next_salt(None, Some(u64::MAX - 1)));
+    }
 
     fn image(model: &str, block_size: u32) -> IndexImage {
         IndexImage {

@@ -266,6 +266,55 @@ fn two_ingests_deduplicate_and_the_survivor_carries_on() {
     two.kill_9();
 }
 
+/// A ZMQ worker unregistered at an ingest and registered again within the stream's duplicate
+/// window replays its engine's ring from 0. Those batches carry the sequence numbers and
+/// payloads they had the first time: with the same message ids, the stream took them for
+/// duplicates, and the replica missed the worker's blocks (the ingest held them). The new
+/// incarnation's ids are salted, and the replica converges with the engines.
+#[test]
+fn a_zmq_worker_registered_again_reaches_the_replicas() {
+    let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
+    let mut fleet = Fleet::new();
+    let ingest = ingest(&nats, &fleet);
+    fleet.wait_subscribed(1);
+    let replica = replica(&nats);
+    fleet.serve(200);
+    converges(&replica, &fleet, "the replica before the unregistration");
+    let engine = fleet.publishers.endpoints()[0].clone();
+    let instance = u64::from(engine.worker);
+    unregister_at(&ingest, instance, "", false);
+    runtime().block_on(async {
+        let mut client = IndexerClient::connect(ingest.grpc.clone())
+            .await
+            .expect("connects");
+        client
+            .register_worker(v1::RegisterWorkerRequest {
+                index: Some(v1::IndexSelector {
+                    model: MODEL.into(),
+                    tenant: String::new(),
+                }),
+                instance_id: instance,
+                block_size: BLOCK_TOKENS,
+                engine: v1::EngineKind::Vllm as i32,
+                endpoint: engine.live.clone(),
+                replay_endpoint: engine.replay.clone(),
+                ..v1::RegisterWorkerRequest::default()
+            })
+            .await
+            .expect("registered again");
+    });
+    // The engine's next batch the new listener receives shows it joined late: it replays
+    // from 0 (batches sent before its subscription took effect are not seen).
+    eventually("the ingest holds the worker again", || {
+        fleet.serve(10);
+        std::thread::sleep(Duration::from_millis(50));
+        common::fleet::state_digest(&ingest.grpc) == Ok(fleet.oracle())
+    });
+    converges(&replica, &fleet, "the replica, the worker registered again");
+    replica.kill_9();
+    ingest.kill_9();
+}
+
 #[test]
 fn a_replica_behind_the_retention_window_rebootstraps_from_a_snapshot() {
     let nats = NatsServer::start().expect("nats-server starts (cargo xtask ci installs it)");
