@@ -140,13 +140,9 @@ fn evictions_not_taken_are_kept_to_a_bound() {
     );
 }
 
-/// After a restore, the blocks stored next are newer than the restored ones: over capacity,
-/// restored blocks go first, the ranks' in turn. (The bound's clock stayed at 0 on a restore:
-/// the first blocks stored after it were stamped as old as the oldest restored ones and, on a
-/// tie decided by the rank, evicted first.)
-#[test]
-fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
-    let store = |worker: Worker, i: u64| Mutation::Stored {
+/// `worker` stores block `i` alone (engine hash `i`, local hash 1,000 + `i`), without a parent.
+fn store(worker: Worker, i: u64) -> Mutation {
+    Mutation::Stored {
         worker,
         tier: Tier::Device,
         parent: None,
@@ -154,7 +150,15 @@ fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
             external: ExternalBlockHash::new(i),
             local: LocalBlockHash::new(1_000 + i),
         }],
-    };
+    }
+}
+
+/// After a restore, the blocks stored next are newer than the restored ones: over capacity,
+/// restored blocks go first, the ranks' in turn. (The bound's clock stayed at 0 on a restore:
+/// the first blocks stored after it were stamped as old as the oldest restored ones and, on a
+/// tie decided by the rank, evicted first.)
+#[test]
+fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
     let (one, other, later) = (Worker::new(9, 0), Worker::new(5, 0), Worker::new(1, 0));
     let mut before = Atlas::new();
     for i in 0..3 {
@@ -185,15 +189,6 @@ fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
 /// its bound until then). No eviction of the restore's is reported.
 #[test]
 fn a_restore_beyond_the_capacity_is_evicted_down_to_it() {
-    let store = |worker: Worker, i: u64| Mutation::Stored {
-        worker,
-        tier: Tier::Device,
-        parent: None,
-        blocks: vec![StoredBlock {
-            external: ExternalBlockHash::new(i),
-            local: LocalBlockHash::new(1_000 + i),
-        }],
-    };
     let (one, other, later) = (Worker::new(9, 0), Worker::new(5, 0), Worker::new(1, 0));
     let mut before = Atlas::new();
     for i in 0..5 {
