@@ -282,8 +282,6 @@ pub(super) struct ListenerCore {
     watch: Option<Watch>,
 }
 
-/// The ranks a source resumed from `resume` has fed: its registered rank, and the further ranks
-/// of its worker the resumed state names (at most [`MAX_RANKS_PER_SOURCE`] in all).
 /// The most a held listener keeps, in batches and in payload bytes: half the sequencer's
 /// buffer. Released, it asks for what came after the restored position (a catch-up) and puts
 /// the held batches in the sequencer's buffer behind that hole until the answer fills it; held
@@ -297,6 +295,8 @@ fn held_bound(sequencer: &crate::sequence::SequencerConfig) -> (usize, usize) {
     )
 }
 
+/// The ranks a source resumed from `resume` has fed: its registered rank, and the further ranks
+/// of its worker the resumed state names (at most [`MAX_RANKS_PER_SOURCE`] in all).
 fn fed_ranks(source: Source, resume: Option<&Resume>) -> BTreeSet<Worker> {
     let own = Worker::new(source.worker_id, source.dp_rank);
     let mut ranks = BTreeSet::from([own]);
