@@ -199,11 +199,7 @@ impl Books {
         }
         if bounded {
             self.rebuild_heap();
-            // The bound, applied as after a mutation that changed no count.
-            if let Some(worker) = self.ledgers.keys().next().copied() {
-                let held = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
-                self.enforce_bound(forest, worker, held, &mut ApplyReport::default());
-            }
+            self.evict_over_bound(forest, &mut ApplyReport::default());
             let _ = self.take_evictions();
         }
     }

@@ -80,8 +80,6 @@ impl Books {
         report: &mut ApplyReport,
     ) {
         let Some(bound) = &mut self.bound else { return };
-        // This call's evictions start here (the ranks they emptied are released below).
-        let first_new = bound.evicted.len();
         let held_after = self.ledgers.get(&worker).map_or(0, |(_, l)| l.len());
         bound.held = (bound.held + held_after as u64).saturating_sub(held_before as u64);
         if let Some((_, ledger)) = self.ledgers.get_mut(&worker) {
@@ -91,6 +89,15 @@ impl Books {
                 bound.heap.push(Reverse((stamp, worker, slot, external)));
             }
         }
+        self.evict_over_bound(forest, report);
+    }
+
+    /// Evicts, least recent first, until the held pairs are within the bound (the candidates
+    /// and the held count up to date); the ranks emptied give their index back.
+    pub(super) fn evict_over_bound(&mut self, forest: &mut Forest, report: &mut ApplyReport) {
+        let Some(bound) = &mut self.bound else { return };
+        // This call's evictions start here (the ranks they emptied are released below).
+        let first_new = bound.evicted.len();
         let mut fallback_built = false;
         while bound.held > bound.capacity {
             let (Reverse((stamp, victim, slot, external)), leaf) = match bound.heap.pop() {
