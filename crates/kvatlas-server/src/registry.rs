@@ -466,17 +466,36 @@ pub(crate) struct IndexEntry {
 /// duplicates within its duplicate window, and replicas missed them. Its next incarnation's
 /// ids are salted with a chain of its unregistrations (the salt it had and its last sequence
 /// number, [`next_salt`]), the same at every ingest that saw the same stream and unregistration.
+/// Invariant: `salted` is the map's length (written under its lock), so that a unit of an
+/// ingest with no salted rank — nearly every one — takes no lock.
 #[derive(Debug, Default)]
-pub(crate) struct IdSalts(Mutex<HashMap<Worker, u64>>);
+pub(crate) struct IdSalts {
+    salts: Mutex<HashMap<Worker, u64>>,
+    salted: AtomicUsize,
+}
 
 impl IdSalts {
     /// The salt of `source`'s message ids, if it has one.
     pub(crate) fn of(&self, source: Worker) -> Option<u64> {
-        let salts = self.0.lock();
-        if salts.is_empty() {
+        if self.salted.load(Ordering::Acquire) == 0 {
             return None;
         }
-        salts.get(&source).copied()
+        self.salts.lock().get(&source).copied()
+    }
+
+    /// Salts `worker`'s ids with `salt` from now on (before its listener starts).
+    fn set(&self, worker: Worker, salt: u64) {
+        let mut salts = self.salts.lock();
+        salts.insert(worker, salt);
+        self.salted.store(salts.len(), Ordering::Release);
+    }
+
+    /// Ends `worker`'s salt (its listener stopped, or did not start); the salt it had.
+    fn remove(&self, worker: Worker) -> Option<u64> {
+        let mut salts = self.salts.lock();
+        let salt = salts.remove(&worker);
+        self.salted.store(salts.len(), Ordering::Release);
+        salt
     }
 }
 
@@ -943,7 +962,7 @@ impl IndexEntry {
             .as_ref()
             .and_then(|_| self.retired_chains.lock().take(worker));
         if let Some(salt) = salt {
-            self.id_salts.0.lock().insert(worker, salt);
+            self.id_salts.set(worker, salt);
         }
         let listener = match self.listeners.start(config) {
             Ok(listener) => listener,
@@ -952,7 +971,7 @@ impl IndexEntry {
                     self.index().put_back_mark(worker, mark);
                 }
                 if let (Some(salt), Some(log)) = (salt, &self.log) {
-                    self.id_salts.0.lock().remove(&worker);
+                    self.id_salts.remove(worker);
                     self.retired_chains
                         .lock()
                         .retire(worker, salt, log.duplicate_window);
@@ -1055,7 +1074,7 @@ impl IndexEntry {
                 drop(retired);
                 // An ingest salts the rank's next incarnation's ids (see [`IdSalts`]).
                 if let Some(log) = &self.log {
-                    let salt = self.id_salts.0.lock().remove(worker);
+                    let salt = self.id_salts.remove(*worker);
                     let last_seq = stopped.ok().and_then(|state| state.last_seq);
                     self.retired_chains.lock().retire(
                         *worker,
