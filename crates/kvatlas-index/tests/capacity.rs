@@ -153,23 +153,33 @@ fn store(worker: Worker, i: u64) -> Mutation {
     }
 }
 
+/// The ranks of the restore tests: two restored ([`two_ranks_stored`]), one storing after.
+const ONE: Worker = Worker::new(9, 0);
+const OTHER: Worker = Worker::new(5, 0);
+const LATER: Worker = Worker::new(1, 0);
+
+/// An index where [`ONE`] stored blocks `0..n` and [`OTHER`] blocks `100..100 + n`, in turn.
+fn two_ranks_stored(n: u64) -> Atlas {
+    let mut atlas = Atlas::new();
+    for i in 0..n {
+        atlas.apply(&store(ONE, i));
+        atlas.apply(&store(OTHER, 100 + i));
+    }
+    atlas
+}
+
 /// After a restore, the blocks stored next are newer than the restored ones: over capacity,
 /// restored blocks go first, the ranks' in turn. (The bound's clock stayed at 0 on a restore:
 /// the first blocks stored after it were stamped as old as the oldest restored ones and, on a
 /// tie decided by the rank, evicted first.)
 #[test]
 fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
-    let (one, other, later) = (Worker::new(9, 0), Worker::new(5, 0), Worker::new(1, 0));
-    let mut before = Atlas::new();
-    for i in 0..3 {
-        before.apply(&store(one, i));
-        before.apply(&store(other, 100 + i));
-    }
+    let before = two_ranks_stored(3);
     let mut atlas = Atlas::with_capacity(7);
     atlas.restore(&before.snapshot());
-    assert_eq!(atlas.apply(&store(later, 10)).evicted, 0, "7 held");
-    assert_eq!(atlas.apply(&store(later, 11)).evicted, 1, "8: one goes");
-    assert_eq!(atlas.apply(&store(later, 12)).evicted, 1, "and another");
+    assert_eq!(atlas.apply(&store(LATER, 10)).evicted, 0, "7 held");
+    assert_eq!(atlas.apply(&store(LATER, 11)).evicted, 1, "8: one goes");
+    assert_eq!(atlas.apply(&store(LATER, 12)).evicted, 1, "and another");
     let mut evicted: Vec<(Worker, u64)> = atlas
         .take_evictions()
         .iter()
@@ -178,7 +188,7 @@ fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
     evicted.sort_unstable();
     assert_eq!(
         evicted,
-        [(other, 100), (one, 0)],
+        [(OTHER, 100), (ONE, 0)],
         "the oldest restored block of each rank in turn, none stored after the restore"
     );
 }
@@ -189,13 +199,7 @@ fn blocks_stored_after_a_restore_are_newer_than_the_restored_ones() {
 /// its bound until then). No eviction of the restore's is reported.
 #[test]
 fn a_restore_beyond_the_capacity_is_evicted_down_to_it() {
-    let (one, other, later) = (Worker::new(9, 0), Worker::new(5, 0), Worker::new(1, 0));
-    let mut before = Atlas::new();
-    for i in 0..5 {
-        before.apply(&store(one, i));
-        before.apply(&store(other, 100 + i));
-    }
-    let snapshot = before.snapshot();
+    let snapshot = two_ranks_stored(5).snapshot();
     // What stays: the two newest of each rank.
     let query = |i: u64| vec![LocalBlockHash::new(1_000 + i)];
     let kept = |index: &dyn Fn(&[LocalBlockHash]) -> usize| {
@@ -218,7 +222,7 @@ fn a_restore_beyond_the_capacity_is_evicted_down_to_it() {
             .len()),
         [3, 103, 4, 104]
     );
-    assert_eq!(atlas.apply(&store(later, 10)).evicted, 1, "its own only");
+    assert_eq!(atlas.apply(&store(LATER, 10)).evicted, 1, "its own only");
     let concurrent = ConcurrentAtlas::with_capacity(4);
     concurrent.restore(&snapshot);
     assert_eq!(concurrent.stats().memberships, 4);
