@@ -40,12 +40,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) struct StallLimited<B> {
     inner: B,
     timeout: Duration,
-    /// When the body is taken for stalled (`None` until it first waits); moved on at every
-    /// frame.
-    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// When the body was first found waiting (`None` until then).
-    waiting_since: Option<Instant>,
-    /// The data bytes read since then.
+    /// Once the body was first found waiting (`None` until then): when that was, and when the
+    /// body is taken for stalled (moved on at every frame).
+    waiting: Option<(Instant, Pin<Box<tokio::time::Sleep>>)>,
+    /// The data bytes read since it was first found waiting.
     received: u64,
     stalled: fn(Duration) -> BoxError,
     /// The error was reported: the body ends.
@@ -59,8 +57,7 @@ impl<B> StallLimited<B> {
         Self {
             inner,
             timeout,
-            deadline: None,
-            waiting_since: None,
+            waiting: None,
             received: 0,
             stalled,
             failed: false,
@@ -70,11 +67,10 @@ impl<B> StallLimited<B> {
     /// The deadline as of `now`, with the body first found waiting at `since`: the stall
     /// timeout from now, or the time by which what was received meets the rate floor beyond
     /// the grace, whichever comes first.
-    fn deadline_at(&self, now: Instant, since: Instant) -> Instant {
-        let floor = since
-            + self.timeout
-            + Duration::from_secs_f64(self.received as f64 / BODY_RATE_FLOOR as f64);
-        (now + self.timeout).min(floor)
+    fn deadline_at(timeout: Duration, received: u64, now: Instant, since: Instant) -> Instant {
+        let floor =
+            since + timeout + Duration::from_secs_f64(received as f64 / BODY_RATE_FLOOR as f64);
+        (now + timeout).min(floor)
     }
 }
 
@@ -107,30 +103,26 @@ where
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
-                if let Some(since) = this.waiting_since {
+                if let Some((since, deadline)) = &mut this.waiting {
                     if let Some(Ok(frame)) = &frame
                         && let Some(data) = frame.data_ref()
                     {
                         let bytes = u64::try_from(data.remaining()).unwrap_or(u64::MAX);
                         this.received = this.received.saturating_add(bytes);
                     }
-                    let next = this.deadline_at(Instant::now(), since);
-                    if let Some(deadline) = &mut this.deadline {
-                        deadline.as_mut().reset(next);
-                    }
+                    let next =
+                        Self::deadline_at(this.timeout, this.received, Instant::now(), *since);
+                    deadline.as_mut().reset(next);
                 }
                 Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
             }
             Poll::Pending => {
-                if this.deadline.is_none() {
+                let (timeout, received) = (this.timeout, this.received);
+                let (_, deadline) = this.waiting.get_or_insert_with(|| {
                     let now = Instant::now();
-                    this.waiting_since = Some(now);
-                    let first = this.deadline_at(now, now);
-                    this.deadline = Some(Box::pin(tokio::time::sleep_until(first)));
-                }
-                let Some(deadline) = this.deadline.as_mut() else {
-                    return Poll::Pending;
-                };
+                    let first = Self::deadline_at(timeout, received, now, now);
+                    (now, Box::pin(tokio::time::sleep_until(first)))
+                });
                 if deadline.as_mut().poll(cx).is_ready() {
                     this.failed = true;
                     return Poll::Ready(Some(Err((this.stalled)(this.timeout))));
