@@ -52,6 +52,7 @@ mod log_record;
 mod log_replica;
 mod metrics;
 mod nats;
+mod opening_deadline;
 mod peers;
 mod places;
 mod publish;

@@ -45,6 +45,7 @@ use crate::config::{ConfigError, ServerConfig};
 use crate::error::ServiceError;
 use crate::grpc::{Gate, IndexerService, OversizeStatus};
 use crate::llmd::{PodScoresService, TokenizerError, Tokenizers};
+use crate::opening_deadline::{HTTP2_PREFACE_BYTES, OpeningDeadline};
 use crate::peers::Bootstrap;
 use crate::registry::{Feed, IndexKey, Registry, WorkerRegistration};
 use crate::reload::{Reloaded, Reloader};
@@ -1011,6 +1012,7 @@ fn serve_grpc(
     >,
     stop: CancellationToken,
 ) -> Result<JoinHandle<Result<(), tonic::transport::Error>>, StartError> {
+    use tokio_stream::StreamExt as _;
     let limits = state.limits;
     // A message over the size limit is RESOURCE_EXHAUSTED (`OversizeStatus`), as gRPC's other
     // implementations answer it. The limit is on what the server accepts, not on its answers:
@@ -1071,7 +1073,13 @@ fn serve_grpc(
     let incoming = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(GRPC_KEEPALIVE_INTERVAL));
+    // HTTP/2's keep-alive pings start after the client's preface: one that does not send it
+    // within the stall timeout is closed (it held a task and a descriptor for good).
+    let preface_within = limits.stall_timeout;
     let Some(tls) = tls else {
+        let incoming = incoming.map(move |accepted| {
+            accepted.map(|tcp| OpeningDeadline::new(tcp, HTTP2_PREFACE_BYTES, preface_within))
+        });
         return Ok(tokio::spawn(
             router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()),
         ));
@@ -1081,7 +1089,10 @@ fn serve_grpc(
     let acceptor = tls
         .acceptor(&[b"h2"])
         .map_err(|e| StartError::Tls(format!("gRPC TLS: {e}")))?;
-    let handshaken = tls_incoming("gRPC", incoming, acceptor, stop.clone());
+    let handshaken =
+        tls_incoming("gRPC", incoming, acceptor, stop.clone()).map(move |handshaken| {
+            handshaken.map(|tls| OpeningDeadline::new(tls, HTTP2_PREFACE_BYTES, preface_within))
+        });
     Ok(tokio::spawn(router.serve_with_incoming_shutdown(
         handshaken,
         stop.cancelled_owned(),
@@ -1249,26 +1260,18 @@ async fn serve_connections<IO>(
         let (router, stop, builder) = (router.clone(), stop.clone(), Arc::clone(&builder));
         connections.spawn(async move {
             let service = hyper_util::service::TowerToHyperService::new(router);
-            let (io, first_byte) = FirstByte::new(io);
-            let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
-            tokio::pin!(connection);
             // Until its first byte hyper reads a connection's protocol version without a timer
             // (the header timeout starts after it): one that sends nothing is closed then.
-            let silent = tokio::time::sleep(header_timeout);
-            tokio::pin!(silent);
-            let (mut stopping, mut heard) = (false, false);
+            let io = OpeningDeadline::new(io, 1, header_timeout);
+            let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            tokio::pin!(connection);
+            let mut stopping = false;
             loop {
                 tokio::select! {
                     _ = connection.as_mut() => break,
                     () = stop.cancelled(), if !stopping => {
                         stopping = true;
                         connection.as_mut().graceful_shutdown();
-                    }
-                    () = silent.as_mut(), if !heard => {
-                        if !first_byte.load(std::sync::atomic::Ordering::Relaxed) {
-                            break;
-                        }
-                        heard = true;
                     }
                 }
             }
@@ -1278,75 +1281,6 @@ async fn serve_connections<IO>(
     // others end.
     drop(incoming);
     while connections.join_next().await.is_some() {}
-}
-
-/// A connection's IO that records whether a byte was read from it.
-struct FirstByte<IO> {
-    inner: IO,
-    seen: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl<IO> FirstByte<IO> {
-    /// `inner`, and the flag its first byte read sets.
-    fn new(inner: IO) -> (Self, Arc<std::sync::atomic::AtomicBool>) {
-        let seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let io = Self {
-            inner,
-            seen: Arc::clone(&seen),
-        };
-        (io, seen)
-    }
-}
-
-impl<IO: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for FirstByte<IO> {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let read = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.seen.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-        read
-    }
-}
-
-impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for FirstByte<IO> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
 }
 
 /// Completes on SIGINT (Ctrl-C) or SIGTERM. On unix the signals are taken from the call on,

@@ -1231,25 +1231,62 @@ async fn an_http_connection_whose_headers_stall_is_closed() {
         &b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n"[..],
     ];
     for sent in sent {
-        let answer = tokio::task::spawn_blocking(move || {
-            let mut stream = std::net::TcpStream::connect(http).expect("connect");
-            stream
-                .set_read_timeout(Some(std::time::Duration::from_secs(20)))
-                .expect("timeout");
-            std::io::Write::write_all(&mut stream, sent).expect("send");
-            let mut response = Vec::new();
-            std::io::Read::read_to_end(&mut stream, &mut response)
-                .map(|_| String::from_utf8_lossy(&response).into_owned())
-        })
-        .await
-        .expect("joined");
-        let answer = answer.unwrap_or_else(|error| {
-            panic!("the connection stayed open 20 s after sending {sent:?}: {error}")
-        });
+        let answer = answer_until_closed(http, sent).await;
         if sent.starts_with(b"GET") {
             assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         }
     }
+    h.server.shutdown().await;
+}
+
+/// What the server sends on a connection to `to` on which `sent` was written, until it closes
+/// the connection (a reset counts as closed); fails if it is still open 20 s on.
+async fn answer_until_closed(to: std::net::SocketAddr, sent: &'static [u8]) -> String {
+    tokio::task::spawn_blocking(move || {
+        let mut stream = std::net::TcpStream::connect(to).expect("connect");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .expect("timeout");
+        std::io::Write::write_all(&mut stream, sent).expect("send");
+        let mut response = Vec::new();
+        match std::io::Read::read_to_end(&mut stream, &mut response) {
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                panic!("the connection stayed open 20 s after sending {sent:?}: {error}")
+            }
+            _ => String::from_utf8_lossy(&response).into_owned(),
+        }
+    })
+    .await
+    .expect("joined")
+}
+
+/// A gRPC connection that sends nothing, or part of HTTP/2's preface, is closed after
+/// `--stall-timeout-secs`: HTTP/2's pings start after the preface, and it held a task and a
+/// descriptor for good, before any token was checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_connection_without_its_preface_is_closed() {
+    let config = ServerConfig {
+        limits: Limits {
+            stall_timeout: std::time::Duration::from_secs(1),
+            ..Limits::default()
+        },
+        ..ServerConfig::default()
+    };
+    let mut h = start(config).await;
+    let grpc = h.server.grpc_addr();
+    for sent in [&b""[..], &b"PRI * HTTP/2.0\r\n"[..]] {
+        answer_until_closed(grpc, sent).await;
+    }
+    // A client that sends its preface in time is served.
+    h.client
+        .list_indexes(v1::ListIndexesRequest::default())
+        .await
+        .expect("served");
     h.server.shutdown().await;
 }
 
