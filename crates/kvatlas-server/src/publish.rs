@@ -449,6 +449,12 @@ impl RetiredChains {
         self.order.push_back((worker, expires));
     }
 
+    /// Whether any chain is remembered still within its window.
+    pub(crate) fn live(&self) -> bool {
+        let now = Instant::now();
+        self.heads.values().any(|(_, until)| *until > now)
+    }
+
     /// The head `worker`'s unregistered chain stood at, if within its window; forgotten.
     pub(crate) fn take(&mut self, worker: Worker) -> Option<u64> {
         self.heads

@@ -432,8 +432,8 @@ pub(crate) struct IndexEntry {
     pub(crate) log: Option<Arc<LogHandle>>,
     listeners: Listeners,
     pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
-    /// Set (under `feeds`' lock) when [`Registry::forget_if_unused`] takes the entry out of the
-    /// registry: no feed is added to it after that (a request that got it just before finds
+    /// Set (under `feeds`' lock) when [`Registry::forget_if_unused`] or
+    /// [`Registry::forget_emptied`] takes the entry out of the registry: no feed is added to it after that (a request that got it just before finds
     /// it removed and asks the registry again), or a registration would land in an index the
     /// server no longer lists, with a listener nobody can unregister.
     pub(crate) removed: std::sync::atomic::AtomicBool,
@@ -1172,6 +1172,28 @@ impl IndexEntry {
         self.listeners.stop_all()
     }
 
+    /// Marks the entry removed (as [`IndexEntry::mark_removed_if_unused`] does) if it holds
+    /// nothing any more: no feed, no rank recorded as unfed, no block, no checkpoint. Returns
+    /// the unregistered chains it remembers (an ingest's: see [`RetiredChains`]), for the next
+    /// index of the key to take over; `None` if it still holds something.
+    ///
+    /// [`RetiredChains`]: crate::publish::RetiredChains
+    fn mark_removed_if_emptied(&self) -> Option<crate::publish::RetiredChains> {
+        // No cut between: a snapshot holds the index as it was or not at all.
+        let _membership = self.membership.lock();
+        let feeds = self.feeds.lock();
+        let empty = feeds.is_empty()
+            && self.unfed.lock().is_empty()
+            && self.index().marked_workers().is_empty()
+            && self.blocks_per_rank().is_empty();
+        if !empty {
+            return None;
+        }
+        self.removed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        Some(std::mem::take(&mut *self.retired_chains.lock()))
+    }
+
     /// Whether nothing is registered and nothing held (an index a failed registration created).
     /// Marks the entry removed if it is unused (no feed, no unfed rank, no event applied),
     /// under `feeds`' lock, so that no feed is added after the check; `true` if it was.
@@ -1209,7 +1231,7 @@ pub(crate) fn on_loopback(endpoint: &str) -> bool {
 pub(crate) fn removed_meanwhile(key: &IndexKey) -> ServiceError {
     ServiceError::Unavailable(format!(
         "the index {key} was removed while this request used it (a concurrent request that \
-         created it failed): send it again"
+         created it failed, or its last worker was unregistered): send it again"
     ))
 }
 
@@ -1257,6 +1279,10 @@ pub(crate) struct Registry {
     log_stats: Arc<LogStats>,
     /// `PublishEvents` order, striped by (index, worker instance) ([`Registry::publish_order`]).
     publish_order: Vec<Arc<tokio::sync::Mutex<()>>>,
+    /// The unregistered chains of indexes removed within their window, for the key's next
+    /// index ([`Registry::forget_if_emptied`]); at most `max_indexes` of them. Locked after
+    /// `indexes`.
+    removed_chains: Mutex<HashMap<IndexKey, crate::publish::RetiredChains>>,
     /// Whether a listener recorded in a restored snapshot may bind beyond loopback (the server
     /// authenticates, or `--allow-unauthenticated`): the rule a registration over the API meets.
     binds_beyond_loopback: bool,
@@ -1296,6 +1322,7 @@ impl Registry {
             publish_order: (0..PUBLISH_ORDER_STRIPES)
                 .map(|_| Arc::new(tokio::sync::Mutex::new(())))
                 .collect(),
+            removed_chains: Mutex::new(HashMap::new()),
             binds_beyond_loopback: true,
         }
     }
@@ -1473,10 +1500,22 @@ impl Registry {
             return Ok((Arc::clone(entry), false));
         }
         if indexes.len() >= self.limits.max_indexes {
-            return Err(ServiceError::ResourceExhausted(format!(
-                "the server holds its limit of {} indexes; cannot create one for {key}",
-                self.limits.max_indexes
-            )));
+            // At the limit, the indexes that hold nothing any more make room (their entries'
+            // locks are not taken under the registry's).
+            drop(indexes);
+            self.forget_emptied();
+            indexes = self.indexes.write();
+            if let Some(entry) = indexes.get(key) {
+                check_block_size(entry, Some(block_size))?;
+                return Ok((Arc::clone(entry), false));
+            }
+            if indexes.len() >= self.limits.max_indexes {
+                return Err(ServiceError::ResourceExhausted(format!(
+                    "the server holds its limit of {} indexes, none of them empty; cannot \
+                     create one for {key}",
+                    self.limits.max_indexes
+                )));
+            }
         }
         let log = match &self.log_role {
             Some(LogRole::Ingest(handle)) => Some(handle),
@@ -1490,6 +1529,11 @@ impl Registry {
             self.listener_threads()?,
             log,
         )?);
+        // An index of the key removed within its unregistered chains' window: its ranks' next
+        // feeds chain onto them still.
+        if let Some(chains) = self.removed_chains.lock().remove(key) {
+            *entry.retired_chains.lock() = chains;
+        }
         indexes.insert(key.clone(), Arc::clone(&entry));
         tracing::info!(
             model = %key.model,
@@ -1666,6 +1710,50 @@ impl Registry {
         {
             indexes.remove(&entry.key);
         }
+    }
+
+    /// Removes every index that holds nothing any more (its last rank was unregistered), to
+    /// make room at the index limit; how many. Until then an emptied index still answers its
+    /// model's queries (with no match, not NOT_FOUND: a model whose only worker restarts is not
+    /// an error for its router meanwhile). Never removed, emptied indexes held their places
+    /// among `--max-indexes` for good: a fleet that rolled its model names, or a client that
+    /// registered and unregistered ever new ones, filled the limit for every tenant, over
+    /// restarts too (the snapshot carried them).
+    fn forget_emptied(&self) -> usize {
+        self.all()
+            .iter()
+            .filter(|entry| self.forget_if_emptied(entry))
+            .count()
+    }
+
+    /// Removes `entry` from the registry if it is still the registry's and holds nothing any
+    /// more; whether it did. A request that found it before finds it removed and asks again, as
+    /// after [`Registry::forget_if_unused`]. The unregistered chains it remembers (an
+    /// ingest's) are kept for the key's next index.
+    fn forget_if_emptied(&self, entry: &Arc<IndexEntry>) -> bool {
+        let Some(chains) = entry.mark_removed_if_emptied() else {
+            return false;
+        };
+        let mut indexes = self.indexes.write();
+        if !indexes
+            .get(&entry.key)
+            .is_some_and(|held| Arc::ptr_eq(held, entry))
+        {
+            return false;
+        }
+        indexes.remove(&entry.key);
+        let mut removed_chains = self.removed_chains.lock();
+        removed_chains.retain(|_, chains| chains.live());
+        if chains.live() && removed_chains.len() < self.limits.max_indexes {
+            removed_chains.insert(entry.key.clone(), chains);
+        }
+        drop(removed_chains);
+        tracing::info!(
+            model = %entry.key.model,
+            tenant = %entry.key.tenant,
+            "removed an index that holds nothing, to make room at the index limit"
+        );
+        true
     }
 
     /// Restores snapshot images: each index is created (or must have the same block size), its
@@ -2316,6 +2404,107 @@ mod tests {
             .restore_images(&images, None)
             .expect("restored where nothing contradicts it");
         assert_eq!(registry.all().len(), 1);
+    }
+
+    /// An index whose last rank is unregistered stays (its model's queries answer, with no
+    /// match) until the index limit needs its place: then it is removed (registering and
+    /// unregistering ever new models filled the limit for every tenant, for good). One that
+    /// still holds another rank's blocks stays. The unregistered chains it remembers go to the
+    /// key's next index.
+    #[test]
+    fn an_emptied_index_makes_room_at_the_index_limit() {
+        let registry = Registry::new(
+            IndexSettings::default(),
+            Limits {
+                max_indexes: 2,
+                ..Limits::default()
+            },
+        );
+        let size = BlockSize::new(16).expect("16");
+        let rank_of =
+            |key: &IndexKey, instance| vllm_rank(key, instance, size, "tcp://127.0.0.1:1");
+        let keys = |registry: &Registry| -> Vec<IndexKey> {
+            registry.all().iter().map(|e| e.key.clone()).collect()
+        };
+        for round in 0..3 {
+            for model in ["m0", "m1"] {
+                let key = IndexKey::new(model, "a");
+                registry
+                    .register_with(rank_of(&key, 1), true)
+                    .unwrap_or_else(|e| panic!("round {round}, {model}: {e}"));
+                registry
+                    .unregister(model, Some("a"), 1, None, |_| true)
+                    .expect("unregistered");
+                assert!(registry.get(&key).is_some(), "round {round}: {model} kept");
+            }
+        }
+        let (x, y) = (IndexKey::new("x", "b"), IndexKey::new("y", "b"));
+        registry
+            .register_with(rank_of(&x, 1), true)
+            .expect("room for another tenant's index");
+        assert_eq!(
+            keys(&registry),
+            std::slice::from_ref(&x),
+            "the emptied indexes made room"
+        );
+        registry
+            .register_with(rank_of(&y, 1), true)
+            .expect("a second index");
+        // No index is empty: no room.
+        let Err(ServiceError::ResourceExhausted(why)) =
+            registry.index_for(&IndexKey::new("z", "b"), Some(size))
+        else {
+            panic!("a third index beside two that hold ranks");
+        };
+        assert!(why.contains("none of them empty"), "{why}");
+
+        // Another rank's blocks keep an index whose registered rank is unregistered.
+        let entry = registry.get(&x).expect("listed");
+        entry
+            .pool
+            .enqueue(kvatlas_index::Mutation::Stored {
+                worker: Worker::new(2, 0),
+                tier: kvatlas_index::Tier::Device,
+                parent: None,
+                blocks: vec![kvatlas_index::StoredBlock {
+                    external: kvatlas_index::ExternalBlockHash::new(7),
+                    local: kvatlas_hash::LocalBlockHash::new(7),
+                }],
+            })
+            .expect("queued");
+        entry.pool.flush();
+        registry
+            .unregister("x", Some("b"), 1, None, |_| true)
+            .expect("unregistered");
+        assert!(
+            registry
+                .index_for(&IndexKey::new("z", "b"), Some(size))
+                .is_err()
+        );
+        assert!(registry.get(&x).is_some(), "worker 2's block keeps it");
+        // Emptied, it makes room; its unregistered chains go to the key's next index.
+        entry.retired_chains.lock().retire(
+            Worker::new(1, 0),
+            41,
+            std::time::Duration::from_secs(60),
+        );
+        registry
+            .unregister("x", Some("b"), 2, None, |_| true)
+            .expect("unregistered");
+        registry
+            .index_for(&IndexKey::new("z", "b"), Some(size))
+            .expect("room made by x");
+        assert!(registry.get(&x).is_none(), "x removed");
+        registry
+            .unregister("y", Some("b"), 1, None, |_| true)
+            .expect("unregistered");
+        let (next, created) = registry.index_for(&x, Some(size)).expect("created");
+        assert!(created);
+        assert_eq!(
+            next.retired_chains.lock().take(Worker::new(1, 0)),
+            Some(41),
+            "the removed index's unregistered chain carried over"
+        );
     }
 
     /// An index that a failed request created is taken out of the registry only while unused,
