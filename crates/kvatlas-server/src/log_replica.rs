@@ -1724,23 +1724,60 @@ fn named_snapshot(name: &str, bucket: &str, error: &str) -> String {
 /// A snapshot object's read gives up after this long without a byte.
 const SNAPSHOT_READ_IDLE: Duration = Duration::from_secs(30);
 
-/// Reads `reader` to its end; `None` if it gave no byte for `idle` (a read that waits for ever
-/// is given up).
-async fn read_whole(
-    reader: &mut (impl tokio::io::AsyncRead + Unpin),
+/// How sending an object's bytes to a reader ended ([`send_pieces`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Sent {
+    /// Every byte was sent.
+    Whole,
+    /// No byte came for the idle time (a read that waits for ever is given up).
+    Stalled,
+    /// The reader stopped taking them (its result says why).
+    Refused,
+}
+
+/// Sends `object`'s bytes to `pieces`, piece by piece, until its end, a stall of `idle`, or the
+/// receiver's end; `pieces` is dropped then (the reader sees the end). The time spent waiting
+/// for the reader to take a piece is not idle time.
+async fn send_pieces(
+    object: &mut (impl tokio::io::AsyncRead + Unpin),
+    pieces: tokio::sync::mpsc::Sender<bytes::Bytes>,
     idle: Duration,
-) -> std::io::Result<Option<Vec<u8>>> {
-    let mut bytes = Vec::new();
+) -> std::io::Result<Sent> {
     let mut buffer = vec![0; 128 << 10];
     loop {
-        match tokio::time::timeout(idle, reader.read(&mut buffer)).await {
-            Err(_) => return Ok(None),
+        match tokio::time::timeout(idle, object.read(&mut buffer)).await {
+            Err(_) => return Ok(Sent::Stalled),
             Ok(read) => match read? {
-                0 => return Ok(Some(bytes)),
-                n => bytes.extend_from_slice(&buffer[..n]),
+                0 => return Ok(Sent::Whole),
+                n => {
+                    let piece = bytes::Bytes::copy_from_slice(&buffer[..n]);
+                    if pieces.send(piece).await.is_err() {
+                        return Ok(Sent::Refused);
+                    }
+                }
             },
         }
     }
+}
+
+/// Reads a replica snapshot object as it arrives: [`SNAPSHOT_MAGIC`], the stream sequence it
+/// covers, then a snapshot read within `limits` (never held whole: a snapshot object of a big
+/// fleet, or any object put in the bucket, was read into memory whole before any limit was
+/// checked, and a replica that met one larger than its memory failed at every start).
+fn read_replica_snapshot(
+    mut object: impl std::io::Read,
+    limits: crate::snapshot::ReadLimits,
+) -> Result<(u64, Vec<crate::snapshot::IndexImage>), String> {
+    let mut magic = [0u8; 8];
+    if object.read_exact(&mut magic).is_err() || &magic != SNAPSHOT_MAGIC {
+        return Err("not a kvatlas replica snapshot".into());
+    }
+    let mut covered = [0u8; 8];
+    object
+        .read_exact(&mut covered)
+        .map_err(|_| "truncated".to_owned())?;
+    let (_, images) = crate::snapshot::read_within(object, limits).map_err(|e| e.to_string())?;
+    Ok((u64::from_le_bytes(covered), images))
 }
 
 /// Reads and restores the snapshot object `listed`: where a replica of the stream created at
@@ -1765,9 +1802,18 @@ async fn restore_object(
     // Judged by what was read (a put of the same name may have replaced the listed one).
     let same_stream =
         stream_of(object.info.description.as_deref()).is_none_or(|stream| stream == current);
-    let bytes = match read_whole(&mut object, SNAPSHOT_READ_IDLE).await {
-        Ok(Some(bytes)) => bytes,
-        Ok(None) => {
+    let (pieces, received) = tokio::sync::mpsc::channel(crate::peers::PIECES_IN_FLIGHT);
+    let reader = {
+        let limits = registry.read_limits();
+        tokio::task::spawn_blocking(move || {
+            read_replica_snapshot(crate::peers::Pieces::new(received), limits)
+        })
+    };
+    let sent = send_pieces(&mut object, pieces, SNAPSHOT_READ_IDLE).await;
+    let read = reader.await.map_err(|e| e.to_string())?;
+    match sent {
+        Ok(Sent::Whole | Sent::Refused) => {}
+        Ok(Sent::Stalled) => {
             // Deleted while it was read (a newer put pruned it: its chunks are gone, and the
             // reader waited for them for ever), or stalled.
             // (A deleted object's marker reads as one that is deleted, until it is purged.)
@@ -1784,18 +1830,10 @@ async fn restore_object(
             )));
         }
         Err(error) => return Err(named(format!("reading it: {error}"))),
-    };
+    }
+    let (covered, images) = read.map_err(&named)?;
     let registry = Arc::clone(registry);
     tokio::task::spawn_blocking(move || {
-        let rest = bytes
-            .strip_prefix(SNAPSHOT_MAGIC.as_slice())
-            .ok_or_else(|| named("not a kvatlas replica snapshot".into()))?;
-        let (covered, snapshot) = rest
-            .split_first_chunk::<8>()
-            .ok_or_else(|| named("truncated".into()))?;
-        let covered = u64::from_le_bytes(*covered);
-        let (_, images) = crate::snapshot::read_within(snapshot, registry.read_limits())
-            .map_err(|e| named(e.to_string()))?;
         for entry in registry.all() {
             entry.pool.flush();
         }
@@ -1844,6 +1882,23 @@ async fn take_cut(registry: &Arc<Registry>) -> Result<Vec<crate::snapshot::Index
     .map_err(|e| e.to_string())
 }
 
+/// A replica snapshot object of `images` covering the stream up to `covered` (what
+/// [`read_replica_snapshot`] reads).
+fn encode_replica_snapshot(
+    images: &[crate::snapshot::IndexImage],
+    covered: u64,
+) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(1 << 20);
+    out.extend_from_slice(SNAPSHOT_MAGIC);
+    out.extend_from_slice(&covered.to_le_bytes());
+    let mut writer = crate::snapshot::Writer::new(out, crate::served_index::unix_micros_now())
+        .map_err(|e| e.to_string())?;
+    for image in images {
+        writer.index(image).map_err(|e| e.to_string())?;
+    }
+    writer.finish().map_err(|e| e.to_string())
+}
+
 /// Encodes a cut and puts it in the bucket as object `name` covering `covered`; returns its
 /// size.
 async fn put_snapshot(
@@ -1853,19 +1908,9 @@ async fn put_snapshot(
     covered: u64,
     stream_created: i128,
 ) -> Result<usize, String> {
-    let bytes = tokio::task::spawn_blocking(move || {
-        let mut out = Vec::with_capacity(1 << 20);
-        out.extend_from_slice(SNAPSHOT_MAGIC);
-        out.extend_from_slice(&covered.to_le_bytes());
-        let mut writer = crate::snapshot::Writer::new(out, crate::served_index::unix_micros_now())
-            .map_err(|e| e.to_string())?;
-        for image in &images {
-            writer.index(image).map_err(|e| e.to_string())?;
-        }
-        writer.finish().map_err(|e| e.to_string())
-    })
-    .await
-    .map_err(|e| e.to_string())??;
+    let bytes = tokio::task::spawn_blocking(move || encode_replica_snapshot(&images, covered))
+        .await
+        .map_err(|e| e.to_string())??;
     let size = bytes.len();
     let meta = jetstream::object_store::ObjectMetadata {
         name,
@@ -2263,23 +2308,78 @@ mod tests {
         }
     }
 
-    /// A read that stops giving bytes is given up after the idle time, with nothing; one that
-    /// ends gives everything.
+    /// An object's bytes go to the reader piece by piece: a read that stops giving bytes is
+    /// given up after the idle time, one that ends is sent whole, and a reader that stops
+    /// taking them ends the sending.
     #[tokio::test]
-    async fn a_read_that_stalls_is_given_up() {
+    async fn an_object_is_sent_in_pieces_until_its_end_a_stall_or_a_refusal() {
         use tokio::io::AsyncWriteExt as _;
-        let (mut writer, mut reader) = tokio::io::duplex(64);
-        writer.write_all(b"some").await.expect("written");
+        let (mut writer, mut object) = tokio::io::duplex(64);
         let idle = Duration::from_millis(100);
+        writer.write_all(b"some").await.expect("written");
+        let (pieces, mut received) = tokio::sync::mpsc::channel(4);
         let started = std::time::Instant::now();
-        assert_eq!(read_whole(&mut reader, idle).await.expect("no error"), None);
+        let sent = send_pieces(&mut object, pieces, idle).await;
+        assert_eq!(sent.expect("no error"), Sent::Stalled);
         assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(received.recv().await.as_deref(), Some(&b"some"[..]));
+        assert_eq!(received.recv().await, None, "the sender is dropped");
+
         writer.write_all(b" more").await.expect("written");
         drop(writer);
-        assert_eq!(
-            read_whole(&mut reader, idle).await.expect("no error"),
-            Some(b" more".to_vec())
+        let (pieces, mut received) = tokio::sync::mpsc::channel(4);
+        let sent = send_pieces(&mut object, pieces, idle).await;
+        assert_eq!(sent.expect("no error"), Sent::Whole);
+        assert_eq!(received.recv().await.as_deref(), Some(&b" more"[..]));
+
+        let (mut writer, mut object) = tokio::io::duplex(64);
+        writer.write_all(b"unwanted").await.expect("written");
+        let (pieces, received) = tokio::sync::mpsc::channel(4);
+        drop(received);
+        let sent = send_pieces(&mut object, pieces, idle).await;
+        assert_eq!(sent.expect("no error"), Sent::Refused);
+    }
+
+    /// A replica snapshot object is read as it comes, never held whole: one that goes on for
+    /// ever is refused at its first bad byte (it was read into memory whole before any check);
+    /// a sound one reads back with the stream sequence it covers.
+    #[test]
+    fn a_replica_snapshot_is_read_as_it_comes() {
+        let header: &[u8] = SNAPSHOT_MAGIC;
+        let covered = 7u64.to_le_bytes();
+        let endless = std::io::Read::chain(
+            std::io::Read::chain(header, &covered[..]),
+            std::io::repeat(0),
         );
+        let refused = read_replica_snapshot(endless, crate::snapshot::ReadLimits::default());
+        assert!(refused.is_err(), "{refused:?}");
+        let refused = read_replica_snapshot(
+            &b"KVATSNAP and more"[..],
+            crate::snapshot::ReadLimits::default(),
+        );
+        assert_eq!(
+            refused.err().as_deref(),
+            Some("not a kvatlas replica snapshot")
+        );
+        let refused =
+            read_replica_snapshot(&SNAPSHOT_MAGIC[..], crate::snapshot::ReadLimits::default());
+        assert_eq!(refused.err().as_deref(), Some("truncated"));
+
+        let image = crate::snapshot::IndexImage {
+            key: IndexKey::new("m", crate::registry::DEFAULT_TENANT),
+            block_size: kvatlas_hash::BlockSize::new(16).expect("16"),
+            capacity: None,
+            feeds: Vec::new(),
+            marks: std::collections::BTreeMap::new(),
+            snapshot: kvatlas_index::Snapshot::default(),
+        };
+        let object = encode_replica_snapshot(std::slice::from_ref(&image), 41).expect("encoded");
+        let (covered, images) =
+            read_replica_snapshot(&object[..], crate::snapshot::ReadLimits::default())
+                .expect("read back");
+        assert_eq!(covered, 41);
+        assert_eq!(images.len(), 1);
+        assert_eq!(images[0].key, image.key);
     }
 
     /// A source whose stream delivered its batch 1, with live records of `pending` (digests and

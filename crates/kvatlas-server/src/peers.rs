@@ -45,7 +45,7 @@ const LIMIT: usize = 4 << 30;
 /// The most of an announced length reserved before any byte arrives.
 const PREALLOCATED: usize = 256 << 20;
 /// Pieces of a snapshot in flight between the download and the reader.
-const PIECES_IN_FLIGHT: usize = 64;
+pub(crate) const PIECES_IN_FLIGHT: usize = 64;
 
 /// How long a bootstrap waits for a peer busy serving other whole-state reads (429), or still
 /// bootstrapping itself (503), before it tries the next peer.
@@ -314,9 +314,19 @@ async fn what_it_said(response: hyper::Response<hyper::body::Incoming>) -> Strin
 }
 
 /// A [`std::io::Read`] over the pieces a download sends, for a reader on a blocking thread.
-struct Pieces {
+pub(crate) struct Pieces {
     receiver: tokio::sync::mpsc::Receiver<Bytes>,
     current: Bytes,
+}
+
+impl Pieces {
+    /// What `receiver` is sent, read in order; its end once the senders are gone.
+    pub(crate) fn new(receiver: tokio::sync::mpsc::Receiver<Bytes>) -> Self {
+        Self {
+            receiver,
+            current: Bytes::new(),
+        }
+    }
 }
 
 impl std::io::Read for Pieces {
@@ -410,11 +420,7 @@ async fn try_peer_within(
         let reader = {
             let registry = Arc::clone(registry);
             tokio::task::spawn_blocking(move || {
-                let pieces = Pieces {
-                    receiver,
-                    current: Bytes::new(),
-                };
-                snapshot::read_within(pieces, registry.read_limits())
+                snapshot::read_within(Pieces::new(receiver), registry.read_limits())
                     .map(|(_, images)| images)
                     .map_err(|e| e.to_string())
             })
