@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The topic every engine publishes on (vLLM's default).
+/// The topic every engine publishes on (vLLM's default is empty; a topic checks that the
+/// subscriber's filter and the replay's topic frames are read right).
 pub const TOPIC: &[u8] = b"kv-events";
 
 /// Why the fleet's sockets failed.
@@ -299,7 +300,9 @@ fn serve_replays(
         for worker in ready {
             let router = &routers[worker];
             let frames = router.recv_multipart(0)?;
-            let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
+            // As vLLM: anything but [identity, b"", start] is ignored (a malformed request of
+            // kvatlas's would time out against real engines, so it must here too).
+            let [identity, _, start] = frames.as_slice() else {
                 continue;
             };
             let Ok(start) = <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes) else {
@@ -325,14 +328,9 @@ fn serve_replays(
                     0,
                 )?;
             }
+            // vLLM ≥ 0.26's end marker carries an empty topic frame (docs/events.md §7.4).
             router.send_multipart(
-                [
-                    identity.as_slice(),
-                    b"",
-                    TOPIC,
-                    &u64::MAX.to_be_bytes(),
-                    b"",
-                ],
+                [identity.as_slice(), b"", b"", &u64::MAX.to_be_bytes(), b""],
                 0,
             )?;
         }
@@ -398,6 +396,11 @@ mod tests {
         let dealer = context.socket(zmq::DEALER).expect("a DEALER");
         dealer.set_rcvtimeo(5_000).expect("timeout");
         dealer.connect(&endpoints.replay).expect("connect");
+        // As vLLM, a request of other frames than [b"", start] is ignored (answered, it hid a
+        // request real engines drop).
+        dealer
+            .send_multipart([&b""[..], b"extra", &0u64.to_be_bytes()], 0)
+            .expect("a malformed request");
         dealer
             .send_multipart([&b""[..], &1u64.to_be_bytes()], 0)
             .expect("ask from seq 1");
@@ -407,6 +410,7 @@ mod tests {
             assert_eq!(frames.len(), 4, "[\"\", topic, seq, payload]");
             if frames[3].is_empty() {
                 assert_eq!(frames[2], u64::MAX.to_be_bytes());
+                assert!(frames[1].is_empty(), "vLLM's end marker has an empty topic");
                 break;
             }
             replayed.push((frames[2].clone(), frames[3].clone()));
