@@ -197,13 +197,20 @@ impl DataDir {
         // From here the snapshot is in place, whole and fsynced: it is written, whatever
         // follows (reported as failed, it was there all the same, and the older ones were not
         // pruned). The rename is durable once the directory is; if that sync fails, a crash
-        // may still bring back the directory without it (the older snapshots are there).
-        if let Err(error) = File::open(&self.path).and_then(|dir| dir.sync_all()) {
+        // may still bring back the directory without it, and the older snapshots are then
+        // what a restart finds: they are not pruned (pruned, a crash could leave neither).
+        let written = Written {
+            path: final_path,
+            bytes,
+            memberships,
+        };
+        if let Err(error) = sync_dir(&self.path) {
             tracing::warn!(
                 dir = %self.path.display(),
                 "syncing the data directory after a snapshot failed: {error}; the snapshot is \
-                 in place but a crash may lose its name"
+                 in place but a crash may lose its name (the older snapshots are kept)"
             );
+            return Ok(written);
         }
         match self.snapshots() {
             Ok(files) => {
@@ -219,11 +226,7 @@ impl DataDir {
                  pruned after the next snapshot"
             ),
         }
-        Ok(Written {
-            path: final_path,
-            bytes,
-            memberships,
-        })
+        Ok(written)
     }
 
     /// Loads the newest readable snapshot (see the module docs).
@@ -320,9 +323,51 @@ fn set_aside(path: &Path) -> std::io::Result<()> {
     fs::rename(path, aside)
 }
 
+/// Makes the directory's entries (a rename) durable.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    if tests::FAIL_DIR_SYNC.get() {
+        return Err(std::io::Error::other("a directory sync made to fail"));
+    }
+    File::open(dir).and_then(|dir| dir.sync_all())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// Makes [`sync_dir`] fail on this thread.
+        pub(super) static FAIL_DIR_SYNC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// The older snapshots are not pruned after a snapshot whose rename may not be durable
+    /// (its directory's sync failed): a crash could bring back the directory without the new
+    /// one's name, and the older ones are then what a restart finds (they were deleted).
+    #[test]
+    fn older_snapshots_stay_when_the_directory_sync_fails() {
+        let dir = DataDir::open(temp("dir-sync")).expect("dir");
+        for created in 1..=KEEP as i64 {
+            dir.write([image(2)], created).expect("write");
+        }
+        let oldest = dir.snapshots().expect("list")[KEEP - 1].clone();
+        FAIL_DIR_SYNC.set(true);
+        let written = dir.write([image(3)], 100);
+        FAIL_DIR_SYNC.set(false);
+        written.expect("written, the sync failure reported in the log");
+        assert!(
+            oldest.exists(),
+            "pruned although the new name may not be durable"
+        );
+        assert_eq!(dir.snapshots().expect("list").len(), KEEP + 1);
+        dir.write([image(4)], 200).expect("write");
+        assert_eq!(
+            dir.snapshots().expect("list").len(),
+            KEEP,
+            "pruned once synced"
+        );
+        let _ = fs::remove_dir_all(dir.path());
+    }
     use crate::registry::IndexKey;
     use kvatlas_hash::{BlockSize, LocalBlockHash};
     use kvatlas_index::{
