@@ -759,10 +759,13 @@ async fn restore_local(
     if restored.is_none() && !rejected.is_empty() {
         tracing::warn!("no snapshot of the data directory could be used; starting empty");
     }
+    // Moved aside: a newer build's file left in place is not (counted, every start after a
+    // rollback added one for it).
+    let moved_aside = rejected.iter().filter(|(_, _, left)| !left).count();
     let recovery = &state.metrics.recovery;
     recovery
         .rejected_files
-        .fetch_add(rejected.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        .fetch_add(moved_aside as u64, std::sync::atomic::Ordering::Relaxed);
     Ok(match restored {
         Some((path, memberships)) => {
             *recovery.restored.lock() = Some(("data_dir", memberships));
