@@ -85,7 +85,8 @@ pub enum TokenFileError {
 /// in flight at once, so one client cannot hold every place of `--max-concurrent-requests`.
 #[derive(Debug)]
 pub struct RequestQuota {
-    /// The most at once (changed in place when a reload of the token file changes it).
+    /// The most at once (changed in place when a reload of the token file changes it;
+    /// `usize::MAX`: no limit, the requests only counted).
     limit: AtomicUsize,
     /// Requests of the token in flight (at most `limit` when taken: see [`Places`]).
     in_flight: Places,
@@ -482,16 +483,16 @@ impl Tokens {
     }
 
     /// Gives every token without `max_requests=` a quota of `limit` requests at once (each
-    /// token its own).
+    /// token its own), or without a limit, an unbounded one: every token's requests in flight
+    /// are counted, so that a reload that gives a token a limit counts those it holds already
+    /// (without, a token holding 50 streams got a fresh quota of 2 and could open 2 more).
     #[must_use]
     pub fn with_default_quota(mut self, limit: Option<usize>) -> Self {
-        if let Some(limit) = limit {
-            for token in &mut self.tokens {
-                token
-                    .caller
-                    .quota
-                    .get_or_insert_with(|| Arc::new(RequestQuota::new(limit)));
-            }
+        for token in &mut self.tokens {
+            token
+                .caller
+                .quota
+                .get_or_insert_with(|| Arc::new(RequestQuota::new(limit.unwrap_or(usize::MAX))));
         }
         self
     }
@@ -651,6 +652,14 @@ mod tests {
                 .quota
                 .is_none()
         );
+        let unlimited = Tokens::parse(text, "t")
+            .expect("parses")
+            .with_default_quota(None);
+        let counted = unlimited
+            .authenticate("0123456789abcdef-two")
+            .and_then(|caller| caller.quota)
+            .expect("counted without a limit");
+        assert_eq!(counted.limit(), usize::MAX);
         let tokens = Tokens::parse(text, "t")
             .expect("parses")
             .with_default_quota(Some(5));
@@ -674,6 +683,38 @@ mod tests {
         );
         one.give_back();
         assert!(one.take());
+    }
+
+    /// A reload that gives a token without a limit `max_requests=2` counts the requests and
+    /// streams it holds already: holding 3, it opens no more (it got a fresh quota and could
+    /// open 2 more).
+    #[test]
+    fn a_reload_that_limits_a_token_counts_what_it_holds() {
+        let dir =
+            std::env::temp_dir().join(format!("kvatlas-token-limited-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("tokens");
+        let token = "limited-0123456789abcdef";
+        std::fs::write(&path, format!("{token}\n")).expect("write");
+        let file = TokenFile::load(&path, None).expect("loads");
+        let caller = || {
+            file.authorize_header(Some(&format!("Bearer {token}")))
+                .expect("known")
+        };
+        let quota = caller().quota.expect("counted");
+        for _ in 0..3 {
+            assert!(quota.take(), "no limit yet");
+        }
+        std::fs::write(&path, format!("{token} max_requests=2\n")).expect("write");
+        assert_eq!(file.reload().expect("reads"), Reread::Changed(1));
+        let limited = caller().quota.expect("a quota");
+        assert_eq!(limited.limit(), 2);
+        assert!(!limited.take(), "3 held of 2: no place");
+        for _ in 0..2 {
+            quota.give_back();
+        }
+        assert!(limited.take(), "1 held of 2: a place");
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// A token no `authorization` header can carry is refused with its line: a byte-order
