@@ -1130,6 +1130,17 @@ impl IndexEntry {
     pub(crate) fn image(&self) -> IndexImage {
         // Not while an unregistration is between taking feeds out and removing their blocks.
         let _membership = self.membership.lock();
+        // The cut, then the feeds: only an unregistration takes a feed out (and it waits for
+        // `membership`), so every rank the cut holds is among the feeds copied after it. (Copied
+        // before, a rank registered and fed in between was in the cut without its feed:
+        // restored after a crash, its blocks stayed with nobody to feed or remove them.)
+        let (snapshot, marks) = self.index().image();
+        #[cfg(test)]
+        tests::BETWEEN_CUT_AND_FEEDS.with_borrow_mut(|hook| {
+            if let Some(hook) = hook {
+                hook();
+            }
+        });
         let feeds = {
             let feeds = self.feeds.lock();
             let unfed = self.unfed.lock();
@@ -1143,7 +1154,6 @@ impl IndexEntry {
                 .chain(unfed.values().map(|rank| rank.recorded.clone()))
                 .collect()
         };
-        let (snapshot, marks) = self.index().image();
         IndexImage {
             key: self.key.clone(),
             block_size: self.block_size,
@@ -2202,6 +2212,63 @@ pub(crate) fn restored_within_one_rank(image: IndexImage) -> (Arc<Registry>, usi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// Called by [`IndexEntry::image`] on this thread between its two steps.
+        pub(super) static BETWEEN_CUT_AND_FEEDS: std::cell::RefCell<Option<Box<dyn FnMut()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// A rank registered and fed while a cut is taken is in the image with its feed, or not
+    /// at all: never its blocks without its feed (the feeds were copied before the cut, and
+    /// such a cut, restored after a crash, kept blocks nobody fed or removed).
+    #[test]
+    fn a_cut_never_holds_a_rank_registered_meanwhile_without_its_feed() {
+        use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier};
+        let registry = Arc::new(Registry::new(IndexSettings::default(), Limits::default()));
+        let key = IndexKey::new("m", DEFAULT_TENANT);
+        let size = BlockSize::new(16).expect("16");
+        let (entry, _) = registry.index_for(&key, Some(size)).expect("the index");
+        let worker = Worker::new(5, 0);
+        let meanwhile = {
+            let (registry, entry, key) = (Arc::clone(&registry), Arc::clone(&entry), key.clone());
+            move || {
+                registry
+                    .register(vllm_rank(&key, 5, size, "tcp://127.0.0.1:1"))
+                    .expect("registered");
+                entry
+                    .pool
+                    .enqueue(Mutation::Stored {
+                        worker,
+                        tier: Tier::Device,
+                        parent: None,
+                        blocks: vec![StoredBlock {
+                            external: ExternalBlockHash::new(1),
+                            local: kvatlas_hash::LocalBlockHash::new(1),
+                        }],
+                    })
+                    .expect("queued");
+                entry.pool.flush();
+            }
+        };
+        BETWEEN_CUT_AND_FEEDS.set(Some(Box::new(meanwhile)));
+        let image = entry.image();
+        BETWEEN_CUT_AND_FEEDS.set(None);
+        let holds = image
+            .snapshot
+            .workers
+            .iter()
+            .any(|w| w.worker == worker && !w.blocks.is_empty());
+        let fed = image
+            .feeds
+            .iter()
+            .any(|feed| recorded_worker(feed) == worker);
+        assert!(
+            !holds || fed,
+            "the cut holds worker 5's block without its feed"
+        );
+        assert!(entry.image().snapshot.blocks() > 0, "the block was stored");
+    }
 
     /// A rank's salts chain: the same history gives the same salt (at every ingest), and a
     /// second unregistration at the same last sequence number gives another salt than the
