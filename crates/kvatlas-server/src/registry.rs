@@ -2219,12 +2219,29 @@ mod tests {
             const { std::cell::RefCell::new(None) };
     }
 
+    /// Stores one block of hash `hash` for `worker` in `entry`'s index and waits until applied.
+    fn store_one(entry: &IndexEntry, worker: Worker, hash: u64) {
+        use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier};
+        entry
+            .pool
+            .enqueue(Mutation::Stored {
+                worker,
+                tier: Tier::Device,
+                parent: None,
+                blocks: vec![StoredBlock {
+                    external: ExternalBlockHash::new(hash),
+                    local: kvatlas_hash::LocalBlockHash::new(hash),
+                }],
+            })
+            .expect("queued");
+        entry.pool.flush();
+    }
+
     /// A rank registered and fed while a cut is taken is in the image with its feed, or not
     /// at all: never its blocks without its feed (the feeds were copied before the cut, and
     /// such a cut, restored after a crash, kept blocks nobody fed or removed).
     #[test]
     fn a_cut_never_holds_a_rank_registered_meanwhile_without_its_feed() {
-        use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier};
         let registry = Arc::new(Registry::new(IndexSettings::default(), Limits::default()));
         let key = IndexKey::new("m", DEFAULT_TENANT);
         let size = BlockSize::new(16).expect("16");
@@ -2236,19 +2253,7 @@ mod tests {
                 registry
                     .register(vllm_rank(&key, 5, size, "tcp://127.0.0.1:1"))
                     .expect("registered");
-                entry
-                    .pool
-                    .enqueue(Mutation::Stored {
-                        worker,
-                        tier: Tier::Device,
-                        parent: None,
-                        blocks: vec![StoredBlock {
-                            external: ExternalBlockHash::new(1),
-                            local: kvatlas_hash::LocalBlockHash::new(1),
-                        }],
-                    })
-                    .expect("queued");
-                entry.pool.flush();
+                store_one(&entry, worker, 1);
             }
         };
         BETWEEN_CUT_AND_FEEDS.set(Some(Box::new(meanwhile)));
@@ -2344,7 +2349,6 @@ mod tests {
     /// A stress test: without the rule it fails in some rounds, not all.
     #[test]
     fn a_cut_never_holds_a_rank_an_unregistration_took_the_feed_of() {
-        use kvatlas_index::{ExternalBlockHash, Mutation, StoredBlock, Tier};
         let registry = Arc::new(Registry::new(IndexSettings::default(), Limits::default()));
         let key = IndexKey::new("m", DEFAULT_TENANT);
         let size = BlockSize::new(16).expect("16");
@@ -2356,19 +2360,7 @@ mod tests {
                 .register(vllm_rank(&key, 4, size, "tcp://127.0.0.1:1"))
                 .expect("registered");
             let (entry, _) = registry.index_for(&key, Some(size)).expect("the index");
-            entry
-                .pool
-                .enqueue(Mutation::Stored {
-                    worker,
-                    tier: Tier::Device,
-                    parent: None,
-                    blocks: vec![StoredBlock {
-                        external: ExternalBlockHash::new(1),
-                        local: kvatlas_hash::LocalBlockHash::new(1),
-                    }],
-                })
-                .expect("queued");
-            entry.pool.flush();
+            store_one(&entry, worker, 1);
             let unregistering = {
                 let registry = Arc::clone(&registry);
                 std::thread::spawn(move || {
@@ -2527,19 +2519,7 @@ mod tests {
 
         // Another rank's blocks keep an index whose registered rank is unregistered.
         let entry = registry.get(&x).expect("listed");
-        entry
-            .pool
-            .enqueue(kvatlas_index::Mutation::Stored {
-                worker: Worker::new(2, 0),
-                tier: kvatlas_index::Tier::Device,
-                parent: None,
-                blocks: vec![kvatlas_index::StoredBlock {
-                    external: kvatlas_index::ExternalBlockHash::new(7),
-                    local: kvatlas_hash::LocalBlockHash::new(7),
-                }],
-            })
-            .expect("queued");
-        entry.pool.flush();
+        store_one(&entry, Worker::new(2, 0), 7);
         registry
             .unregister("x", Some("b"), 1, None, |_| true)
             .expect("unregistered");
