@@ -264,11 +264,21 @@ fn score_tokens(
 pub(crate) struct PodScoresService {
     state: Arc<State>,
     tokenizers: Arc<Tokenizers>,
+    /// Places of the prompts tokenized at once: one per core. A tokenization is CPU-bound
+    /// and holds many times its prompt's size (more than a hundred bytes per byte by a
+    /// reading of tokenizers 0.22: per-byte alignments, a string per token); as many as the
+    /// requests in flight at once (with a 16 MiB prompt each) could exhaust the memory.
+    tokenizing: Arc<tokio::sync::Semaphore>,
 }
 
 impl PodScoresService {
     pub(crate) fn new(state: Arc<State>, tokenizers: Arc<Tokenizers>) -> Self {
-        Self { state, tokenizers }
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        Self {
+            state,
+            tokenizers,
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
+        }
     }
 
     /// Answers one request (see the module docs).
@@ -307,12 +317,27 @@ impl PodScoresService {
                 prompt.len()
             )));
         }
+        // No index for the model yet: no pod holds anything (llm-d answers the same), and the
+        // prompt is not tokenized for nothing; nor on a publish-only ingest, which answers no
+        // query.
+        if self.state.registry.publish_only() {
+            return Err(crate::query::publish_only_refusal());
+        }
+        let Some(entry) = self.state.registry.get(&key) else {
+            return Ok(GetPodScoresResponse::default());
+        };
         let model = key.model.clone();
-        // The tokenization holds the request's place: a blocking job is not stopped when its
-        // caller goes away, so a cancelled request's place is freed only when the job ends
-        // (with the place in the request's future, cancelled requests escaped
-        // --max-concurrent-requests and piled tokenizations up on the blocking pool).
+        let tokenizing = Arc::clone(&self.tokenizing)
+            .acquire_owned()
+            .await
+            .map_err(|_| ServiceError::Unavailable("the server is shutting down".into()))?;
+        // The tokenization holds the request's place and its place among the tokenizations: a
+        // blocking job is not stopped when its caller goes away, so a cancelled request's
+        // places are freed only when the job ends (with the place in the request's future,
+        // cancelled requests escaped --max-concurrent-requests and piled tokenizations up on
+        // the blocking pool).
         let (tokens, _permit) = blocking(move || {
+            let _tokenizing = tokenizing;
             let ids = tokenizer
                 .encode_fast(prompt.as_str(), true)
                 .map(|encoding| encoding.get_ids().to_vec())
@@ -330,10 +355,6 @@ impl PodScoresService {
                 tokens.len()
             )));
         }
-        // No index for the model yet: no pod holds anything (llm-d answers the same).
-        let Some(entry) = self.state.registry.get(&key) else {
-            return Ok(GetPodScoresResponse::default());
-        };
         let scores = score_tokens(&entry, &tokens, &pod_identifiers, max_tokens)?;
         Ok(GetPodScoresResponse { scores })
     }

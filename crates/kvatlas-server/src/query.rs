@@ -69,12 +69,7 @@ impl IndexEntry {
         max_query_tokens: usize,
     ) -> Result<Answer, ServiceError> {
         if self.publish_only() {
-            return Err(ServiceError::FailedPrecondition(
-                "this server is a publish-only ingest (--publish-only): it publishes the \
-                 engines' events to the NATS event log and keeps no index; query a replica \
-                 (kvatlas serve --consume-from)"
-                    .into(),
-            ));
+            return Err(publish_only_refusal());
         }
         let block = self.block_size.as_usize();
         let hashes: Vec<LocalBlockHash> = match input {
@@ -146,6 +141,16 @@ fn score(index: &impl SharedKvIndex, hashes: &[LocalBlockHash], options: &QueryO
     matches.workers.retain(|m| m.disk >= options.min_blocks);
     matches.finish(&finishing);
     matches
+}
+
+/// FAILED_PRECONDITION: a publish-only ingest answers no query.
+pub(crate) fn publish_only_refusal() -> ServiceError {
+    ServiceError::FailedPrecondition(
+        "this server is a publish-only ingest (--publish-only): it publishes the engines' \
+         events to the NATS event log and keeps no index; query a replica (kvatlas serve \
+         --consume-from)"
+            .into(),
+    )
 }
 
 #[cfg(test)]

@@ -300,6 +300,14 @@ async fn pods_are_scored_with_llmds_weights() {
         .expect_err("65 tokens");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("65 tokens"), "{status:?}");
+    // A model with no index yet answers without tokenizing its prompt (llm-d's empty answer,
+    // with no tokenizer's CPU and memory spent on it).
+    assert_eq!(
+        scores(&mut client, &prompt_of(&long), "unused-model", &[])
+            .await
+            .expect("answered untokenized"),
+        []
+    );
     let status = scores(&mut client, &"x".repeat(64 * 16 + 1), MODEL, &[])
         .await
         .expect_err("too many bytes");
