@@ -202,6 +202,17 @@ fn parse_listen_addr(value: &str) -> Result<SocketAddr, String> {
     ))
 }
 
+/// A listen address of the config file, read as the flags read theirs ([`parse_listen_addr`]:
+/// `localhost:PORT` too; serde's own reading refused it with a generic error).
+fn listen_addr_in_file<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<SocketAddr>, D::Error> {
+    let text = <String as serde::Deserialize>::deserialize(deserializer)?;
+    parse_listen_addr(&text)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
 /// `kvatlas serve`: run the index service.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeArgs {
@@ -425,7 +436,9 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ServeFile {
+    #[serde(default, deserialize_with = "listen_addr_in_file")]
     grpc_addr: Option<SocketAddr>,
+    #[serde(default, deserialize_with = "listen_addr_in_file")]
     http_addr: Option<SocketAddr>,
     port: Option<u16>,
     workers: Option<String>,
@@ -1960,6 +1973,16 @@ mod tests {
         std::fs::write(&file, "grpc_adr = \"127.0.0.1:7000\"\n").expect("write");
         let error = args.resolve().expect_err("typo").to_string();
         assert!(error.contains("grpc_adr"), "{error}");
+        // Addresses read as the flags read theirs: `localhost:PORT` too.
+        std::fs::write(&file, "grpc_addr = \"localhost:7001\"\n").expect("write");
+        let (config, _) = args.resolve().expect("localhost:PORT");
+        assert_eq!(
+            config.grpc_addr,
+            "127.0.0.1:7001".parse().expect("an address")
+        );
+        std::fs::write(&file, "http_addr = \"example.com:80\"\n").expect("write");
+        let error = args.resolve().expect_err("a host name").to_string();
+        assert!(error.contains("not resolved"), "{error}");
 
         // The file's `port` does not change a flag's address; `--port` changes the file's.
         std::fs::write(
