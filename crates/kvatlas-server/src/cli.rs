@@ -152,6 +152,9 @@ pub struct ArgSources {
     pub http_addr_from_env: bool,
     /// `--port` is `KVATLAS_PORT`'s.
     pub port_from_env: bool,
+    /// `--tokenizer` is `KVATLAS_TOKENIZER`'s: a comma-separated list (on the command line a
+    /// comma is part of the path).
+    pub tokenizer_from_env: bool,
 }
 
 /// `--port`'s value.
@@ -360,7 +363,7 @@ pub struct ServeArgs {
     pub busy_poll: Option<bool>,
     /// A model's Hugging Face tokenizer.json, `MODEL=PATH` (repeatable; comma-separated in the
     /// environment variable): llm-d's GetPodScores tokenizes prompts with it. Loaded at start.
-    #[arg(long = "tokenizer", env = "KVATLAS_TOKENIZER", value_delimiter = ',')]
+    #[arg(long = "tokenizer", env = "KVATLAS_TOKENIZER")]
     pub tokenizers: Vec<String>,
     /// Be an ingest: publish every event batch the listeners and PublishEvents apply to this
     /// NATS JetStream event log, `nats://HOST:PORT` (docs/server.md, "Scale-out").
@@ -506,6 +509,7 @@ impl ServeArgs {
         self.sources = ArgSources {
             http_addr_from_env: from_env("http_addr"),
             port_from_env: from_env("port"),
+            tokenizer_from_env: from_env("tokenizers"),
         };
     }
 
@@ -706,6 +710,12 @@ impl ServeArgs {
             peer_ca_cert: self.peer_ca_cert.clone().or(file.peer_ca_cert),
             tokenizers: if self.tokenizers.is_empty() {
                 file.tokenizer.unwrap_or_default()
+            } else if self.sources.tokenizer_from_env {
+                self.tokenizers
+                    .iter()
+                    .flat_map(|list| list.split(','))
+                    .map(str::to_owned)
+                    .collect()
             } else {
                 self.tokenizers.clone()
             }
@@ -2043,6 +2053,7 @@ mod tests {
         let env_both = ArgSources {
             http_addr_from_env: true,
             port_from_env: true,
+            ..ArgSources::default()
         };
         assert_eq!(
             port_with(&both, env_both),
@@ -2077,6 +2088,34 @@ mod tests {
             .to_string();
         assert!(error.contains("--tls-key"), "{error}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `--tokenizer` takes one `MODEL=PATH` per flag, a comma part of the path; the environment
+    /// variable a comma-separated list (the flag was split at commas too: a path with one was
+    /// cut in two and the start failed).
+    #[test]
+    fn tokenizer_lists_split_at_commas_in_the_environment_only() {
+        let parse =
+            |line: &[&str]| <CommandLine as clap::Parser>::try_parse_from(line).expect("parses");
+        let mut line = parse(&["serve", "--tokenizer", "m=/models/a,b/tokenizer.json"]);
+        let (config, _) = line.serve.resolve().expect("resolves");
+        assert_eq!(
+            config.tokenizers,
+            [TokenizerFile::parse("m=/models/a,b/tokenizer.json").expect("parses")]
+        );
+        line.serve.sources = ArgSources {
+            tokenizer_from_env: true,
+            ..ArgSources::default()
+        };
+        line.serve.tokenizers = vec!["m=/t/m.json,n=/t/n.json".into()];
+        let (config, _) = line.serve.resolve().expect("resolves");
+        assert_eq!(
+            config.tokenizers,
+            [
+                TokenizerFile::parse("m=/t/m.json").expect("parses"),
+                TokenizerFile::parse("n=/t/n.json").expect("parses")
+            ]
+        );
     }
 
     /// A `KVATLAS_PORT` Kubernetes set (a service link, in every pod of a namespace with a

@@ -809,6 +809,40 @@ fn a_closed_output_is_not_a_crash() {
     assert!(status.success());
 }
 
+/// `KVATLAS_TOKENIZER` is a comma-separated list, `--tokenizer` one `MODEL=PATH` whose path may
+/// hold a comma: the start fails on the first file that is missing, named whole.
+#[test]
+fn tokenizer_lists_are_split_in_the_environment_not_on_the_command_line() {
+    let start = |args: &[&str], env: Option<&str>| {
+        let mut command = Command::new(BIN);
+        command
+            .args([
+                "serve",
+                "--grpc-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "127.0.0.1:0",
+            ])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(list) = env {
+            command.env("KVATLAS_TOKENIZER", list);
+        }
+        let out = command.output().expect("runs");
+        assert!(!out.status.success());
+        text(&out.stderr)
+    };
+    let said = start(&[], Some("a=/missing/a.json,b=/missing/b.json"));
+    assert!(
+        said.contains("/missing/a.json") && !said.contains("b="),
+        "{said}"
+    );
+    let said = start(&["--tokenizer", "a=/missing/x,y.json"], None);
+    assert!(said.contains("/missing/x,y.json"), "{said}");
+}
+
 /// `KVATLAS_PORT` in the environment (a container's) does not change an `--http-addr` given on
 /// the command line: the server starts on the flag's address, not on the variable's port
 /// (taken here, so that binding it would fail).
