@@ -410,13 +410,16 @@ async fn streamed(
         let Some(answer) = answers.message().await? else {
             bail!("the stream ended early");
         };
-        if !matches!(
+        // Only answers count in the rate and the latencies, as on the unary path (an error
+        // answer on the stream was counted as a query served).
+        if matches!(
             answer.outcome,
             Some(v1::query_stream_response::Outcome::Response(_))
         ) {
+            let _ = h.record(sent_at.elapsed_since(answer.request_id as usize).as_nanos() as u64);
+        } else {
             errors += 1;
         }
-        let _ = h.record(sent_at.elapsed_since(answer.request_id as usize).as_nanos() as u64);
         window.add_permits(1);
     }
     let elapsed = started.elapsed();

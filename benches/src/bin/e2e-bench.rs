@@ -25,9 +25,9 @@ struct Args {
     /// Dynamo's `--threads` (its own default).
     #[arg(long, default_value_t = 4)]
     dynamo_threads: usize,
-    /// Runs (medians reported).
-    #[arg(long, default_value_t = 3)]
-    runs: usize,
+    /// Runs (medians reported) [default: 3; 1 with --quick].
+    #[arg(long)]
+    runs: Option<usize>,
     /// Simulated engines.
     #[arg(long, default_value_t = 128)]
     workers: u32,
@@ -57,7 +57,8 @@ struct Args {
     /// queries until the batch shows, loading the service while it measures).
     #[arg(long, default_value_t = 10.0)]
     probe_interval_ms: f64,
-    /// A short run: 1 run, 3,000 trace requests, 1 s sweep points, 500 exactness prompts.
+    /// A short run: 1 run (unless --runs says), 3,000 trace requests, 1 s sweep points, 500
+    /// exactness prompts.
     #[arg(long)]
     quick: bool,
     /// Also write the runs as JSON here.
@@ -103,7 +104,7 @@ fn main() -> Result<()> {
         kvatlas: args.kvatlas,
         dynamo_python: args.dynamo_python,
         dynamo_threads: args.dynamo_threads,
-        runs: if args.quick { 1 } else { args.runs },
+        runs: args.runs.unwrap_or(if args.quick { 1 } else { 3 }),
         workers: args.workers,
         capacity: args.capacity,
         requests: args.quick.then_some(3_000),
