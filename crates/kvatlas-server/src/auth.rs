@@ -115,6 +115,11 @@ impl RequestQuota {
     pub(crate) fn give_back(&self) {
         self.in_flight.give_back();
     }
+
+    /// The places held now.
+    fn held(&self) -> usize {
+        self.in_flight.held()
+    }
 }
 
 /// Who is calling, as far as authorization is concerned.
@@ -222,6 +227,12 @@ pub(crate) struct TokenFile {
     /// streams at once ([`TokenFile::changes`]; before, a stream that sent nothing more kept
     /// its places and its ranks until its client went away).
     changed: Mutex<tokio_util::sync::CancellationToken>,
+    /// The quotas of revoked tokens whose requests are still in flight (a unary request
+    /// admitted before the revocation finishes), by the token's SHA-256: a token added again
+    /// takes its count back (it started afresh, beside the requests it still held). An entry
+    /// goes once its count is 0, checked at each reload: at most as many entries as requests
+    /// in flight.
+    revoked: Mutex<std::collections::HashMap<[u8; 32], Arc<RequestQuota>>>,
 }
 
 impl TokenFile {
@@ -240,6 +251,7 @@ impl TokenFile {
             current: RwLock::new(Arc::new(tokens)),
             generation: AtomicU64::new(0),
             changed: Mutex::new(tokio_util::sync::CancellationToken::new()),
+            revoked: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -268,7 +280,22 @@ impl TokenFile {
                     .with_default_quota(self.default_quota);
                 // Matched with the tokens in force under the read lock (requests go on),
                 // swapped under the write lock: `loaded` keeps every other reload out.
-                let mut tokens = tokens.keeping_quotas_of(&self.current.read());
+                let mut revoked = self.revoked.lock();
+                revoked.retain(|_, quota| quota.held() > 0);
+                let in_force = Arc::clone(&self.current.read());
+                let mut tokens = tokens.keeping_quotas_of(&in_force, &revoked);
+                for token in &in_force.tokens {
+                    if let Some(quota) = &token.caller.quota
+                        && quota.held() > 0
+                        && !tokens.tokens.iter().any(|t| t.sha256 == token.sha256)
+                    {
+                        revoked.insert(token.sha256, Arc::clone(quota));
+                    }
+                }
+                for token in &tokens.tokens {
+                    revoked.remove(&token.sha256);
+                }
+                drop(revoked);
                 let count = tokens.len();
                 let mut current = self.current.write();
                 tokens.set_generation(current.generation + 1);
@@ -498,14 +525,22 @@ impl Tokens {
     }
 
     /// The tokens, each keeping the quota it has in `old` (and with it the count of its requests
-    /// in flight, under its new limit) when `old` has the same token with a quota: a reload of
-    /// the file does not give a token that holds its whole share a fresh one.
+    /// in flight, under its new limit) when `old` has the same token with a quota, or else the
+    /// quota it had when it was `revoked`: a reload of the file does not give a token that
+    /// holds its whole share a fresh one.
     #[must_use]
-    fn keeping_quotas_of(mut self, old: &Tokens) -> Self {
-        let quotas: std::collections::HashMap<&[u8; 32], &Arc<RequestQuota>> = old
-            .tokens
+    fn keeping_quotas_of(
+        mut self,
+        old: &Tokens,
+        revoked: &std::collections::HashMap<[u8; 32], Arc<RequestQuota>>,
+    ) -> Self {
+        let quotas: std::collections::HashMap<&[u8; 32], &Arc<RequestQuota>> = revoked
             .iter()
-            .filter_map(|o| o.caller.quota.as_ref().map(|q| (&o.sha256, q)))
+            .chain(
+                old.tokens
+                    .iter()
+                    .filter_map(|o| o.caller.quota.as_ref().map(|q| (&o.sha256, q))),
+            )
             .collect();
         for token in &mut self.tokens {
             let Some(limit) = token.caller.quota.as_ref().map(|q| q.limit()) else {
@@ -687,7 +722,7 @@ mod tests {
 
     /// A reload that gives a token without a limit `max_requests=2` counts the requests and
     /// streams it holds already: holding 3, it opens no more (it got a fresh quota and could
-    /// open 2 more).
+    /// open 2 more). So does one revoked and added again while its requests run.
     #[test]
     fn a_reload_that_limits_a_token_counts_what_it_holds() {
         let dir =
@@ -714,6 +749,25 @@ mod tests {
             quota.give_back();
         }
         assert!(limited.take(), "1 held of 2: a place");
+        quota.give_back();
+
+        // Revoked while it holds a place, then added again: its count comes back with it.
+        let other = "other-0123456789abcdef";
+        std::fs::write(&path, format!("{other}\n")).expect("write");
+        assert_eq!(file.reload().expect("reads"), Reread::Changed(1));
+        assert!(
+            file.authorize_header(Some(&format!("Bearer {token}")))
+                .is_err()
+        );
+        std::fs::write(&path, format!("{other}\n{token} max_requests=1\n")).expect("write");
+        assert_eq!(file.reload().expect("reads"), Reread::Changed(2));
+        let again = caller().quota.expect("a quota");
+        assert!(
+            !again.take(),
+            "1 held of 1 since before the revocation: no place"
+        );
+        limited.give_back();
+        assert!(again.take(), "given back: a place");
         let _ = std::fs::remove_dir_all(dir);
     }
 
