@@ -665,8 +665,16 @@ mod tests {
             let outcome = request(&bytes);
             prop_assert!(!matches!(outcome, Some(Err(ServiceError::Internal(_)))), "{outcome:?}");
             if matches!(bytes.first(), Some(3 | 4)) {
-                // What kvatlas writes for a peer, kvatlas reads.
-                prop_assert!(matches!(outcome, Some(Ok(()))), "{outcome:?}");
+                // What kvatlas writes for a peer, kvatlas reads: it is restored, or refused
+                // only at the index limit (the state is shared by every case, and the cases
+                // before may have filled it with indexes that hold something).
+                prop_assert!(
+                    matches!(outcome, Some(Ok(()))) || matches!(
+                        &outcome,
+                        Some(Err(ServiceError::ResourceExhausted(why))) if why.contains("--max-indexes")
+                    ),
+                    "{outcome:?}"
+                );
             }
             let mut mangled = bytes.clone();
             if mangled.len() > 1 {

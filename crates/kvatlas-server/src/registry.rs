@@ -1786,6 +1786,12 @@ impl Registry {
         adopt_feeds: Option<&[WorkerRegistration]>,
     ) -> Result<Vec<(WorkerRegistration, ServiceError)>, ServiceError> {
         let configured = adopt_feeds.unwrap_or_default();
+        // Beyond the index limit, the indexes that hold nothing any more make room, as for a
+        // registration ([`Registry::index_for`]).
+        let new = images.iter().filter(|i| self.get(&i.key).is_none()).count();
+        if self.indexes.read().len() + new > self.limits.max_indexes {
+            self.forget_emptied();
+        }
         self.check_images(images, configured)?;
         // Every index found or created before any is restored: creating one can still fail
         // after the check (another index created meanwhile reaching the limit, a listener
