@@ -433,9 +433,10 @@ pub(crate) struct IndexEntry {
     listeners: Listeners,
     pub(crate) feeds: Mutex<BTreeMap<Worker, Feed>>,
     /// Set (under `feeds`' lock) when [`Registry::forget_if_unused`] or
-    /// [`Registry::forget_emptied`] takes the entry out of the registry: no feed is added to it after that (a request that got it just before finds
-    /// it removed and asks the registry again), or a registration would land in an index the
-    /// server no longer lists, with a listener nobody can unregister.
+    /// [`Registry::forget_emptied`] takes the entry out of the registry: no feed is added to it
+    /// after that (a request that got it just before finds it removed and asks the registry
+    /// again), or a registration would land in an index the server no longer lists, with a
+    /// listener nobody can unregister.
     pub(crate) removed: std::sync::atomic::AtomicBool,
     /// Ranks a restore could not feed again (see [`Unfed`]); locked after `feeds`.
     pub(crate) unfed: Mutex<BTreeMap<Worker, Unfed>>,
@@ -1723,33 +1724,32 @@ impl Registry {
     }
 
     /// Removes every index that holds nothing any more (its last rank was unregistered), to
-    /// make room at the index limit; how many. Until then an emptied index still answers its
+    /// make room at the index limit. Until then an emptied index still answers its
     /// model's queries (with no match, not NOT_FOUND: a model whose only worker restarts is not
     /// an error for its router meanwhile). Never removed, emptied indexes held their places
     /// among `--max-indexes` for good: a fleet that rolled its model names, or a client that
     /// registered and unregistered ever new ones, filled the limit for every tenant, over
     /// restarts too (the snapshot carried them).
-    fn forget_emptied(&self) -> usize {
-        self.all()
-            .iter()
-            .filter(|entry| self.forget_if_emptied(entry))
-            .count()
+    fn forget_emptied(&self) {
+        for entry in self.all() {
+            self.forget_if_emptied(&entry);
+        }
     }
 
     /// Removes `entry` from the registry if it is still the registry's and holds nothing any
-    /// more; whether it did. A request that found it before finds it removed and asks again, as
+    /// more. A request that found it before finds it removed and asks again, as
     /// after [`Registry::forget_if_unused`]. The unregistered chains it remembers (an
     /// ingest's) are kept for the key's next index.
-    fn forget_if_emptied(&self, entry: &Arc<IndexEntry>) -> bool {
+    fn forget_if_emptied(&self, entry: &Arc<IndexEntry>) {
         let Some(chains) = entry.mark_removed_if_emptied() else {
-            return false;
+            return;
         };
         let mut indexes = self.indexes.write();
         if !indexes
             .get(&entry.key)
             .is_some_and(|held| Arc::ptr_eq(held, entry))
         {
-            return false;
+            return;
         }
         indexes.remove(&entry.key);
         let mut removed_chains = self.removed_chains.lock();
@@ -1763,7 +1763,6 @@ impl Registry {
             tenant = %entry.key.tenant,
             "removed an index that holds nothing, to make room at the index limit"
         );
-        true
     }
 
     /// Restores snapshot images: each index is created (or must have the same block size), its
